@@ -1,0 +1,24 @@
+"""jaxrlhf: DeepSpeed-Chat's three-step RLHF recipe in JAX/Flax, with a hybrid FSDP / tensor-parallel engine."""
+
+from jaxrlhf.checkpoint import CheckpointError, load_hf, save_hf
+from jaxrlhf.models.opt import OPTConfig, init_params, logits, values
+from jaxrlhf.sharding import LayoutError, batch_sharding, describe, make_mesh, reshard, shardings_for
+from jaxrlhf.tokenizer import load_tokenizer, opt_tokenizer
+
+__all__ = [
+    "CheckpointError",
+    "LayoutError",
+    "OPTConfig",
+    "batch_sharding",
+    "describe",
+    "init_params",
+    "load_hf",
+    "load_tokenizer",
+    "logits",
+    "make_mesh",
+    "opt_tokenizer",
+    "reshard",
+    "save_hf",
+    "shardings_for",
+    "values",
+]

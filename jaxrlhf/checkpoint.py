@@ -1,0 +1,387 @@
+"""Hugging Face checkpoint folders in and out, losslessly.
+
+    HF folder                                   jaxrlhf
+    config.json (model_type "opt")      <->     OPTConfig
+    model.safetensors | sharded index   <->     params (the tree drawn in models/opt.py)
+    | pytorch_model.bin (read only)
+    value_head.safetensors              <->     params["value_head"]  (reward model / critic only)
+    tokenizer files                     <->     a transformers tokenizer
+
+The weights map through one declarative table (`_MODULES`): HF module name -> our path and kind.
+Linear weights are transposed ([out, in] -> [in, out]); per-layer tensors are stacked on a leading
+[L] axis. Every tensor's shape is checked, and a missing or unused tensor is an error that names it.
+
+The value head is stored outside model.safetensors, in `value_head.safetensors` under the key
+`v_head.weight` with shape [1, E] (DeepSpeed-Chat's name and PyTorch's Linear layout), so that
+`transformers.AutoModelForCausalLM.from_pretrained` loads a saved reward model or critic as a plain
+OPT language model without warnings, and jaxrlhf loads it back with its head.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrlhf.models.opt import OPTConfig, param_shapes
+
+CONFIG_FILE = "config.json"
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+TORCH_FILE = "pytorch_model.bin"
+TORCH_INDEX = "pytorch_model.bin.index.json"
+VALUE_HEAD_FILE = "value_head.safetensors"
+VALUE_HEAD_KEY = "v_head.weight"
+
+# HF module name (under "model.") -> (our path, kind). "{i}" marks a per-layer module, stacked on axis 0.
+# Kinds: "embed" (weight), "linear" (weight transposed, optional bias), "norm" (weight -> scale, bias).
+_MODULES = {
+    "decoder.embed_tokens": ("decoder/embed_tokens", "embed"),
+    "decoder.embed_positions": ("decoder/embed_positions", "embed"),
+    "decoder.project_in": ("decoder/project_in", "linear"),
+    "decoder.project_out": ("decoder/project_out", "linear"),
+    "decoder.final_layer_norm": ("decoder/final_layer_norm", "norm"),
+    "decoder.layers.{i}.self_attn_layer_norm": ("decoder/layers/self_attn_layer_norm", "norm"),
+    "decoder.layers.{i}.self_attn.q_proj": ("decoder/layers/self_attn/q_proj", "linear"),
+    "decoder.layers.{i}.self_attn.k_proj": ("decoder/layers/self_attn/k_proj", "linear"),
+    "decoder.layers.{i}.self_attn.v_proj": ("decoder/layers/self_attn/v_proj", "linear"),
+    "decoder.layers.{i}.self_attn.out_proj": ("decoder/layers/self_attn/out_proj", "linear"),
+    "decoder.layers.{i}.final_layer_norm": ("decoder/layers/final_layer_norm", "norm"),
+    "decoder.layers.{i}.fc1": ("decoder/layers/fc1", "linear"),
+    "decoder.layers.{i}.fc2": ("decoder/layers/fc2", "linear"),
+}
+_TENSORS = {  # kind -> [(HF tensor suffix, our leaf name, transpose)]
+    "embed": [("weight", "embedding", False)],
+    "linear": [("weight", "kernel", True), ("bias", "bias", False)],
+    "norm": [("weight", "scale", False), ("bias", "bias", False)],
+}
+# Prefixes under which HF-style OPT weights appear: OPTForCausalLM ("model."), OPTModel and the original
+# facebook/opt-* checkpoints (none), DeepSpeed-Chat's reward-model checkpoints (its attribute is spelled
+# "rwtranrsformer"; "rwtransformer" is accepted too).
+_PREFIXES = ("model.", "rwtranrsformer.", "rwtransformer.", "")
+
+# HF config.json keys that map onto OPTConfig fields (HF name -> our name).
+_CONFIG_KEYS = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "num_hidden_layers": "num_hidden_layers",
+    "num_attention_heads": "num_attention_heads",
+    "ffn_dim": "ffn_dim",
+    "max_position_embeddings": "max_position_embeddings",
+    "word_embed_proj_dim": "word_embed_proj_dim",
+    "do_layer_norm_before": "do_layer_norm_before",
+    "_remove_final_layer_norm": "remove_final_layer_norm",
+    "enable_bias": "enable_bias",
+    "dropout": "dropout",
+    "attention_dropout": "attention_dropout",
+    "pad_token_id": "pad_token_id",
+    "bos_token_id": "bos_token_id",
+    "eos_token_id": "eos_token_id",
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that jaxrlhf cannot use; the message names the file and the problem."""
+
+
+# ----------------------------------------------------------------------------------------------- config
+
+
+def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> OPTConfig:
+    """OPTConfig from an HF config dict; refuses other model types and OPT options we do not implement."""
+    model_type = hf.get("model_type")
+    if model_type != "opt":
+        raise CheckpointError(
+            f"{source}: model_type is {model_type!r}; jaxrlhf supports OPT checkpoints (model_type 'opt') only"
+        )
+    unsupported = {
+        "activation_function": (hf.get("activation_function", "relu"), "relu"),
+        "layer_norm_elementwise_affine": (hf.get("layer_norm_elementwise_affine", True), True),
+        "tie_word_embeddings": (hf.get("tie_word_embeddings", True), True),
+    }
+    for key, (got, want) in unsupported.items():
+        if got != want:
+            raise CheckpointError(f"{source}: {key} is {got!r}; jaxrlhf's OPT supports only {want!r}")
+    fields = {ours: hf[theirs] for theirs, ours in _CONFIG_KEYS.items() if hf.get(theirs) is not None}
+    fields.setdefault("word_embed_proj_dim", fields.get("hidden_size", OPTConfig.hidden_size))
+    try:
+        return OPTConfig(**{**fields, **overrides})
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{source}: {e}") from None
+
+
+def config_to_hf(config: OPTConfig, torch_dtype: str) -> dict:
+    """The config.json that transformers needs to rebuild `config` as an OPTForCausalLM."""
+    hf = {theirs: getattr(config, ours) for theirs, ours in _CONFIG_KEYS.items()}
+    hf.update(
+        model_type="opt",
+        architectures=["OPTForCausalLM"],
+        activation_function="relu",
+        layer_norm_elementwise_affine=True,
+        tie_word_embeddings=True,
+        init_std=0.02,
+        layerdrop=0.0,
+        use_cache=True,
+        dtype=torch_dtype,
+    )
+    return hf
+
+
+def read_config(path: str | os.PathLike, **overrides) -> OPTConfig:
+    """OPTConfig from `path/config.json` (plus run options such as dtype and remat as overrides)."""
+    file = Path(path) / CONFIG_FILE
+    if not Path(path).is_dir():
+        raise CheckpointError(f"{path}: not a folder; expected a Hugging Face checkpoint folder with {CONFIG_FILE}")
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing; a Hugging Face checkpoint folder needs its {CONFIG_FILE}")
+    try:
+        hf = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file}:{e.lineno}: not valid JSON ({e.msg})") from None
+    return config_from_hf(hf, str(file), **overrides)
+
+
+# ---------------------------------------------------------------------------------------------- tensors
+
+
+def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    try:
+        return load_file(str(file))
+    except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
+        raise CheckpointError(f"{file}: cannot read safetensors ({e})") from None
+
+
+def _read_torch(file: Path) -> dict[str, np.ndarray]:
+    try:
+        import torch
+    except ImportError:
+        raise CheckpointError(
+            f"{file}: reading pytorch_model.bin needs torch (pip install torch), "
+            "or convert the folder to safetensors first"
+        ) from None
+    state = torch.load(str(file), map_location="cpu", weights_only=True)
+    out = {}
+    for name, t in state.items():
+        t = t.detach().contiguous()
+        # numpy has no bfloat16: go through its raw bits, reinterpreted by ml_dtypes.
+        out[name] = t.view(torch.int16).numpy().view(jax.numpy.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
+    return out
+
+
+def read_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Every weight tensor of an HF folder by name: model.safetensors, a sharded index, or pytorch_model.bin."""
+    path = Path(path)
+    for index_name, reader in ((SAFETENSORS_INDEX, _read_safetensors), (TORCH_INDEX, _read_torch)):
+        index = path / index_name
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index}: not a valid weight index ({e})") from None
+            tensors = {}
+            for shard in shards:
+                if not (path / shard).is_file():
+                    raise CheckpointError(f"{index}: lists shard {shard}, which is missing from {path}")
+                tensors.update(reader(path / shard))
+            return tensors
+    if (path / SAFETENSORS_FILE).is_file():
+        return _read_safetensors(path / SAFETENSORS_FILE)
+    if (path / TORCH_FILE).is_file():
+        return _read_torch(path / TORCH_FILE)
+    raise CheckpointError(
+        f"{path}: no weights found; expected {SAFETENSORS_FILE}, {SAFETENSORS_INDEX}, {TORCH_FILE} or {TORCH_INDEX}"
+    )
+
+
+def _leaf_names(config: OPTConfig, with_value_head: bool):
+    """Yield (HF tensor name without prefix, our path, layer index or None, transpose) for every leaf."""
+    shapes = param_shapes(config, value_head=False)
+    for module, (ours, kind) in _MODULES.items():
+        node = shapes
+        for part in ours.split("/"):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is None:  # this variant has no such module (e.g. no project_in in pre-LN models)
+            continue
+        for suffix, leaf, transpose in _TENSORS[kind]:
+            if leaf not in node:
+                continue
+            layers = range(config.num_hidden_layers) if "{i}" in module else [None]
+            for i in layers:
+                name = module.replace("{i}", str(i)) + "." + suffix
+                yield name, f"{ours}/{leaf}", i, transpose
+    if with_value_head:
+        yield VALUE_HEAD_KEY, "value_head/kernel", None, True
+
+
+def _strip_prefix(tensors: dict[str, np.ndarray], source: str) -> dict[str, np.ndarray]:
+    for prefix in _PREFIXES:
+        if f"{prefix}decoder.embed_tokens.weight" in tensors:
+            return {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in tensors.items()}
+    raise CheckpointError(f"{source}: missing tensor model.decoder.embed_tokens.weight; is this an OPT checkpoint?")
+
+
+def _set(tree: dict, path: str, value):
+    *parents, leaf = path.split("/")
+    for p in parents:
+        tree = tree.setdefault(p, {})
+    tree[leaf] = value
+
+
+def params_from_tensors(config: OPTConfig, tensors: dict[str, np.ndarray], source: str, dtype=None) -> dict:
+    """Our parameter tree from HF tensors (names with or without prefix); every tensor is used exactly once."""
+    tensors = _strip_prefix(dict(tensors), source)
+    # A tied LM head may be stored too; it must equal the embedding (we support tied heads only).
+    lm_head = tensors.pop("lm_head.weight", None)
+    if lm_head is not None and not np.array_equal(lm_head, tensors["decoder.embed_tokens.weight"]):
+        raise CheckpointError(f"{source}: lm_head.weight differs from the embedding; untied OPT heads are unsupported")
+    with_value_head = VALUE_HEAD_KEY in tensors
+    expected = param_shapes(config, value_head=with_value_head)
+    stacked: dict[str, list] = {}
+    params: dict = {}
+    for name, path, layer, transpose in _leaf_names(config, with_value_head):
+        if name not in tensors:
+            raise CheckpointError(f"{source}: missing tensor {name} (needed for {path})")
+        value = tensors.pop(name)
+        if transpose:
+            value = value.T
+        want = _get(expected, path).shape[1 if layer is not None else 0 :]
+        if value.shape != want:
+            got = value.T.shape if transpose else value.shape
+            need = tuple(reversed(want)) if transpose else want
+            raise CheckpointError(f"{source}: tensor {name} has shape {tuple(got)}, expected {tuple(need)}")
+        value = np.ascontiguousarray(value if dtype is None else value.astype(dtype))
+        if layer is None:
+            _set(params, path, value)
+        else:
+            stacked.setdefault(path, []).append(value)
+    for path, values in stacked.items():
+        _set(params, path, np.stack(values))
+    if tensors:
+        names = ", ".join(sorted(tensors)[:5]) + (" ..." if len(tensors) > 5 else "")
+        raise CheckpointError(f"{source}: unused tensor(s) {names}; they do not belong to this OPT config")
+    return params
+
+
+def _get(tree, path: str):
+    for part in path.split("/"):
+        tree = tree[part]
+    return tree
+
+
+def params_to_tensors(config: OPTConfig, params: dict) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(model tensors with HF names under "model.", value-head tensors) from our parameter tree."""
+    params = jax.device_get(params)
+    model, head = {}, {}
+    for name, path, layer, transpose in _leaf_names(config, "value_head" in params):
+        value = np.asarray(_get(params, path))
+        value = value[layer] if layer is not None else value
+        value = np.ascontiguousarray(value.T if transpose else value)
+        if name == VALUE_HEAD_KEY:
+            head[name] = value
+        else:
+            model["model." + name] = value
+    return model, head
+
+
+# ------------------------------------------------------------------------------------------ load / save
+
+
+def load_hf(path: str | os.PathLike, dtype=None, **config_overrides) -> tuple[OPTConfig, dict]:
+    """Read an HF OPT folder: (config, params as host NumPy arrays in `dtype`, or as stored if None).
+
+    The value head is included when the folder has `value_head.safetensors` (a reward model or critic
+    saved by jaxrlhf) or a DeepSpeed-Chat `v_head.weight` tensor. `config_overrides` set run options
+    such as `dtype="bfloat16"` (compute) or `remat=True`.
+    """
+    path = Path(path)
+    config = read_config(path, **config_overrides)
+    tensors = read_tensors(path)
+    if (path / VALUE_HEAD_FILE).is_file():
+        head = _read_safetensors(path / VALUE_HEAD_FILE)
+        if set(head) != {VALUE_HEAD_KEY}:
+            raise CheckpointError(f"{path / VALUE_HEAD_FILE}: expected exactly one tensor {VALUE_HEAD_KEY}, got {sorted(head)}")
+        tensors.update(head)
+    return config, params_from_tensors(config, tensors, str(path), dtype)
+
+
+def _dtype_name(params) -> str:
+    dtypes = {np.dtype(x.dtype).name for x in jax.tree.leaves(params)}
+    if len(dtypes) != 1:
+        raise ValueError(f"save_hf: parameters mix dtypes {sorted(dtypes)}; cast them to one dtype first")
+    return dtypes.pop()
+
+
+def _shard(tensors: dict[str, np.ndarray], max_bytes: int) -> list[dict[str, np.ndarray]]:
+    shards, current, size = [], {}, 0
+    for name, value in tensors.items():
+        if current and size + value.nbytes > max_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = value
+        size += value.nbytes
+    return shards + [current]
+
+
+def save_hf(
+    path: str | os.PathLike,
+    config: OPTConfig,
+    params: dict,
+    tokenizer=None,
+    *,
+    max_shard_bytes: int = 5 * 2**30,
+) -> Path:
+    """Write an HF folder that `transformers.AutoModelForCausalLM.from_pretrained(path)` loads.
+
+    Tensors keep the parameters' dtype bit for bit. Models above `max_shard_bytes` are written as
+    sharded safetensors with an index. The folder is written beside `path` and renamed into place at
+    the end, so an interrupted save never leaves a half-written checkpoint (an existing one survives).
+    """
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    model, head = params_to_tensors(config, params)
+    dtype = _dtype_name(params)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        (tmp / CONFIG_FILE).write_text(json.dumps(config_to_hf(config, dtype), indent=2) + "\n")
+        shards = _shard(model, max_shard_bytes)
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / SAFETENSORS_FILE), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for n, shard in enumerate(shards, 1):
+                name = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(tmp / name), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(shard, name))
+            total = sum(v.nbytes for v in model.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        if head:
+            save_file(head, str(tmp / VALUE_HEAD_FILE), metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        _replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _replace_dir(new: Path, path: Path):
+    """Move the finished folder `new` to `path`; an old `path` is removed only once `new` is in place."""
+    if not path.exists():
+        os.replace(new, path)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+    os.replace(path, old / path.name)
+    os.replace(new, path)
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,260 @@
+"""OPT decoder in Flax Linen: the language model, reward model and critic of every step.
+
+Shape vocabulary (used in comments and einsum strings throughout jaxrlhf):
+    B batch, T sequence, D model width (hidden_size), E embedding width (word_embed_proj_dim),
+    H heads, K head dim, F FFN width, V vocab, L layers.
+
+Parameter tree (mirrors Hugging Face's module names so the name table in checkpoint.py is short):
+
+    decoder/embed_tokens/embedding        [V, E]   also the LM head (tied)
+    decoder/embed_positions/embedding     [max_position_embeddings + 2, D]
+    decoder/project_in/kernel             [E, D]   only when E != D (opt-350m)
+    decoder/layers/...                    every layer leaf stacked on a leading [L] axis:
+        self_attn_layer_norm/{scale,bias} [L, D]
+        self_attn/{q,k,v}_proj/kernel     [L, D, D]   bias [L, D]
+        self_attn/out_proj/kernel         [L, D, D]   bias [L, D]
+        final_layer_norm/{scale,bias}     [L, D]
+        fc1/kernel [L, D, F]  bias [L, F]; fc2/kernel [L, F, D]  bias [L, D]
+    decoder/final_layer_norm/{scale,bias} [D]      only for pre-LN models (all but opt-350m)
+    decoder/project_out/kernel            [D, E]   only when E != D
+    value_head/kernel                     [E, 1]   reward model and critic only
+
+The layers run under one `nn.scan` (a single compiled layer body for all L layers), optionally
+rematerialised per layer, so compile time does not grow with depth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+# OPT's learned positions start at 2: fairseq reserved ids 0 and 1 (padding) in the table.
+POSITION_OFFSET = 2
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class OPTConfig:
+    """The architecture (from Hugging Face's config.json) plus how to run it (dtype, remat, dropout)."""
+
+    vocab_size: int = 50272
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    ffn_dim: int = 3072
+    max_position_embeddings: int = 2048
+    word_embed_proj_dim: int = 768
+    do_layer_norm_before: bool = True
+    remove_final_layer_norm: bool = False
+    enable_bias: bool = True
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    layer_norm_eps: float = 1e-5
+    pad_token_id: int = 1
+    bos_token_id: int = 2
+    eos_token_id: int = 2
+    # How to run it (not part of the checkpoint):
+    dtype: str = "float32"  # compute dtype: "float32" or "bfloat16"; parameters keep their own dtype
+    remat: bool = False  # recompute each layer's activations in the backward pass
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"OPTConfig.dtype: expected one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"OPTConfig: hidden_size {self.hidden_size} is not divisible by "
+                f"num_attention_heads {self.num_attention_heads}"
+            )
+        for name in ("dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"OPTConfig.{name}: expected a probability in [0, 1), got {getattr(self, name)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def has_projection(self) -> bool:
+        return self.word_embed_proj_dim != self.hidden_size
+
+    @property
+    def has_final_layer_norm(self) -> bool:
+        return self.do_layer_norm_before and not self.remove_final_layer_norm
+
+    @property
+    def compute_dtype(self):
+        return _DTYPES[self.dtype]
+
+
+class OPTAttention(nn.Module):
+    """Multi-head self-attention with OPT's q scaling; the softmax runs in float32."""
+
+    config: OPTConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, h, attn_bias):
+        # h: [B, T, D]; attn_bias: [B, 1, T, T] float32 (0 = may attend, very negative = may not).
+        c = self.config
+        B, T, D = h.shape
+        H, K = c.num_attention_heads, c.head_dim
+        proj = lambda name: nn.Dense(D, use_bias=c.enable_bias, dtype=c.compute_dtype, name=name)
+        q = proj("q_proj")(h).reshape(B, T, H, K) * (K**-0.5)
+        k = proj("k_proj")(h).reshape(B, T, H, K)
+        v = proj("v_proj")(h).reshape(B, T, H, K)
+        scores = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32) + attn_bias
+        probs = jax.nn.softmax(scores, axis=-1)
+        probs = nn.Dropout(c.attention_dropout)(probs, deterministic=self.deterministic)
+        out = jnp.einsum("bhqs,bshk->bqhk", probs.astype(v.dtype), v).reshape(B, T, D)
+        return proj("out_proj")(out)
+
+
+class OPTLayer(nn.Module):
+    """One decoder layer; `nn.scan` stacks it L times. Carry: the hidden state h [B, T, D]."""
+
+    config: OPTConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, h, attn_bias):
+        c = self.config
+        dense = lambda n, name: nn.Dense(n, use_bias=c.enable_bias, dtype=c.compute_dtype, name=name)
+        norm = lambda name: nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=c.compute_dtype, name=name)
+        drop = lambda x: nn.Dropout(c.dropout)(x, deterministic=self.deterministic)
+
+        # Self-attention block (post-LN models, opt-350m, normalise after the residual add instead).
+        residual = h
+        if c.do_layer_norm_before:
+            h = norm("self_attn_layer_norm")(h)
+        h = OPTAttention(c, self.deterministic, name="self_attn")(h, attn_bias)
+        h = residual + drop(h)
+        if not c.do_layer_norm_before:
+            h = norm("self_attn_layer_norm")(h)
+
+        # Feed-forward block: fc1 -> ReLU -> fc2.
+        residual = h
+        if c.do_layer_norm_before:
+            h = norm("final_layer_norm")(h)
+        h = dense(c.hidden_size, "fc2")(nn.relu(dense(c.ffn_dim, "fc1")(h)))
+        h = residual + drop(h)
+        if not c.do_layer_norm_before:
+            h = norm("final_layer_norm")(h)
+        return h, None
+
+
+def positions_from_mask(attention_mask):
+    """OPT's position ids [B, T] from the attention mask, as Hugging Face computes them.
+
+    Real tokens count 0, 1, 2, ... from the first real token of their row (so left padding does not shift
+    them); padding gets -1. Both then add POSITION_OFFSET when indexing the table.
+    """
+    mask = attention_mask.astype(jnp.int32)
+    return jnp.cumsum(mask, axis=1) * mask - 1
+
+
+def attention_bias(attention_mask):
+    """[B, 1, T, T] float32: 0 where query t may attend key s (s <= t and s is not padding), else -1e30-ish.
+
+    A padded query row masks every key; its softmax is then uniform and its output is ignored by callers.
+    """
+    T = attention_mask.shape[1]
+    causal = jnp.tril(jnp.ones((T, T), dtype=bool))
+    allowed = causal[None, None] & attention_mask.astype(bool)[:, None, None, :]
+    return jnp.where(allowed, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
+
+
+class OPTDecoder(nn.Module):
+    """Embeddings, the scanned layers, and the closing LayerNorm/projection. Returns h [B, T, E]."""
+
+    config: OPTConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, input_ids, attention_mask):
+        c = self.config
+        embed_tokens = nn.Embed(c.vocab_size, c.word_embed_proj_dim, name="embed_tokens")
+        h = embed_tokens(input_ids).astype(c.compute_dtype)  # [B, T, E]
+        if c.has_projection:
+            h = nn.Dense(c.hidden_size, use_bias=False, dtype=c.compute_dtype, name="project_in")(h)
+        positions = positions_from_mask(attention_mask) + POSITION_OFFSET
+        h = h + nn.Embed(c.max_position_embeddings + POSITION_OFFSET, c.hidden_size, name="embed_positions")(
+            positions
+        ).astype(c.compute_dtype)  # no dropout on the embeddings: Hugging Face's OPT has none
+
+        layer = nn.remat(OPTLayer, prevent_cse=False) if c.remat else OPTLayer
+        layers = nn.scan(
+            layer,
+            variable_axes={"params": 0},
+            split_rngs={"params": True, "dropout": True},
+            in_axes=nn.broadcast,
+            length=c.num_hidden_layers,
+        )(c, self.deterministic, name="layers")
+        h, _ = layers(h, attention_bias(attention_mask))
+
+        if c.has_final_layer_norm:
+            h = nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=c.compute_dtype, name="final_layer_norm")(h)
+        if c.has_projection:
+            h = nn.Dense(c.word_embed_proj_dim, use_bias=False, dtype=c.compute_dtype, name="project_out")(h)
+        return h
+
+
+class OPT(nn.Module):
+    """OPT with its tied LM head (returns logits [B, T, V]) or, with `value_head=True`, the reward/critic
+    model (returns one value per position [B, T]: `Linear(E, 1)`, no bias, on the last hidden state)."""
+
+    config: OPTConfig
+    value_head: bool = False
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, input_ids, attention_mask):
+        decoder = OPTDecoder(self.config, self.deterministic, name="decoder")
+        h = decoder(input_ids, attention_mask)  # [B, T, E]
+        if self.value_head:
+            v = nn.Dense(1, use_bias=False, dtype=self.config.compute_dtype, name="value_head")(h)
+            return v[..., 0].astype(jnp.float32)
+        embedding = decoder.variables["params"]["embed_tokens"]["embedding"]  # [V, E], tied LM head
+        return jnp.einsum("bte,ve->btv", h, embedding.astype(h.dtype), preferred_element_type=jnp.float32)
+
+
+def _apply(config, params, input_ids, attention_mask, value_head, dropout_rng):
+    model = OPT(config, value_head=value_head, deterministic=dropout_rng is None)
+    rngs = None if dropout_rng is None else {"dropout": dropout_rng}
+    return model.apply({"params": params}, input_ids, attention_mask, rngs=rngs)
+
+
+def logits(config: OPTConfig, params: Any, input_ids, attention_mask, *, dropout_rng=None):
+    """Next-token logits [B, T, V] in float32. Dropout runs only when `dropout_rng` is given."""
+    return _apply(config, params, input_ids, attention_mask, False, dropout_rng)
+
+
+def values(config: OPTConfig, params: Any, input_ids, attention_mask, *, dropout_rng=None):
+    """Value-head outputs [B, T] in float32 (reward model and critic); `params` must hold `value_head`."""
+    return _apply(config, params, input_ids, attention_mask, True, dropout_rng)
+
+
+def init_params(config: OPTConfig, key, *, value_head: bool = False, dtype=jnp.float32, std: float = 0.02):
+    """Random parameters with OPT's initialisation (normal(0, std) weights, zero biases, unit LayerNorms)."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(config, value_head=value_head))
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for (path, leaf), k in zip(leaves, keys):
+        name = jax.tree_util.keystr(path, simple=True, separator="/")
+        if name.endswith("scale"):
+            out.append(jnp.ones(leaf.shape, dtype))
+        elif name.endswith("bias"):
+            out.append(jnp.zeros(leaf.shape, dtype))
+        else:
+            out.append((std * jax.random.normal(k, leaf.shape, jnp.float32)).astype(dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def param_shapes(config: OPTConfig, *, value_head: bool = False):
+    """The parameter tree of `config` as `jax.ShapeDtypeStruct`s (float32), without allocating anything."""
+    model = OPT(config, value_head=value_head)
+    ids = jnp.zeros((1, 1), jnp.int32)
+    return jax.eval_shape(lambda: model.init(jax.random.key(0), ids, jnp.ones_like(ids))["params"])

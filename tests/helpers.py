@@ -1,0 +1,60 @@
+"""Tiny OPT checkpoints written by transformers itself, the reference for our parity tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+# Two variants that together cover every OPT code path:
+#   pre-LN with a final LayerNorm (opt-125m, 1.3b and up);
+#   post-LN without final LayerNorm, with project_in/out (opt-350m).
+# vocab 64 and 4 heads divide over 8 devices and over tp = 2 and 4.
+PRE_LN = dict(
+    vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, ffn_dim=64,
+    max_position_embeddings=40, word_embed_proj_dim=32, do_layer_norm_before=True,
+)
+POST_LN_PROJ = dict(
+    vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=48,
+    max_position_embeddings=40, word_embed_proj_dim=16, do_layer_norm_before=False,
+)
+
+
+def make_hf_opt(folder: Path, seed: int = 0, **kwargs) -> Path:
+    """Save a randomly initialised `OPTForCausalLM` (non-trivial biases and LayerNorms) to `folder`."""
+    import torch
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(seed)
+    config = OPTConfig(pad_token_id=1, bos_token_id=2, eos_token_id=2, **kwargs)
+    model = OPTForCausalLM(config).eval()
+    with torch.no_grad():  # HF initialises biases to 0 and LayerNorms to 1: randomise them so they are tested,
+        for name, p in model.named_parameters():  # and use larger weights so that logits are O(1), not O(0.01)
+            if name.endswith("bias") or "layer_norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.15)
+    model.save_pretrained(folder)
+    return folder
+
+
+def hf_logits(folder: Path, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(input_ids), attention_mask=torch.tensor(attention_mask))
+    return out.logits.float().numpy()
+
+
+def left_padded_batch(vocab: int, lengths: list[int], T: int, seed: int = 0):
+    """Random token ids [B, T], left-padded (pad id 1) to T, and the matching attention mask."""
+    rng = np.random.default_rng(seed)
+    ids = np.full((len(lengths), T), 1, np.int32)
+    mask = np.zeros((len(lengths), T), np.int32)
+    for b, n in enumerate(lengths):
+        ids[b, T - n :] = rng.integers(3, vocab, n)
+        ids[b, T - n] = 2  # BOS
+        mask[b, T - n :] = 1
+    return ids, mask

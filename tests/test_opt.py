@@ -1,0 +1,114 @@
+"""OPT in Flax against transformers' PyTorch OPTForCausalLM on the same random weights."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import POST_LN_PROJ, PRE_LN, hf_logits, left_padded_batch, make_hf_opt
+
+from jaxrlhf import load_hf, logits, values
+from jaxrlhf.models.opt import OPTConfig, init_params, positions_from_mask
+
+
+@pytest.fixture(scope="module", params=[PRE_LN, POST_LN_PROJ], ids=["pre_ln", "post_ln_proj"])
+def hf_folder(request, tmp_path_factory):
+    return make_hf_opt(tmp_path_factory.mktemp(request.param_index.__str__()), **request.param)
+
+
+def test_logits_match_transformers_fp32_left_padded(hf_folder):
+    config, params = load_hf(hf_folder)
+    ids, mask = left_padded_batch(config.vocab_size, [12, 9, 4, 1], T=12)
+    ours = np.asarray(logits(config, params, ids, mask))
+    ref = hf_logits(hf_folder, ids, mask)
+    real = mask.astype(bool)  # padded positions have no meaning in either implementation
+    diff = np.abs(ours - ref)[real].max()
+    print(f"max |ours - HF| over real tokens: {diff:.2e} (logit scale {np.abs(ref[real]).max():.2f})")
+    assert np.abs(ref[real]).max() > 1.0  # the comparison is not between near-zero numbers
+    assert diff <= 1e-4
+
+
+def test_left_padding_gives_the_same_logits_as_no_padding(hf_folder):
+    config, params = load_hf(hf_folder)
+    ids, mask = left_padded_batch(config.vocab_size, [5], T=9, seed=3)
+    padded = np.asarray(logits(config, params, ids, mask))[0, 4:]
+    alone = np.asarray(logits(config, params, ids[:, 4:], mask[:, 4:]))[0]
+    np.testing.assert_allclose(padded, alone, atol=1e-5)
+
+
+def test_positions_follow_the_mask():
+    mask = jnp.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    np.testing.assert_array_equal(positions_from_mask(mask), [[-1, -1, 0, 1, 2], [0, 1, 2, 3, 4]])
+
+
+def test_value_head_is_a_linear_map_of_the_last_hidden_state(hf_folder):
+    import torch
+    from transformers import OPTModel
+
+    config, params = load_hf(hf_folder)
+    head = np.random.default_rng(0).normal(size=(config.word_embed_proj_dim, 1)).astype(np.float32)
+    ids, mask = left_padded_batch(config.vocab_size, [7, 3], T=7)
+    ours = np.asarray(values(config, {**params, "value_head": {"kernel": head}}, ids, mask))
+    with torch.no_grad():
+        h = OPTModel.from_pretrained(hf_folder)(torch.tensor(ids), attention_mask=torch.tensor(mask)).last_hidden_state
+    ref = h.numpy() @ head[:, 0]
+    np.testing.assert_allclose(ours[mask == 1], ref[mask == 1], atol=1e-4)
+
+
+def test_remat_changes_neither_values_nor_gradients(hf_folder):
+    config, params = load_hf(hf_folder)
+    ids, mask = left_padded_batch(config.vocab_size, [6, 4], T=6)
+
+    def loss(p, cfg):
+        return jnp.sum(jax.nn.log_softmax(logits(cfg, p, ids, mask))[..., 5] * mask)
+
+    plain = jax.value_and_grad(loss)(params, config)
+    remat = jax.value_and_grad(loss)(params, dataclasses.replace(config, remat=True))
+    np.testing.assert_allclose(plain[0], remat[0], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(plain[1]), jax.tree.leaves(remat[1])):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_bfloat16_compute_tracks_float32(hf_folder):
+    config, params = load_hf(hf_folder)
+    ids, mask = left_padded_batch(config.vocab_size, [8, 8], T=8)
+    f32 = np.asarray(logits(config, params, ids, mask))
+    bf16_params = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), params)
+    bf16 = logits(dataclasses.replace(config, dtype="bfloat16"), bf16_params, ids, mask)
+    assert bf16.dtype == jnp.float32
+    err = np.abs(np.asarray(bf16) - f32).max() / np.abs(f32).max()
+    assert err < 0.05, err
+    assert np.mean(np.argmax(bf16, -1) == np.argmax(f32, -1)) > 0.9
+
+
+def test_dropout_only_with_a_key_and_reproducible():
+    config = OPTConfig(**PRE_LN, dropout=0.3, attention_dropout=0.2)
+    params = init_params(config, jax.random.key(0), std=0.3)
+    ids, mask = left_padded_batch(config.vocab_size, [6, 6], T=6)
+    base = logits(config, params, ids, mask)
+    np.testing.assert_array_equal(base, logits(config, params, ids, mask))
+    k1, k2 = jax.random.split(jax.random.key(1))
+    d1 = logits(config, params, ids, mask, dropout_rng=k1)
+    assert np.abs(np.asarray(d1 - base)).max() > 1e-3
+    np.testing.assert_array_equal(d1, logits(config, params, ids, mask, dropout_rng=k1))
+    assert np.abs(np.asarray(d1 - logits(config, params, ids, mask, dropout_rng=k2))).max() > 1e-3
+
+
+def test_init_params_statistics():
+    config = OPTConfig(**POST_LN_PROJ)
+    params = init_params(config, jax.random.key(0), value_head=True)
+    assert params["value_head"]["kernel"].shape == (16, 1)
+    layers = params["decoder"]["layers"]
+    np.testing.assert_array_equal(layers["self_attn_layer_norm"]["scale"], 1.0)
+    np.testing.assert_array_equal(layers["fc1"]["bias"], 0.0)
+    assert abs(float(jnp.std(layers["fc1"]["kernel"])) - 0.02) < 0.003
+    # Layers get independent draws, not one draw repeated L times.
+    assert not np.allclose(layers["fc1"]["kernel"][0], layers["fc1"]["kernel"][1])
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="dtype"):
+        OPTConfig(dtype="float64")
+    with pytest.raises(ValueError, match="not divisible"):
+        OPTConfig(hidden_size=30, num_attention_heads=4)
