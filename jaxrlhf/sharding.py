@@ -3,10 +3,11 @@
     mesh: axes ("data", "model"), shape (N / tp, tp); tp = the generation tensor-parallel size
           ("model" is the inner axis, so a tensor-parallel group sits on the closest devices)
 
-    layout "fsdp"  (training, ZeRO-3)  every leaf is split over ALL N devices along its largest dimension
-                                       that divides evenly (the stacked layer axis never: the layer scan
-                                       gathers one layer at a time); leaves with no such dimension are
-                                       replicated. The batch is split over all devices.
+    layout "fsdp"  (training, ZeRO-3)  every leaf is split over ALL N devices along one dimension that
+                                       divides evenly: the one "tp" splits if it can (so the switch is a
+                                       plain all-gather), else the largest; never the stacked layer axis
+                                       (the layer scan gathers one layer at a time). Leaves with no such
+                                       dimension are replicated. The batch is split over all devices.
     layout "tp"    (generation)        Megatron: q/k/v and fc1 split by output columns, out_proj and fc2 by
                                        input rows, the embedding (and tied LM head) by vocab, all over
                                        "model"; replicated over "data". The prompt batch splits over "data".
@@ -29,6 +30,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 AXES = ("data", "model")
 LAYOUTS = ("fsdp", "tp")
+# FSDP splits a dimension over both axes with "model" major: device (d, m) then holds a piece of exactly
+# the slice that tensor parallelism gives it, so FSDP -> TP is an all-gather over "data" and nothing more.
+FSDP_AXES = ("model", "data")
 
 # Parameter path (a regex matched against the end of the '/'-joined path) -> logical axis per dimension.
 # First match wins.
@@ -90,11 +94,15 @@ def partition_spec(path: str, shape: tuple[int, ...], layout: str, mesh: Mesh) -
     axes = logical_axes(path, len(shape))
     if layout == "fsdp":
         n = mesh.size
-        # The largest evenly divisible dimension, never the stacked layer axis; the first one on ties.
-        candidates = [(size, -i) for i, (size, ax) in enumerate(zip(shape, axes)) if ax != "layers" and size % n == 0]
+        # Prefer the dimension that the generation layout splits, then the largest; never the layer axis.
+        candidates = [
+            (ax in TP_RULES, size, -i)
+            for i, (size, ax) in enumerate(zip(shape, axes))
+            if ax != "layers" and size % n == 0
+        ]
         spec = [None] * len(shape)
-        if candidates:
-            spec[-max(candidates)[1]] = AXES if n > 1 else None
+        if candidates and n > 1:
+            spec[-max(candidates)[2]] = FSDP_AXES
         return P(*spec)
     if layout == "tp":
         spec = [TP_RULES.get(ax) for ax in axes]
@@ -133,9 +141,8 @@ def check_tp(num_attention_heads: int, mesh: Mesh):
 
 
 @functools.lru_cache(maxsize=64)
-def _identity(treedef, shardings: tuple, donate: bool):
-    out = jax.tree_util.tree_unflatten(treedef, shardings)
-    return jax.jit(lambda tree: tree, out_shardings=out, donate_argnums=(0,) if donate else ())
+def _identity(treedef, shardings: tuple):
+    return jax.jit(lambda tree: tree, out_shardings=jax.tree_util.tree_unflatten(treedef, shardings))
 
 
 def reshard(tree: Any, layout: str, mesh: Mesh, *, donate: bool = False) -> Any:
@@ -144,14 +151,21 @@ def reshard(tree: Any, layout: str, mesh: Mesh, *, donate: bool = False) -> Any:
     Device arrays move through a compiled identity with `out_shardings` (cached per tree structure and
     layout): XLA emits the collectives, so the bytes stay on the devices and cross the interconnect.
     On two H200s this is ~200x faster than `jax.device_put` between shardings (DESIGN.md). With
-    `donate=True` the source buffers are released, so the two layouts never coexist in memory.
+    `donate=True` the source buffers are freed as soon as the copy exists (XLA cannot alias buffers whose
+    shard shapes differ, so this is done by hand), and the two layouts never stay in memory together.
     Host (NumPy) trees are placed with `jax.device_put`, each device receiving only its shard.
     """
     shardings = shardings_for(tree, layout, mesh)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if not all(isinstance(x, jax.Array) for x in leaves):
         return jax.device_put(tree, shardings)
-    return _identity(treedef, tuple(jax.tree.leaves(shardings)), donate)(tree)
+    out = _identity(treedef, tuple(jax.tree.leaves(shardings)))(tree)
+    if donate:
+        out_leaves = set(map(id, jax.block_until_ready(jax.tree.leaves(out))))
+        for x in leaves:
+            if id(x) not in out_leaves and not x.is_deleted():  # an unchanged leaf may come back as itself
+                x.delete()
+    return out
 
 
 def _human(n: float) -> str:

@@ -1,0 +1,182 @@
+"""Hugging Face folders in and out: lossless round trips and one-line errors for bad folders."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import POST_LN_PROJ, PRE_LN, hf_logits, left_padded_batch, make_hf_opt
+from safetensors.numpy import load_file, save_file
+
+from jaxrlhf import CheckpointError, load_hf, logits, save_hf
+from jaxrlhf.checkpoint import VALUE_HEAD_FILE, read_tensors
+
+
+@pytest.fixture(params=[PRE_LN, POST_LN_PROJ], ids=["pre_ln", "post_ln_proj"])
+def hf_folder(request, tmp_path):
+    return make_hf_opt(tmp_path / "hf", **request.param)
+
+
+def test_round_trip_is_bit_identical_and_transformers_loads_it(hf_folder, tmp_path):
+    config, params = load_hf(hf_folder)
+    out = save_hf(tmp_path / "ours", config, params)
+    original, saved = load_file(hf_folder / "model.safetensors"), load_file(out / "model.safetensors")
+    assert sorted(original) == sorted(saved)
+    for name in original:
+        assert original[name].dtype == saved[name].dtype
+        assert original[name].tobytes() == saved[name].tobytes(), name
+    ids, mask = left_padded_batch(config.vocab_size, [7, 2], T=7)
+    real = mask.astype(bool)
+    np.testing.assert_allclose(hf_logits(out, ids, mask)[real], hf_logits(hf_folder, ids, mask)[real], atol=1e-6)
+    np.testing.assert_allclose(np.asarray(logits(config, params, ids, mask))[real], hf_logits(out, ids, mask)[real], atol=1e-4)
+    # And once more through ourselves: load what we saved, save again, same bytes.
+    config2, params2 = load_hf(out)
+    assert config2 == config
+    again = save_hf(tmp_path / "again", config2, params2)
+    assert (again / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+
+
+def test_bfloat16_round_trip(hf_folder, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config, params = load_hf(hf_folder, dtype=jnp.bfloat16)
+    assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype(jnp.bfloat16)}
+    out = save_hf(tmp_path / "bf16", config, params)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.dtype == torch.bfloat16
+    hf = AutoModelForCausalLM.from_pretrained(hf_folder).to(torch.bfloat16).state_dict()
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, hf[name]), name
+    _, params2 = load_hf(out)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2)):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def test_sharded_safetensors_and_pytorch_bin(hf_folder, tmp_path):
+    import torch
+
+    config, params = load_hf(hf_folder)
+    sharded = save_hf(tmp_path / "sharded", config, params, max_shard_bytes=20_000)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    ids, mask = left_padded_batch(config.vocab_size, [5], T=5)
+    np.testing.assert_allclose(hf_logits(sharded, ids, mask), hf_logits(hf_folder, ids, mask), atol=1e-6)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(load_hf(sharded)[1])):
+        np.testing.assert_array_equal(a, b)
+
+    as_bin = tmp_path / "bin"
+    as_bin.mkdir()
+    shutil.copy(hf_folder / "config.json", as_bin)
+    torch.save({k: torch.from_numpy(v) for k, v in load_file(hf_folder / "model.safetensors").items()}, as_bin / "pytorch_model.bin")
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(load_hf(as_bin)[1])):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_value_head_round_trip_and_plain_transformers_load(hf_folder, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    config, params = load_hf(hf_folder)
+    head = np.arange(config.word_embed_proj_dim, dtype=np.float32)[:, None] / 10
+    out = save_hf(tmp_path / "rm", config, {**params, "value_head": {"kernel": head}})
+    stored = load_file(out / VALUE_HEAD_FILE)
+    np.testing.assert_array_equal(stored["v_head.weight"], head.T)  # PyTorch Linear layout [1, E]
+    assert "v_head.weight" not in load_file(out / "model.safetensors")
+    AutoModelForCausalLM.from_pretrained(out)  # the LM part loads as a plain OPT
+    _, back = load_hf(out)
+    np.testing.assert_array_equal(back["value_head"]["kernel"], head)
+
+
+def test_deepspeed_chat_reward_checkpoint(hf_folder, tmp_path):
+    """DeepSpeed-Chat's Step 2 writes OPTModel weights under 'rwtranrsformer.' plus an unprefixed v_head."""
+    import torch
+
+    config, params = load_hf(hf_folder)
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    shutil.copy(hf_folder / "config.json", ds)
+    state = {k.replace("model.", "rwtranrsformer.", 1): torch.from_numpy(v) for k, v in load_file(hf_folder / "model.safetensors").items()}
+    state["v_head.weight"] = torch.ones(1, config.word_embed_proj_dim)
+    torch.save(state, ds / "pytorch_model.bin")
+    _, loaded = load_hf(ds)
+    np.testing.assert_array_equal(loaded["value_head"]["kernel"], 1.0)
+    np.testing.assert_array_equal(loaded["decoder"]["embed_tokens"]["embedding"], params["decoder"]["embed_tokens"]["embedding"])
+
+
+def _edit_tensors(folder, edit):
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _one_line_error(folder, match):
+    with pytest.raises(CheckpointError, match=match) as e:
+        load_hf(folder)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_missing_extra_and_misshaped_tensors_are_named(tmp_path):
+    folder = make_hf_opt(tmp_path / "hf", **PRE_LN)
+    _edit_tensors(folder, lambda t: t.pop("model.decoder.layers.1.fc2.bias"))
+    _one_line_error(folder, r"missing tensor decoder\.layers\.1\.fc2\.bias")
+
+    folder = make_hf_opt(tmp_path / "hf2", **PRE_LN)
+    _edit_tensors(folder, lambda t: t.update({"model.decoder.layers.0.extra.weight": np.zeros(3, np.float32)}))
+    _one_line_error(folder, r"unused tensor\(s\) decoder\.layers\.0\.extra\.weight")
+
+    folder = make_hf_opt(tmp_path / "hf3", **PRE_LN)
+    _edit_tensors(folder, lambda t: t.update({"model.decoder.layers.2.fc1.weight": np.zeros((65, 32), np.float32)}))
+    msg = _one_line_error(folder, r"decoder\.layers\.2\.fc1\.weight has shape \(65, 32\), expected \(64, 32\)")
+    assert str(folder) in msg
+
+
+def test_bad_configs_are_refused(tmp_path):
+    folder = make_hf_opt(tmp_path / "hf", **PRE_LN)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+    _one_line_error(folder, r"config\.json: model_type is 'llama'; jaxrlhf supports OPT")
+    (folder / "config.json").write_text(json.dumps({**cfg, "activation_function": "gelu"}))
+    _one_line_error(folder, "activation_function is 'gelu'")
+    (folder / "config.json").write_text("{\n  \"model_type\": \"opt\",\n  oops\n}")
+    _one_line_error(folder, r"config\.json:3: not valid JSON")
+    (folder / "config.json").unlink()
+    _one_line_error(folder, r"config\.json: missing")
+    _one_line_error(tmp_path / "nowhere", "not a folder")
+
+
+def test_missing_weights_are_refused(tmp_path):
+    folder = make_hf_opt(tmp_path / "hf", **PRE_LN)
+    (folder / "model.safetensors").unlink()
+    _one_line_error(folder, "no weights found")
+
+
+def test_interrupted_save_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    import safetensors.numpy
+
+    folder = make_hf_opt(tmp_path / "hf", **PRE_LN)
+    config, params = load_hf(folder)
+    out = save_hf(tmp_path / "ckpt", config, params)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def disk_full(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        save_hf(out, config, jax.tree.map(lambda x: x * 2, params))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf"]  # no temporary folders left behind
+
+
+def test_read_tensors_reports_missing_shards(tmp_path):
+    folder = make_hf_opt(tmp_path / "hf", **PRE_LN)
+    config, params = load_hf(folder)
+    out = save_hf(tmp_path / "sharded", config, params, max_shard_bytes=20_000)
+    shard = sorted(out.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"lists shard {shard.name}, which is missing"):
+        read_tensors(out)
