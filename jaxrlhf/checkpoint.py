@@ -297,11 +297,13 @@ def params_to_tensors(config: OPTConfig, params: dict) -> tuple[dict[str, np.nda
 def load_hf(path: str | os.PathLike, dtype=None, **config_overrides) -> tuple[OPTConfig, dict]:
     """Read an HF OPT folder: (config, params as host NumPy arrays in `dtype`, or as stored if None).
 
-    The value head is included when the folder has `value_head.safetensors` (a reward model or critic
-    saved by jaxrlhf) or a DeepSpeed-Chat `v_head.weight` tensor. `config_overrides` set run options
-    such as `dtype="bfloat16"` (compute) or `remat=True`.
+    The compute dtype of the returned config follows `dtype` (float32 when None). The value head is
+    included when the folder has `value_head.safetensors` (a reward model or critic saved by jaxrlhf)
+    or a DeepSpeed-Chat `v_head.weight` tensor. `config_overrides` set run options such as `remat=True`.
     """
     path = Path(path)
+    if dtype is not None:
+        config_overrides = {"dtype": np.dtype(dtype).name, **config_overrides}
     config = read_config(path, **config_overrides)
     tensors = read_tensors(path)
     if (path / VALUE_HEAD_FILE).is_file():

@@ -159,7 +159,10 @@ def reshard(tree: Any, layout: str, mesh: Mesh, *, donate: bool = False) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if not all(isinstance(x, jax.Array) for x in leaves):
         return jax.device_put(tree, shardings)
-    out = _identity(treedef, tuple(jax.tree.leaves(shardings)))(tree)
+    targets = tuple(jax.tree.leaves(shardings))
+    if all(x.sharding == s for x, s in zip(leaves, targets)):
+        return tree  # already there (e.g. on one device both layouts coincide): no copy
+    out = _identity(treedef, targets)(tree)
     if donate:
         out_leaves = set(map(id, jax.block_until_ready(jax.tree.leaves(out))))
         for x in leaves:

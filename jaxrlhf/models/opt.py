@@ -113,6 +113,26 @@ class OPTAttention(nn.Module):
         return proj("out_proj")(out)
 
 
+# The released OPT architectures (vocab 50272, 2048 positions, FFN = 4 x hidden), for random-weight
+# models in benchmarks and demos: `OPTConfig(**PRESETS["opt-1.3b"])`.
+PRESETS = {
+    name: dict(num_hidden_layers=L, hidden_size=D, num_attention_heads=H, ffn_dim=4 * D, word_embed_proj_dim=D)
+    for name, (L, D, H) in {
+        "opt-125m": (12, 768, 12),
+        "opt-1.3b": (24, 2048, 32),
+        "opt-2.7b": (32, 2560, 32),
+        "opt-6.7b": (32, 4096, 32),
+        "opt-13b": (40, 5120, 40),
+        "opt-30b": (48, 7168, 56),
+        "opt-66b": (64, 9216, 72),
+    }.items()
+}
+PRESETS["opt-350m"] = dict(
+    num_hidden_layers=24, hidden_size=1024, num_attention_heads=16, ffn_dim=4096, word_embed_proj_dim=512,
+    do_layer_norm_before=False,
+)
+
+
 class OPTLayer(nn.Module):
     """One decoder layer; `nn.scan` stacks it L times. Carry: the hidden state h [B, T, D]."""
 

@@ -1,0 +1,184 @@
+"""Run configuration: frozen dataclasses, filled from a YAML file and then `dotted.key=value` overrides.
+
+    python -m jaxrlhf.<entry> [CONFIG.yaml] [section.field=value ...]
+
+Unknown keys are errors that name the file and line; values are checked against the field types
+before anything is compiled. Each field's help text is the comment `#: ...` on the line above it,
+which `--help` prints with the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import re
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message says where, what was expected and what to do."""
+
+
+def field_help(cls) -> dict[str, str]:
+    """Help text per field: the `#: ...` comment lines directly above its definition."""
+    out, pending = {}, []
+    for line in inspect.getsource(cls).splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#:"):
+            pending.append(stripped[2:].strip())
+            continue
+        m = re.match(r"(\w+)\s*:", stripped)
+        if m and pending:
+            out[m.group(1)] = " ".join(pending)
+        pending = []
+    return out
+
+
+def _convert(value: Any, tp: Any, where: str) -> Any:
+    """Check (and lightly coerce: int or "1e-5" -> float) `value` against the annotation `tp`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        for arg in typing.get_args(tp):
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, where)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{where}: expected {tp}, got {value!r}")
+    if origin is typing.Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{where}: expected one of {list(typing.get_args(tp))}, got {value!r}")
+        return value
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        (item,) = typing.get_args(tp)[:1] or (Any,)
+        return tuple(_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value))
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, (int, str)) and not isinstance(value, bool):
+        try:  # YAML 1.1 reads 1e-5 (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    if tp in (int, float) and isinstance(value, bool) or not isinstance(value, tp):
+        raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}")
+    return value
+
+
+def build(cls, values: dict, where: dict[str, str] | None = None, prefix: str = ""):
+    """An instance of the (possibly nested) frozen dataclass `cls` from a plain dict.
+
+    `where` maps dotted keys to "file:line" for error messages.
+    """
+    where = where or {}
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        dotted = prefix + key
+        loc = where.get(dotted, "<config>")
+        if key not in fields:
+            close = [f for f in fields if f.startswith(key[:3])]
+            hint = f" (did you mean {', '.join(close)}?)" if close else f"; known keys: {', '.join(fields)}"
+            raise ConfigError(f"{loc}: unknown key '{dotted}'{hint}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{loc}: '{dotted}' is a section; expected a mapping, got {value!r}")
+            kwargs[key] = build(tp, value, where, dotted + ".")
+        else:
+            kwargs[key] = _convert(value, tp, f"{loc}: '{dotted}'")
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where.get(prefix.rstrip('.'), '<config>')}: {prefix.rstrip('.') or cls.__name__}: {e}") from None
+
+
+def _yaml_with_lines(path: Path) -> tuple[dict, dict[str, str]]:
+    """The YAML mapping in `path` and, for every dotted key, the "file:line" where it is set."""
+    try:
+        node = yaml.compose(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{line}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    if node is None:
+        return {}, {}
+    if not isinstance(node, yaml.MappingNode):
+        raise ConfigError(f"{path}:1: expected a mapping of config keys at the top level")
+    lines: dict[str, str] = {}
+
+    def walk(n, prefix):
+        if isinstance(n, yaml.MappingNode):
+            for k, v in n.value:
+                lines[prefix + k.value] = f"{path}:{k.start_mark.line + 1}"
+                walk(v, prefix + k.value + ".")
+
+    walk(node, "")
+    return yaml.safe_load(path.read_text()), lines
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any):
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        tree = tree.setdefault(p, {})
+        if not isinstance(tree, dict):
+            raise ConfigError(f"command line: '{dotted}': '{p}' is not a section")
+    tree[leaf] = value
+
+
+def load(cls, config_file: str | None = None, overrides: list[str] = ()):
+    """`cls` filled from its defaults, then `config_file` (YAML), then `key=value` overrides (YAML values)."""
+    values, where = {}, {}
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"{path}: config file not found")
+        values, where = _yaml_with_lines(path)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"command line: '{item}': expected key=value, e.g. mesh.tp=2")
+        key, raw = item.split("=", 1)
+        _set_dotted(values, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+        where[key.strip()] = "command line"
+    return build(cls, values, where)
+
+
+def _help_lines(cls, prefix="") -> list[str]:
+    lines, doc = [], field_help(cls)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            lines += _help_lines(hints[f.name], prefix + f.name + ".")
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"  {prefix + f.name} = {default!r}\n      {doc.get(f.name, '')}")
+    return lines
+
+
+def parse_cli(cls, description: str, argv: list[str] | None = None):
+    """Parse `[CONFIG.yaml] [key=value ...]` for the entry point whose options are `cls`; exits on errors."""
+    parser = argparse.ArgumentParser(
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="settings (set in CONFIG.yaml or as key=value; values are YAML):\n" + "\n".join(_help_lines(cls)),
+    )
+    parser.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
+    args = parser.parse_args(argv).args
+    config_file = args[0] if args and "=" not in args[0] else None
+    try:
+        return load(cls, config_file, args[1:] if config_file else args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
