@@ -10,12 +10,13 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-ASSETS = Path(__file__).resolve().parents[1].parent / "shared" / "assets"
+# The shared assets live beside the checkout (../shared/assets); JAXRLHF_ASSETS points elsewhere.
+ASSETS = Path(os.environ.get("JAXRLHF_ASSETS", Path(__file__).resolve().parents[2] / "shared" / "assets"))
 
 
 @pytest.fixture(scope="session")
 def assets() -> Path:
     """../shared/assets (real tokenizer and data); see its README."""
     if not ASSETS.is_dir():
-        pytest.fail(f"{ASSETS} is missing: the tests need the shared assets beside the checkout")
+        pytest.fail(f"{ASSETS} is missing: the tests need ../shared/assets beside the checkout (or set JAXRLHF_ASSETS)")
     return ASSETS

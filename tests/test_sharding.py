@@ -82,12 +82,17 @@ def test_fsdp_to_tp_is_a_plain_all_gather():
 def test_reshard_is_compiled_once_per_structure_and_layout():
     mesh = make_mesh(tp=2)
     params = reshard(init_params(OPTConfig(**PRE_LN), jax.random.key(0)), "fsdp", mesh)
-    reshard(params, "tp", mesh)
+    tp = reshard(params, "tp", mesh)
     before = _identity.cache_info()
     for _ in range(3):
         reshard(params, "tp", mesh)
     after = _identity.cache_info()
     assert after.hits == before.hits + 3 and after.misses == before.misses
+    # Leaves already in place pass through as the same buffers; the others are new arrays.
+    same = lambda a, b: a is b
+    moved = jax.tree.map(same, params, tp)
+    assert moved["decoder"]["layers"]["self_attn"]["q_proj"]["kernel"] is False
+    assert reshard(tp, "tp", mesh) is tp  # nothing to move: the tree itself comes back
 
 
 @pytest.mark.parametrize("variant", [PRE_LN, POST_LN_PROJ], ids=["pre_ln", "post_ln_proj"])

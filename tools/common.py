@@ -1,0 +1,68 @@
+"""Shared by the benchmarks: the environment record, robust timing, and writing bench/results/*.json."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import time
+from importlib import metadata
+from pathlib import Path
+
+import jax
+
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+
+
+def environment() -> dict:
+    """Device, library versions, commit and date: what a result needs to be comparable later."""
+    versions = {}
+    for pkg in ("jax", "jaxlib", "flax", "optax", "transformers", "torch"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = None
+    devices = jax.devices()
+    return {
+        "device": devices[0].device_kind,
+        "device_count": len(devices),
+        "platform": devices[0].platform,
+        "host": platform.node(),
+        "versions": versions,
+        "commit": commit or None,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def timeit(fn, repeats: int = 10, warmup: int = 2) -> dict:
+    """Median and spread in seconds of `fn()` (blocked until ready); compilation stays in the warm-up."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "repeats": repeats}
+
+
+def peak_bytes() -> int | None:
+    """Peak device memory of device 0 so far (None where the backend does not report it, e.g. CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def write(name: str, result: dict, out_dir: str | Path | None = None) -> Path:
+    out = Path(out_dir) if out_dir else RESULTS
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = out / f"{name}-{stamp}.json"
+    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"wrote {path}")
+    return path
