@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -24,10 +25,13 @@ def environment() -> dict:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             versions[pkg] = None
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = None
+    # The GPU machine gets a copy of the tree without .git: pass JAXRLHF_COMMIT=$(git rev-parse --short HEAD).
+    commit = os.environ.get("JAXRLHF_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        except OSError:
+            commit = None
     devices = jax.devices()
     return {
         "device": devices[0].device_kind,
@@ -53,7 +57,7 @@ def timeit(fn, repeats: int = 10, warmup: int = 2) -> dict:
 
 
 def peak_bytes() -> int | None:
-    """Peak device memory of device 0 so far (None where the backend does not report it, e.g. CPU)."""
+    """Peak device memory of device 0 since the process started (None where not reported, e.g. CPU)."""
     stats = jax.devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
 
