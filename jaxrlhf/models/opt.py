@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 # OPT's learned positions start at 2: fairseq reserved ids 0 and 1 (padding) in the table.
 POSITION_OFFSET = 2
+MASKED = -1e9  # attention bias of a masked key (see attention_bias)
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -103,14 +104,18 @@ class OPTAttention(nn.Module):
         B, T, D = h.shape
         H, K = c.num_attention_heads, c.head_dim
         proj = lambda name: nn.Dense(D, use_bias=c.enable_bias, dtype=c.compute_dtype, name=name)
-        q = proj("q_proj")(h).reshape(B, T, H, K) * (K**-0.5)
+        q = proj("q_proj")(h).reshape(B, T, H, K) * (K**-0.5)  # OPT scales q after its bias
         k = proj("k_proj")(h).reshape(B, T, H, K)
         v = proj("v_proj")(h).reshape(B, T, H, K)
-        scores = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32) + attn_bias
-        probs = jax.nn.softmax(scores, axis=-1)
-        probs = nn.Dropout(c.attention_dropout)(probs, deterministic=self.deterministic)
-        out = jnp.einsum("bhqs,bshk->bqhk", probs.astype(v.dtype), v).reshape(B, T, D)
-        return proj("out_proj")(out)
+        if self.deterministic or c.attention_dropout == 0.0:
+            # JAX's fused attention (cuDNN flash attention on GPU where it applies, XLA elsewhere):
+            # scores in float32, never materialised as [B, H, T, T] on the fused path.
+            out = jax.nn.dot_product_attention(q, k, v, bias=attn_bias.astype(q.dtype), scale=1.0)
+        else:  # attention dropout needs the probabilities themselves
+            scores = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32) + attn_bias
+            probs = nn.Dropout(c.attention_dropout)(jax.nn.softmax(scores, axis=-1), deterministic=False)
+            out = jnp.einsum("bhqs,bshk->bqhk", probs.astype(v.dtype), v)
+        return proj("out_proj")(out.reshape(B, T, D))
 
 
 # The released OPT architectures (vocab 50272, 2048 positions, FFN = 4 x hidden), for random-weight
@@ -177,14 +182,16 @@ def positions_from_mask(attention_mask):
 
 
 def attention_bias(attention_mask):
-    """[B, 1, T, T] float32: 0 where query t may attend key s (s <= t and s is not padding), else -1e30-ish.
+    """[B, 1, T, T] float32: 0 where query t may attend key s (s <= t and s is not padding), else -1e9.
 
-    A padded query row masks every key; its softmax is then uniform and its output is ignored by callers.
+    -1e9 rather than -inf or the float32 minimum: it stays finite when cast to bfloat16, so a padded
+    query row (which masks every key) gets a uniform softmax instead of NaNs that would reach real
+    rows through 0 * NaN. Callers ignore the outputs at padded positions.
     """
     T = attention_mask.shape[1]
     causal = jnp.tril(jnp.ones((T, T), dtype=bool))
     allowed = causal[None, None] & attention_mask.astype(bool)[:, None, None, :]
-    return jnp.where(allowed, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
+    return jnp.where(allowed, 0.0, MASKED).astype(jnp.float32)
 
 
 class OPTDecoder(nn.Module):
