@@ -103,7 +103,7 @@ def check_against_hf(config, params, folder) -> float:
 
     save_hf(folder, config, jax.device_get(params))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, attn_implementation="sdpa").to("cuda")
-    ids = np.asarray(jax.random.randint(jax.random.key(2), (4, 128), 3, config.vocab_size), np.int32)
+    ids = np.array(jax.random.randint(jax.random.key(2), (4, 128), 3, config.vocab_size), np.int32)
     mask = np.ones_like(ids)
     mask[1, :40], mask[3, :100] = 0, 0
     ids[mask == 0] = config.pad_token_id
@@ -124,6 +124,7 @@ def main():
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
+    ap.add_argument("--attention", nargs="+", default=["auto"], choices=["auto", "cudnn", "xla"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     config = OPTConfig(**PRESETS[args.model], dtype="bfloat16", dropout=0.0)
@@ -144,18 +145,21 @@ def main():
             result["bf16_logprob_check_error"] = repr(e)[:300]
             print(f"check against transformers failed: {e!r}")
     for B in args.batch:
-        run = {"batch": B, "tokens": B * args.seq, "ours": ours(config, params, B, args.seq, args.repeats)}
+        run = {"batch": B, "tokens": B * args.seq}
+        for attention in args.attention:
+            cfg = dataclasses.replace(config, attention=attention)
+            run[f"ours_{attention}"] = ours(cfg, params, B, args.seq, args.repeats)
         if not args.no_hf:
             run["hf_torch"] = theirs(args.model, B, args.seq, args.repeats)
-        for impl in ("ours", "hf_torch"):
+        for impl in [k for k in run if k.startswith("ours")] + ["hf_torch"]:
             for key, t in run.get(impl, {}).items():
                 if "median_s" in t:
                     flops = (2 if key == "forward" else 6) * n * B * args.seq
                     t["tflops"] = flops / t["median_s"] / 1e12
                     t["fraction_of_matmul_ceiling"] = flops / t["median_s"] / ceiling
-                    print(f"B={B} {impl:8s} {key:22s} {t['median_s'] * 1e3:8.1f} ms  {t['tflops']:6.0f} TFLOP/s", flush=True)
+                    print(f"B={B} {impl:10s} {key:22s} {t['median_s'] * 1e3:8.1f} ms  {t['tflops']:6.0f} TFLOP/s", flush=True)
                 else:
-                    print(f"B={B} {impl:8s} {key:22s} {t['error']}", flush=True)
+                    print(f"B={B} {impl:10s} {key:22s} {t['error']}", flush=True)
         result["runs"].append(run)
     common.write(f"forward-{args.model}", result, args.out)
 

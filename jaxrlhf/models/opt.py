@@ -61,10 +61,13 @@ class OPTConfig:
     # How to run it (not part of the checkpoint):
     dtype: str = "float32"  # compute dtype: "float32" or "bfloat16"; parameters keep their own dtype
     remat: bool = False  # recompute each layer's activations in the backward pass
+    attention: str = "auto"  # "auto", "cudnn" (flash attention, GPU) or "xla"; see fused_attention
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
             raise ValueError(f"OPTConfig.dtype: expected one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.attention not in ("auto", "cudnn", "xla"):
+            raise ValueError(f"OPTConfig.attention: expected 'auto', 'cudnn' or 'xla', got {self.attention!r}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"OPTConfig: hidden_size {self.hidden_size} is not divisible by "
@@ -91,6 +94,24 @@ class OPTConfig:
         return _DTYPES[self.dtype]
 
 
+def fused_attention(q, k, v, bias, implementation: str = "auto"):
+    """softmax(q k^T + bias) v through `jax.nn.dot_product_attention`; q, k, v [B, T, H, K], q pre-scaled.
+
+    "cudnn" is cuDNN's flash attention (GPU, 16-bit dtypes; the [B, H, T, T] scores never exist in
+    memory); "xla" the plain XLA graph (scores in float32); "auto" takes cuDNN on a GPU with a 16-bit
+    dtype and XLA otherwise, or when cuDNN refuses the shapes.
+    """
+    if implementation == "auto":
+        use_cudnn = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+        if use_cudnn:
+            try:
+                return jax.nn.dot_product_attention(q, k, v, bias=bias, scale=1.0, implementation="cudnn")
+            except (ValueError, NotImplementedError, RuntimeError):  # a shape or dtype cuDNN does not take
+                pass
+        implementation = "xla"
+    return jax.nn.dot_product_attention(q, k, v, bias=bias, scale=1.0, implementation=implementation)
+
+
 class OPTAttention(nn.Module):
     """Multi-head self-attention with OPT's q scaling; the softmax runs in float32."""
 
@@ -108,9 +129,7 @@ class OPTAttention(nn.Module):
         k = proj("k_proj")(h).reshape(B, T, H, K)
         v = proj("v_proj")(h).reshape(B, T, H, K)
         if self.deterministic or c.attention_dropout == 0.0:
-            # JAX's fused attention (cuDNN flash attention on GPU where it applies, XLA elsewhere):
-            # scores in float32, never materialised as [B, H, T, T] on the fused path.
-            out = jax.nn.dot_product_attention(q, k, v, bias=attn_bias.astype(q.dtype), scale=1.0)
+            out = fused_attention(q, k, v, attn_bias.astype(q.dtype), c.attention)
         else:  # attention dropout needs the probabilities themselves
             scores = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32) + attn_bias
             probs = nn.Dropout(c.attention_dropout)(jax.nn.softmax(scores, axis=-1), deterministic=False)
