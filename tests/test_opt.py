@@ -37,6 +37,19 @@ def test_left_padding_gives_the_same_logits_as_no_padding(hf_folder):
     np.testing.assert_allclose(padded, alone, atol=1e-5)
 
 
+def test_any_padding_pattern_gives_the_logits_of_the_real_tokens_alone(hf_folder):
+    """Right padding and holes in the middle too: the decoder moves real tokens first internally."""
+    config, params = load_hf(hf_folder)
+    ids, _ = left_padded_batch(config.vocab_size, [6], T=6, seed=5)
+    alone = np.asarray(logits(config, params, ids, np.ones_like(ids)))[0]
+    holes = np.array([[1, 1, 0, 1, 0, 1, 1, 1, 0]], np.int32)  # real, real, pad, real, pad, real, real, real, pad
+    padded = np.full((1, 9), 1, np.int32)
+    padded[holes == 1] = ids[0]
+    out = np.asarray(logits(config, params, padded, holes))[0]
+    np.testing.assert_allclose(out[holes[0] == 1], alone, atol=1e-5)
+    assert np.isfinite(out).all()
+
+
 def test_positions_follow_the_mask():
     mask = jnp.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     np.testing.assert_array_equal(positions_from_mask(mask), [[-1, -1, 0, 1, 2], [0, 1, 2, 3, 4]])
