@@ -165,7 +165,7 @@ class OPTLayer(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, h, _):
+    def __call__(self, h, _):  # (carry, nothing per layer) -> (carry, no output), as nn.scan wants
         c = self.config
         dense = lambda n, name: nn.Dense(n, use_bias=c.enable_bias, dtype=c.compute_dtype, name=name)
         norm = lambda name: nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=c.compute_dtype, name=name)
