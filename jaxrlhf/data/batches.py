@@ -1,0 +1,113 @@
+"""Fixed-shape NumPy batches from a step's ragged tokenized set, a resumable iterator, and placement.
+
+    step 1  input_ids, attention_mask, loss_mask   [B, max_seq_len]     right-padded
+    step 2  chosen_ids, chosen_mask, rejected_ids, rejected_mask [B, max_seq_len]   right-padded
+    step 3  prompt_ids, prompt_mask                [B, max_prompt_len]  LEFT-padded (generation appends)
+
+`loss_mask[b, t] = 1` where token t is a training target: every real token after BOS, or with
+`mask_prompt` only the response and its EOS. The LM loss predicts ids[:, 1:] from logits[:, :-1] and
+weights it by loss_mask[:, 1:]. Shapes never change, so a jitted step compiles once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxrlhf.data.pipeline import DataConfig, _rng
+
+
+def _rows(arrays, prefix: str, idx) -> list[np.ndarray]:
+    tokens, offsets = arrays[prefix + "tokens"], arrays[prefix + "offsets"]
+    return [tokens[offsets[i] : offsets[i + 1]] for i in idx]
+
+
+def _pad(rows, length: int, pad_id: int, left: bool) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.full((len(rows), length), pad_id, np.int32)
+    mask = np.zeros((len(rows), length), np.int32)
+    for b, row in enumerate(rows):
+        sl = slice(length - len(row), length) if left else slice(0, len(row))
+        ids[b, sl], mask[b, sl] = row, 1
+    return ids, mask
+
+
+def make_batch(arrays: dict, idx, step: int, config: DataConfig, pad_id: int) -> dict[str, np.ndarray]:
+    """The batch of rows `idx` of a step's tokenized set."""
+    if step == 3:
+        ids, mask = _pad(_rows(arrays, "", idx), config.max_prompt_len, pad_id, left=True)
+        return {"prompt_ids": ids, "prompt_mask": mask}
+    if step == 2:
+        batch = {}
+        for field in ("chosen", "rejected"):
+            batch[f"{field}_ids"], batch[f"{field}_mask"] = _pad(_rows(arrays, f"{field}_", idx), config.max_seq_len, pad_id, left=False)
+        return batch
+    ids, mask = _pad(_rows(arrays, "", idx), config.max_seq_len, pad_id, left=False)
+    loss_mask = mask.copy()
+    loss_mask[:, 0] = 0  # BOS is never a target
+    if config.mask_prompt:
+        starts = arrays["prompt_len"][np.asarray(idx)]
+        loss_mask[np.arange(ids.shape[1])[None, :] < starts[:, None]] = 0
+    return {"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask}
+
+
+def num_rows(arrays: dict) -> int:
+    offsets = arrays.get("offsets", arrays.get("chosen_offsets"))
+    return len(offsets) - 1
+
+
+class Batches:
+    """Shuffled fixed-size batches over epochs, deterministic from the seed, resumable mid-epoch.
+
+    `state()` is {"epoch", "position"}; pass it back as `Batches(..., **state)` to continue with the
+    very next batch. With several processes, each yields its own contiguous part of every global batch.
+    """
+
+    def __init__(self, arrays, step: int, batch_size: int, config: DataConfig, pad_id: int, *, shuffle=True,
+                 epoch: int = 0, position: int = 0, process_index: int = 0, process_count: int = 1):
+        n = num_rows(arrays)
+        if batch_size % process_count:
+            raise ValueError(f"batch size {batch_size} does not divide over {process_count} processes")
+        if n < batch_size:
+            raise ValueError(f"the step {step} set has {n} rows, fewer than one batch of {batch_size}; "
+                             "use more data, a different data_split, or a smaller batch")
+        self.arrays, self.step, self.batch_size, self.config, self.pad_id = arrays, step, batch_size, config, pad_id
+        self.shuffle, self.epoch, self.position = shuffle, epoch, position
+        self.process_index, self.process_count = process_index, process_count
+        self.per_epoch = n // batch_size  # the last partial batch is dropped, as a fixed shape needs
+
+    def __len__(self):
+        return self.per_epoch
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def _order(self, epoch: int) -> np.ndarray:
+        n = num_rows(self.arrays)
+        return _rng(self.config.seed, "batches", str(self.step), str(epoch)).permutation(n) if self.shuffle else np.arange(n)
+
+    def __iter__(self):
+        while True:
+            order = self._order(self.epoch)
+            while self.position < self.per_epoch:
+                start = self.position * self.batch_size
+                local = self.batch_size // self.process_count
+                idx = order[start + self.process_index * local : start + (self.process_index + 1) * local]
+                self.position += 1
+                yield make_batch(self.arrays, idx, self.step, self.config, self.pad_id)
+            self.epoch, self.position = self.epoch + 1, 0
+
+
+def place(batch: dict[str, np.ndarray], mesh, layout: str) -> dict:
+    """Put a host batch on the mesh, its leading axis split like `layout` wants (this process's rows)."""
+    import jax
+
+    from jaxrlhf.sharding import batch_sharding
+
+    sharding = batch_sharding(mesh, layout)
+    ways = np.prod([mesh.shape[a] for a in np.atleast_1d(sharding.spec[0])])
+    out = {}
+    for key, value in batch.items():
+        global_rows = value.shape[0] * jax.process_count()
+        if global_rows % ways:
+            raise ValueError(f"batch of {global_rows} rows does not split over the {ways} devices of layout {layout!r}")
+        out[key] = jax.make_array_from_process_local_data(sharding, value)
+    return out

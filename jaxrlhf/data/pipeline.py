@@ -1,0 +1,226 @@
+"""Records -> each step's tokenized set: split per step, blend, tokenize, cache.
+
+    sources ──read──► records per source ──data_split "2,4,4"──► this step's share of each source
+            ──blend (concatenate, seeded shuffle)──► tokenize for the step ──► cached on disk (npz, atomic)
+
+Shares are a seeded permutation of each source cut at the cumulative fractions of `data_split`, so they
+are disjoint, cover the source, and are the same whichever step asks (DeepSpeed-Chat's scheme). Sources
+without their own eval split give `eval_fraction` of their rows to eval first. SFT-only sources
+(`sft_only_data_path`) go to Step 1 whole.
+
+Tokenized sets are ragged (tokens + offsets), padded only when batched (batches.py):
+    step 1   sequence = BOS + prompt + chosen + EOS, cut to max_seq_len; `prompt_len` for the loss mask
+    step 2   chosen and rejected sequences as in step 1
+    step 3   BOS + prompt; prompts longer than max_prompt_len are dropped (and counted), never cut
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from jaxrlhf.data.sources import DataError, Record, Report, fingerprint, read_source
+
+CACHE_VERSION = 1  # bump when the tokenized format or any adapter's output changes
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    #: datasets: DeepSpeed-Chat hub names, local json/jsonl/jsonl.gz/parquet files or datasets folders,
+    #: or "synthetic" (the built-in task, offline)
+    data_path: tuple[str, ...] = ("synthetic",)
+    #: SFT-only datasets (prompt + response), used whole by Step 1 and never by Steps 2 and 3
+    sft_only_data_path: tuple[str, ...] = ()
+    #: shares of every dataset for Steps 1, 2, 3 (DeepSpeed-Chat's data_split)
+    data_split: str = "2,4,4"
+    #: share of a dataset held out for evaluation when it has no eval split of its own
+    eval_fraction: float = 0.1
+    #: seed of the splits and the shuffles
+    seed: int = 1234
+    #: Steps 1 and 2: tokens per sequence (longer ones are cut)
+    max_seq_len: int = 512
+    #: Step 3: tokens per prompt (longer prompts are dropped, not cut)
+    max_prompt_len: int = 256
+    #: Step 1: train only on the response tokens (DeepSpeed-Chat trains on the prompt too)
+    mask_prompt: bool = False
+    #: what to do with a malformed row: stop with its file and line ("error"), or count and drop it ("skip")
+    on_bad_row: Literal["error", "skip"] = "error"
+    #: where tokenized sets are cached (default: ~/.cache/jaxrlhf/data)
+    cache_dir: str | None = None
+
+    def __post_init__(self):
+        split_shares(self.data_split)  # raises on a malformed split
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"eval_fraction: expected a fraction in [0, 1), got {self.eval_fraction}")
+        if self.max_prompt_len < 2 or self.max_seq_len < 2:
+            raise ValueError("max_seq_len and max_prompt_len must be at least 2 (BOS plus one token)")
+
+
+def split_shares(data_split: str) -> list[float]:
+    try:
+        parts = [float(p) for p in data_split.split(",")]
+    except ValueError:
+        parts = []
+    if len(parts) != 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise ValueError(f"data_split: expected three non-negative numbers like '2,4,4', got {data_split!r}")
+    return [p / sum(parts) for p in parts]
+
+
+def _rng(seed: int, *names: str) -> np.random.Generator:
+    words = [int.from_bytes(hashlib.sha256(n.encode()).digest()[:4], "little") for n in names]
+    return np.random.default_rng([seed, *words])
+
+
+def step_indices(n: int, data_split: str, step: int, seed: int, name: str) -> np.ndarray:
+    """Indices of `step`'s share (1, 2 or 3) of a source of n rows: a seeded permutation cut at the
+    cumulative shares, rounded; the same for every step, so shares are disjoint and cover 0..n-1."""
+    bounds = np.rint(np.cumsum([0.0] + split_shares(data_split)) * n).astype(int)
+    bounds[-1] = n
+    order = _rng(seed, "data_split", name).permutation(n)
+    return np.sort(order[bounds[step - 1] : bounds[step]])
+
+
+def _train_eval(records: dict, fraction: float, seed: int, name: str) -> tuple[list, list]:
+    if "eval" in records:
+        return records["train"][0], records["eval"][0]
+    rows = records["train"][0]
+    order = _rng(seed, "eval", name).permutation(len(rows))
+    n_eval = int(round(fraction * len(rows)))
+    held = set(order[:n_eval].tolist())
+    return [r for i, r in enumerate(rows) if i not in held], [rows[i] for i in sorted(held)]
+
+
+def step_records(config: DataConfig, step: int) -> tuple[dict[str, list[Record]], list[Report]]:
+    """{"train": [...], "eval": [...]} records of `step`, blended over the sources, and the read reports."""
+    if step not in (1, 2, 3):
+        raise ValueError(f"step: expected 1, 2 or 3, got {step}")
+    out = {"train": [], "eval": []}
+    reports = []
+    sources = [(s, False) for s in config.data_path] + [(s, True) for s in (config.sft_only_data_path if step == 1 else ())]
+    if not sources:
+        raise DataError("no datasets given: set data_path (e.g. data_path: [synthetic])")
+    for spec, sft_only in sources:
+        split = read_source(spec, on_bad_row=config.on_bad_row, seed=config.seed)
+        reports += [report for _, report in split.values()]
+        train, evaluation = _train_eval(split, config.eval_fraction, config.seed, spec)
+        if step == 2 and any(r.rejected is None for r in train):
+            raise DataError(f"{spec}: has rows without a rejected response, so it cannot train a reward model; "
+                            "list it under sft_only_data_path")
+        for part, rows in (("train", train), ("eval", evaluation)):
+            if not sft_only:
+                rows = [rows[i] for i in step_indices(len(rows), config.data_split, step, config.seed, f"{spec}/{part}")]
+            out[part] += rows
+    for part in out:  # blend: one seeded shuffle over all sources
+        out[part] = [out[part][i] for i in _rng(config.seed, "blend", str(step), part).permutation(len(out[part]))]
+    return out, reports
+
+
+# ------------------------------------------------------------------------------------------ tokenize
+
+
+def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
+    return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+
+
+def _ragged(seqs: list[list[int]]) -> dict[str, np.ndarray]:
+    lengths = np.array([len(s) for s in seqs], np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    tokens = np.fromiter((t for s in seqs for t in s), np.int32, count=int(offsets[-1]))
+    return {"tokens": tokens, "offsets": offsets}
+
+
+def tokenize(records: list[Record], tokenizer, step: int, config: DataConfig) -> tuple[dict[str, np.ndarray], dict]:
+    """The ragged arrays of `step` for `records`, and counts of what was cut or dropped."""
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    if bos is None or eos is None:
+        raise DataError("the tokenizer has no BOS or EOS token; jaxrlhf needs both (set them in tokenizer_config.json)")
+    prompts = [[bos] + p for p in _encode(tokenizer, [r.prompt for r in records])]
+    if step == 3:
+        keep = [i for i, p in enumerate(prompts) if len(p) <= config.max_prompt_len]
+        arrays = _ragged([prompts[i] for i in keep])
+        arrays["record_index"] = np.array(keep, np.int64)
+        return arrays, {"prompts": len(keep), "dropped_too_long": len(prompts) - len(keep)}
+    arrays, stats = {}, {"sequences": len(records)}
+    fields = ("chosen",) if step == 1 else ("chosen", "rejected")
+    for field in fields:
+        answers = _encode(tokenizer, [getattr(r, field) for r in records])
+        seqs = [(p + a + [eos])[: config.max_seq_len] for p, a in zip(prompts, answers)]
+        stats[f"{field}_truncated"] = sum(len(p) + len(a) + 1 > config.max_seq_len for p, a in zip(prompts, answers))
+        for key, value in _ragged(seqs).items():
+            arrays[key if step == 1 else f"{field}_{key}"] = value
+    arrays["prompt_len"] = np.array([min(len(p), config.max_seq_len) for p in prompts], np.int64)
+    return arrays, stats
+
+
+# -------------------------------------------------------------------------------------------- cache
+
+
+def _tokenizer_hash(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    text += json.dumps([tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def cache_key(config: DataConfig, step: int, tokenizer) -> str:
+    """A hash of everything that shapes a step's tokenized set."""
+    fields = dataclasses.asdict(config)
+    fields.pop("cache_dir")
+    blob = {
+        "version": CACHE_VERSION,
+        "step": step,
+        "config": fields,
+        "sources": [fingerprint(s) for s in (*config.data_path, *config.sft_only_data_path)],
+        "tokenizer": _tokenizer_hash(tokenizer),
+    }
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _cache_dir(config: DataConfig) -> Path:
+    return Path(config.cache_dir or os.environ.get("JAXRLHF_CACHE", Path.home() / ".cache" / "jaxrlhf" / "data"))
+
+
+def prepare(config: DataConfig, step: int, tokenizer, *, log=print) -> dict[str, dict[str, np.ndarray]]:
+    """The tokenized train and eval sets of `step`, read from the cache when nothing that shapes them changed.
+
+    Returns {"train": arrays, "eval": arrays, "stats": {...}} (see `tokenize` for the arrays).
+    """
+    key = cache_key(config, step, tokenizer)
+    file = _cache_dir(config) / f"step{step}-{key}.npz"
+    if file.is_file():
+        with np.load(file) as z:
+            data = {part: {k.split("/", 1)[1]: z[k] for k in z.files if k.startswith(part + "/")} for part in ("train", "eval")}
+            data["stats"] = json.loads(str(z["stats"]))
+        log(f"data: step {step} from cache {file}")
+        return data
+    records, reports = step_records(config, step)
+    for report in reports:
+        log(f"data: {report}")
+    data, stats = {}, {}
+    for part in ("train", "eval"):
+        data[part], stats[part] = tokenize(records[part], tokenizer, step, config)
+    data["stats"] = stats
+    _atomic_savez(file, data)
+    log(f"data: step {step}: {stats}; cached at {file}")
+    return data
+
+
+def _atomic_savez(file: Path, data: dict):
+    file.parent.mkdir(parents=True, exist_ok=True)
+    flat = {f"{part}/{k}": v for part in ("train", "eval") for k, v in data[part].items()}
+    flat["stats"] = np.array(json.dumps(data["stats"]))
+    fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.", suffix=".tmp", dir=file.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **flat)
+        os.replace(tmp, file)  # readers see the old file or the whole new one, never half of it
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,294 @@
+"""Every dataset becomes a list of `Record(prompt, chosen, rejected)`; this module holds the adapters.
+
+    source spec                             adapter
+    "synthetic"                             the built-in task (jaxrlhf.data.synthetic)
+    "Dahoas/rm-static", ... (HUB_ADAPTERS)  DeepSpeed-Chat's hub datasets, through `datasets` (needs a hub)
+    path/to/file.{json,jsonl,jsonl.gz,parquet}   rows with one of the ROW_FORMATS below
+    path/to/folder                          a folder written by `datasets` (save_to_disk)
+
+Row formats of local files: {prompt, chosen[, rejected]} (pairs, or SFT when rejected is absent or null),
+{prompt, response} (SFT), {chosen, rejected} (raw Anthropic HH-RLHF dialogues: the prompt is the text up
+to and including the last "\n\nAssistant:", each response what follows it; pairs whose two prompts
+differ are skipped and counted).
+
+Prompts keep DeepSpeed-Chat's format ("\n\nHuman: ... \n\nAssistant:" or " Human: ... Assistant:") and
+responses start with their leading space, so prompt + response is the original text, exactly.
+Bad rows are errors naming the file, line (or row) and field; with `on_bad_row="skip"` they are counted
+and the first few reasons reported instead. Nothing is trained on silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+ASSISTANT = "\n\nAssistant:"
+
+
+class DataError(ValueError):
+    """Input data that cannot be used; the message names the file, line or row, and field."""
+
+
+class SkipRow(DataError):
+    """A row that a format defines as unusable (HH-RLHF pairs whose two prompts differ): always skipped
+    and counted in the report, never an error."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    prompt: str
+    chosen: str
+    rejected: str | None = None  # None in SFT-only data
+
+
+@dataclasses.dataclass
+class Report:
+    """What reading a source kept and dropped, for the log (and for the user who asked to skip rows)."""
+
+    source: str
+    kept: int = 0
+    skipped: int = 0
+    reasons: list[str] = dataclasses.field(default_factory=list)
+
+    def skip(self, reason: str):
+        self.skipped += 1
+        if len(self.reasons) < 5:
+            self.reasons.append(reason)
+
+    def __str__(self):
+        text = f"{self.source}: {self.kept} records"
+        if self.skipped:
+            text += f", {self.skipped} skipped (first reasons: {'; '.join(self.reasons)})"
+        return text
+
+
+# ------------------------------------------------------------------------------------------ row formats
+
+
+def split_dialogue(dialogue: str) -> tuple[str, str]:
+    """HH-RLHF: (prompt up to and including the last "\n\nAssistant:", the response after it)."""
+    cut = dialogue.rfind(ASSISTANT)
+    if cut < 0:
+        raise DataError(f"no '{ASSISTANT.strip()}' turn in the dialogue")
+    cut += len(ASSISTANT)
+    return dialogue[:cut], dialogue[cut:]
+
+
+def hh_record(row: dict) -> Record:
+    prompt, chosen = split_dialogue(_text(row, "chosen"))
+    prompt_r, rejected = split_dialogue(_text(row, "rejected"))
+    if prompt != prompt_r:
+        raise SkipRow("the chosen and rejected dialogues have different prompts")
+    return Record(prompt, chosen, rejected)
+
+
+def _text(row: dict, field: str, *, optional: bool = False) -> str | None:
+    value = row.get(field)
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise DataError(f"field '{field}' must be a string, got {type(value).__name__}")
+    return value
+
+
+def local_record(row: Any) -> Record:
+    """One row of a local file in any of the documented formats."""
+    if not isinstance(row, dict):
+        raise DataError(f"expected an object with fields, got {type(row).__name__}")
+    if "prompt" in row and ("chosen" in row or "response" in row):
+        prompt = _text(row, "prompt")
+        chosen = _text(row, "chosen" if "chosen" in row else "response")
+        record = Record(prompt, chosen, _text(row, "rejected", optional=True))
+    elif "chosen" in row and "rejected" in row:
+        record = hh_record(row)
+    else:
+        raise DataError(
+            f"expected fields prompt + chosen [+ rejected], prompt + response, or chosen + rejected "
+            f"(HH-RLHF dialogues); got {sorted(row)}"
+        )
+    if not record.prompt.strip():
+        raise DataError("empty prompt")
+    for field in ("chosen", "rejected"):
+        value = getattr(record, field)
+        if value is not None and not value.strip():
+            raise DataError(f"prompt with no response (field '{field}' is empty)")
+    return record
+
+
+# ----------------------------------------------------------------------------------- DeepSpeed-Chat hub
+
+
+def _webgpt_answer(row: dict, best: bool) -> str:
+    first = float(row["score_0"]) >= float(row["score_1"])
+    answer = row["answer_0"] if first == best else row["answer_1"]
+    # Strip the citation marks ("[1]", "(2)") that only make sense with a browser, as DeepSpeed-Chat does.
+    return " " + re.sub(r"[\(\[].*?[\)\]]", "", re.sub(r" [\(\[].*?[\)\]]", "", answer))
+
+
+def _shp_answer(row: dict, best: bool) -> str:
+    a_wins = int(row["labels"]) == 1
+    return " " + (row["human_ref_A"] if a_wins == best else row["human_ref_B"])
+
+
+@dataclasses.dataclass(frozen=True)
+class HubAdapter:
+    to_record: Callable[[dict], Record]
+    eval_split: str | None  # None: carve the eval share out of "train", like DeepSpeed-Chat's "9,1"
+
+
+# The formats follow DeepSpeed-Chat's raw_datasets.py, so that its users get the same text.
+HUB_ADAPTERS: dict[str, HubAdapter] = {
+    "Dahoas/rm-static": HubAdapter(lambda r: Record(r["prompt"], r["chosen"], r["rejected"]), "test"),
+    "Dahoas/full-hh-rlhf": HubAdapter(lambda r: Record(r["prompt"], r["chosen"], r["rejected"]), "test"),
+    "Dahoas/synthetic-instruct-gptj-pairwise": HubAdapter(
+        lambda r: Record(" Human: " + r["prompt"] + " Assistant:", " " + r["chosen"], " " + r["rejected"]), None
+    ),
+    "yitingxie/rlhf-reward-datasets": HubAdapter(
+        lambda r: Record(
+            r["prompt"] + "Assistant:", r["chosen"].split("Assistant:")[-1], r["rejected"].split("Assistant:")[-1]
+        ),
+        "test",
+    ),
+    "openai/webgpt_comparisons": HubAdapter(
+        lambda r: Record(
+            " Human: " + r["question"]["full_text"] + " Assistant:", _webgpt_answer(r, True), _webgpt_answer(r, False)
+        ),
+        None,
+    ),
+    "stanfordnlp/SHP": HubAdapter(
+        lambda r: Record(" Human: " + r["history"] + " Assistant:", _shp_answer(r, True), _shp_answer(r, False)),
+        "validation",
+    ),
+}
+
+
+# -------------------------------------------------------------------------------------------- reading
+
+
+def _rows(path: Path) -> Iterable[tuple[str, Any]]:
+    """(location, row) for every row of a local file; location is "file:line" or "file row N"."""
+    name = path.name.lower()
+    if name.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        for i, row in enumerate(pq.read_table(path).to_pylist()):
+            yield f"{path} row {i}", row
+        return
+    opener = gzip.open if name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        text = f.read()
+    if not text.strip():
+        raise DataError(f"{path}: the file is empty")
+    if name.endswith(".json") and text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+        for i, row in enumerate(rows):
+            yield f"{path} row {i}", row
+        return
+    for lineno, line in enumerate(text.splitlines(), 1):  # JSON lines
+        if not line.strip():
+            continue
+        try:
+            yield f"{path}:{lineno}", json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+
+
+def _collect(source: str, rows: Iterable[tuple[str, Any]], convert, on_bad_row: str) -> tuple[list[Record], Report]:
+    records, report = [], Report(source)
+    for where, row in rows:
+        try:
+            records.append(convert(row))
+        except (DataError, KeyError, TypeError, ValueError) as e:
+            reason = f"{where}: {e if isinstance(e, DataError) else f'missing or bad field {e}'}"
+            if on_bad_row != "skip" and not isinstance(e, SkipRow):
+                raise DataError(reason + " (set on_bad_row: skip to drop such rows)") from None
+            report.skip(reason)
+    if not records:
+        raise DataError(f"{source}: no usable records" + (f" ({report})" if report.skipped else ""))
+    report.kept = len(records)
+    return records, report
+
+
+SUFFIXES = (".json", ".jsonl", ".jsonl.gz", ".json.gz", ".parquet")
+
+
+def read_source(spec: str, *, on_bad_row: str = "error", seed: int = 1234) -> dict[str, tuple[list[Record], Report]]:
+    """The records of one source by split: {"train": ...} and, where the source has one, {"eval": ...}."""
+    if spec == "synthetic" or spec.startswith("synthetic:"):
+        from jaxrlhf.data import synthetic
+
+        n = int(spec.split(":", 1)[1]) if ":" in spec else 4000
+        records = [Record(**r) for r in synthetic.preference_records(n, seed)]
+        return {"train": (records, Report(spec, kept=len(records)))}
+    path = Path(spec)
+    if path.is_file():
+        if not path.name.lower().endswith(SUFFIXES):
+            raise DataError(f"{path}: unsupported file type; expected one of {', '.join(SUFFIXES)}")
+        return {"train": _collect(spec, _rows(path), local_record, on_bad_row)}
+    if path.is_dir():
+        return _read_datasets_folder(path, on_bad_row)
+    if spec in HUB_ADAPTERS:
+        return _read_hub(spec, on_bad_row)
+    known = ", ".join(["synthetic", *HUB_ADAPTERS])
+    raise DataError(f"{spec}: not a file, a folder, or a known dataset name (known: {known})")
+
+
+def _read_datasets_folder(path: Path, on_bad_row: str):
+    try:
+        from datasets import DatasetDict, load_from_disk
+    except ImportError:
+        raise DataError(f"{path}: reading a `datasets` folder needs `pip install datasets`") from None
+    try:
+        data = load_from_disk(str(path))
+    except FileNotFoundError:
+        raise DataError(f"{path}: not a folder written by datasets.save_to_disk (no dataset_info.json)") from None
+    splits = data if isinstance(data, DatasetDict) else {"train": data}
+    out = {}
+    for split, ds in splits.items():
+        name = "eval" if split in ("test", "validation", "eval") else split
+        rows = ((f"{path} [{split}] row {i}", row) for i, row in enumerate(ds))
+        out[name] = _collect(f"{path} [{split}]", rows, local_record, on_bad_row)
+    if "train" not in out:
+        raise DataError(f"{path}: no 'train' split (found {sorted(splits)})")
+    return out
+
+
+def _read_hub(name: str, on_bad_row: str):
+    try:
+        from datasets import load_dataset
+    except ImportError:
+        raise DataError(f"{name}: hub datasets need `pip install datasets`") from None
+    adapter = HUB_ADAPTERS[name]
+    try:
+        data = load_dataset(name)
+    except Exception as e:  # noqa: BLE001 - offline, unknown revision, auth: all end the same way for the user
+        raise DataError(f"{name}: could not load from the Hugging Face hub ({type(e).__name__}: {e}); "
+                        "download it where a hub is reachable and pass the saved folder instead") from None
+    out = {"train": _collect(name, ((f"{name} [train] row {i}", r) for i, r in enumerate(data["train"])),
+                             adapter.to_record, on_bad_row)}
+    if adapter.eval_split:
+        split = data[adapter.eval_split]
+        rows = ((f"{name} [{adapter.eval_split}] row {i}", r) for i, r in enumerate(split))
+        out["eval"] = _collect(name, rows, adapter.to_record, on_bad_row)
+    return out
+
+
+def fingerprint(spec: str) -> str:
+    """A hash of a source's identity and content (file bytes; for hub names, the name), for the cache key."""
+    path = Path(spec)
+    h = hashlib.sha256(spec.encode())
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path] if path.is_file() else []
+    for f in files:
+        h.update(str(f.relative_to(path) if path.is_dir() else f.name).encode())
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
