@@ -167,9 +167,10 @@ def _help_lines(cls, prefix="") -> list[str]:
     return lines
 
 
-def parse_cli(cls, description: str, argv: list[str] | None = None):
+def parse_cli(cls, description: str, argv: list[str] | None = None, prog: str | None = None):
     """Parse `[CONFIG.yaml] [key=value ...]` for the entry point whose options are `cls`; exits on errors."""
     parser = argparse.ArgumentParser(
+        prog=prog,
         description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="settings (set in CONFIG.yaml or as key=value; values are YAML):\n" + "\n".join(_help_lines(cls)),

@@ -135,7 +135,7 @@ def run(cfg: InspectConfig) -> dict:
 
 
 def main(argv=None):
-    cfg = parse_cli(InspectConfig, __doc__.split("\n\n")[0], argv)
+    cfg = parse_cli(InspectConfig, __doc__.split("\n\n")[0], argv, prog="python -m jaxrlhf.inspect")
     try:
         run(cfg)
     except (CheckpointError, ConfigError, ValueError) as e:

@@ -36,7 +36,7 @@ def test_hh_rlhf_parses_and_reconstructs_the_dialogues(hh):
 
 
 def test_hh_rlhf_without_skip_stops_at_the_first_bad_row(hh):
-    with pytest.raises(DataError, match=r"jsonl\.gz:87: prompt with no response \(field 'chosen' is empty\) \(set on_bad_row: skip"):
+    with pytest.raises(DataError, match=r"jsonl\.gz:87: prompt with no response \(field 'chosen' is empty\) \(set on_bad_row to 'skip'"):
         read_source(str(hh))
 
 
@@ -234,3 +234,31 @@ def test_synthetic_source_is_the_default_and_feeds_every_step(tok):
     pairs = step_records(config, 2)[0]["train"]
     rewards = np.array([[gold_reward(r.prompt, r.chosen), gold_reward(r.prompt, r.rejected)] for r in pairs])
     assert 0.85 < np.mean(rewards[:, 0] > rewards[:, 1]) < 0.95  # labels by the gold rule, 10 % flipped
+
+
+def test_unsupervised_blocks_for_the_mixture_loss(tmp_path, tok, assets):
+    texts = [json.loads(line)["question"] for line in open(assets / "data" / "gsm8k" / "test.jsonl")][:50]
+    src = _write(tmp_path / "texts.jsonl", [json.dumps({"text": t}) for t in texts])
+    config = DataConfig(unsupervised_data_path=(str(src),), unsupervised_block_size=64, cache_dir=str(tmp_path / "c"))
+    data = prepare(config, "unsupervised", tok, log=lambda _: None)
+    stream = [t for ids in tok(texts, add_special_tokens=False)["input_ids"] for t in ids + [2]]
+    n = len(stream) // 64
+    assert data["stats"]["train"]["blocks"] == n
+    b = make_batch(data["train"], [0, n - 1], "unsupervised", config, tok.pad_token_id)
+    assert b["input_ids"][0].tolist() == stream[:64] and b["input_ids"][1].tolist() == stream[(n - 1) * 64 : n * 64]
+    assert b["attention_mask"].all() and b["loss_mask"][:, 1:].all()
+    (tmp_path / "bad.jsonl").write_text('{"txt": "x"}\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl:1: expected a row with a string field 'text', got \['txt'\]"):
+        prepare(dataclasses.replace(config, unsupervised_data_path=(str(tmp_path / "bad.jsonl"),)), "unsupervised", tok)
+
+
+def test_prepare_cli(assets, tmp_path, capsys):
+    from jaxrlhf.data.__main__ import main
+
+    main([f"tokenizer={assets / 'opt-tokenizer'}", "steps=[3]", f"data.cache_dir={tmp_path}", "data.max_prompt_len=32"])
+    out = capsys.readouterr().out
+    assert "step 3: 1440 train, 160 eval" in out and "prompt_ids sample: '</s>\\n\\nHuman: Sort these letters:" in out
+    with pytest.raises(SystemExit, match="tokenizer: required"):
+        main(["steps=[1]"])
+    with pytest.raises(SystemExit, match="no tokenizer found"):
+        main([f"tokenizer={tmp_path}"])

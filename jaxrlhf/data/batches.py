@@ -3,6 +3,7 @@
     step 1  input_ids, attention_mask, loss_mask   [B, max_seq_len]     right-padded
     step 2  chosen_ids, chosen_mask, rejected_ids, rejected_mask [B, max_seq_len]   right-padded
     step 3  prompt_ids, prompt_mask                [B, max_prompt_len]  LEFT-padded (generation appends)
+    "unsupervised"  input_ids, attention_mask, loss_mask  [B, unsupervised_block_size]  (no padding)
 
 `loss_mask[b, t] = 1` where token t is a training target: every real token after BOS, or with
 `mask_prompt` only the response and its EOS. The LM loss predicts ids[:, 1:] from logits[:, :-1] and
@@ -40,10 +41,11 @@ def make_batch(arrays: dict, idx, step: int, config: DataConfig, pad_id: int) ->
         for field in ("chosen", "rejected"):
             batch[f"{field}_ids"], batch[f"{field}_mask"] = _pad(_rows(arrays, f"{field}_", idx), config.max_seq_len, pad_id, left=False)
         return batch
-    ids, mask = _pad(_rows(arrays, "", idx), config.max_seq_len, pad_id, left=False)
+    length = config.unsupervised_block_size if step == "unsupervised" else config.max_seq_len
+    ids, mask = _pad(_rows(arrays, "", idx), length, pad_id, left=False)
     loss_mask = mask.copy()
-    loss_mask[:, 0] = 0  # BOS is never a target
-    if config.mask_prompt:
+    loss_mask[:, 0] = 0  # BOS (or a block's first token) is never a target
+    if config.mask_prompt and step == 1:
         starts = arrays["prompt_len"][np.asarray(idx)]
         loss_mask[np.arange(ids.shape[1])[None, :] < starts[:, None]] = 0
     return {"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask}

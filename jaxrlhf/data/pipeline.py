@@ -12,6 +12,8 @@ Tokenized sets are ragged (tokens + offsets), padded only when batched (batches.
     step 1   sequence = BOS + prompt + chosen + EOS, cut to max_seq_len; `prompt_len` for the loss mask
     step 2   chosen and rejected sequences as in step 1
     step 3   BOS + prompt; prompts longer than max_prompt_len are dropped (and counted), never cut
+    "unsupervised"  texts joined with EOS between them and cut into blocks of unsupervised_block_size
+             (DeepSpeed-Chat's group_texts), for the mixture LM loss of Step 3
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Literal
 
 import numpy as np
 
-from jaxrlhf.data.sources import DataError, Record, Report, fingerprint, read_source
+from jaxrlhf.data.sources import DataError, Record, Report, fingerprint, read_source, read_texts
 
 CACHE_VERSION = 1  # bump when the tokenized format or any adapter's output changes
 
@@ -52,6 +54,10 @@ class DataConfig:
     mask_prompt: bool = False
     #: what to do with a malformed row: stop with its file and line ("error"), or count and drop it ("skip")
     on_bad_row: Literal["error", "skip"] = "error"
+    #: plain-text datasets for Step 3's mixture LM loss (.txt, rows with "text", or hub "name:config")
+    unsupervised_data_path: tuple[str, ...] = ()
+    #: tokens per block of the unsupervised set (DeepSpeed-Chat: max prompt + max answer)
+    unsupervised_block_size: int = 512
     #: where tokenized sets are cached (default: ~/.cache/jaxrlhf/data)
     cache_dir: str | None = None
 
@@ -162,6 +168,16 @@ def tokenize(records: list[Record], tokenizer, step: int, config: DataConfig) ->
 # -------------------------------------------------------------------------------------------- cache
 
 
+def lm_blocks(texts: list[str], tokenizer, block_size: int) -> dict[str, np.ndarray]:
+    """Texts joined with EOS between them, cut into equal blocks (the remainder is dropped), as ragged
+    arrays so that `Batches(arrays, 1, ...)` serves them like Step 1 sequences."""
+    stream = [t for ids in _encode(tokenizer, texts) for t in ids + [tokenizer.eos_token_id]]
+    n = len(stream) // block_size
+    if n == 0:
+        raise DataError(f"the unsupervised texts give {len(stream)} tokens, fewer than one block of {block_size}")
+    return {"tokens": np.asarray(stream[: n * block_size], np.int32), "offsets": np.arange(n + 1) * block_size}
+
+
 def _tokenizer_hash(tokenizer) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
@@ -177,7 +193,7 @@ def cache_key(config: DataConfig, step: int, tokenizer) -> str:
         "version": CACHE_VERSION,
         "step": step,
         "config": fields,
-        "sources": [fingerprint(s) for s in (*config.data_path, *config.sft_only_data_path)],
+        "sources": [fingerprint(s) for s in (*config.data_path, *config.sft_only_data_path, *config.unsupervised_data_path)],
         "tokenizer": _tokenizer_hash(tokenizer),
     }
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:20]
@@ -187,10 +203,11 @@ def _cache_dir(config: DataConfig) -> Path:
     return Path(config.cache_dir or os.environ.get("JAXRLHF_CACHE", Path.home() / ".cache" / "jaxrlhf" / "data"))
 
 
-def prepare(config: DataConfig, step: int, tokenizer, *, log=print) -> dict[str, dict[str, np.ndarray]]:
-    """The tokenized train and eval sets of `step`, read from the cache when nothing that shapes them changed.
+def prepare(config: DataConfig, step: int | str, tokenizer, *, log=print) -> dict[str, dict[str, np.ndarray]]:
+    """The tokenized train and eval sets of `step` (1, 2, 3 or "unsupervised"), read from the cache when
+    nothing that shapes them changed.
 
-    Returns {"train": arrays, "eval": arrays, "stats": {...}} (see `tokenize` for the arrays).
+    Returns {"train": arrays, "eval": arrays, "stats": {...}} (see `tokenize` and `lm_blocks`).
     """
     key = cache_key(config, step, tokenizer)
     file = _cache_dir(config) / f"step{step}-{key}.npz"
@@ -200,15 +217,23 @@ def prepare(config: DataConfig, step: int, tokenizer, *, log=print) -> dict[str,
             data["stats"] = json.loads(str(z["stats"]))
         log(f"data: step {step} from cache {file}")
         return data
-    records, reports = step_records(config, step)
-    for report in reports:
-        log(f"data: {report}")
-    data, stats = {}, {}
-    for part in ("train", "eval"):
-        data[part], stats[part] = tokenize(records[part], tokenizer, step, config)
-    data["stats"] = stats
+    if step == "unsupervised":
+        if not config.unsupervised_data_path:
+            raise DataError("no unsupervised data: set unsupervised_data_path")
+        texts = [t for spec in config.unsupervised_data_path for t in read_texts(spec)]
+        train = lm_blocks(texts, tokenizer, config.unsupervised_block_size)
+        empty = {"tokens": np.zeros(0, np.int32), "offsets": np.zeros(1, np.int64)}
+        data = {"train": train, "eval": empty, "stats": {"train": {"blocks": len(train["offsets"]) - 1}}}
+    else:
+        records, reports = step_records(config, step)
+        for report in reports:
+            log(f"data: {report}")
+        data, stats = {}, {}
+        for part in ("train", "eval"):
+            data[part], stats[part] = tokenize(records[part], tokenizer, step, config)
+        data["stats"] = stats
     _atomic_savez(file, data)
-    log(f"data: step {step}: {stats}; cached at {file}")
+    log(f"data: step {step}: {data['stats']}; cached at {file}")
     return data
 
 

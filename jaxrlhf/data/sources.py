@@ -209,7 +209,7 @@ def _collect(source: str, rows: Iterable[tuple[str, Any]], convert, on_bad_row: 
         except (DataError, KeyError, TypeError, ValueError) as e:
             reason = f"{where}: {e if isinstance(e, DataError) else f'missing or bad field {e}'}"
             if on_bad_row != "skip" and not isinstance(e, SkipRow):
-                raise DataError(reason + " (set on_bad_row: skip to drop such rows)") from None
+                raise DataError(reason + " (set on_bad_row to 'skip' to drop such rows)") from None
             report.skip(reason)
     if not records:
         raise DataError(f"{source}: no usable records" + (f" ({report})" if report.skipped else ""))
@@ -292,3 +292,37 @@ def fingerprint(spec: str) -> str:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 h.update(chunk)
     return h.hexdigest()
+
+
+def read_texts(spec: str) -> list[str]:
+    """Plain texts for the unsupervised (pretraining-mixture) set: a .txt file (one text), rows with a
+    "text" field in json/jsonl/parquet files or datasets folders, or a hub dataset "name[:config]"."""
+    path = Path(spec)
+    if path.is_file() and path.suffix == ".txt":
+        text = path.read_text(encoding="utf-8")
+        if not text.strip():
+            raise DataError(f"{path}: the file is empty")
+        return [text]
+
+    def text_field(row):
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+            raise DataError(f"expected a row with a string field 'text', got {sorted(row) if isinstance(row, dict) else row!r}")
+        return row["text"]
+
+    if path.is_file():
+        return _collect(spec, _rows(path), text_field, "error")[0]
+    try:
+        from datasets import load_dataset, load_from_disk
+    except ImportError:
+        raise DataError(f"{spec}: needs `pip install datasets`") from None
+    if path.is_dir():
+        data = load_from_disk(str(path))
+    else:
+        name, _, config = spec.partition(":")
+        try:
+            data = load_dataset(name, config or None)
+        except Exception as e:  # noqa: BLE001 - offline or unknown name
+            raise DataError(f"{spec}: not a file, a folder, or a dataset the hub returned ({type(e).__name__}: {e})") from None
+    data = data["train"] if "train" in getattr(data, "keys", lambda: [])() else data
+    return _collect(spec, ((f"{spec} row {i}", row) for i, row in enumerate(data)), text_field, "error")[0]
+

@@ -1,0 +1,57 @@
+"""`python -m jaxrlhf.data`: read, split and tokenize the datasets of every step, cache them, show a sample.
+
+Run it before training to find bad rows, over-long prompts and truncation in seconds, not after minutes
+of compiling. A second run reads the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from jaxrlhf.config import ConfigError, parse_cli
+from jaxrlhf.data.batches import make_batch, num_rows
+from jaxrlhf.data.pipeline import DataConfig, prepare
+from jaxrlhf.data.sources import DataError
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepareConfig:
+    #: tokenizer folder: an HF model or tokenizer folder, or one holding OPT's vocab.json + merges.txt
+    tokenizer: str = ""
+    #: which steps to prepare (1, 2, 3); the unsupervised set too when data.unsupervised_data_path is set
+    steps: tuple[int, ...] = (1, 2, 3)
+    data: DataConfig = DataConfig()
+
+
+def run(cfg: PrepareConfig, out=print) -> dict:
+    from jaxrlhf.tokenizer import load_tokenizer
+
+    if not cfg.tokenizer:
+        raise ConfigError("tokenizer: required, e.g. tokenizer=/data/opt-1.3b")
+    tok = load_tokenizer(cfg.tokenizer)
+    steps = list(cfg.steps) + (["unsupervised"] if cfg.data.unsupervised_data_path else [])
+    results = {}
+    for step in steps:
+        data = prepare(cfg.data, step, tok, log=out)
+        results[step] = data
+        out(f"\nstep {step}: {num_rows(data['train'])} train, {num_rows(data['eval'])} eval; {data['stats']}")
+        if num_rows(data["train"]):
+            batch = make_batch(data["train"], [0], step, cfg.data, tok.pad_token_id)
+            for key, value in batch.items():
+                if key.endswith("ids"):
+                    mask = batch[key.replace("ids", "mask")] if key != "input_ids" else batch["attention_mask"]
+                    out(f"  {key} sample: {tok.decode(value[0][mask[0] == 1])!r}")
+    return results
+
+
+def main(argv=None):
+    cfg = parse_cli(PrepareConfig, __doc__.split("\n\n")[0], argv, prog="python -m jaxrlhf.data")
+    try:
+        run(cfg)
+    except (DataError, ConfigError, ValueError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()
