@@ -101,8 +101,9 @@ def build(cls, values: dict, where: dict[str, str] | None = None, prefix: str = 
             kwargs[key] = _convert(value, tp, f"{loc}: '{dotted}'")
     try:
         return cls(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{where.get(prefix.rstrip('.'), '<config>')}: {prefix.rstrip('.') or cls.__name__}: {e}") from None
+    except (TypeError, ValueError) as e:  # a check across fields failed: point at where this section was set
+        loc = where.get(prefix.rstrip(".")) or next((v for k, v in where.items() if k.startswith(prefix)), "<defaults>")
+        raise ConfigError(f"{loc}: {prefix.rstrip('.') or cls.__name__}: {e}") from None
 
 
 def _yaml_with_lines(path: Path) -> tuple[dict, dict[str, str]]:

@@ -14,7 +14,8 @@
 
 Which dimension of a parameter is which is data: `PARAM_AXES` maps parameter paths to a logical axis
 per dimension; `TP_RULES` maps logical axes to mesh axes. A leaf that no entry covers is an error, never
-a silent replica. Optimizer-state trees shard like the parameters they mirror (paths end the same way).
+a silent replica. Optimizer-state trees shard like the parameters they mirror (paths end the same way);
+LoRA factors (`.../lora_a`, `.../lora_b`) take the axes of their kernel, with none on the rank dimension.
 """
 
 from __future__ import annotations
@@ -81,6 +82,11 @@ def logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
     """The logical axis of each dimension of the leaf at `path` (a '/'-joined parameter path)."""
     if ndim == 0:  # scalars (optimizer step counts) are replicated everywhere
         return ()
+    leaf = path.rpartition("/")[2]
+    if leaf in ("lora_a", "lora_b"):  # LoRA factors (jaxrlhf.lora): their kernel's axes, None on the rank
+        axes = list(logical_axes(path[: -len(leaf)] + "kernel", ndim))
+        axes[-1 if leaf == "lora_a" else -2] = None
+        return tuple(axes)
     for pattern, axes in PARAM_AXES:
         if re.search(f"(^|/){pattern}$", path):
             if len(axes) != ndim:

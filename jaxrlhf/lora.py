@@ -1,0 +1,186 @@
+"""LoRA adapters (DeepSpeed-Chat's `--lora_dim`, `--lora_module_name`): a separate trainable subtree.
+
+Every Linear kernel whose dotted module path contains `LoRAConfig.module_name` gets two low-rank
+factors of rank r = `dim`, kept in a tree of their own that mirrors only the adapted modules
+(default filter "decoder.layers."):
+
+    params (untouched)                              lora (new, trainable)
+    decoder/embed_tokens/embedding  [V, E]          never adapted (nor embed_positions)
+    decoder/layers/
+        self_attn/q_proj/kernel     [L, D, D]       self_attn/q_proj/lora_a  [L, D, r]
+                         bias       [L, D]                           lora_b  [L, r, D]
+        self_attn/{k,v,out}_proj    likewise        likewise
+        fc1/kernel                  [L, D, F]       fc1/lora_a [L, D, r]   fc1/lora_b [L, r, F]
+        fc2/kernel                  [L, F, D]       fc2/lora_a [L, F, r]   fc2/lora_b [L, r, D]
+        LayerNorms, biases          as they are     -
+    decoder/project_{in,out}/kernel [E, D], [D, E]  only if the filter matches ("decoder."): lora_a [E, r] ...
+
+`fuse(params, lora, cfg)` returns the tree the model runs with, the same paths as `params`:
+
+    kernel' = kernel + (lora_a @ lora_b) * (scaling / dim)     in float32, cast back to kernel's dtype
+
+lora_a is DeepSpeed-Chat's `lora_right_weight` (Kaiming-uniform, a = sqrt(5)), lora_b its
+`lora_left_weight` (zeros), so at initialisation the fused model is the base model exactly.
+
+The adapters are never folded into the base weights while training: the training step calls `fuse`
+every step and differentiates through it, and the adapters keep their own gradients and optimizer
+state. Folding in place and unfolding later would round `kernel + delta` to bf16 each time, and
+subtracting `delta` again would not give the base weights back (the rounding error accumulates step
+by step, and the reference model, which is the frozen base, would drift). The price: inside the step
+each adapted kernel exists twice (base and fused, both sharded), and the backward pass forms its full
+gradient dW before reducing it to d lora_a = dW @ lora_b^T * s and d lora_b = lora_a^T @ dW * s.
+Generation and export fuse once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxrlhf.sharding import path_str
+
+_LEAVES = ("lora_a", "lora_b")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    #: LoRA rank (DeepSpeed-Chat's lora_dim); 0 turns LoRA off
+    dim: int = 0
+    #: adapt every Linear whose dotted module path (e.g. decoder.layers.self_attn.q_proj) contains this
+    module_name: str = "decoder.layers."
+    #: the adapter output is multiplied by scaling / dim (DeepSpeed-Chat's lora_scaling)
+    scaling: float = 1.0
+    #: train only the adapters; all base weights (biases, LayerNorms, embeddings too) stay frozen
+    only_optimize_lora: bool = False
+    #: learning rate of the adapter weights (default: the base learning rate)
+    learning_rate: float | None = None
+
+    def __post_init__(self):
+        if self.dim < 0:
+            raise ValueError(f"LoRAConfig.dim: expected >= 0 (0 = LoRA off), got {self.dim}")
+        if not self.module_name:
+            raise ValueError("LoRAConfig.module_name: expected a non-empty module path fragment, e.g. decoder.layers.")
+        if not self.scaling > 0:
+            raise ValueError(f"LoRAConfig.scaling: expected > 0, got {self.scaling}")
+        if self.only_optimize_lora and self.dim == 0:
+            raise ValueError("LoRAConfig.only_optimize_lora: needs LoRA on (dim > 0)")
+        if self.learning_rate is not None and not self.learning_rate > 0:
+            raise ValueError(f"LoRAConfig.learning_rate: expected > 0 or None, got {self.learning_rate}")
+
+
+def _kernels(params: Any) -> dict[str, Any]:
+    """Linear kernels by module path ('decoder/layers/fc1'): leaves named 'kernel', [in, out] or [L, in, out]."""
+    out = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        module, _, name = path_str(path).rpartition("/")
+        if name == "kernel" and len(x.shape) in (2, 3):
+            out[module] = x
+    return out
+
+
+def _targets(params: Any, cfg: LoRAConfig) -> dict[str, Any]:
+    """The kernels `cfg.module_name` selects, matched like DeepSpeed-Chat against dotted module names."""
+    kernels = _kernels(params)
+    out = {m: k for m, k in kernels.items() if cfg.module_name in m.replace("/", ".")}
+    if not out:
+        names = sorted(m.replace("/", ".") for m in kernels)
+        raise ValueError(
+            f"LoRA module_name {cfg.module_name!r} matches no Linear kernel; available modules: "
+            f"{', '.join(names[:8])}{', ...' if len(names) > 8 else ''}"
+        )
+    return out
+
+
+def adapted_mask(params: Any, cfg: LoRAConfig) -> Any:
+    """True at the kernels that carry adapters (False everywhere when LoRA is off).
+
+    DeepSpeed-Chat freezes these kernels as soon as LoRA is on: their change is learnt by the adapters
+    alone; `only_optimize_lora` additionally freezes everything else.
+    """
+    targets = set(_targets(params, cfg)) if cfg.dim else set()
+    return jax.tree_util.tree_map_with_path(lambda p, _: path_str(p).rpartition("/")[0] in targets
+                                            and path_str(p).endswith("/kernel"), params)
+
+
+def init_lora(params: Any, cfg: LoRAConfig, key, *, dtype=None) -> dict | None:
+    """Fresh adapters for the kernels of `params` (arrays or ShapeDtypeStructs) that `cfg` selects.
+
+    lora_a [..., in, dim] ~ U(-1/sqrt(dim), 1/sqrt(dim)), independent per layer: what torch's
+    `kaiming_uniform_(a=sqrt(5))` gives DeepSpeed-Chat's [in, dim] `lora_right_weight` (fan_in = dim).
+    lora_b [..., dim, out] = 0. `dtype`: the kernel's unless given (float32 adapters on bf16 weights
+    are the usual choice). None when LoRA is off (dim == 0).
+    """
+    if cfg.dim == 0:
+        return None
+    targets = _targets(params, cfg)
+    shapes = tuple(
+        (m, tuple(k.shape), jnp.dtype(k.dtype if dtype is None else dtype)) for m, k in sorted(targets.items())
+    )
+    return _init(shapes, cfg.dim, key)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _init(shapes: tuple, dim: int, key) -> dict:  # one compiled program for the whole tree
+    lora: dict = {}
+    bound = 1.0 / math.sqrt(dim)
+    for (module, (*lead, n_in, n_out), dtype), k in zip(shapes, jax.random.split(key, len(shapes))):
+        a = jax.random.uniform(k, (*lead, n_in, dim), jnp.float32, -bound, bound).astype(dtype)
+        node = lora
+        for part in module.split("/"):
+            node = node.setdefault(part, {})
+        node.update(lora_a=a, lora_b=jnp.zeros((*lead, dim, n_out), dtype))
+    return lora
+
+
+def _adapters(lora: Any) -> dict[str, dict[str, Any]]:
+    """{module path: {"lora_a": a, "lora_b": b}} from a LoRA tree, refusing anything else in it."""
+    out: dict[str, dict[str, Any]] = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(lora)[0]:
+        module, _, name = path_str(path).rpartition("/")
+        if name not in _LEAVES:
+            raise ValueError(f"{path_str(path)}: not a LoRA leaf; a LoRA tree holds only lora_a and lora_b")
+        out.setdefault(module, {})[name] = x
+    for module, pair in out.items():
+        if len(pair) != 2:
+            raise ValueError(f"{module}: a LoRA adapter needs both lora_a and lora_b, got only {sorted(pair)}")
+    return out
+
+
+def fuse(params: Any, lora: Any, cfg: LoRAConfig) -> Any:
+    """`params` with every adapted kernel replaced by kernel + (lora_a @ lora_b) * scaling / dim.
+
+    A new tree; all other leaves are the same objects. Pure and jittable (the training step calls it
+    every step and differentiates through it). With `lora` None or dim == 0, `params` itself comes back.
+    """
+    if lora is None or cfg.dim == 0:
+        return params
+    adapters = _adapters(lora)
+    kernels = _kernels(params)
+    unknown = sorted(set(adapters) - set(kernels))
+    if unknown:
+        raise ValueError(f"LoRA adapters {unknown} have no Linear kernel in params (modules: {sorted(kernels)})")
+    for module, pair in adapters.items():
+        *lead, n_in, n_out = kernels[module].shape
+        a, b = pair["lora_a"].shape, pair["lora_b"].shape
+        if a != (*lead, n_in, cfg.dim) or b != (*lead, cfg.dim, n_out):
+            raise ValueError(
+                f"LoRA adapter {module}: lora_a {a} and lora_b {b} do not fit its kernel "
+                f"{kernels[module].shape} with dim {cfg.dim}"
+            )
+    scale = cfg.scaling / cfg.dim
+
+    def one(path, x):
+        module, _, name = path_str(path).rpartition("/")
+        if name != "kernel" or module not in adapters:
+            return x
+        a, b = (adapters[module][n].astype(jnp.float32) for n in _LEAVES)
+        # HIGHEST: a true float32 product (not TF32) on GPUs; a rank-dim matmul, cheap next to the model.
+        delta = jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)  # [..., in, out], batched over L
+        return (x.astype(jnp.float32) + delta * scale).astype(x.dtype)
+
+    return jax.tree_util.tree_map_with_path(one, params)

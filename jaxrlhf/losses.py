@@ -1,0 +1,78 @@
+"""The losses of every step as small pure functions on masked arrays; each formula is in its docstring.
+
+Losses return SUMS and the count they are over (`(total, count, metrics)`), not means: a step that
+accumulates micro-batches, or splits a batch over devices, adds the sums and divides once, so the result
+is the same however the batch was cut.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def masked_mean(x, mask):
+    """sum(x * mask) / sum(mask) (0 when the mask is empty)."""
+    mask = mask.astype(x.dtype)
+    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def token_logprobs(logits, input_ids):
+    """log p(ids[:, t + 1] | ids[:, : t + 1]) for t = 0 .. T - 2: [B, T - 1] float32, from logits [B, T, V]."""
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp, input_ids[:, 1:, None], axis=-1)[..., 0]
+
+
+def lm_loss(logits, input_ids, loss_mask):
+    """Next-token cross-entropy: (sum over targets of -log p(target), number of targets, metrics).
+
+    `loss_mask[b, t] = 1` marks token t as a target (see jaxrlhf.data.batches); it is predicted from
+    the logits at t - 1.
+    """
+    mask = loss_mask[:, 1:].astype(jnp.float32)
+    nll = -token_logprobs(logits, input_ids) * mask
+    total, count = jnp.sum(nll), jnp.sum(mask)
+    return total, count, {"loss": total, "tokens": count}
+
+
+def end_scores(values, mask):
+    """The value at each row's last real token: [B] from values [B, T] and a right-padded mask [B, T]."""
+    last = jnp.maximum(jnp.sum(mask, axis=1) - 1, 0)
+    return jnp.take_along_axis(values, last[:, None], axis=1)[:, 0]
+
+
+def reward_loss(chosen_values, rejected_values, chosen_ids, rejected_ids, chosen_mask, rejected_mask, *,
+                kind: str = "span"):
+    """Pairwise reward-model loss over B right-padded pairs: (sum of per-pair losses, pairs, metrics).
+
+    kind="span" (DeepSpeed-Chat's): for each pair, the mean of -log sigmoid(v_chosen[t] - v_rejected[t])
+    over t from the first position where the two token sequences differ up to (not including) the later
+    of their two ends. Pairs with identical sequences have an empty span and add nothing.
+    kind="last": the Bradley-Terry loss on end scores, -log sigmoid(end_chosen - end_rejected).
+    Metrics (sums over pairs): accuracy (end_chosen > end_rejected), chosen and rejected end scores.
+    """
+    c_end, r_end = end_scores(chosen_values, chosen_mask), end_scores(rejected_values, rejected_mask)
+    if kind == "last":
+        per_pair = -jax.nn.log_sigmoid(c_end - r_end)
+        pairs = jnp.ones_like(per_pair)
+    elif kind == "span":
+        T = chosen_ids.shape[1]
+        t = jnp.arange(T)[None, :]
+        differ = (chosen_ids != rejected_ids) & ((chosen_mask + rejected_mask) > 0)
+        start = jnp.where(differ.any(1), jnp.argmax(differ, axis=1), T)
+        end = jnp.maximum(chosen_mask.sum(1), rejected_mask.sum(1))
+        span = ((t >= start[:, None]) & (t < end[:, None])).astype(jnp.float32)
+        per_token = -jax.nn.log_sigmoid(chosen_values - rejected_values)
+        n = span.sum(1)
+        per_pair = jnp.sum(per_token * span, axis=1) / jnp.maximum(n, 1)
+        pairs = (n > 0).astype(jnp.float32)
+    else:
+        raise ValueError(f"reward loss kind: expected 'span' or 'last', got {kind!r}")
+    metrics = {
+        "loss": jnp.sum(per_pair * pairs),
+        "pairs": jnp.float32(chosen_ids.shape[0]),
+        "accuracy": jnp.sum((c_end > r_end).astype(jnp.float32)),
+        "chosen_score": jnp.sum(c_end),
+        "rejected_score": jnp.sum(r_end),
+    }
+    return jnp.sum(per_pair * pairs), jnp.sum(pairs), metrics

@@ -1,0 +1,130 @@
+"""Step 2, `python -m jaxrlhf.reward`: train a reward model on preference pairs, or score answers with one.
+
+    python -m jaxrlhf.reward model=runs/sft/model output_dir=runs/reward [key=value ...]      train
+    python -m jaxrlhf.reward model=runs/reward/model score_file=pairs.jsonl                  score
+
+The reward model is the OPT decoder with a value head (Linear(E, 1), no bias); a sequence's score is the
+head's output at its last real token. Training minimises DeepSpeed-Chat's pairwise loss over the span
+where chosen and rejected differ (loss_kind=last: Bradley-Terry on end scores). Evaluation: accuracy and
+the mean chosen and rejected scores on held-out pairs. `score_file` (json/jsonl rows with prompt and
+answer, or prompt, chosen and rejected) prints each score instead of training (DeepSpeed-Chat's rw_eval).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrlhf.config import ConfigError, parse_cli
+from jaxrlhf.data import Batches, DataError, prepare
+from jaxrlhf.losses import end_scores, reward_loss
+from jaxrlhf.models.opt import values
+from jaxrlhf.trainer import (OptimConfig, RunConfig, check_run, create_state, effective_params, eval_batches, fit, load_model,
+                             make_optimizer, total_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig(RunConfig):
+    output_dir: str = "runs/reward"
+    #: DeepSpeed-Chat's Step 2 settings for OPT-350m
+    optim: OptimConfig = OptimConfig(learning_rate=5e-5, weight_decay=0.1)
+    #: "span": DeepSpeed-Chat's loss over the tokens where the pair differs; "last": Bradley-Terry on end scores
+    loss_kind: Literal["span", "last"] = "span"
+    #: score the (prompt, answer) rows of this json/jsonl file with `model` instead of training
+    score_file: str | None = None
+
+
+def reward_loss_fn(config, kind: str):
+    def loss_fn(params, batch, key):
+        ids = jnp.concatenate([batch["chosen_ids"], batch["rejected_ids"]])  # one forward for both halves
+        mask = jnp.concatenate([batch["chosen_mask"], batch["rejected_mask"]])
+        v = values(config, params, ids, mask, dropout_rng=key)
+        n = batch["chosen_ids"].shape[0]
+        return reward_loss(v[:n], v[n:], batch["chosen_ids"], batch["rejected_ids"], batch["chosen_mask"],
+                           batch["rejected_mask"], kind=kind)
+
+    return loss_fn
+
+
+def summarise(sums) -> dict:
+    pairs = max(float(sums["pairs"]), 1.0)
+    return {"loss": float(sums["loss"]) / max(float(sums["count"]), 1.0), "accuracy": float(sums["accuracy"]) / pairs,
+            "chosen_score": float(sums["chosen_score"]) / pairs, "rejected_score": float(sums["rejected_score"]) / pairs}
+
+
+def score_texts(config, params, tokenizer, prompts: list[str], answers: list[str], max_len: int = 512, batch: int = 8):
+    """The reward model's score of each (prompt, answer): BOS + prompt + answer + EOS, value at the last token."""
+    scores = []
+    score_fn = jax.jit(lambda p, i, m: end_scores(values(config, p, i, m), m))
+    for start in range(0, len(prompts), batch):
+        seqs = [[tokenizer.bos_token_id] + tokenizer(p + a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                for p, a in zip(prompts[start : start + batch], answers[start : start + batch])]
+        seqs = [s[:max_len] for s in seqs]
+        ids = np.full((len(seqs), max_len), tokenizer.pad_token_id, np.int32)
+        mask = np.zeros_like(ids)
+        for b, s in enumerate(seqs):
+            ids[b, : len(s)], mask[b, : len(s)] = s, 1
+        scores += np.asarray(score_fn(params, ids, mask)).tolist()
+    return scores
+
+
+def score(cfg: RewardConfig, log=print) -> list[dict]:
+    config, params, tokenizer = load_model(cfg, value_head=True)
+    path = Path(cfg.score_file)
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.suffix == ".jsonl" else json.loads(path.read_text())
+    out = []
+    for i, row in enumerate(rows):
+        if "prompt" not in row or not ({"answer"} <= row.keys() or {"chosen", "rejected"} <= row.keys()):
+            raise DataError(f"{path} row {i}: expected fields prompt + answer, or prompt + chosen + rejected; got {sorted(row)}")
+    for row in rows:
+        answers = [row["answer"]] if "answer" in row else [row["chosen"], row["rejected"]]
+        s = score_texts(config, params, tokenizer, [row["prompt"]] * len(answers), answers, cfg.data.max_seq_len)
+        out.append({"prompt": row["prompt"], "scores": s})
+        log(json.dumps({"prompt": row["prompt"][-80:], "scores": [round(x, 4) for x in s]}))
+    pairs = [r["scores"] for r in out if len(r["scores"]) == 2]
+    if pairs:
+        log(f"accuracy (chosen > rejected) over {len(pairs)} pairs: {np.mean([c > r for c, r in pairs]):.3f}")
+    return out
+
+
+def run(cfg: RewardConfig, log=print, mesh=None) -> dict:
+    """Step 2 on `mesh` (default: all devices, "model" axis of size cfg.tp); returns the state and records."""
+    from jaxrlhf.checkpoint import save_hf
+    from jaxrlhf.sharding import make_mesh
+
+    mesh = mesh or make_mesh(cfg.tp)
+    check_run(cfg, mesh.size)
+    config, params, tokenizer = load_model(cfg, value_head=True)
+    data = prepare(cfg.data, 2, tokenizer, log=log)
+    pad = tokenizer.pad_token_id
+    batches = Batches(data["train"], 2, cfg.batch_size, cfg.data, pad,
+                      process_index=jax.process_index(), process_count=jax.process_count())
+    steps = total_steps(cfg, len(batches))
+    tx = make_optimizer(cfg.optim, steps, cfg.lora)
+    state = create_state(params, cfg.lora, tx, jax.random.key(cfg.seed), mesh)
+    state, records = fit(cfg, state, reward_loss_fn(config, cfg.loss_kind), tx, batches,
+                         eval_batches(data["eval"], 2, cfg, pad), summarise, mesh, total_steps=steps, log=log)
+    final = jax.device_get(effective_params(state, cfg.lora))
+    saved = dataclasses.replace(config, dtype="float32", remat=False)
+    out = save_hf(Path(cfg.output_dir) / "model", saved, final, tokenizer) if jax.process_index() == 0 else None
+    log(f"Step 2 done: reward model (HF folder + value_head.safetensors) in {out}")
+    return {"state": state, "records": records, "config": config, "model_dir": out}
+
+
+def main(argv=None):
+    cfg = parse_cli(RewardConfig, __doc__.split("\n\n")[0], argv, prog="python -m jaxrlhf.reward")
+    try:
+        score(cfg) if cfg.score_file else run(cfg)
+    except (ConfigError, DataError, ValueError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

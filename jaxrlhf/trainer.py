@@ -1,0 +1,458 @@
+"""The training loop of Steps 1 and 2: one pure jitted step, FSDP layout, Orbax checkpoints, metrics.
+
+    state = {"trainable": {"params": ..., "lora": ...},   what the optimizer updates (fp32 master weights)
+             "frozen":    {"params": ...},                the base weights under only_optimize_lora
+             "opt": optax state, "step": int32, "rng": uint32[2] key data}
+
+    train_step(state, batch) -> (state, metrics)
+        batch leaves are [accumulation, B / accumulation, ...]; a scan over the micro-batches sums each
+        loss's (total, count) and gradients, then divides once, so 1 or k micro-batches and 1 or 8 devices
+        give the same update. LoRA adapters are fused into the weights inside the step (never in place).
+
+Every leaf of the state lives in the FSDP layout (jaxrlhf.sharding); the batch is split over all
+devices. The step is jitted once with explicit shardings and the state donated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxrlhf.data import DataConfig
+from jaxrlhf.lora import LoRAConfig, adapted_mask, fuse, init_lora
+from jaxrlhf.sharding import FSDP_AXES, make_mesh, path_str, shardings_for
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    #: peak learning rate
+    learning_rate: float = 9.65e-6
+    #: AdamW weight decay (never applied to biases and LayerNorm weights)
+    weight_decay: float = 0.0
+    #: Adam betas (DeepSpeed-Chat's)
+    betas: tuple[float, ...] = (0.9, 0.95)
+    #: Adam epsilon
+    eps: float = 1e-8
+    #: learning-rate schedule after the warm-up
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    #: linear warm-up steps from 0 to the peak
+    warmup_steps: int = 0
+    #: clip the global gradient norm to this (0: no clipping)
+    clip_grad_norm: float = 1.0
+    #: micro-batches per optimizer step (the batch is split, gradients summed)
+    gradient_accumulation_steps: int = 1
+
+    def __post_init__(self):
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas: expected two numbers in [0, 1), got {self.betas}")
+        if self.learning_rate <= 0 or self.gradient_accumulation_steps < 1 or self.warmup_steps < 0:
+            raise ValueError("learning_rate must be > 0, gradient_accumulation_steps >= 1, warmup_steps >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    #: a Hugging Face OPT folder, or random:NAME (random weights of a released OPT shape, e.g. random:opt-125m)
+    model: str = ""
+    #: tokenizer folder (default: the model folder)
+    tokenizer: str | None = None
+    #: where the HF model (model/), Orbax state (state/), metrics.jsonl and TensorBoard events (tb/) go
+    output_dir: str = "runs/step"
+    #: sequences per optimizer step, over all devices
+    batch_size: int = 16
+    #: passes over the training set
+    epochs: int = 1
+    #: stop after this many optimizer steps (0: run the epochs)
+    max_steps: int = 0
+    #: evaluate every this many steps (0: only at the end)
+    eval_every: int = 0
+    #: batches per evaluation (0: the whole eval set)
+    eval_batches: int = 0
+    #: save the training state every this many steps (0: only at the end)
+    save_every: int = 0
+    #: training states kept on disk (the newest)
+    keep_checkpoints: int = 2
+    #: continue from the newest state in output_dir/state
+    resume: bool = False
+    #: bf16: bf16 compute with fp32 master weights and optimizer; fp32; pure_bf16: bf16 everywhere
+    precision: Literal["bf16", "fp32", "pure_bf16"] = "bf16"
+    #: recompute each layer in the backward pass (DeepSpeed-Chat's --gradient_checkpointing)
+    remat: bool = False
+    #: dropout probability (null: the checkpoint's own; 0 disables it, DeepSpeed-Chat's --disable_dropout)
+    dropout: float | None = None
+    #: tensor-parallel size of the mesh's "model" axis (training is FSDP over all devices either way)
+    tp: int = 1
+    #: seed of the weights of random models, LoRA init and dropout
+    seed: int = 1234
+    #: print and write metrics every this many steps
+    log_every: int = 10
+    optim: OptimConfig = OptimConfig()
+    lora: LoRAConfig = LoRAConfig()
+    data: DataConfig = DataConfig()
+
+
+# -------------------------------------------------------------------------------------------- optimizer
+
+
+def schedule(cfg: OptimConfig, peak: float, total_steps: int):
+    decay_steps = max(total_steps - cfg.warmup_steps, 1)
+    after = {
+        "cosine": optax.cosine_decay_schedule(peak, decay_steps),
+        "linear": optax.linear_schedule(peak, 0.0, decay_steps),
+        "constant": optax.constant_schedule(peak),
+    }[cfg.schedule]
+    if cfg.warmup_steps == 0:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, cfg.warmup_steps), after], [cfg.warmup_steps])
+
+
+def decay_mask(tree):
+    """True where weight decay applies: not on biases and LayerNorm weights (DeepSpeed-Chat's no_decay)."""
+    return jax.tree_util.tree_map_with_path(lambda p, _: path_str(p).rsplit("/", 1)[-1] not in ("bias", "scale"), tree)
+
+
+def labels(trainable, lora_cfg: LoRAConfig):
+    """Optimizer label of every trainable leaf: "lora" (adapters), "frozen" (kernels that carry adapters:
+    DeepSpeed-Chat trains them only through the adapters) or "base"."""
+    out = {}
+    for key, tree in trainable.items():
+        if key == "lora":
+            out[key] = jax.tree.map(lambda _: "lora", tree)
+        else:
+            out[key] = jax.tree.map(lambda m: "frozen" if m else "base", adapted_mask(tree, lora_cfg))
+    return out
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int, lora_cfg: LoRAConfig = LoRAConfig()):
+    """AdamW over the trainable tree {"params": ..., "lora": ...} with optax's partitioning: frozen leaves
+    get a zero update and no optimizer state (`optax.masked` alone would leave them moving), the rest
+    is clipped by global norm, and the adapters have their own learning rate."""
+
+    def adamw(peak):
+        return optax.adamw(schedule(cfg, peak, total_steps), b1=cfg.betas[0], b2=cfg.betas[1], eps=cfg.eps,
+                           weight_decay=cfg.weight_decay, mask=decay_mask)
+
+    label_fn = lambda tree: labels(tree, lora_cfg)
+    zero_frozen = optax.multi_transform({"frozen": optax.set_to_zero(), "base": optax.identity(), "lora": optax.identity()}, label_fn)
+    update = optax.multi_transform({"base": adamw(cfg.learning_rate), "lora": adamw(lora_cfg.learning_rate or cfg.learning_rate),
+                                    "frozen": optax.set_to_zero()}, label_fn)
+    clip = [optax.clip_by_global_norm(cfg.clip_grad_norm)] if cfg.clip_grad_norm > 0 else []
+    return optax.chain(zero_frozen, *clip, update)
+
+
+# ------------------------------------------------------------------------------------------------ state
+
+
+def init_state(params, lora_cfg: LoRAConfig, tx, key) -> dict:
+    """The training state from (host or device) parameters; see the module docstring for its layout."""
+    lora = init_lora(params, lora_cfg, jax.random.fold_in(key, 1), dtype=jnp.float32) if lora_cfg.dim else None
+    if lora_cfg.only_optimize_lora:
+        trainable, frozen = {"lora": lora}, {"params": params}
+    else:
+        trainable, frozen = {"params": params, **({"lora": lora} if lora is not None else {})}, {}
+    return {"trainable": trainable, "frozen": frozen, "opt": tx.init(trainable), "step": jnp.zeros((), jnp.int32),
+            "rng": jax.random.key_data(key)}
+
+
+def create_state(params, lora_cfg: LoRAConfig, tx, key, mesh) -> dict:
+    """The training state built directly in the FSDP layout: no device ever holds the whole model."""
+    from jaxrlhf.sharding import reshard
+
+    params = reshard(params, "fsdp", mesh)
+    init = lambda p, k: init_state(p, lora_cfg, tx, k)
+    shardings = state_shardings(jax.eval_shape(init, params, key), mesh)
+    return jax.jit(init, out_shardings=shardings)(params, key)
+
+
+def state_shardings(state, mesh):
+    replicated = NamedSharding(mesh, P())
+    return {**{k: shardings_for(state[k], "fsdp", mesh) for k in ("trainable", "frozen", "opt")},
+            "step": replicated, "rng": replicated}
+
+
+def effective_params(state, lora_cfg: LoRAConfig):
+    """The weights the model runs with: the base (trainable or frozen) with LoRA fused in."""
+    merged = {**state["frozen"], **state["trainable"]}
+    return fuse(merged["params"], merged.get("lora"), lora_cfg)
+
+
+_global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
+
+LossFn = Callable[[Any, dict, Any], tuple[jax.Array, jax.Array, dict]]  # (params, batch, rng) -> (total, count, sums)
+
+
+def make_train_step(loss_fn: LossFn, tx, lora_cfg: LoRAConfig):
+    """The pure `train_step(state, batch) -> (state, metrics)`; metrics are sums plus "count"."""
+
+    def train_step(state, batch):
+        key, step_key = jax.random.split(jax.random.wrap_key_data(state["rng"]))
+        micro = jax.tree.leaves(batch)[0].shape[0]
+
+        def compute(trainable, mb, k):
+            total, count, sums = loss_fn(effective_params({**state, "trainable": trainable}, lora_cfg), mb, k)
+            return total, (count, sums)
+
+        def body(acc, xs):
+            mb, k = xs
+            (_, (count, sums)), grads = jax.value_and_grad(compute, has_aux=True)(state["trainable"], mb, k)
+            return jax.tree.map(jnp.add, acc, (grads, count, sums)), None
+
+        zero_grads = jax.tree.map(jnp.zeros_like, state["trainable"])
+        _, (c0, s0) = jax.eval_shape(compute, state["trainable"], jax.tree.map(lambda x: x[0], batch), step_key)
+        init = (zero_grads, jnp.zeros(c0.shape, c0.dtype), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), s0))
+        (grads, count, sums), _ = jax.lax.scan(body, init, (batch, jax.random.split(step_key, micro)))
+        grads = jax.tree.map(lambda g: g / jnp.maximum(count, 1), grads)
+        trained = [g for g, lab in zip(jax.tree.leaves(grads), jax.tree.leaves(labels(grads, lora_cfg))) if lab != "frozen"]
+        updates, opt = tx.update(grads, state["opt"], state["trainable"])
+        new = {**state, "trainable": optax.apply_updates(state["trainable"], updates), "opt": opt,
+               "step": state["step"] + 1, "rng": jax.random.key_data(key)}
+        return new, {**sums, "count": count, "grad_norm": _global_norm(trained)}
+
+    return train_step
+
+
+def make_eval_step(loss_fn: LossFn, lora_cfg: LoRAConfig):
+    def eval_step(state, batch):
+        total, count, sums = loss_fn(effective_params(state, lora_cfg), batch, None)
+        return {**sums, "count": count}
+
+    return eval_step
+
+
+# ---------------------------------------------------------------------------------------------- logging
+
+
+class MetricsLog:
+    """Metrics as JSON lines (metrics.jsonl) and TensorBoard events (tb/), from process 0 only."""
+
+    def __init__(self, out_dir: Path):
+        self.file = None
+        self.tb = None
+        if jax.process_index() != 0:
+            return
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(out_dir / "metrics.jsonl", "a")
+        try:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(str(out_dir / "tb"))
+        except ImportError:  # the GPU image has no tensorboardX; JSON lines still work
+            self.tb = None
+
+    def write(self, step: int, split: str, metrics: dict):
+        if self.file is None:
+            return
+        self.file.write(json.dumps({"step": step, "split": split, **metrics}) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)):
+                    self.tb.add_scalar(f"{split}/{k}", v, step)
+
+    def close(self):
+        if self.file:
+            self.file.close()
+        if self.tb:
+            self.tb.close()
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+
+def checkpoint_manager(out_dir: Path, keep: int):
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+    return ocp.CheckpointManager((out_dir / "state").absolute(), options=options)
+
+
+def save_state(manager, state, meta: dict):
+    import orbax.checkpoint as ocp
+
+    manager.save(int(state["step"]), args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                 force=True)
+
+
+def restore_state(manager, like_state, shardings):
+    """The newest saved state, restored straight into `shardings` (any mesh), and its metadata."""
+    import orbax.checkpoint as ocp
+
+    step = manager.latest_step()
+    if step is None:
+        return None, None
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), like_state, shardings)
+    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+    return restored["state"], restored["meta"]
+
+
+# --------------------------------------------------------------------------------------------- the loop
+
+
+def microbatches(batch: dict, accumulation: int) -> dict:
+    """[B, ...] -> [accumulation, B / accumulation, ...] (host arrays)."""
+    return {k: v.reshape(accumulation, v.shape[0] // accumulation, *v.shape[1:]) for k, v in batch.items()}
+
+
+def place_microbatches(batch: dict, mesh) -> dict:
+    sharding = NamedSharding(mesh, P(None, FSDP_AXES))
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+
+
+def check_run(run: RunConfig, n_devices: int):
+    """Refuse configurations that cannot work, before anything is compiled."""
+    accum = run.optim.gradient_accumulation_steps
+    if run.batch_size % accum:
+        raise ValueError(f"batch_size {run.batch_size} is not divisible by gradient_accumulation_steps {accum}")
+    if (run.batch_size // accum) % n_devices:
+        raise ValueError(
+            f"micro-batch of {run.batch_size // accum} sequences (batch_size / gradient_accumulation_steps) does not "
+            f"split over {n_devices} devices; use a multiple of {n_devices}"
+        )
+    if run.dropout is not None and not 0 <= run.dropout < 1:
+        raise ValueError(f"dropout: expected a probability in [0, 1), got {run.dropout}")
+
+
+def mesh_for(run: RunConfig):
+    return make_mesh(run.tp)
+
+
+def load_model(run: RunConfig, *, value_head: bool):
+    """(OPTConfig set up for this run, host params in the master dtype, tokenizer) from run.model.
+
+    A model without a value head gets a fresh one when `value_head` is asked for (Step 2 from an SFT model).
+    """
+    from jaxrlhf.checkpoint import load_hf
+    from jaxrlhf.models.opt import PRESETS, OPTConfig, init_params
+    from jaxrlhf.tokenizer import load_tokenizer
+
+    if not run.model:
+        raise ValueError("model: required, a Hugging Face OPT folder (or random:opt-125m for random weights)")
+    dtype = jnp.bfloat16 if run.precision == "pure_bf16" else jnp.float32
+    compute = "float32" if run.precision == "fp32" else "bfloat16"
+    key = jax.random.key(run.seed)
+    if run.model.startswith("random:"):
+        name = run.model.removeprefix("random:")
+        if name not in PRESETS:
+            raise ValueError(f"model: unknown preset {name!r}; choose one of {', '.join(sorted(PRESETS))}")
+        config = OPTConfig(**PRESETS[name])
+        params = jax.device_get(init_params(config, key, value_head=value_head, dtype=dtype))
+        if run.tokenizer is None:
+            raise ValueError("tokenizer: required with a random model (e.g. a folder with OPT's vocab.json + merges.txt)")
+    else:
+        config, params = load_hf(run.model, dtype=dtype)
+    if value_head and "value_head" not in params:
+        head = 0.02 * jax.random.normal(jax.random.fold_in(key, 7), (config.word_embed_proj_dim, 1))
+        params = {**params, "value_head": {"kernel": np.asarray(head, dtype)}}
+    if not value_head:
+        params = {k: v for k, v in params.items() if k != "value_head"}
+    overrides = {"dtype": compute, "remat": run.remat}
+    if run.dropout is not None:
+        overrides.update(dropout=run.dropout, attention_dropout=run.dropout)
+    config = dataclasses.replace(config, **overrides)
+    tokenizer = load_tokenizer(run.tokenizer or run.model)
+    return config, params, tokenizer
+
+
+def eval_batches(arrays, step, run: RunConfig, pad_id: int):
+    """A function yielding the eval set in order, in fixed-size batches (the last partial one dropped)."""
+    from jaxrlhf.data.batches import make_batch, num_rows
+
+    def gen():
+        n = num_rows(arrays) // run.batch_size
+        for i in range(min(n, run.eval_batches) if run.eval_batches else n):
+            yield make_batch(arrays, range(i * run.batch_size, (i + 1) * run.batch_size), step, run.data, pad_id)
+
+    return gen
+
+
+def fit(run: RunConfig, state, loss_fn: LossFn, tx, train_batches, eval_batches_fn, summarise, mesh, *,
+        total_steps: int, on_eval=None, log=print) -> tuple[dict, list[dict]]:
+    """Train `state` for `total_steps` optimizer steps; returns the final state and the logged records.
+
+    `train_batches` is a `jaxrlhf.data.Batches`; `eval_batches_fn()` yields eval batches; `summarise(sums)`
+    turns metric sums into the figures to log (e.g. loss per token, accuracy per pair).
+    """
+    from tqdm import tqdm
+
+    out = Path(run.output_dir)
+    shardings = state_shardings(state, mesh)
+    accum = run.optim.gradient_accumulation_steps
+    manager = checkpoint_manager(out, run.keep_checkpoints)
+    if run.resume:
+        restored, meta = restore_state(manager, state, shardings)
+        if restored is not None:
+            state = restored
+            train_batches.epoch, train_batches.position = meta["epoch"], meta["position"]
+            log(f"resumed from step {int(state['step'])} (epoch {meta['epoch']}, batch {meta['position']})")
+    state = jax.device_put(state, shardings)
+    step_fn = jax.jit(make_train_step(loss_fn, tx, run.lora), out_shardings=(shardings, None), donate_argnums=0)
+    eval_fn = jax.jit(make_eval_step(loss_fn, run.lora))
+    metrics_log = MetricsLog(out)
+    records = []
+
+    def evaluate(step):
+        sums = None
+        for batch in eval_batches_fn():
+            placed = {k: jax.make_array_from_process_local_data(NamedSharding(mesh, P(FSDP_AXES)), v) for k, v in batch.items()}
+            m = jax.device_get(eval_fn(state, placed))
+            sums = m if sums is None else jax.tree.map(np.add, sums, m)
+        if sums is None:
+            return None
+        figures = summarise(sums)
+        if on_eval is not None:
+            figures.update(on_eval(state))
+        metrics_log.write(step, "eval", figures)
+        records.append({"step": step, "split": "eval", **figures})
+        log(f"eval @ {step}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items()))
+        return figures
+
+    lr_fn = schedule(run.optim, run.optim.learning_rate, total_steps)
+    start = int(state["step"])
+    batches = iter(train_batches)
+    bar = tqdm(total=total_steps, initial=start, desc="train", dynamic_ncols=True, disable=jax.process_index() != 0)
+    pending, tokens, clock = [], 0, time.perf_counter()
+    for step in range(start + 1, total_steps + 1):
+        host = next(batches)
+        tokens += int(sum(v.sum() for k, v in host.items() if k.endswith("mask") and "loss" not in k))
+        state, metrics = step_fn(state, place_microbatches(microbatches(host, accum), mesh))
+        pending.append(metrics)
+        if step % run.log_every == 0 or step == total_steps:
+            sums = jax.tree.map(lambda *xs: np.sum(xs), *jax.device_get(pending))
+            elapsed = time.perf_counter() - clock
+            figures = {**summarise(sums), "grad_norm": float(sums["grad_norm"]) / len(pending),
+                       "lr": float(lr_fn(step - 1)), "tokens_per_s": tokens * jax.process_count() / elapsed}
+            metrics_log.write(step, "train", figures)
+            records.append({"step": step, "split": "train", **figures})
+            bar.set_postfix({k: f"{v:.4g}" for k, v in figures.items() if k in ("loss", "accuracy", "lr", "tokens_per_s")})
+            pending, tokens, clock = [], 0, time.perf_counter()
+        bar.update(1)
+        if run.eval_every and step % run.eval_every == 0 and step != total_steps:
+            evaluate(step)
+        if run.save_every and step % run.save_every == 0 and step != total_steps:
+            save_state(manager, state, {"epoch": train_batches.epoch, "position": train_batches.position})
+    bar.close()
+    evaluate(total_steps)
+    save_state(manager, state, {"epoch": train_batches.epoch, "position": train_batches.position})
+    manager.wait_until_finished()
+    metrics_log.close()
+    return state, records
+
+
+def total_steps(run: RunConfig, batches_per_epoch: int) -> int:
+    steps = run.max_steps or run.epochs * batches_per_epoch
+    if steps <= 0:
+        raise ValueError("nothing to train: 0 steps (check epochs, max_steps and the size of the training set)")
+    return steps
+
+
+def perplexity(loss_per_token: float) -> float:
+    return math.exp(min(loss_per_token, 50.0))
