@@ -93,8 +93,7 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     B, T = args.batch, args.seq
-    n = sum(int(np.prod(s)) for s in jax.tree.leaves(jax.tree.map(lambda x: x.shape, jax.eval_shape(
-        lambda: init_params(OPTConfig(**PRESETS[args.model]), jax.random.key(0))))))
+    n = sum(x.size for x in jax.tree.leaves(jax.eval_shape(lambda: init_params(OPTConfig(**PRESETS[args.model]), jax.random.key(0)))))
     flops = 6 * n * B * T
     ceiling = matmul_ceiling()
     result = {"benchmark": "sft_step", **common.environment(), "model": args.model, "params": n, "batch": B, "seq": T,
