@@ -24,7 +24,6 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import jax
 import numpy as np

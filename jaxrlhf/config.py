@@ -184,3 +184,14 @@ def parse_cli(cls, description: str, argv: list[str] | None = None, prog: str | 
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def run_cli(cls, doc: str, prog: str, fn, argv: list[str] | None = None):
+    """An entry point: parse the settings, run `fn(settings)`, and turn a bad input into one line and exit 2."""
+    cfg = parse_cli(cls, doc.split("\n\n")[0], argv, prog=prog)
+    try:
+        return fn(cfg)
+    except ValueError as e:  # ConfigError, DataError, CheckpointError and LayoutError are ValueErrors
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+

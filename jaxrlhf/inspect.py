@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrlhf.checkpoint import CheckpointError, load_hf, save_hf
-from jaxrlhf.config import ConfigError, parse_cli
+from jaxrlhf.config import ConfigError, run_cli
 from jaxrlhf.models.opt import PRESETS, OPTConfig, init_params, logits, param_shapes
 from jaxrlhf.sharding import check_tp, describe, make_mesh, reshard, shardings_for
 from jaxrlhf.tokenizer import load_tokenizer
@@ -135,11 +135,7 @@ def run(cfg: InspectConfig) -> dict:
 
 
 def main(argv=None):
-    cfg = parse_cli(InspectConfig, __doc__.split("\n\n")[0], argv, prog="python -m jaxrlhf.inspect")
-    try:
-        run(cfg)
-    except (CheckpointError, ConfigError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
+    run_cli(InspectConfig, __doc__, "python -m jaxrlhf.inspect", run, argv)
 
 
 if __name__ == "__main__":

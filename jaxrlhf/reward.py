@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 from typing import Literal
 
@@ -22,12 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrlhf.config import ConfigError, parse_cli
-from jaxrlhf.data import Batches, DataError, prepare
+from jaxrlhf.config import run_cli
+from jaxrlhf.data import DataError
 from jaxrlhf.losses import end_scores, reward_loss
 from jaxrlhf.models.opt import values
-from jaxrlhf.trainer import (OptimConfig, RunConfig, check_run, create_state, effective_params, eval_batches, fit, load_model,
-                             make_optimizer, total_steps)
+from jaxrlhf.trainer import OptimConfig, RunConfig, load_model, train
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,35 +93,13 @@ def score(cfg: RewardConfig, log=print) -> list[dict]:
 
 
 def run(cfg: RewardConfig, log=print, mesh=None) -> dict:
-    """Step 2 on `mesh` (default: all devices, "model" axis of size cfg.tp); returns the state and records."""
-    from jaxrlhf.checkpoint import save_hf
-    from jaxrlhf.sharding import make_mesh
-
-    mesh = mesh or make_mesh(cfg.tp)
-    check_run(cfg, mesh.size)
-    config, params, tokenizer = load_model(cfg, value_head=True)
-    data = prepare(cfg.data, 2, tokenizer, log=log)
-    pad = tokenizer.pad_token_id
-    batches = Batches(data["train"], 2, cfg.batch_size, cfg.data, pad,
-                      process_index=jax.process_index(), process_count=jax.process_count())
-    steps = total_steps(cfg, len(batches))
-    tx = make_optimizer(cfg.optim, steps, cfg.lora)
-    state = create_state(params, cfg.lora, tx, jax.random.key(cfg.seed), mesh)
-    state, records = fit(cfg, state, reward_loss_fn(config, cfg.loss_kind), tx, batches,
-                         eval_batches(data["eval"], 2, cfg, pad), summarise, mesh, total_steps=steps, log=log)
-    final = jax.device_get(effective_params(state, cfg.lora))
-    saved = dataclasses.replace(config, dtype="float32", remat=False)
-    out = save_hf(Path(cfg.output_dir) / "model", saved, final, tokenizer) if jax.process_index() == 0 else None
-    log(f"Step 2 done: reward model (HF folder + value_head.safetensors) in {out}")
-    return {"state": state, "records": records, "config": config, "model_dir": out}
+    """Step 2 (see trainer.train); returns the final state, the logged records and the model folder."""
+    return train(cfg, step=2, value_head=True, make_loss=lambda config: reward_loss_fn(config, cfg.loss_kind),
+                 summarise=summarise, log=log, mesh=mesh)
 
 
 def main(argv=None):
-    cfg = parse_cli(RewardConfig, __doc__.split("\n\n")[0], argv, prog="python -m jaxrlhf.reward")
-    try:
-        score(cfg) if cfg.score_file else run(cfg)
-    except (ConfigError, DataError, ValueError) as e:
-        sys.exit(f"error: {e}")
+    run_cli(RewardConfig, __doc__, "python -m jaxrlhf.reward", lambda cfg: score(cfg) if cfg.score_file else run(cfg), argv)
 
 
 if __name__ == "__main__":

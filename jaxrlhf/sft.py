@@ -10,17 +10,13 @@ set, and greedy answers to a few held-out prompts before and after training (Dee
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
-import jax
 import numpy as np
 
-from jaxrlhf.config import ConfigError, parse_cli
-from jaxrlhf.data import Batches, DataError, prepare
+from jaxrlhf.config import run_cli
 from jaxrlhf.losses import lm_loss
 from jaxrlhf.models.opt import logits
-from jaxrlhf.trainer import RunConfig, check_run, create_state, effective_params, eval_batches, fit, load_model, make_optimizer, perplexity, total_steps
+from jaxrlhf.trainer import RunConfig, effective_params, perplexity, train
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,47 +53,32 @@ def sample_answers(config, params, tokenizer, prompts: list[np.ndarray], n_token
     return answers
 
 
+def prompt_eval(cfg: SFTConfig):
+    """DeepSpeed-Chat's prompt_eval: greedy answers to held-out prompts, before training and at each eval."""
+
+    def make(config, tokenizer, data, state):
+        arrays = data["eval"]
+        n = min(cfg.sample_prompts, len(arrays["offsets"]) - 1)
+        if n == 0:
+            return None
+        starts = arrays["offsets"][:n]
+        prompts = [arrays["tokens"][a : a + length] for a, length in zip(starts, arrays["prompt_len"][:n])]
+        answers = lambda st: sample_answers(config, effective_params(st, cfg.lora), tokenizer, prompts, cfg.sample_tokens)
+        before = answers(state)
+        return lambda st: {"samples": [{"prompt": tokenizer.decode(p[1:]), "before": b, "after": a}
+                                       for p, b, a in zip(prompts, before, answers(st))]}
+
+    return make
+
+
 def run(cfg: SFTConfig, log=print, mesh=None) -> dict:
-    """Step 1 on `mesh` (default: all devices, "model" axis of size cfg.tp); returns the state and records."""
-    from jaxrlhf.checkpoint import save_hf
-    from jaxrlhf.sharding import make_mesh
-
-    mesh = mesh or make_mesh(cfg.tp)
-    check_run(cfg, mesh.size)
-    config, params, tokenizer = load_model(cfg, value_head=False)
-    data = prepare(cfg.data, 1, tokenizer, log=log)
-    pad = tokenizer.pad_token_id
-    batches = Batches(data["train"], 1, cfg.batch_size, cfg.data, pad,
-                      process_index=jax.process_index(), process_count=jax.process_count())
-    steps = total_steps(cfg, len(batches))
-    tx = make_optimizer(cfg.optim, steps, cfg.lora)
-    state = create_state(params, cfg.lora, tx, jax.random.key(cfg.seed), mesh)
-
-    eval_arrays = data["eval"]
-    offsets, tokens = eval_arrays["offsets"], eval_arrays["tokens"]
-    prompt_len = eval_arrays["prompt_len"]
-    prompts = [tokens[offsets[i] : offsets[i] + prompt_len[i]] for i in range(min(cfg.sample_prompts, len(offsets) - 1))]
-    samples = lambda st: sample_answers(config, effective_params(st, cfg.lora), tokenizer, prompts, cfg.sample_tokens)
-    baseline = samples(state) if prompts else []
-
-    def on_eval(st):
-        return {"samples": [{"prompt": tokenizer.decode(p[1:]), "before": b, "after": a} for p, b, a in zip(prompts, baseline, samples(st))]}
-
-    state, records = fit(cfg, state, sft_loss(config), tx, batches, eval_batches(eval_arrays, 1, cfg, pad), summarise, mesh,
-                         total_steps=steps, on_eval=on_eval if prompts else None, log=log)
-    final = jax.device_get(effective_params(state, cfg.lora))
-    saved = dataclasses.replace(config, dtype="float32", remat=False)
-    out = save_hf(Path(cfg.output_dir) / "model", saved, final, tokenizer) if jax.process_index() == 0 else None
-    log(f"Step 1 done: HF model in {out}")
-    return {"state": state, "records": records, "config": config, "model_dir": out}
+    """Step 1 (see trainer.train); returns the final state, the logged records and the model folder."""
+    return train(cfg, step=1, value_head=False, make_loss=sft_loss, summarise=summarise, log=log, mesh=mesh,
+                 make_on_eval=prompt_eval(cfg))
 
 
 def main(argv=None):
-    cfg = parse_cli(SFTConfig, __doc__.split("\n\n")[0], argv, prog="python -m jaxrlhf.sft")
-    try:
-        run(cfg)
-    except (ConfigError, DataError, ValueError) as e:
-        sys.exit(f"error: {e}")
+    run_cli(SFTConfig, __doc__, "python -m jaxrlhf.sft", run, argv)
 
 
 if __name__ == "__main__":

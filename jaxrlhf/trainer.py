@@ -456,3 +456,33 @@ def total_steps(run: RunConfig, batches_per_epoch: int) -> int:
 
 def perplexity(loss_per_token: float) -> float:
     return math.exp(min(loss_per_token, 50.0))
+
+
+def train(run: RunConfig, *, step: int, value_head: bool, make_loss, summarise, log=print, mesh=None,
+          make_on_eval=None) -> dict:
+    """Step 1 or 2 from start to HF export: checks, model, data, state, `fit`, then output_dir/model.
+
+    `make_loss(config)` gives the loss function; `make_on_eval(config, tokenizer, data, state)` may give
+    an extra evaluation (e.g. sample answers). `mesh` defaults to all devices with a "model" axis of run.tp.
+    """
+    from jaxrlhf.checkpoint import save_hf
+    from jaxrlhf.data import Batches, prepare
+
+    mesh = mesh or make_mesh(run.tp)
+    check_run(run, mesh.size)
+    config, params, tokenizer = load_model(run, value_head=value_head)
+    data = prepare(run.data, step, tokenizer, log=log)
+    pad = tokenizer.pad_token_id
+    batches = Batches(data["train"], step, run.batch_size, run.data, pad,
+                      process_index=jax.process_index(), process_count=jax.process_count())
+    steps = total_steps(run, len(batches))
+    tx = make_optimizer(run.optim, steps, run.lora)
+    state = create_state(params, run.lora, tx, jax.random.key(run.seed), mesh)
+    on_eval = make_on_eval(config, tokenizer, data, state) if make_on_eval else None
+    state, records = fit(run, state, make_loss(config), tx, batches, eval_batches(data["eval"], step, run, pad), summarise,
+                         mesh, total_steps=steps, on_eval=on_eval, log=log)
+    final = jax.device_get(effective_params(state, run.lora))
+    out = save_hf(Path(run.output_dir) / "model", config, final, tokenizer) if jax.process_index() == 0 else None
+    log(f"Step {step} done: Hugging Face model in {out}")
+    return {"state": state, "records": records, "config": config, "model_dir": out}
+

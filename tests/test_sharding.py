@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import POST_LN_PROJ, PRE_LN, left_padded_batch
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from jaxrlhf import LayoutError, OPTConfig, batch_sharding, describe, init_params, logits, make_mesh, reshard, shardings_for
 from jaxrlhf.sharding import _identity, check_tp, path_str

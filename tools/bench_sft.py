@@ -12,7 +12,6 @@ matmul rate measured in the same run.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -21,7 +20,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from jaxrlhf.lora import LoRAConfig  # noqa: E402
 from jaxrlhf.models.opt import PRESETS, OPTConfig, init_params  # noqa: E402

@@ -7,12 +7,10 @@ of compiling. A second run reads the cache.
 from __future__ import annotations
 
 import dataclasses
-import sys
 
-from jaxrlhf.config import ConfigError, parse_cli
+from jaxrlhf.config import ConfigError, run_cli
 from jaxrlhf.data.batches import make_batch, num_rows
 from jaxrlhf.data.pipeline import DataConfig, prepare
-from jaxrlhf.data.sources import DataError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +44,7 @@ def run(cfg: PrepareConfig, out=print) -> dict:
 
 
 def main(argv=None):
-    cfg = parse_cli(PrepareConfig, __doc__.split("\n\n")[0], argv, prog="python -m jaxrlhf.data")
-    try:
-        run(cfg)
-    except (DataError, ConfigError, ValueError) as e:
-        sys.exit(f"error: {e}")
+    run_cli(PrepareConfig, __doc__, "python -m jaxrlhf.data", run, argv)
 
 
 if __name__ == "__main__":
