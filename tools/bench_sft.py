@@ -88,6 +88,8 @@ def main():
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--recipes", nargs="+", default=["bf16", "pure_bf16"], choices=["bf16", "pure_bf16", "fp32"])
+    ap.add_argument("--remat", nargs="+", type=int, default=[0, 1], help="1: with per-layer remat, 0: without")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     B, T = args.batch, args.seq
@@ -96,7 +98,8 @@ def main():
     ceiling = matmul_ceiling()
     result = {"benchmark": "sft_step", **common.environment(), "model": args.model, "params": n, "batch": B, "seq": T,
               "matmul_ceiling_flops": ceiling, "runs": {}}
-    variants = {f"ours_{p}{'_remat' if r else ''}": (p, r) for p in ("bf16", "pure_bf16") for r in (False, True)}
+    variants = {f"ours_{p}{'_remat' if r else ''}": (p, bool(r)) for p in args.recipes for r in args.remat}
+    result["xla_flags"] = __import__("os").environ.get("XLA_FLAGS", "")
     for key, (precision, remat) in variants.items():
         try:
             result["runs"][key] = ours(args.model, B, T, precision, remat, args.repeats)
