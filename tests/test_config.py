@@ -1,6 +1,7 @@
 """YAML + dotted overrides into frozen dataclasses, with errors that say where."""
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -76,3 +77,14 @@ def test_cli_errors_exit_with_a_message(capsys):
 def test_every_shipped_config_loads(path):
     assert path.name in ENTRY_POINTS, f"{path.name}: add it to ENTRY_POINTS with the settings class it configures"
     load(ENTRY_POINTS[path.name], str(path))
+
+
+def test_default_xla_flags_respect_the_users_own(monkeypatch):
+    from jaxrlhf.config import default_xla_flags
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    default_xla_flags()
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8 --xla_gpu_enable_triton_gemm=false"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
+    default_xla_flags()
+    assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_triton_gemm=true"
