@@ -112,15 +112,43 @@ def causal_attention(q, k, v, implementation: str = "auto"):
     return jax.nn.dot_product_attention(q, k, v, scale=1.0, is_causal=True, implementation=implementation)
 
 
+def cached_attention(q, k, v, cache):
+    """Attention over a KV cache, writing this call's keys and values into it first (generation).
+
+    q, k, v: [B, T, H, K] for T new tokens (the prompt at prefill, 1 when decoding); cache: "k", "v"
+    [L, B, S, H, K], "layer" (this layer's index), "slot" (where the T tokens go: slots slot .. slot+T-1,
+    the same for every row), "valid" [B, S] (False at left padding). The write is one
+    dynamic_update_slice into the cache carried through the loops, so XLA updates it in place. Query t
+    attends valid slots <= slot + t. This is the plain-XLA reference: it reads the whole cache.
+    Returns (out [B, T, H, K], cache with k and v updated).
+    """
+    layer, slot = cache["layer"], cache["slot"]
+    ck = jax.lax.dynamic_update_slice(cache["k"], k[None].astype(cache["k"].dtype), (layer, 0, slot, 0, 0))
+    cv = jax.lax.dynamic_update_slice(cache["v"], v[None].astype(cache["v"].dtype), (layer, 0, slot, 0, 0))
+    kl = jax.lax.dynamic_index_in_dim(ck, layer, 0, keepdims=False).astype(q.dtype)  # [B, S, H, K]
+    vl = jax.lax.dynamic_index_in_dim(cv, layer, 0, keepdims=False).astype(v.dtype)
+    S, T = kl.shape[1], q.shape[1]
+    visible = jnp.arange(S)[None, :] <= slot + jnp.arange(T)[:, None]  # [T, S]
+    allowed = cache["valid"][:, None, None, :] & visible[None, None]  # [B, 1, T, S]
+    scores = jnp.einsum("bthk,bshk->bhts", q, kl, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(jnp.where(allowed, scores, -1e9), axis=-1)  # finite: a fully masked row stays NaN-free
+    out = jnp.einsum("bhts,bshk->bthk", probs.astype(vl.dtype), vl)
+    return out, {**cache, "k": ck, "v": cv}
+
+
 class OPTAttention(nn.Module):
-    """Multi-head self-attention with OPT's q scaling; the softmax runs in float32."""
+    """Multi-head self-attention with OPT's q scaling; the softmax runs in float32.
+
+    Without a cache (training, scoring) rows hold their real tokens first (see OPTDecoder) and attention
+    is plain causal attention; with one (generation) see `cached_attention`. Returns (out, cache).
+    """
 
     config: OPTConfig
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, h):
-        # h: [B, T, D], real tokens first in every row (see OPTDecoder), so plain causal attention is right.
+    def __call__(self, h, cache=None):
+        # h: [B, T, D]
         c = self.config
         B, T, D = h.shape
         H, K = c.num_attention_heads, c.head_dim
@@ -128,14 +156,16 @@ class OPTAttention(nn.Module):
         q = proj("q_proj")(h).reshape(B, T, H, K) * (K**-0.5)  # OPT scales q after its bias
         k = proj("k_proj")(h).reshape(B, T, H, K)
         v = proj("v_proj")(h).reshape(B, T, H, K)
-        if self.deterministic or c.attention_dropout == 0.0:
+        if cache is not None:
+            out, cache = cached_attention(q, k, v, cache)
+        elif self.deterministic or c.attention_dropout == 0.0:
             out = causal_attention(q, k, v, c.attention)
         else:  # attention dropout needs the probabilities themselves
             scores = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32)
             scores = jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores, jnp.finfo(jnp.float32).min)
             probs = nn.Dropout(c.attention_dropout)(jax.nn.softmax(scores, axis=-1), deterministic=False)
             out = jnp.einsum("bhqs,bshk->bqhk", probs.astype(v.dtype), v)
-        return proj("out_proj")(out.reshape(B, T, D))
+        return proj("out_proj")(out.reshape(B, T, D)), cache
 
 
 # The released OPT architectures (vocab 50272, 2048 positions, FFN = 4 x hidden), for random-weight
@@ -165,7 +195,11 @@ class OPTLayer(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, h, _):  # (carry, nothing per layer) -> (carry, no output), as nn.scan wants
+    def __call__(self, carry, layer, valid, slot):
+        # carry: (h [B, T, D], kv) with kv None, or {"k", "v"} caches [L, B, S, H, K] when generating;
+        # layer: this layer's index (scanned); valid, slot: see cached_attention (broadcast to all layers).
+        h, kv = carry
+        cache = None if kv is None else {**kv, "layer": layer, "valid": valid, "slot": slot}
         c = self.config
         dense = lambda n, name: nn.Dense(n, use_bias=c.enable_bias, dtype=c.compute_dtype, name=name)
         norm = lambda name: nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=c.compute_dtype, name=name)
@@ -175,7 +209,7 @@ class OPTLayer(nn.Module):
         residual = h
         if c.do_layer_norm_before:
             h = norm("self_attn_layer_norm")(h)
-        h = OPTAttention(c, self.deterministic, name="self_attn")(h)
+        h, cache = OPTAttention(c, self.deterministic, name="self_attn")(h, cache)
         h = residual + drop(h)
         if not c.do_layer_norm_before:
             h = norm("self_attn_layer_norm")(h)
@@ -188,7 +222,7 @@ class OPTLayer(nn.Module):
         h = residual + drop(h)
         if not c.do_layer_norm_before:
             h = norm("final_layer_norm")(h)
-        return h, None
+        return (h, None if cache is None else {"k": cache["k"], "v": cache["v"]}), None
 
 
 def positions_from_mask(attention_mask):
@@ -218,11 +252,15 @@ class OPTDecoder(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask):
+    def __call__(self, input_ids, attention_mask, cache=None, positions=None):
+        # Without a cache: any padding; returns h. With one (generation): `positions` [B, T] are given,
+        # attention_mask is unused (cache["valid"] says which slots are real); returns (h, cache).
         c = self.config
-        order = real_tokens_first(attention_mask)  # [B, T]
-        positions = jnp.take_along_axis(positions_from_mask(attention_mask), order, 1) + POSITION_OFFSET
-        input_ids = jnp.take_along_axis(input_ids, order, 1)
+        if cache is None:
+            order = real_tokens_first(attention_mask)  # [B, T]
+            positions = jnp.take_along_axis(positions_from_mask(attention_mask), order, 1)
+            input_ids = jnp.take_along_axis(input_ids, order, 1)
+        positions = positions + POSITION_OFFSET
         embed_tokens = nn.Embed(c.vocab_size, c.word_embed_proj_dim, name="embed_tokens")
         h = embed_tokens(input_ids).astype(c.compute_dtype)  # [B, T, E]
         if c.has_projection:
@@ -236,15 +274,19 @@ class OPTDecoder(nn.Module):
             layer,
             variable_axes={"params": 0},
             split_rngs={"params": True, "dropout": True},
-            in_axes=nn.broadcast,
+            in_axes=(0, nn.broadcast, nn.broadcast),
             length=c.num_hidden_layers,
         )(c, self.deterministic, name="layers")
-        h, _ = layers(h, None)
+        kv = None if cache is None else {"k": cache["k"], "v": cache["v"]}
+        valid, slot = (None, None) if cache is None else (cache["valid"], cache["slot"])
+        (h, kv), _ = layers((h, kv), jnp.arange(c.num_hidden_layers), valid, slot)
 
         if c.has_final_layer_norm:
             h = nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=c.compute_dtype, name="final_layer_norm")(h)
         if c.has_projection:
             h = nn.Dense(c.word_embed_proj_dim, use_bias=False, dtype=c.compute_dtype, name="project_out")(h)
+        if cache is not None:
+            return h, {**cache, **kv}
         inverse = jnp.argsort(order, axis=1)
         return jnp.take_along_axis(h, inverse[..., None], 1)  # back to the caller's layout
 
@@ -258,14 +300,17 @@ class OPT(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask):
+    def __call__(self, input_ids, attention_mask, cache=None, positions=None):
         decoder = OPTDecoder(self.config, self.deterministic, name="decoder")
-        h = decoder(input_ids, attention_mask)  # [B, T, E]
+        h = decoder(input_ids, attention_mask, cache, positions)  # [B, T, E] (and the cache)
+        if cache is not None:
+            h, cache = h
         if self.value_head:
-            v = nn.Dense(1, use_bias=False, dtype=self.config.compute_dtype, name="value_head")(h)
-            return v[..., 0].astype(jnp.float32)
-        embedding = decoder.variables["params"]["embed_tokens"]["embedding"]  # [V, E], tied LM head
-        return jnp.einsum("bte,ve->btv", h, embedding.astype(h.dtype), preferred_element_type=jnp.float32)
+            out = nn.Dense(1, use_bias=False, dtype=self.config.compute_dtype, name="value_head")(h)[..., 0].astype(jnp.float32)
+        else:
+            embedding = decoder.variables["params"]["embed_tokens"]["embedding"]  # [V, E], tied LM head
+            out = jnp.einsum("bte,ve->btv", h, embedding.astype(h.dtype), preferred_element_type=jnp.float32)
+        return out if cache is None else (out, cache)
 
 
 def _apply(config, params, input_ids, attention_mask, value_head, dropout_rng):
@@ -282,6 +327,23 @@ def logits(config: OPTConfig, params: Any, input_ids, attention_mask, *, dropout
 def values(config: OPTConfig, params: Any, input_ids, attention_mask, *, dropout_rng=None):
     """Value-head outputs [B, T] in float32 (reward model and critic); `params` must hold `value_head`."""
     return _apply(config, params, input_ids, attention_mask, True, dropout_rng)
+
+
+def init_cache(config: OPTConfig, valid, dtype=None) -> dict:
+    """An empty KV cache for generation: "k", "v" [L, B, S, H, K] zeros, "valid" [B, S] (which slots hold
+    real tokens: False at left padding), "slot" 0. S = valid.shape[1] = prompt + answer length."""
+    B, S = valid.shape
+    shape = (config.num_hidden_layers, B, S, config.num_attention_heads, config.head_dim)
+    zeros = jnp.zeros(shape, dtype or config.compute_dtype)
+    return {"k": zeros, "v": zeros, "valid": valid.astype(bool), "slot": jnp.zeros((), jnp.int32)}
+
+
+def logits_with_cache(config: OPTConfig, params: Any, input_ids, positions, cache):
+    """Logits [B, T, V] of T new tokens at cache["slot"] .. + T - 1, and the cache holding their K/V.
+
+    `positions` [B, T] are OPT position ids without the offset (0 for a row's first real token)."""
+    out, cache = OPT(config).apply({"params": params}, input_ids, None, cache, positions)
+    return out, {**cache, "slot": cache["slot"] + input_ids.shape[1]}
 
 
 def init_params(config: OPTConfig, key, *, value_head: bool = False, dtype=jnp.float32, std: float = 0.02):

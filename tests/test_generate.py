@@ -1,0 +1,101 @@
+"""KV-cached generation against the cache-free reference and transformers' own generate."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import POST_LN_PROJ, PRE_LN, left_padded_batch, make_hf_opt
+
+from jaxrlhf import load_hf, logits, make_mesh, reshard
+from jaxrlhf.generate import Sampling, generate, sample
+from jaxrlhf.inspect import greedy_reference
+
+
+@pytest.fixture(scope="module", params=[PRE_LN, POST_LN_PROJ], ids=["pre_ln", "post_ln_proj"])
+def model(request, tmp_path_factory):
+    folder = make_hf_opt(tmp_path_factory.mktemp("gen") / "m", **request.param)
+    return folder, *load_hf(folder)
+
+
+def test_greedy_equals_the_cache_free_reference_and_transformers(model):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder, config, params = model
+    ids, mask = left_padded_batch(config.vocab_size, [7, 3, 5, 1], T=7, seed=1)
+    out = generate(config, params, ids, mask, jax.random.key(0), max_new_tokens=6, temperature=0.0)
+    ref = np.asarray(greedy_reference(config, params, jnp.asarray(ids), jnp.asarray(mask), 6))
+    np.testing.assert_array_equal(np.asarray(out.tokens), ref)
+    assert np.asarray(out.mask).all()
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    for b, n in enumerate([7, 3, 5, 1]):  # transformers row by row, unpadded
+        row = torch.tensor(ids[b : b + 1, 7 - n :], dtype=torch.long)
+        want = hf.generate(row, attention_mask=torch.ones_like(row), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        assert np.asarray(out.tokens)[b].tolist() == want[0, n:].tolist()
+
+
+def test_logprobs_are_the_models_own(model):
+    _, config, params = model
+    ids, mask = left_padded_batch(config.vocab_size, [6, 4], T=6, seed=2)
+    out = generate(config, params, ids, mask, jax.random.key(3), max_new_tokens=5, temperature=1.0)
+    full_ids = np.concatenate([ids, np.asarray(out.tokens)], 1)
+    full_mask = np.concatenate([mask, np.ones((2, 5), np.int32)], 1)
+    lp = jax.nn.log_softmax(logits(config, params, full_ids, full_mask))[:, 5:-1]  # predicts tokens 6..10
+    want = np.take_along_axis(np.asarray(lp), np.asarray(out.tokens)[..., None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(out.logprobs), want, atol=2e-5)
+
+
+def test_same_key_same_tokens_and_eos_masking(model):
+    _, config, params = model
+    ids, mask = left_padded_batch(config.vocab_size, [5, 2, 4], T=5, seed=3)
+    a = generate(config, params, ids, mask, jax.random.key(7), max_new_tokens=12, temperature=1.0)
+    b = generate(config, params, ids, mask, jax.random.key(7), max_new_tokens=12, temperature=1.0)
+    c = generate(config, params, ids, mask, jax.random.key(8), max_new_tokens=12, temperature=1.0)
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
+    # Pick a token that appears as EOS: everything after its first occurrence is pad and masked out.
+    tokens = np.asarray(a.tokens)
+    eos = int(tokens[0, 3])
+    out = generate(config, params, ids, mask, jax.random.key(7), max_new_tokens=12, temperature=1.0, eos_id=eos)
+    t, m = np.asarray(out.tokens), np.asarray(out.mask)
+    for row in range(3):
+        hits = np.flatnonzero(tokens[row] == eos)
+        end = hits[0] + 1 if len(hits) else 12
+        np.testing.assert_array_equal(t[row, :end], tokens[row, :end])  # same draws up to the EOS
+        assert m[row].tolist() == [1] * end + [0] * (12 - end)
+        assert (t[row, end:] == config.pad_token_id).all()
+        assert (np.asarray(out.logprobs)[row, end:] == 0).all()
+    forced = generate(config, params, ids, mask, jax.random.key(7), max_new_tokens=12, temperature=1.0, eos_id=eos, force_length=True)
+    np.testing.assert_array_equal(np.asarray(forced.tokens), tokens)
+
+
+def test_sampling_filters():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+    keys = jax.random.split(jax.random.key(0), 2000)
+    draw = lambda s: np.array([int(sample(logits, k, s)[0]) for k in keys[:400]])
+    assert set(draw(Sampling(1.0, top_k=2))) == {0, 1}
+    assert set(draw(Sampling(1.0, top_p=0.7))) == {0, 1}  # 0.5 + 0.3 reaches 0.7
+    assert set(draw(Sampling(1.0, top_p=0.5))) == {0}
+    assert int(sample(logits, keys[0], Sampling(0.0))[0]) == 0
+    counts = np.bincount(np.array(jax.vmap(lambda k: sample(logits, k, Sampling(1.0))[0])(keys)), minlength=4) / 2000
+    np.testing.assert_allclose(counts, [0.5, 0.3, 0.15, 0.05], atol=0.04)
+    with pytest.raises(ValueError, match="top_p"):
+        Sampling(1.0, top_p=0.0)
+
+
+def test_generation_in_the_tensor_parallel_layout(model):
+    _, config, params = model
+    mesh = make_mesh(tp=4)
+    ids, mask = left_padded_batch(config.vocab_size, [6, 6, 3, 5], T=6, seed=4)
+    want = generate(config, params, ids, mask, jax.random.key(1), max_new_tokens=4, temperature=0.0)
+    tp_params = reshard(reshard(params, "fsdp", mesh), "tp", mesh)
+    batch = jax.device_put((ids, mask), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+    got = generate(config, tp_params, *batch, jax.random.key(1), max_new_tokens=4, temperature=0.0, mesh=mesh)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+
+
+def test_too_long_is_refused(model):
+    _, config, params = model
+    ids, mask = left_padded_batch(config.vocab_size, [4], T=4)
+    with pytest.raises(ValueError, match="exceeds the model's 40 positions"):
+        generate(config, params, ids, mask, jax.random.key(0), max_new_tokens=37)
