@@ -1,4 +1,4 @@
-"""`python -m jaxrlhf.inspect`: put an OPT checkpoint on the mesh, show both layouts, time the switch, sample.
+"""`python -m jaxrlhf.inspect`: put an OPT checkpoint on the mesh, show both layouts, time the switch, generate.
 
 The first thing to run on a new machine: it shows the devices JAX sees, the parameter table of the
 training (FSDP) and generation (tensor-parallel) layouts with bytes per device, how long `reshard`
@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrlhf.checkpoint import CheckpointError, load_hf, save_hf
 from jaxrlhf.config import ConfigError, run_cli
+from jaxrlhf.generate import generate
 from jaxrlhf.models.opt import PRESETS, OPTConfig, init_params, logits, param_shapes
 from jaxrlhf.sharding import check_tp, describe, make_mesh, reshard, shardings_for
 from jaxrlhf.tokenizer import load_tokenizer
@@ -123,15 +124,19 @@ def run(cfg: InspectConfig) -> dict:
         prompt = np.array([[config.bos_token_id, 100, 200, 300, 400]], np.int32)
     replicated = NamedSharding(mesh, P())
     ids, mask = jax.device_put((prompt, np.ones_like(prompt)), replicated)
-    new = np.asarray(greedy_reference(config, tp_params, ids, mask, cfg.max_new_tokens))[0]
+    gen = lambda: generate(config, tp_params, ids, mask, jax.random.key(0), max_new_tokens=cfg.max_new_tokens,
+                           temperature=0.0, force_length=True).tokens
+    seconds = _timed(gen, repeats=3)
+    new = np.asarray(gen())[0]
     shown = tokenizer.decode(new) if tokenizer is not None else new.tolist()
     print(f"\nprompt: {cfg.prompt if tokenizer is not None else prompt[0].tolist()!r}")
-    print(f"greedy continuation ({cfg.max_new_tokens} tokens, generation layout): {shown!r}")
+    print(f"greedy continuation ({cfg.max_new_tokens} tokens, KV-cached, generation layout, "
+          f"{cfg.max_new_tokens / seconds:.0f} tokens/s at batch 1): {shown!r}")
 
     if cfg.save_to:
         save_hf(cfg.save_to, config, jax.device_get(params), tokenizer)
         print(f"saved the model as a Hugging Face folder: {cfg.save_to}")
-    return {"reshard_to_tp_s": to_tp, "reshard_to_fsdp_s": back, "tokens": new, "params": n_params}
+    return {"reshard_to_tp_s": to_tp, "reshard_to_fsdp_s": back, "tokens": new, "params": n_params, "generate_s": seconds}
 
 
 def main(argv=None):

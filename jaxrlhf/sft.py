@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from jaxrlhf.config import run_cli
@@ -42,15 +43,19 @@ def summarise(sums) -> dict:
 
 
 def sample_answers(config, params, tokenizer, prompts: list[np.ndarray], n_tokens: int) -> list[str]:
-    """Greedy answers (no KV cache yet: the generation engine replaces this) to tokenized prompts."""
-    from jaxrlhf.inspect import greedy_reference
+    """Greedy answers (KV-cached generation, stopping at EOS) to tokenized prompts, as text."""
+    from jaxrlhf.generate import generate
 
-    answers = []
-    for ids in prompts:
-        new = np.asarray(greedy_reference(config, params, ids[None], np.ones_like(ids)[None], n_tokens))[0]
-        eos = np.flatnonzero(new == tokenizer.eos_token_id)
-        answers.append(tokenizer.decode(new[: eos[0] if len(eos) else len(new)]))
-    return answers
+    width = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), width), tokenizer.pad_token_id, np.int32)
+    mask = np.zeros_like(ids)
+    for b, p in enumerate(prompts):  # left padding, as generation wants
+        ids[b, width - len(p) :], mask[b, width - len(p) :] = p, 1
+    out = generate(config, params, ids, mask, jax.random.key(0), max_new_tokens=n_tokens, temperature=0.0,
+                   eos_id=tokenizer.eos_token_id)
+    tokens, keep = np.asarray(out.tokens), np.asarray(out.mask)
+    eos = tokenizer.eos_token_id
+    return [tokenizer.decode([t for t, k in zip(row, m) if k and t != eos]) for row, m in zip(tokens, keep)]
 
 
 def prompt_eval(cfg: SFTConfig):
