@@ -1,0 +1,119 @@
+"""Benchmark KV-cached generation on the GPU against Hugging Face generate (static and dynamic cache).
+
+    PYTHONPATH=. python tools/bench_generate.py --model opt-1.3b --batch 16 64 256 --prompt 256 --new 256 [--tp 1]
+
+Random weights of the real shape (bf16), random prompt tokens, sampling at temperature 1, answers forced to
+full length (EOS off) so every system does the same work (BENCHMARKS.md item 1). Figures per batch: total
+seconds, prefill seconds (a one-token generate), ms per decode step = (total - prefill) / (new - 1),
+generated tokens/s, and the fraction of the memory roofline: the bytes one decode step must read (all
+weights once plus the KV cache so far, averaged over the steps) over the device bandwidth measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from jaxrlhf.generate import generate  # noqa: E402
+from jaxrlhf.models.opt import PRESETS, OPTConfig, init_params, param_shapes  # noqa: E402
+from jaxrlhf.sharding import make_mesh, shardings_for  # noqa: E402
+from tools import common  # noqa: E402
+from tools.bench_reshard import device_bandwidth  # noqa: E402
+
+
+def step_bytes(config: OPTConfig, B: int, P: int, G: int) -> float:
+    """Bytes one decode step reads on average: the bf16 weights once, and K and V of the cache so far."""
+    weights = 2 * sum(x.size for x in jax.tree.leaves(param_shapes(config)))
+    kv_per_token = 2 * 2 * config.num_hidden_layers * config.hidden_size  # K and V, bf16, all layers
+    return weights + kv_per_token * B * (P + G / 2)
+
+
+def ours(config, params, mesh, B, Pn, G, repeats):
+    ids = jax.random.randint(jax.random.key(1), (B, Pn), 3, config.vocab_size)
+    batch = jax.device_put((ids, jnp.ones_like(ids)), NamedSharding(mesh, P("data")))
+    run = lambda n: (lambda: generate(config, params, *batch, jax.random.key(2), max_new_tokens=n, force_length=True,
+                                      mesh=mesh if mesh.size > 1 else None).tokens)
+    total = common.timeit(run(G), repeats, warmup=1)
+    prefill = common.timeit(run(1), repeats, warmup=1)
+    return {"total": total, "prefill": prefill}
+
+
+def theirs(name, B, Pn, G, cache, repeats):
+    import torch
+    from transformers import OPTConfig as HFConfig, OPTForCausalLM
+
+    model = OPTForCausalLM(HFConfig(**PRESETS[name], attn_implementation="sdpa")).to("cuda", torch.bfloat16).eval()
+    ids = torch.randint(3, 50272, (B, Pn), device="cuda")
+    kwargs = dict(max_new_tokens=G, min_new_tokens=G, do_sample=True, top_k=0, attention_mask=torch.ones_like(ids))
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+
+    def once(n):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, **{**kwargs, "max_new_tokens": n, "min_new_tokens": n})
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    for _ in range(2):
+        once(G)
+    totals = sorted(once(G) for _ in range(repeats))
+    prefills = sorted(once(1) for _ in range(repeats))
+    del model
+    torch.cuda.empty_cache()
+    med = lambda xs: xs[len(xs) // 2]
+    return {"total": {"median_s": med(totals), "min_s": totals[0], "max_s": totals[-1]},
+            "prefill": {"median_s": med(prefills), "min_s": prefills[0], "max_s": prefills[-1]}}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="opt-1.3b", choices=sorted(PRESETS))
+    ap.add_argument("--batch", type=int, nargs="+", default=[16, 64, 256])
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (the devices used: all)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--hf", nargs="*", default=["static", "dynamic"], choices=["static", "dynamic"])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    config = OPTConfig(**PRESETS[args.model], dtype="bfloat16")
+    mesh = make_mesh(args.tp)
+    params = jax.jit(lambda k: init_params(config, k, dtype=jnp.bfloat16),
+                     out_shardings=shardings_for(param_shapes(config), "tp", mesh))(jax.random.key(0))
+    bandwidth = device_bandwidth()
+    result = {"benchmark": "generate", **common.environment(), "model": args.model, "prompt": args.prompt, "new": args.new,
+              "mesh": dict(mesh.shape), "device_bandwidth_Bps": bandwidth, "runs": []}
+    for B in args.batch:
+        run = {"batch": B, "ours": ours(config, params, mesh, B, args.prompt, args.new, args.repeats)}
+        for cache in args.hf:
+            try:
+                run[f"hf_{cache}"] = theirs(args.model, B, args.prompt, args.new, cache, args.repeats)
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory at B=256: keep the rest
+                run[f"hf_{cache}"] = {"error": str(e).splitlines()[0][:300]}
+        for impl, r in run.items():
+            if not isinstance(r, dict) or "total" not in r:
+                continue
+            total, prefill = r["total"]["median_s"], r["prefill"]["median_s"]
+            r["ms_per_step"] = 1e3 * (total - prefill) / max(args.new - 1, 1)
+            r["tokens_per_s"] = B * args.new / total
+            r["roofline_fraction"] = step_bytes(config, B, args.prompt, args.new) / bandwidth / (r["ms_per_step"] / 1e3) / mesh.size
+            print(f"B={B:4d} {impl:10s} total {total:7.3f} s  prefill {prefill:6.3f} s  {r['ms_per_step']:6.2f} ms/step  "
+                  f"{r['tokens_per_s']:8.0f} tok/s  roofline {r['roofline_fraction']:.2f}", flush=True)
+        result["runs"].append(run)
+    common.write(f"generate-{args.model}", result, args.out)
+
+
+if __name__ == "__main__":
+    main()
