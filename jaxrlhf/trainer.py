@@ -321,10 +321,6 @@ def check_run(run: RunConfig, n_devices: int):
         raise ValueError(f"dropout: expected a probability in [0, 1), got {run.dropout}")
 
 
-def mesh_for(run: RunConfig):
-    return make_mesh(run.tp)
-
-
 def load_model(run: RunConfig, *, value_head: bool):
     """(OPTConfig set up for this run, host params in the master dtype, tokenizer) from run.model.
 

@@ -52,7 +52,6 @@ def ours(config, params, B, T, repeats):
 
 
 def theirs(name, B, T, repeats):
-    import time
 
     import torch
     from transformers import OPTConfig as HFConfig, OPTForCausalLM
@@ -61,17 +60,7 @@ def theirs(name, B, T, repeats):
     model = OPTForCausalLM(HFConfig(**PRESETS[name], attn_implementation="sdpa")).to("cuda", torch.bfloat16)
     ids = torch.randint(3, 50272, (B, T), device="cuda")
 
-    def timed(fn):
-        for _ in range(2):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        return {"median_s": sorted(times)[len(times) // 2], "min_s": min(times), "max_s": max(times)}
+    timed = lambda fn: common.timeit(fn, repeats, block=lambda _: torch.cuda.synchronize())
 
     def fwd():
         with torch.no_grad():

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -57,23 +56,16 @@ def theirs(name, B, Pn, G, cache, repeats):
         kwargs["cache_implementation"] = "static"
         model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
 
-    def once(n):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
+    def run(n):
         with torch.no_grad():
-            model.generate(ids, **{**kwargs, "max_new_tokens": n, "min_new_tokens": n})
-        torch.cuda.synchronize()
-        return time.perf_counter() - start
+            return model.generate(ids, **{**kwargs, "max_new_tokens": n, "min_new_tokens": n})
 
-    for _ in range(2):
-        once(G)
-    totals = sorted(once(G) for _ in range(repeats))
-    prefills = sorted(once(1) for _ in range(repeats))
+    sync = lambda _: torch.cuda.synchronize()
+    result = {"total": common.timeit(lambda: run(G), repeats, block=sync),
+              "prefill": common.timeit(lambda: run(1), repeats, block=sync)}
     del model
     torch.cuda.empty_cache()
-    med = lambda xs: xs[len(xs) // 2]
-    return {"total": {"median_s": med(totals), "min_s": totals[0], "max_s": totals[-1]},
-            "prefill": {"median_s": med(prefills), "min_s": prefills[0], "max_s": prefills[-1]}}
+    return result
 
 
 def main():

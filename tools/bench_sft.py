@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -67,18 +66,10 @@ def theirs(name, B, T, repeats):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+    result = common.timeit(step, repeats, warmup=3, block=lambda _: torch.cuda.synchronize())
     del model, opt
     torch.cuda.empty_cache()
-    return {"median_s": sorted(times)[len(times) // 2], "min_s": min(times), "max_s": max(times), "repeats": repeats}
+    return result
 
 
 def main():

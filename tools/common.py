@@ -44,14 +44,15 @@ def environment() -> dict:
     }
 
 
-def timeit(fn, repeats: int = 10, warmup: int = 2) -> dict:
-    """Median and spread in seconds of `fn()` (blocked until ready); compilation stays in the warm-up."""
+def timeit(fn, repeats: int = 10, warmup: int = 2, block=jax.block_until_ready) -> dict:
+    """Median and spread in seconds of `fn()`; compilation stays in the warm-up. `block(result)` waits for
+    the device (PyTorch: `lambda _: torch.cuda.synchronize()`)."""
     for _ in range(warmup):
-        jax.block_until_ready(fn())
+        block(fn())
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        jax.block_until_ready(fn())
+        block(fn())
         times.append(time.perf_counter() - start)
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "repeats": repeats}
 
