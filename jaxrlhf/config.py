@@ -30,7 +30,9 @@ class ConfigError(ValueError):
 def field_help(cls) -> dict[str, str]:
     """Help text per field: the `#: ...` comment lines directly above its definition."""
     out, pending = {}, []
-    for line in inspect.getsource(cls).splitlines():
+    # Base classes first, so a subclass's own comment wins and inherited fields keep theirs.
+    lines = [l for c in reversed(cls.__mro__) if dataclasses.is_dataclass(c) for l in inspect.getsource(c).splitlines()]
+    for line in lines:
         stripped = line.strip()
         if stripped.startswith("#:"):
             pending.append(stripped[2:].strip())
@@ -77,10 +79,11 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
-def build(cls, values: dict, where: dict[str, str] | None = None, prefix: str = ""):
+def build(cls, values: dict, where: dict[str, str] | None = None, prefix: str = "", default=None):
     """An instance of the (possibly nested) frozen dataclass `cls` from a plain dict.
 
-    `where` maps dotted keys to "file:line" for error messages.
+    `where` maps dotted keys to "file:line" for error messages. A nested section starts from the
+    field's own default (e.g. a critic optimizer's learning rate), not from its class's defaults.
     """
     where = where or {}
     hints = typing.get_type_hints(cls)
@@ -97,11 +100,12 @@ def build(cls, values: dict, where: dict[str, str] | None = None, prefix: str = 
         if dataclasses.is_dataclass(tp):
             if not isinstance(value, dict):
                 raise ConfigError(f"{loc}: '{dotted}' is a section; expected a mapping, got {value!r}")
-            kwargs[key] = build(tp, value, where, dotted + ".")
+            base = getattr(default, key) if default is not None else fields[key].default
+            kwargs[key] = build(tp, value, where, dotted + ".", None if base is dataclasses.MISSING else base)
         else:
             kwargs[key] = _convert(value, tp, f"{loc}: '{dotted}'")
     try:
-        return cls(**kwargs)
+        return cls(**kwargs) if default is None else dataclasses.replace(default, **kwargs)
     except (TypeError, ValueError) as e:  # a check across fields failed: point at where this section was set
         loc = where.get(prefix.rstrip(".")) or next((v for k, v in where.items() if k.startswith(prefix)), "<defaults>")
         raise ConfigError(f"{loc}: {prefix.rstrip('.') or cls.__name__}: {e}") from None
