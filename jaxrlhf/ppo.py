@@ -1,0 +1,234 @@
+"""Step 3, `python -m jaxrlhf.ppo`: PPO on the Step 1 actor against the Step 2 reward model (hybrid engine).
+
+    python -m jaxrlhf.ppo actor.model=runs/sft/model critic.model=runs/reward/model output_dir=runs/ppo [key=value ...]
+
+Each iteration: `generation_batches` batches of prompts are answered and scored (engine.generate_experience),
+then `ppo_epochs` passes of one actor and one critic step per batch (engine.train_rlhf), with the mixture
+LM loss when data.unsupervised_data_path is set. Writes output_dir/actor, critic and (enable_ema) actor_ema
+as Hugging Face folders, output_dir/state (Orbax; resume=true continues exactly), metrics.jsonl and
+TensorBoard events (tb/): per iteration the reward, KL to the reference, answer length, losses, the
+seconds of each phase, bytes resharded, peak device memory, samples/s and effective TFLOP/s. On the
+built-in task (data_path: [synthetic]) the gold reward of the answers is logged too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxrlhf.config import ConfigError, run_cli
+from jaxrlhf.data import Batches, DataConfig, prepare
+from jaxrlhf.engine import EngineConfig, HybridEngine, ModelSide
+from jaxrlhf.sharding import make_mesh
+from jaxrlhf.trainer import MetricsLog, RunConfig, checkpoint_manager, load_model, restore_state
+
+PHASES = ("reshard", "generate", "score", "advantages", "actor_step", "critic_step")
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOConfig(EngineConfig):
+    #: tokenizer folder (default: the actor's folder)
+    tokenizer: str | None = None
+    #: where actor/, critic/, actor_ema/ (HF folders), state/ (Orbax), metrics.jsonl and tb/ go
+    output_dir: str = "runs/ppo"
+    #: prompts per generation batch, over all devices (DeepSpeed-Chat: per-device batch x devices)
+    batch_size: int = 16
+    #: generation batches per iteration; each then gets one actor and one critic step per PPO epoch
+    generation_batches: int = 1
+    #: passes over an iteration's experience
+    ppo_epochs: int = 1
+    #: passes over the prompts
+    epochs: int = 1
+    #: stop after this many iterations (0: run the epochs)
+    max_steps: int = 0
+    #: rows per mixture LM batch (0: batch_size)
+    unsup_batch_size: int = 0
+    #: print and write metrics every this many iterations
+    log_every: int = 1
+    #: save the training state every this many iterations (0: only at the end)
+    save_every: int = 0
+    #: training states kept on disk (the newest)
+    keep_checkpoints: int = 2
+    #: continue from the newest state in output_dir/state
+    resume: bool = False
+    #: print a prompt and its answer at every log (DeepSpeed-Chat's --print_answers)
+    print_answers: bool = False
+    data: DataConfig = DataConfig(max_prompt_len=256)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if min(self.batch_size, self.generation_batches, self.ppo_epochs, self.epochs, self.log_every) < 1:
+            raise ValueError("batch_size, generation_batches, ppo_epochs, epochs and log_every must be >= 1")
+        if self.max_steps < 0 or self.save_every < 0 or self.unsup_batch_size < 0:
+            raise ValueError("max_steps, save_every and unsup_batch_size must be >= 0")
+
+
+def check(cfg: PPOConfig, mesh):
+    """Refuse what cannot run on `mesh`, before anything is loaded or compiled."""
+    for name in ("actor", "critic"):
+        if not getattr(cfg, name).model:
+            raise ConfigError(f"{name}.model: required, a Hugging Face folder (the Step {1 if name == 'actor' else 2} model)")
+    for name, rows in (("batch_size", cfg.batch_size), ("unsup_batch_size", cfg.unsup_batch_size or cfg.batch_size)):
+        if rows % mesh.size:
+            raise ConfigError(f"{name} {rows} does not split over the {mesh.size} devices; use a multiple of {mesh.size}")
+
+
+def side_run(cfg: PPOConfig, side: ModelSide) -> RunConfig:
+    """The Step 1/2 run settings that load one side's model (trainer.load_model)."""
+    return RunConfig(model=side.model, tokenizer=cfg.tokenizer or cfg.actor.model, precision=cfg.precision,
+                     remat=side.remat, dropout=side.dropout, seed=cfg.seed)
+
+
+def decode_rows(tokenizer, ids, mask, skip_first: bool = False) -> list[str]:
+    """The text of each row's real tokens (EOS dropped; `skip_first` drops the prompt's BOS)."""
+    eos = tokenizer.eos_token_id
+    out = []
+    for row, m in zip(np.asarray(ids), np.asarray(mask)):
+        kept = [int(t) for t in row[m.astype(bool)]]
+        out.append(tokenizer.decode([t for t in kept[1 if skip_first else 0 :] if t != eos]))
+    return out
+
+
+def gold_rewards(tokenizer, exp) -> list[float]:
+    """The built-in task's gold reward of each answer in an experience batch."""
+    from jaxrlhf.data.synthetic import gold_reward
+
+    G = exp["mask"].shape[1]
+    seq, seq_mask = np.asarray(exp["seq"]), np.asarray(exp["seq_mask"])
+    prompts = decode_rows(tokenizer, seq[:, :-G], seq_mask[:, :-G], skip_first=True)
+    answers = decode_rows(tokenizer, seq[:, -G:], seq_mask[:, -G:])
+    return [gold_reward(p, a) for p, a in zip(prompts, answers)]
+
+
+def effective_tflops(engine: HybridEngine, samples: int, seq_len: int, seconds: float, ppo_epochs: int) -> float:
+    """DeepSpeed-Chat's effective TFLOP/s per device (BENCHMARKS.md): 2 N L per forward, 6 N L per training
+    pass; generation, old log-probs and reference forwards of the actor, critic and reward forwards, and the
+    two updates per PPO epoch."""
+    n_actor = sum(x.size for x in jax.tree.leaves(engine.state["actor"]["trainable"].get("params", {})))
+    n_actor += sum(x.size for x in jax.tree.leaves(engine.state["actor"]["frozen"]))
+    n_critic = sum(x.size for x in jax.tree.leaves(engine.state["critic"]["trainable"].get("params", {})))
+    n_critic += sum(x.size for x in jax.tree.leaves(engine.state["critic"]["frozen"]))
+    flops = seq_len * samples * (6 * n_actor + 4 * n_critic + ppo_epochs * 6 * (n_actor + n_critic))
+    return flops / max(seconds, 1e-9) / engine.mesh.size / 1e12
+
+
+def peak_memory() -> int | None:
+    stats = [d.memory_stats() for d in jax.local_devices()]
+    peaks = [s.get("peak_bytes_in_use") for s in stats if s]
+    return max(peaks) if peaks and None not in peaks else None
+
+
+def export(engine: HybridEngine, out: Path, tokenizer) -> dict[str, Path]:
+    """output_dir/actor, critic, actor_ema as HF folders (LoRA fused), as DeepSpeed-Chat lays them out."""
+    from jaxrlhf.checkpoint import save_hf
+
+    trees = {"actor": (engine.actor_config, engine.actor_params()), "critic": (engine.critic_config, engine.critic_params())}
+    if "ema" in engine.state:
+        trees["actor_ema"] = (engine.actor_config, engine.state["ema"])
+    folders = {}
+    for name, (config, params) in trees.items():
+        host = jax.device_get(params)
+        if jax.process_index() == 0:
+            folders[name] = save_hf(out / name, config, host, tokenizer)
+    return folders
+
+
+def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
+    """Step 3 from the Step 1 and 2 folders to the exported actor/critic; returns the engine, the logged
+    records and the HF folders."""
+    from tqdm import tqdm
+
+    mesh = mesh or make_mesh(cfg.inference_tp_size)
+    check(cfg, mesh)
+    actor_config, actor_params, tokenizer = load_model(side_run(cfg, cfg.actor), value_head=False)
+    critic_config, critic_params, _ = load_model(side_run(cfg, cfg.critic), value_head=True)
+    positions = actor_config.max_position_embeddings
+    if cfg.data.max_prompt_len + cfg.max_answer_len > positions:
+        raise ConfigError(f"data.max_prompt_len ({cfg.data.max_prompt_len}) + max_answer_len ({cfg.max_answer_len}) "
+                          f"exceeds the actor's {positions} positions")
+    pad = tokenizer.pad_token_id
+    data = prepare(cfg.data, 3, tokenizer, log=log)
+    proc = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    prompts = Batches(data["train"], 3, cfg.batch_size, cfg.data, pad, **proc)
+    unsup = None
+    if cfg.data.unsupervised_data_path and cfg.unsup_coef > 0:
+        blocks = prepare(cfg.data, "unsupervised", tokenizer, log=log)["train"]
+        unsup = Batches(blocks, "unsupervised", cfg.unsup_batch_size or cfg.batch_size, cfg.data, pad, **proc)
+    iterations = cfg.max_steps or cfg.epochs * (len(prompts) // cfg.generation_batches)
+    if iterations <= 0:
+        raise ConfigError(f"nothing to train: {len(prompts)} prompt batches for generation_batches {cfg.generation_batches}")
+    engine = HybridEngine(cfg, mesh, (actor_config, actor_params), (critic_config, critic_params),
+                          total_steps=iterations * cfg.generation_batches * cfg.ppo_epochs,
+                          eos_id=tokenizer.eos_token_id, pad_id=pad)
+    del actor_params, critic_params
+    out = Path(cfg.output_dir)
+    manager = checkpoint_manager(out, cfg.keep_checkpoints)
+    sources = {"prompts": prompts, **({"unsup": unsup} if unsup else {})}
+    if cfg.resume:
+        restored, meta = restore_state(manager, engine.state, engine.shardings())
+        if restored is not None:
+            engine.state = restored
+            for name, batches in sources.items():
+                batches.epoch, batches.position = meta[name]["epoch"], meta[name]["position"]
+            log(f"resumed from iteration {int(engine.state['iteration']) // cfg.generation_batches}")
+
+    def save():  # keyed by generation batches done; the data positions ride along as JSON
+        import orbax.checkpoint as ocp
+
+        meta = {name: b.state() for name, b in sources.items()}
+        manager.save(int(engine.state["iteration"]), force=True, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(engine.state), meta=ocp.args.JsonSave(meta)))
+
+    synthetic = all(p.startswith("synthetic") for p in cfg.data.data_path)
+    metrics_log, records = MetricsLog(out), []
+    start = int(engine.state["iteration"]) // cfg.generation_batches
+    prompt_iter, unsup_iter = iter(prompts), iter(unsup) if unsup else None
+    bar = tqdm(total=iterations, initial=start, desc="ppo", dynamic_ncols=True, disable=jax.process_index() != 0)
+    for it in range(start + 1, iterations + 1):
+        clock, engine.timings = time.perf_counter(), {}
+        experiences = [engine.generate_experience(next(prompt_iter)) for _ in range(cfg.generation_batches)]
+        stats = [engine.train_rlhf(exp, next(unsup_iter) if unsup_iter else None)
+                 for _ in range(cfg.ppo_epochs) for exp in experiences]
+        seconds = time.perf_counter() - clock
+        samples = cfg.batch_size * cfg.generation_batches
+        figures = {k: float(np.mean([s[k] for s in stats])) for k in stats[0]}
+        figures.update({f"{p}_s": engine.timings.get(p, 0.0) for p in PHASES}, iteration_s=seconds,
+                       samples_per_s=samples / seconds, reshard_bytes=engine.reshard_bytes,
+                       tflops=effective_tflops(engine, samples, experiences[0]["seq"].shape[1], seconds, cfg.ppo_epochs))
+        if peak_memory() is not None:
+            figures["peak_memory_bytes"] = peak_memory()
+        if synthetic:
+            figures["gold_reward"] = float(np.mean([g for e in experiences for g in gold_rewards(tokenizer, e)]))
+        if it % cfg.log_every == 0 or it == iterations:
+            metrics_log.write(it, "train", figures)
+            records.append({"step": it, "split": "train", **figures})
+            shown = ("reward", "gold_reward", "kl", "answer_len", "samples_per_s")
+            bar.set_postfix({k: f"{figures[k]:.3g}" for k in shown if k in figures})
+            if cfg.print_answers:
+                e = experiences[0]
+                G = e["mask"].shape[1]
+                prompt = decode_rows(tokenizer, np.asarray(e["seq"])[:1, :-G], np.asarray(e["seq_mask"])[:1, :-G], True)[0]
+                answer = decode_rows(tokenizer, np.asarray(e["seq"])[:1, -G:], np.asarray(e["seq_mask"])[:1, -G:])[0]
+                log(f"--- iteration {it}\nprompt: {prompt!r}\nanswer: {answer!r}")
+        bar.update(1)
+        if cfg.save_every and it % cfg.save_every == 0 and it != iterations:
+            save()
+    bar.close()
+    save()
+    manager.wait_until_finished()
+    metrics_log.close()
+    folders = export(engine, out, tokenizer)
+    log(f"Step 3 done: Hugging Face models in {', '.join(str(f) for f in folders.values())}")
+    return {"engine": engine, "records": records, "folders": folders, "tokenizer": tokenizer}
+
+
+def main(argv=None):
+    run_cli(PPOConfig, __doc__, "python -m jaxrlhf.ppo", run, argv)
+
+
+if __name__ == "__main__":
+    main()

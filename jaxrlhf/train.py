@@ -1,0 +1,289 @@
+"""`python -m jaxrlhf.train`: the three steps in one command, as DeepSpeed-Chat's train.py runs them.
+
+    python -m jaxrlhf.train                                   the built-in task end to end on a tiny model
+    python -m jaxrlhf.train --actor-model /data/opt-1.3b --reward-model /data/opt-350m \\
+        --deployment-type single_gpu --output-dir runs/opt-1.3b
+    python -m jaxrlhf.train --step 3 --output-dir runs/opt-1.3b ppo.kl_coef=0.05      Step 3 again
+    python -m jaxrlhf.train [CONFIG.yaml] [sft.key=value reward.key=value ppo.key=value data.key=value ...]
+
+Outputs: OUTPUT_DIR/actor-models (Step 1: model/, state/, metrics), OUTPUT_DIR/reward-models (Step 2), and
+OUTPUT_DIR/step3-models (actor/, critic/, actor_ema/, state/, metrics). Step 2 starts from --reward-model,
+Step 3 from the two earlier outputs. `data` is shared by the three steps (their own data sections are
+replaced by it). With no arguments the actor and reward model are tiny random OPTs with the built-in
+task's word-level tokenizer (letters sorting, jaxrlhf.data.synthetic), and the run ends by comparing the
+gold reward of the Step 1 model and of the final actor on held-out prompts, with the KL between them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import string
+import sys
+import time
+from pathlib import Path
+from typing import Literal
+
+import jax
+import numpy as np
+
+from jaxrlhf.config import ConfigError, build, default_xla_flags, load
+from jaxrlhf.data import DataConfig
+from jaxrlhf.engine import ModelSide
+from jaxrlhf.ppo import PPOConfig
+from jaxrlhf.reward import RewardConfig
+from jaxrlhf.sft import SFTConfig
+from jaxrlhf.trainer import OptimConfig
+
+BUILTIN = "builtin"
+# The built-in model: small enough to train all three steps on two CPU cores in minutes.
+BUILTIN_MODEL = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=256,
+                     max_position_embeddings=64, word_embed_proj_dim=64, dropout=0.0)
+DEMO_DATA = DataConfig(data_path=("synthetic:6000",), data_split="2,4,4", max_seq_len=32, max_prompt_len=24)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    #: the model Step 1 starts from: an HF OPT folder, or "builtin" (a tiny random OPT, built-in tokenizer)
+    actor_model: str = BUILTIN
+    #: the model Step 2 starts from: an HF OPT folder, or "builtin"
+    reward_model: str = BUILTIN
+    #: presets of DeepSpeed-Chat's training scripts (demo: the built-in task; see DEPLOYMENTS)
+    deployment_type: Literal["demo", "single_gpu", "single_node", "multi_node"] = "demo"
+    #: which steps to run (a later step reads the earlier ones' outputs from output_dir)
+    steps: tuple[int, ...] = (1, 2, 3)
+    #: everything goes under here (actor-models/, reward-models/, step3-models/)
+    output_dir: str = "runs/train"
+    #: held-out prompts on which the Step 1 model and the final actor are compared (built-in task)
+    eval_prompts: int = 128
+    #: the datasets and lengths of all three steps
+    data: DataConfig = DEMO_DATA
+    sft: SFTConfig = SFTConfig(batch_size=16, max_steps=500, log_every=50, precision="fp32", sample_prompts=2,
+                               optim=OptimConfig(learning_rate=3e-3, schedule="constant", warmup_steps=20))
+    reward: RewardConfig = RewardConfig(batch_size=16, max_steps=300, log_every=50, precision="fp32", loss_kind="last",
+                                        optim=OptimConfig(learning_rate=1e-3, schedule="constant", warmup_steps=20))
+    ppo: PPOConfig = PPOConfig(batch_size=32, max_steps=60, max_answer_len=8, precision="fp32", kl_coef=0.02,
+                               log_every=5, actor=ModelSide(optim=OptimConfig(learning_rate=5e-4, warmup_steps=5)),
+                               critic=ModelSide(optim=OptimConfig(learning_rate=2e-3, warmup_steps=5)))
+
+    def __post_init__(self):
+        if not self.steps or any(s not in (1, 2, 3) for s in self.steps) or list(self.steps) != sorted(set(self.steps)):
+            raise ValueError(f"steps: expected increasing numbers among 1, 2, 3, got {list(self.steps)}")
+
+
+# DeepSpeed-Chat's training scripts per deployment (OPT-1.3B / 13B / 66B actor with an OPT-350M reward model):
+# dotted overrides applied before the config file and the command line. Models come from --actor-model and
+# --reward-model (no hub here); data from its hub names unless data.data_path says otherwise.
+_REAL = {"data.data_path": ["Dahoas/rm-static"], "data.max_seq_len": 512, "data.max_prompt_len": 256,
+         "sft.precision": "bf16", "sft.max_steps": 0, "sft.epochs": 1, "sft.sample_prompts": 3, "sft.log_every": 10,
+         "sft.optim": {"learning_rate": 9.65e-6, "weight_decay": 0.0, "schedule": "cosine", "warmup_steps": 0},
+         "reward.precision": "bf16", "reward.max_steps": 0, "reward.epochs": 1, "reward.loss_kind": "span",
+         "reward.log_every": 10, "reward.optim": {"learning_rate": 5e-5, "weight_decay": 0.1, "schedule": "cosine", "warmup_steps": 0},
+         "ppo.precision": "bf16", "ppo.max_steps": 0, "ppo.max_answer_len": 256, "ppo.kl_coef": 0.1, "ppo.log_every": 1,
+         "ppo.actor": {"optim": {"learning_rate": 9.65e-6, "warmup_steps": 100}, "remat": True},
+         "ppo.critic": {"optim": {"learning_rate": 5e-6, "warmup_steps": 100}, "remat": True}, "ppo.enable_ema": True}
+DEPLOYMENTS = {
+    "demo": {},
+    "single_gpu": {**_REAL, "sft.batch_size": 8, "reward.batch_size": 8, "ppo.batch_size": 8,
+                   "sft.lora": {"dim": 128}, "ppo.actor": {**_REAL["ppo.actor"], "lora": {"dim": 128}}},
+    "single_node": {**_REAL, "sft.batch_size": 32, "reward.batch_size": 32, "ppo.batch_size": 32},
+    "multi_node": {**_REAL, "sft.batch_size": 64, "reward.batch_size": 64, "ppo.batch_size": 64},
+}
+
+
+# ------------------------------------------------------------------------------------ the built-in model
+
+
+def builtin_tokenizer():
+    """A word-level tokenizer for the built-in task: the byte-level pieces of its prompts and answers (OPT's
+    pre-tokenizer, so text decodes exactly), with OPT's special ids <s>=0, <pad>=1, </s>=2 (BOS and EOS), <unk>=3."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from jaxrlhf.data.synthetic import make_prompt, make_response
+
+    letters = list(string.ascii_lowercase)
+    pre = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
+    for piece, _ in pre.pre_tokenize_str(make_prompt(letters) + make_response(letters)):
+        vocab.setdefault(piece, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer, tok.decoder = pre, decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="</s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>")
+
+
+def builtin_model(folder: Path, seed: int) -> Path:
+    """A tiny random OPT (BUILTIN_MODEL) with the built-in tokenizer, written as an HF folder."""
+    from jaxrlhf.checkpoint import save_hf
+    from jaxrlhf.models.opt import OPTConfig, init_params
+
+    config = OPTConfig(**BUILTIN_MODEL)
+    return save_hf(folder, config, jax.device_get(init_params(config, jax.random.key(seed))), builtin_tokenizer())
+
+
+# ------------------------------------------------------------------------------------------- evaluation
+
+
+def compare(cfg: TrainConfig, sft_model: Path, actor_model: Path, log=print) -> dict:
+    """Gold reward of the Step 1 model and of the final actor on held-out Step 3 prompts (sampled at the PPO
+    temperature, and greedy), and the KL from the actor to the Step 1 model on the actor's sampled answers."""
+    import jax.numpy as jnp
+
+    from jaxrlhf.checkpoint import load_hf
+    from jaxrlhf.data import make_batch, prepare
+    from jaxrlhf.generate import generate
+    from jaxrlhf.losses import token_logprobs
+    from jaxrlhf.models.opt import logits
+    from jaxrlhf.ppo import decode_rows
+    from jaxrlhf.data.synthetic import gold_reward
+    from jaxrlhf.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(actor_model)
+    data = dataclasses.replace(cfg.data, data_path=cfg.data.data_path)
+    held = prepare(data, 3, tok, log=lambda _: None)["eval"]
+    n = min(cfg.eval_prompts, len(held["offsets"]) - 1)
+    batch = make_batch(held, range(n), 3, data, tok.pad_token_id)
+    ids, mask = batch["prompt_ids"], batch["prompt_mask"]
+    prompts = decode_rows(tok, ids, mask, skip_first=True)
+    G = cfg.ppo.max_answer_len
+    out, answers = {}, {}
+    models = {"step1": load_hf(sft_model), "actor": load_hf(actor_model)}
+    for name, (config, params) in models.items():
+        for mode, temperature in (("sampled", cfg.ppo.temperature), ("greedy", 0.0)):
+            gen = generate(config, params, ids, mask, jax.random.key(0), max_new_tokens=G, temperature=temperature,
+                           top_k=cfg.ppo.top_k, top_p=cfg.ppo.top_p, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+            texts = decode_rows(tok, gen.tokens, gen.mask)
+            out[f"{name}_gold_reward_{mode}"] = float(np.mean([gold_reward(p, a) for p, a in zip(prompts, texts)]))
+            answers[(name, mode)] = (gen, texts)
+    gen = answers[("actor", "sampled")][0]
+    seq, seq_mask = np.concatenate([ids, np.asarray(gen.tokens)], 1), np.concatenate([mask, np.asarray(gen.mask)], 1)
+    logp = {name: np.asarray(token_logprobs(logits(c, p, jnp.asarray(seq), jnp.asarray(seq_mask)), jnp.asarray(seq))[:, -G:])
+            for name, (c, p) in models.items()}
+    m = np.asarray(gen.mask)
+    out["kl_actor_to_step1"] = float(np.sum((logp["actor"] - logp["step1"]) * m) / len(m))
+    out["examples"] = [{"prompt": p, "step1": answers[("step1", "greedy")][1][i], "actor": answers[("actor", "greedy")][1][i]}
+                       for i, p in enumerate(prompts[:3])]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- the run
+
+
+def run(cfg: TrainConfig, log=print) -> dict:
+    """Steps `cfg.steps` in order; returns each step's model folder and, on the built-in task, the comparison."""
+    from jaxrlhf import ppo, reward, sft
+
+    out = Path(cfg.output_dir)
+    dirs = {1: out / "actor-models", 2: out / "reward-models", 3: out / "step3-models"}
+    sft_model, rm_model = dirs[1] / "model", dirs[2] / "model"
+    result, clock = {}, time.perf_counter()
+
+    def starting_model(name: str, seed: int) -> str:
+        if name != BUILTIN:
+            return name
+        return str(builtin_model(out / f"builtin-{seed}", seed))
+
+    if 1 in cfg.steps:
+        log(f"=== Step 1: supervised fine-tuning -> {dirs[1]}")
+        step = dataclasses.replace(cfg.sft, model=starting_model(cfg.actor_model, 0), output_dir=str(dirs[1]), data=cfg.data)
+        result["step1"] = str(sft.run(step, log=log)["model_dir"])
+    if 2 in cfg.steps:
+        log(f"=== Step 2: reward model -> {dirs[2]}")
+        step = dataclasses.replace(cfg.reward, model=starting_model(cfg.reward_model, 1), output_dir=str(dirs[2]), data=cfg.data)
+        result["step2"] = str(reward.run(step, log=log)["model_dir"])
+    if 3 in cfg.steps:
+        log(f"=== Step 3: PPO -> {dirs[3]}")
+        for path in (sft_model, rm_model):
+            if not path.is_dir():
+                raise ConfigError(f"{path}: not found; Step 3 needs the outputs of Steps 1 and 2 (run them, e.g. --step 1 2 3)")
+        step = dataclasses.replace(cfg.ppo, actor=dataclasses.replace(cfg.ppo.actor, model=str(sft_model)),
+                                   critic=dataclasses.replace(cfg.ppo.critic, model=str(rm_model)),
+                                   output_dir=str(dirs[3]), data=cfg.data)
+        result["step3"] = {k: str(v) for k, v in ppo.run(step, log=log)["folders"].items()}
+        if all(p.startswith("synthetic") for p in cfg.data.data_path):
+            result["comparison"] = compare(cfg, sft_model, dirs[3] / "actor", log=log)
+    result["seconds"] = time.perf_counter() - clock
+    if "comparison" in result:
+        c = result["comparison"]
+        log(f"gold reward on {cfg.eval_prompts} held-out prompts (sampled / greedy): Step 1 model "
+            f"{c['step1_gold_reward_sampled']:.3f} / {c['step1_gold_reward_greedy']:.3f}, final actor "
+            f"{c['actor_gold_reward_sampled']:.3f} / {c['actor_gold_reward_greedy']:.3f}; "
+            f"KL(actor || Step 1) {c['kl_actor_to_step1']:.3f} nats per answer")
+        for e in c["examples"]:
+            log(f"  {e['prompt']!r}\n     Step 1: {e['step1']!r}\n     actor:  {e['actor']!r}")
+    log(f"done in {result['seconds']:.0f} s")
+    (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def parse(argv: list[str] | None) -> TrainConfig:
+    """DeepSpeed-Chat's flags (--actor-model, --reward-model, --deployment-type, --step, --output-dir), then
+    [CONFIG.yaml] [key=value ...]; the flags and the preset become overrides under the config machinery."""
+    from jaxrlhf.config import _help_lines
+
+    parser = argparse.ArgumentParser(prog="python -m jaxrlhf.train", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="settings (set in CONFIG.yaml or as key=value; values are YAML):\n"
+                                     + "\n".join(_help_lines(TrainConfig)))
+    parser.add_argument("--actor-model", "--actor_model")
+    parser.add_argument("--reward-model", "--reward_model")
+    parser.add_argument("--deployment-type", "--deployment_type", choices=list(DEPLOYMENTS))
+    parser.add_argument("--step", type=int, action="append", metavar="{1,2,3} ...")
+    parser.add_argument("--output-dir", "--output_dir")
+    parser.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for i in range(len(argv) - 1, 0, -1):  # "--step 1 2 3" -> "--step 1 --step 2 --step 3"
+        if argv[i].isdigit() and argv[i - 1] != "--step" and "--step" in argv[:i] and argv[i - 1].isdigit():
+            argv.insert(i, "--step")
+    ns = parser.parse_args(argv)
+    config_file = ns.args[0] if ns.args and "=" not in ns.args[0] else None
+    overrides = ns.args[1:] if config_file else ns.args
+    flags = {"actor_model": ns.actor_model, "reward_model": ns.reward_model, "deployment_type": ns.deployment_type,
+             "steps": ns.step, "output_dir": ns.output_dir}
+    overrides = [f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None] + overrides
+    cfg = load(TrainConfig, config_file, overrides)
+    preset = DEPLOYMENTS[cfg.deployment_type]
+    if preset:  # the preset first, then the file and the command line again on top of it
+        base = build(TrainConfig, _nested(preset))
+        cfg = _reload(base, config_file, overrides)
+    return cfg
+
+
+def _nested(dotted: dict) -> dict:
+    out: dict = {}
+    for key, value in dotted.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def _reload(base: TrainConfig, config_file: str | None, overrides: list[str]) -> TrainConfig:
+    """`load` on top of `base` instead of the class defaults."""
+    from jaxrlhf.config import _set_dotted, _yaml_with_lines
+    import yaml
+
+    values, where = ({}, {}) if config_file is None else _yaml_with_lines(Path(config_file))
+    for item in overrides:
+        key, raw = item.split("=", 1)
+        _set_dotted(values, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+        where[key.strip()] = "command line"
+    return build(TrainConfig, values, where, default=base)
+
+
+def main(argv=None):
+    default_xla_flags()
+    try:
+        cfg = parse(argv)
+        return run(cfg)
+    except ValueError as e:  # ConfigError, DataError, CheckpointError and LayoutError are ValueErrors
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()
