@@ -7,8 +7,9 @@ The cache [L, B, P + G, H, K] is allocated once and carried through the scan (wr
 dynamic_update_slice per layer and step, so XLA updates it in place; DESIGN.md measured 3.6x against
 passing per-layer caches through a scan). Rows stop at their first EOS: later tokens are pad and the
 answer mask is 0 there (1 up to and including the EOS). Sampling: greedy (temperature 0), temperature,
-top-k and top-p, from an explicit PRNG key: the same key gives the same tokens. Attention over the
-cache is the plain-XLA reference (`models.opt.cached_attention`) for now.
+top-k and top-p, from an explicit PRNG key: the same key gives the same tokens. Prompts are left-aligned
+first (any padding pattern works), so each row's valid slots are one range and a decode step's attention
+(our Pallas kernel on a GPU, `kernels/decode_attention.py`) reads only that range of the cache.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def _generate(config, params, input_ids, attention_mask, key, *, max_new_tokens,
               mesh):
     B, Pn = input_ids.shape
     G = max_new_tokens
+    order = jnp.argsort(attention_mask.astype(bool), axis=1, stable=True)  # padding first, real tokens in order
+    input_ids, attention_mask = (jnp.take_along_axis(x, order, 1) for x in (input_ids, attention_mask))
     valid = jnp.concatenate([attention_mask.astype(bool), jnp.ones((B, G), bool)], axis=1)
     cache = init_cache(config, valid)
     if mesh is not None:  # heads over "model", batch over "data": the tensor-parallel layout of the cache
@@ -117,8 +120,12 @@ def generate(config: OPTConfig, params: Any, input_ids, attention_mask, key, *, 
     if input_ids.shape[1] + max_new_tokens > config.max_position_embeddings:
         raise ValueError(f"prompt ({input_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                          f"{config.max_position_embeddings} positions")
-    tokens, mask, logprobs = _generate(
-        config, params, input_ids, attention_mask, key, max_new_tokens=max_new_tokens,
-        sampling=Sampling(temperature, top_k, top_p), eos_id=eos_id,
-        pad_id=config.pad_token_id if pad_id is None else pad_id, force_length=force_length, mesh=mesh)
+    run = partial(_generate, config, params, input_ids, attention_mask, key, max_new_tokens=max_new_tokens,
+                  sampling=Sampling(temperature, top_k, top_p), eos_id=eos_id,
+                  pad_id=config.pad_token_id if pad_id is None else pad_id, force_length=force_length, mesh=mesh)
+    if mesh is None:
+        tokens, mask, logprobs = run()
+    else:
+        with jax.set_mesh(mesh):  # the decode kernel runs per shard of this mesh
+            tokens, mask, logprobs = run()
     return Generation(tokens, mask, logprobs)

@@ -1,32 +1,50 @@
-"""The Pallas decode-attention kernel (interpret mode on the CPU) against its plain-jnp reference."""
+"""The Pallas decode-attention kernel (interpret mode on the CPU) and the XLA path against the reference."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrlhf import make_mesh
 from jaxrlhf.kernels.decode_attention import DecodeAttentionConfig, decode_attention, decode_attention_reference
 
+KERNEL = DecodeAttentionConfig(implementation="pallas", block_s=16)
 
-def inputs(B, H, Hkv, S, K, dtype, seed=0):
-    ks = jax.random.split(jax.random.key(seed), 3)
+
+def inputs(L, B, H, Hkv, S, K, dtype, seed):
+    ks = jax.random.split(jax.random.key(seed), 5)
     q = jax.random.normal(ks[0], (B, H, K), dtype) * K**-0.5
-    k = jax.random.normal(ks[1], (B, S, Hkv, K), dtype)
-    v = jax.random.normal(ks[2], (B, S, Hkv, K), dtype)
-    return q, k, v
+    k = jax.random.normal(ks[1], (L, B, S, Hkv, K), dtype)
+    v = jax.random.normal(ks[2], (L, B, S, Hkv, K), dtype)
+    start = jax.random.randint(ks[3], (B,), 0, S // 2)  # left padding of different lengths
+    end = start + 1 + jax.random.randint(ks[4], (B,), 0, S - S // 2)  # ragged current lengths, >= 1 slot
+    return q, k, v, start, end
 
 
-@pytest.mark.parametrize("H, Hkv, K", [(4, 4, 64), (8, 2, 128)], ids=["mha_d64", "gqa_d128"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_kernel_matches_reference(H, Hkv, K, dtype):
-    B, S = 4, 64
-    q, k, v = inputs(B, H, Hkv, S, K, dtype)
-    start = jnp.array([0, 5, 17, 40])  # left padding of different lengths
-    end = jnp.array([64, 33, 18, 63])  # current lengths (row 2: a single valid slot)
-    got = decode_attention(q, k, v, start, end, config=DecodeAttentionConfig(block_s=16))
-    want = decode_attention_reference(q, k, v, start, end)
+CASES = [  # (L, B, H, Hkv, S, K, dtype): multi-head and grouped-query, head dims 64 and 128, ragged
+    (1, 4, 4, 4, 64, 64, jnp.float32),
+    (3, 3, 8, 2, 48, 128, jnp.bfloat16),
+    (2, 5, 4, 1, 80, 64, jnp.float32),
+    (4, 2, 16, 4, 32, 64, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("implementation", ["pallas", "xla"])
+def test_kernel_and_xla_match_the_reference(case, implementation):
+    L, B, H, Hkv, S, K, dtype = CASES[case]
+    q, k, v, start, end = inputs(L, B, H, Hkv, S, K, dtype, seed=100 + case)  # fresh inputs per case
+    layer = L - 1
+    got = decode_attention(q, k, v, start, end, layer, config=dataclasses.replace(KERNEL, implementation=implementation))
+    want = decode_attention_reference(q, k, v, start, end, layer)
+    assert not np.allclose(np.asarray(want, np.float32), 0)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
+    if L > 1:  # another layer gives another answer
+        other = decode_attention_reference(q, k, v, start, end, 0)
+        assert np.abs(np.asarray(other, np.float32) - np.asarray(want, np.float32)).max() > 0.1
 
 
 def test_reference_by_hand_and_slots_outside_the_range_are_ignored():
@@ -38,16 +56,26 @@ def test_reference_by_hand_and_slots_outside_the_range_are_ignored():
     np.testing.assert_allclose(np.asarray(out)[0, 0], w[0] * np.array([1, 0]) + w[1] * np.array([0, 1]), rtol=1e-6)
     k_big = jnp.concatenate([k] * 4, axis=1)  # S = 16 for the kernel's block
     v_big = jnp.concatenate([v] * 4, axis=1)
-    got = decode_attention(q, k_big, v_big, jnp.array([0]), jnp.array([2]), config=DecodeAttentionConfig(block_s=16))
+    got = decode_attention(q, k_big, v_big, jnp.array([0]), jnp.array([2]), config=KERNEL)
     np.testing.assert_allclose(np.asarray(got), np.asarray(out), rtol=1e-6)
 
 
+def test_per_shard_under_tensor_parallelism():
+    mesh = make_mesh(tp=4)  # 8 CPU devices: data 2 x model 4
+    q, k, v, start, end = inputs(2, 4, 8, 4, 32, 64, jnp.float32, seed=7)
+    want = decode_attention_reference(q, k, v, start, end, 1)
+    got = jax.jit(lambda *a: decode_attention(*a, 1, config=KERNEL, mesh=mesh))(q, k, v, start, end)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
 def test_bad_shapes_and_knobs():
-    q, k, v = inputs(1, 3, 2, 32, 64, jnp.float32)
+    q, k, v, start, end = inputs(1, 1, 3, 2, 32, 64, jnp.float32, seed=0)
     with pytest.raises(ValueError, match="multiple of KV heads"):
-        decode_attention(q, k, v, jnp.array([0]), jnp.array([4]))
+        decode_attention(q, k, v, start, end, config=KERNEL)
     with pytest.raises(ValueError, match="block_s: expected a power of two"):
         DecodeAttentionConfig(block_s=48)
-    q, k, v = inputs(1, 2, 2, 48, 64, jnp.float32)
-    with pytest.raises(ValueError, match="cache length 48 is not a multiple of block_s 32"):
-        decode_attention(q, k, v, jnp.array([0]), jnp.array([4]), config=DecodeAttentionConfig(block_s=32))
+    with pytest.raises(ValueError, match="implementation: expected"):
+        DecodeAttentionConfig(implementation="triton")
+    q, k, v, start, end = inputs(1, 1, 2, 2, 40, 64, jnp.float32, seed=0)
+    with pytest.raises(ValueError, match="cache length 40 must be a multiple of 16"):
+        decode_attention(q, k, v, start, end, config=KERNEL)

@@ -12,6 +12,7 @@ weights once plus the KV cache so far, averaged over the steps) over the device 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -35,7 +36,8 @@ def step_bytes(config: OPTConfig, B: int, P: int, G: int) -> float:
     return weights + kv_per_token * B * (P + G / 2)
 
 
-def ours(config, params, mesh, B, Pn, G, repeats):
+def ours(config, params, mesh, B, Pn, G, repeats, decode):
+    config = dataclasses.replace(config, decode_attention=decode)
     ids = jax.random.randint(jax.random.key(1), (B, Pn), 3, config.vocab_size)
     batch = jax.device_put((ids, jnp.ones_like(ids)), NamedSharding(mesh, P("data")))
     run = lambda n: (lambda: generate(config, params, *batch, jax.random.key(2), max_new_tokens=n, force_length=True,
@@ -76,6 +78,8 @@ def main():
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (the devices used: all)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--decode", nargs="+", default=["pallas", "xla"], choices=["pallas", "xla"],
+                    help="our decode attention: the Pallas kernel and/or the plain-XLA path")
     ap.add_argument("--hf", nargs="*", default=["static", "dynamic"], choices=["static", "dynamic"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -87,7 +91,10 @@ def main():
     result = {"benchmark": "generate", **common.environment(), "model": args.model, "prompt": args.prompt, "new": args.new,
               "mesh": dict(mesh.shape), "device_bandwidth_Bps": bandwidth, "runs": []}
     for B in args.batch:
-        run = {"batch": B, "ours": ours(config, params, mesh, B, args.prompt, args.new, args.repeats)}
+        run = {"batch": B}
+        for decode in args.decode:
+            name = "ours" if decode == "pallas" else f"ours_{decode}"
+            run[name] = ours(config, params, mesh, B, args.prompt, args.new, args.repeats, decode)
         for cache in args.hf:
             try:
                 run[f"hf_{cache}"] = theirs(args.model, B, args.prompt, args.new, cache, args.repeats)

@@ -1,18 +1,23 @@
 """Decode attention: one query per row against its KV cache, reading only the row's valid slots.
 
-    q     [B, H, K]        this step's query (one token per row), already scaled
-    k, v  [B, S, Hkv, K]   one layer's cache; query head h reads KV head h // (H / Hkv) (grouped-query)
-    start, end  [B] int32  row b attends slots start[b] <= s < end[b] (left padding, current length)
-    out   [B, H, K]
+    q          [B, H, K]            this step's query (one token per row), already scaled
+    k, v       [L, B, S, Hkv, K]    the whole generation cache (all layers); query head h reads KV head
+                                    h // (H / Hkv) (grouped-query). A single layer's [B, S, Hkv, K] works too.
+    layer      int32 scalar         which layer of the cache to read (ignored for a single layer)
+    start, end [B] int32            (or scalars) row b attends slots start[b] <= s < end[b] (left padding, current length)
+    out        [B, H, K]
 
-The Pallas kernel runs one program per (row, KV head): it holds that head's G = H / Hkv queries, walks
-the row's valid slots in blocks of `block_s` with an online softmax in float32, and so reads only the
-part of the cache that holds real tokens (plain XLA reads all S slots every step). The scores are
-elementwise products summed over K rather than a matrix product, because G is often 1 and a decode step
-is bound by memory, not by arithmetic. `decode_attention_reference` is the plain-jnp definition.
+The Pallas (Triton) kernel runs one program per (row, KV head). It holds that head's G = H / Hkv queries,
+walks the row's valid slots in blocks of `block_s` with an online softmax in float32, and so reads only the
+part of the cache that holds real tokens, once (plain XLA reads all S slots of every row every step). It
+reads the layer straight out of the whole cache, so generation never copies a layer's cache out of the
+carried [L, ...] buffer. Scores are elementwise products summed over K rather than a matrix product: G is
+usually 1 and a decode step is bound by memory, not arithmetic.
 
-Status: tested on the CPU in interpret mode against the reference; not yet compiled, tuned or benchmarked
-on the GPU, and not yet wired into generation (which uses `models.opt.cached_attention`).
+Under tensor parallelism (`attention(..., mesh)` with a "model" axis) the kernel runs per shard with
+`shard_map`: each device holds its heads' queries and cache, and its rows if "data" splits the batch.
+`decode_attention_reference` is the plain-jnp definition; `xla_decode_attention` is what XLA does well
+without the kernel (the switch `DecodeAttentionConfig(implementation="xla")`).
 """
 
 from __future__ import annotations
@@ -23,18 +28,22 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec as P
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeAttentionConfig:
-    """Tuning knobs of the kernel."""
+    """Which implementation runs, and the kernel's tuning knobs."""
 
-    block_s: int = 128  # cache slots per inner step; a power of two that divides S
+    implementation: str = "auto"  # "auto" (the kernel on a GPU, XLA elsewhere), "pallas" or "xla"
+    block_s: int = 64  # cache slots per inner step; a power of two (smaller when S has fewer factors of 2)
     num_warps: int = 4
     num_stages: int = 2
     interpret: bool | None = None  # None: interpret mode when not on a GPU (CPU tests)
 
     def __post_init__(self):
+        if self.implementation not in ("auto", "pallas", "xla"):
+            raise ValueError(f"implementation: expected 'auto', 'pallas' or 'xla', got {self.implementation!r}")
         if self.block_s < 16 or self.block_s & (self.block_s - 1):
             raise ValueError(f"block_s: expected a power of two >= 16, got {self.block_s}")
         if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
@@ -42,37 +51,69 @@ class DecodeAttentionConfig:
         if self.num_stages < 1:
             raise ValueError(f"num_stages: expected >= 1, got {self.num_stages}")
 
+    def use_kernel(self, head_dim: int, groups: int) -> bool:
+        if self.implementation == "auto":  # Triton needs power-of-two block shapes
+            pow2 = lambda n: n & (n - 1) == 0
+            return jax.default_backend() == "gpu" and pow2(head_dim) and head_dim >= 16 and pow2(groups)
+        return self.implementation == "pallas"
 
-def decode_attention_reference(q, k, v, start, end):
-    """softmax over the valid slots of q . k, times v; float32 inside, q's dtype out."""
+
+def _as_cache(k, v, layer):
+    if k.ndim == 4:  # one layer: give it the leading layer axis (a free reshape)
+        return k[None], v[None], jnp.zeros((), jnp.int32)
+    return k, v, jnp.asarray(layer, jnp.int32)
+
+
+def _valid(start, end, S):
+    s = jnp.arange(S)
+    return (s[None, :] >= start[:, None]) & (s[None, :] < end[:, None])  # [B, S]
+
+
+def decode_attention_reference(q, k, v, start, end, layer=0):
+    """softmax over the valid slots of q . k, times v; float32 throughout, q's dtype out."""
+    k, v, layer = _as_cache(k, v, layer)
+    k, v = k[layer], v[layer]
     B, H, K = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     qg = q.reshape(B, Hkv, H // Hkv, K).astype(jnp.float32)
     scores = jnp.einsum("bhgk,bshk->bhgs", qg, k.astype(jnp.float32))
-    s = jnp.arange(S)
-    valid = (s[None, :] >= start[:, None]) & (s[None, :] < end[:, None])  # [B, S]
-    scores = jnp.where(valid[:, None, None, :], scores, -jnp.inf)
+    scores = jnp.where(_valid(start, end, S)[:, None, None, :], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bhgs,bshk->bhgk", probs, v.astype(jnp.float32))
     return out.reshape(B, H, K).astype(q.dtype)
 
 
-def _kernel(start_ref, end_ref, q_ref, k_ref, v_ref, o_ref, *, block_s: int):
-    # start_ref, end_ref: [1] (this row's valid range); q_ref, o_ref: [G, K] (the queries of one KV head);
-    # k_ref, v_ref: [S, K] (that KV head's cache for this row).
-    start, end = start_ref[0], end_ref[0]
+def xla_decode_attention(q, k, v, start, end, layer=0):
+    """The same in the form XLA runs fastest: bf16 operands, float32 scores, over all S slots."""
+    k, v, layer = _as_cache(k, v, layer)
+    k = jax.lax.dynamic_index_in_dim(k, layer, 0, keepdims=False)
+    v = jax.lax.dynamic_index_in_dim(v, layer, 0, keepdims=False)
+    B, H, K = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    qg = q.reshape(B, Hkv, H // Hkv, K).astype(k.dtype)
+    scores = jnp.einsum("bhgk,bshk->bhgs", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(_valid(start, end, S)[:, None, None, :], scores, -1e30)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bhgs,bshk->bhgk", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(B, H, K).astype(q.dtype)
+
+
+def _kernel(layer_ref, start_ref, end_ref, q_ref, k_ref, v_ref, o_ref, *, block_s: int):
+    # layer_ref [1]; start_ref, end_ref [1] (this row's valid range); q_ref, o_ref [G, K] (the queries of
+    # one KV head); k_ref, v_ref: the whole cache [L, B, S, Hkv, K], indexed here.
+    b, h = pl.program_id(0), pl.program_id(1)
+    layer, start, end = layer_ref[0], start_ref[0], end_ref[0]
     q = q_ref[...].astype(jnp.float32)
     G, K = q.shape
 
     def body(i, carry):
         m, l, acc = carry  # running max [G], normaliser [G], weighted sum of values [G, K]
         s0 = pl.multiple_of(i * block_s, block_s)
-        kb = k_ref[pl.ds(s0, block_s), :].astype(jnp.float32)  # [block_s, K]
-        vb = v_ref[pl.ds(s0, block_s), :].astype(jnp.float32)
+        kb = k_ref[layer, b, pl.ds(s0, block_s), h, :].astype(jnp.float32)  # [block_s, K]
+        vb = v_ref[layer, b, pl.ds(s0, block_s), h, :].astype(jnp.float32)
         scores = jnp.sum(q[:, None, :] * kb[None, :, :], axis=-1)  # [G, block_s]
         pos = s0 + jax.lax.broadcasted_iota(jnp.int32, (1, block_s), 1)
-        ok = (pos >= start) & (pos < end)
-        scores = jnp.where(ok, scores, -jnp.inf)
+        scores = jnp.where((pos >= start) & (pos < end), scores, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
         p = jnp.exp(scores - m_new[:, None])
         alpha = jnp.exp(m - m_new)
@@ -87,33 +128,57 @@ def _kernel(start_ref, end_ref, q_ref, k_ref, v_ref, o_ref, *, block_s: int):
     o_ref[...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def decode_attention(q, k, v, start, end, *, config: DecodeAttentionConfig = DecodeAttentionConfig()):
-    """The Pallas kernel (see the module docstring for shapes); rows with start >= end give zeros."""
+def _pallas(q, k, v, layer, start, end, *, config):
     B, H, K = q.shape
-    S, Hkv = k.shape[1], k.shape[2]
-    if H % Hkv:
-        raise ValueError(f"query heads ({H}) must be a multiple of KV heads ({Hkv})")
-    block_s = min(config.block_s, S)
-    if S % block_s:
-        raise ValueError(f"cache length {S} is not a multiple of block_s {block_s}; allocate the cache rounded up")
+    S, Hkv = k.shape[2], k.shape[3]
+    block_s = min(config.block_s, S & -S)  # the largest power of two that divides S, at most config's
+    if block_s < 16:
+        raise ValueError(f"cache length {S} must be a multiple of 16 for the kernel; allocate the cache rounded up")
     G = H // Hkv
     interpret = config.interpret if config.interpret is not None else jax.default_backend() != "gpu"
     params = None if interpret else pl.triton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+    row = pl.BlockSpec((1,), lambda b, h: (b,))
     out = pl.pallas_call(
         functools.partial(_kernel, block_s=block_s),
         grid=(B, Hkv),
         in_specs=[
-            pl.BlockSpec((1,), lambda b, h: (b,)),
-            pl.BlockSpec((1,), lambda b, h: (b,)),
+            pl.BlockSpec((1,), lambda b, h: (0,)),
+            row,
+            row,
             pl.BlockSpec((None, None, G, K), lambda b, h: (b, h, 0, 0)),
-            pl.BlockSpec((None, S, None, K), lambda b, h: (b, 0, h, 0)),
-            pl.BlockSpec((None, S, None, K), lambda b, h: (b, 0, h, 0)),
+            pl.no_block_spec,
+            pl.no_block_spec,
         ],
         out_specs=pl.BlockSpec((None, None, G, K), lambda b, h: (b, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((B, Hkv, G, K), q.dtype),
         compiler_params=params,
         interpret=interpret,
         name="jaxrlhf_decode_attention",
-    )(start.astype(jnp.int32), end.astype(jnp.int32), q.reshape(B, Hkv, G, K), k, v)
+    )(layer.reshape(1), start.astype(jnp.int32), end.astype(jnp.int32), q.reshape(B, Hkv, G, K), k, v)
     return out.reshape(B, H, K)
+
+
+def decode_attention(q, k, v, start, end, layer=0, *, config: DecodeAttentionConfig = DecodeAttentionConfig(),
+                     mesh=None):
+    """Attention of one query per row over its valid cache slots (shapes in the module docstring).
+
+    Rows with start >= end give zeros (kernel) or a uniform average (XLA); generation never has one.
+    `mesh` (with "data" and "model" axes): run per shard, heads over "model", rows over "data".
+    """
+    B, H, K = q.shape
+    k, v, layer = _as_cache(k, v, layer)
+    start, end = (jnp.broadcast_to(x, (B,)).astype(jnp.int32) for x in (start, end))
+    Hkv = k.shape[3]
+    if H % Hkv:
+        raise ValueError(f"query heads ({H}) must be a multiple of KV heads ({Hkv})")
+    if not config.use_kernel(K, H // Hkv):
+        return xla_decode_attention(q, k, v, start, end, layer)
+    fn = functools.partial(_pallas, config=config)
+    if mesh is not None and mesh.size > 1:
+        rows = "data" if B % mesh.shape["data"] == 0 else None
+        fn = jax.shard_map(
+            fn, mesh=mesh,
+            in_specs=(P(rows, "model", None), P(None, rows, None, "model", None), P(None, rows, None, "model", None),
+                      P(), P(rows), P(rows)),
+            out_specs=P(rows, "model", None), check_vma=False)
+    return fn(q, k, v, layer, start, end)

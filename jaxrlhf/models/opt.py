@@ -32,6 +32,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxrlhf.kernels.decode_attention import DecodeAttentionConfig, decode_attention
+
 # OPT's learned positions start at 2: fairseq reserved ids 0 and 1 (padding) in the table.
 POSITION_OFFSET = 2
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -61,12 +63,15 @@ class OPTConfig:
     dtype: str = "float32"  # compute dtype: "float32" or "bfloat16"; parameters keep their own dtype
     remat: bool = False  # recompute each layer's activations in the backward pass
     attention: str = "auto"  # "auto", "cudnn" (flash attention, GPU) or "xla"; see fused_attention
+    decode_attention: str = "auto"  # generation: "auto" (our Pallas kernel on a GPU), "pallas" or "xla"
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
             raise ValueError(f"OPTConfig.dtype: expected one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.attention not in ("auto", "cudnn", "xla"):
             raise ValueError(f"OPTConfig.attention: expected 'auto', 'cudnn' or 'xla', got {self.attention!r}")
+        if self.decode_attention not in ("auto", "pallas", "xla"):
+            raise ValueError(f"OPTConfig.decode_attention: expected 'auto', 'pallas' or 'xla', got {self.decode_attention!r}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"OPTConfig: hidden_size {self.hidden_size} is not divisible by "
@@ -112,28 +117,37 @@ def causal_attention(q, k, v, implementation: str = "auto"):
     return jax.nn.dot_product_attention(q, k, v, scale=1.0, is_causal=True, implementation=implementation)
 
 
-def cached_attention(q, k, v, cache):
+def cached_attention(q, k, v, cache, decode: str = "auto"):
     """Attention over a KV cache, writing this call's keys and values into it first (generation).
 
     q, k, v: [B, T, H, K] for T new tokens (the prompt at prefill, 1 when decoding); cache: "k", "v"
     [L, B, S, H, K], "layer" (this layer's index), "slot" (where the T tokens go: slots slot .. slot+T-1,
-    the same for every row), "valid" [B, S] (False at left padding). The write is one
-    dynamic_update_slice into the cache carried through the loops, so XLA updates it in place. Query t
-    attends valid slots <= slot + t. This is the plain-XLA reference: it reads the whole cache.
+    the same for every row), "valid" [B, S] (False at left padding), "start" [B] (each row's first valid
+    slot). The write is one dynamic_update_slice into the cache carried through the loops, so XLA updates
+    it in place. Query t attends valid slots <= slot + t. A decode step (T = 1) runs the decode-attention
+    kernel (`decode`: see kernels.decode_attention), which reads only the slots start .. slot of the layer,
+    straight from the whole cache; the prefill runs plain XLA over the whole cache.
     Returns (out [B, T, H, K], cache with k and v updated).
     """
     layer, slot = cache["layer"], cache["slot"]
     ck = jax.lax.dynamic_update_slice(cache["k"], k[None].astype(cache["k"].dtype), (layer, 0, slot, 0, 0))
     cv = jax.lax.dynamic_update_slice(cache["v"], v[None].astype(cache["v"].dtype), (layer, 0, slot, 0, 0))
+    cache = {**cache, "k": ck, "v": cv}
+    S, T = ck.shape[2], q.shape[1]
+    if T == 1:
+        mesh = jax.sharding.get_abstract_mesh()  # generate() sets the generation mesh around its program
+        mesh = None if mesh.empty or "model" not in mesh.axis_names else mesh
+        config = DecodeAttentionConfig(implementation=decode)
+        out = decode_attention(q[:, 0], ck, cv, cache["start"], slot + 1, layer, config=config, mesh=mesh)
+        return out[:, None], cache
     kl = jax.lax.dynamic_index_in_dim(ck, layer, 0, keepdims=False).astype(q.dtype)  # [B, S, H, K]
     vl = jax.lax.dynamic_index_in_dim(cv, layer, 0, keepdims=False).astype(v.dtype)
-    S, T = kl.shape[1], q.shape[1]
     visible = jnp.arange(S)[None, :] <= slot + jnp.arange(T)[:, None]  # [T, S]
     allowed = cache["valid"][:, None, None, :] & visible[None, None]  # [B, 1, T, S]
     scores = jnp.einsum("bthk,bshk->bhts", q, kl, preferred_element_type=jnp.float32)
     probs = jax.nn.softmax(jnp.where(allowed, scores, -1e9), axis=-1)  # finite: a fully masked row stays NaN-free
     out = jnp.einsum("bhts,bshk->bthk", probs.astype(vl.dtype), vl)
-    return out, {**cache, "k": ck, "v": cv}
+    return out, cache
 
 
 class OPTAttention(nn.Module):
@@ -157,7 +171,7 @@ class OPTAttention(nn.Module):
         k = proj("k_proj")(h).reshape(B, T, H, K)
         v = proj("v_proj")(h).reshape(B, T, H, K)
         if cache is not None:
-            out, cache = cached_attention(q, k, v, cache)
+            out, cache = cached_attention(q, k, v, cache, c.decode_attention)
         elif self.deterministic or c.attention_dropout == 0.0:
             out = causal_attention(q, k, v, c.attention)
         else:  # attention dropout needs the probabilities themselves
@@ -195,11 +209,12 @@ class OPTLayer(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, carry, layer, valid, slot):
+    def __call__(self, carry, layer, where):
         # carry: (h [B, T, D], kv) with kv None, or {"k", "v"} caches [L, B, S, H, K] when generating;
-        # layer: this layer's index (scanned); valid, slot: see cached_attention (broadcast to all layers).
+        # layer: this layer's index (scanned); where: None, or "valid", "slot", "start" (see
+        # cached_attention; broadcast to all layers).
         h, kv = carry
-        cache = None if kv is None else {**kv, "layer": layer, "valid": valid, "slot": slot}
+        cache = None if kv is None else {**kv, **where, "layer": layer}
         c = self.config
         dense = lambda n, name: nn.Dense(n, use_bias=c.enable_bias, dtype=c.compute_dtype, name=name)
         norm = lambda name: nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=c.compute_dtype, name=name)
@@ -274,12 +289,12 @@ class OPTDecoder(nn.Module):
             layer,
             variable_axes={"params": 0},
             split_rngs={"params": True, "dropout": True},
-            in_axes=(0, nn.broadcast, nn.broadcast),
+            in_axes=(0, nn.broadcast),
             length=c.num_hidden_layers,
         )(c, self.deterministic, name="layers")
         kv = None if cache is None else {"k": cache["k"], "v": cache["v"]}
-        valid, slot = (None, None) if cache is None else (cache["valid"], cache["slot"])
-        (h, kv), _ = layers((h, kv), jnp.arange(c.num_hidden_layers), valid, slot)
+        where = None if cache is None else {n: cache[n] for n in ("valid", "slot", "start")}
+        (h, kv), _ = layers((h, kv), jnp.arange(c.num_hidden_layers), where)
 
         if c.has_final_layer_norm:
             h = nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=c.compute_dtype, name="final_layer_norm")(h)
@@ -329,13 +344,19 @@ def values(config: OPTConfig, params: Any, input_ids, attention_mask, *, dropout
     return _apply(config, params, input_ids, attention_mask, True, dropout_rng)
 
 
-def init_cache(config: OPTConfig, valid, dtype=None) -> dict:
+def init_cache(config: OPTConfig, valid, dtype=None, multiple: int = 64) -> dict:
     """An empty KV cache for generation: "k", "v" [L, B, S, H, K] zeros, "valid" [B, S] (which slots hold
-    real tokens: False at left padding), "slot" 0. S = valid.shape[1] = prompt + answer length."""
+    real tokens: False at left padding), "start" [B] (each row's first valid slot), "slot" 0.
+
+    S is valid.shape[1] (prompt + answer length) rounded up to `multiple` (the decode kernel reads the
+    cache in blocks); the extra slots are never valid.
+    """
     B, S = valid.shape
-    shape = (config.num_hidden_layers, B, S, config.num_attention_heads, config.head_dim)
+    valid = jnp.pad(valid.astype(bool), ((0, 0), (0, -S % multiple)))
+    shape = (config.num_hidden_layers, B, valid.shape[1], config.num_attention_heads, config.head_dim)
     zeros = jnp.zeros(shape, dtype or config.compute_dtype)
-    return {"k": zeros, "v": zeros, "valid": valid.astype(bool), "slot": jnp.zeros((), jnp.int32)}
+    start = jnp.argmax(valid, axis=1).astype(jnp.int32)
+    return {"k": zeros, "v": zeros, "valid": valid, "start": start, "slot": jnp.zeros((), jnp.int32)}
 
 
 def logits_with_cache(config: OPTConfig, params: Any, input_ids, positions, cache):

@@ -1,0 +1,115 @@
+"""Benchmark the decode-attention kernel against the plain-XLA path (BENCHMARKS.md item 2).
+
+    PYTHONPATH=. python tools/bench_decode_attention.py [--tune]
+
+Shapes: batch 32-256, 32 query heads with 32 or 8 KV heads, head dim 64 and 128, cache length 512 and 2048,
+bf16. Each row's valid range is ragged: left padding up to S/8 and a current length between S/2 and S
+("ragged"), or the whole cache ("full"). A call is timed as the mean over 64 chained calls inside one jitted
+loop (each call's output is the next call's query), so Python dispatch stays out of the microseconds.
+Roofline: the K and V bytes of the valid slots, read once, over the device bandwidth measured in this run.
+`--tune` also sweeps block_s and num_warps at two shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxrlhf.kernels.decode_attention import (  # noqa: E402
+    DecodeAttentionConfig, decode_attention, decode_attention_reference)
+from tools import common  # noqa: E402
+from tools.bench_reshard import device_bandwidth  # noqa: E402
+
+CALLS = 64
+
+
+def make_inputs(B, H, Hkv, S, K, ragged, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(ks[0], (B, H, K), jnp.bfloat16) * K**-0.5
+    k = jax.random.normal(ks[1], (1, B, S, Hkv, K), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (1, B, S, Hkv, K), jnp.bfloat16)
+    if ragged:
+        start = jax.random.randint(ks[3], (B,), 0, S // 8)
+        end = jax.random.randint(ks[4], (B,), S // 2, S + 1)
+    else:
+        start, end = jnp.zeros((B,), jnp.int32), jnp.full((B,), S, jnp.int32)
+    return q, k, v, start.astype(jnp.int32), end.astype(jnp.int32)
+
+
+def time_call(config, q, k, v, start, end) -> float:
+    """Seconds per call: CALLS chained calls in one program."""
+    @jax.jit
+    def loop(q, k, v, start, end):
+        body = lambda _, q: decode_attention(q, k, v, start, end, 0, config=config)
+        return jax.lax.fori_loop(0, CALLS, body, q)
+
+    return common.timeit(lambda: loop(q, k, v, start, end), repeats=5, warmup=1)["median_s"] / CALLS
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, nargs="+", default=[32, 64, 128, 256])
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    bandwidth = device_bandwidth()
+    kernel, xla = DecodeAttentionConfig(implementation="pallas"), DecodeAttentionConfig(implementation="xla")
+    result = {"benchmark": "decode_attention", **common.environment(), "device_bandwidth_Bps": bandwidth,
+              "calls_per_timing": CALLS, "kernel_config": dataclasses.asdict(kernel), "runs": [], "tuning": []}
+    for K in (64, 128):
+        H = 2048 // K  # 32 heads of 64 (OPT-1.3B), 16 of 128
+        for Hkv in (H, H // 4):
+            for S in (512, 2048):
+                for B in args.batch:
+                    for ragged in (True, False):
+                        if B * S * Hkv * K * 2 * 2 > 8 * 2**30:
+                            continue
+                        x = make_inputs(B, H, Hkv, S, K, ragged)
+                        ref = decode_attention_reference(*x)
+                        err = float(jnp.max(jnp.abs(decode_attention(*x, config=kernel).astype(jnp.float32)
+                                                    - ref.astype(jnp.float32))))
+                        valid = int(np.sum(np.asarray(x[4]) - np.asarray(x[3])))
+                        need = valid * Hkv * K * 2 * 2 + 2 * q_bytes(x[0])
+                        t_k, t_x = time_call(kernel, *x), time_call(xla, *x)
+                        run = {"B": B, "H": H, "Hkv": Hkv, "K": K, "S": S, "ragged": ragged, "max_abs_err": err,
+                               "kernel_us": 1e6 * t_k, "xla_us": 1e6 * t_x, "speedup": t_x / t_k,
+                               "roofline_us": 1e6 * need / bandwidth, "kernel_roofline_ratio": t_k * bandwidth / need,
+                               "xla_roofline_ratio": t_x * bandwidth / need}
+                        result["runs"].append(run)
+                        print(f"B={B:3d} H={H} Hkv={Hkv:2d} K={K:3d} S={S:4d} {'ragged' if ragged else 'full  '} "
+                              f"kernel {run['kernel_us']:7.1f} us ({run['kernel_roofline_ratio']:.2f}x roofline)  "
+                              f"xla {run['xla_us']:7.1f} us ({run['xla_roofline_ratio']:.2f}x)  "
+                              f"speedup {run['speedup']:.2f}  err {err:.1e}", flush=True)
+    if args.tune:
+        for B, H, Hkv, S, K in ((64, 32, 32, 512, 64), (64, 32, 32, 2048, 64), (64, 32, 8, 2048, 128)):
+            x = make_inputs(B, H, Hkv, S, K, False)
+            for block_s in (16, 32, 64, 128):
+                for warps in (1, 2, 4, 8):
+                    for stages in (1, 2, 3):
+                        cfg = DecodeAttentionConfig("pallas", block_s=block_s, num_warps=warps, num_stages=stages)
+                        try:
+                            t = time_call(cfg, *x)
+                        except Exception as e:  # noqa: BLE001 - a knob setting that does not compile
+                            print(f"tune {B} {S} {K} block_s={block_s} warps={warps} stages={stages}: {str(e)[:120]}")
+                            continue
+                        result["tuning"].append({"B": B, "H": H, "Hkv": Hkv, "S": S, "K": K, "block_s": block_s,
+                                                 "num_warps": warps, "num_stages": stages, "us": 1e6 * t})
+                        print(f"tune B={B} S={S} K={K} Hkv={Hkv} block_s={block_s:3d} warps={warps} stages={stages}: "
+                              f"{1e6 * t:7.1f} us", flush=True)
+    common.write("decode-attention", result, args.out)
+
+
+def q_bytes(q):
+    return q.size * q.dtype.itemsize
+
+
+if __name__ == "__main__":
+    main()
