@@ -241,7 +241,7 @@ class HybridEngine:
             exp["scores"] = jnp.take_along_axis(reward, last[:, None], axis=1)[:, 0]
             return exp
 
-        self._score = jax.jit(score)
+        self._score = jax.jit(score, out_shardings=rows)  # every output is [B, ...], rows over all devices
 
         def advantages(exp, kl_coef):
             rewards = losses.compute_rewards(exp["logprobs"], exp["ref_logprobs"], exp["scores"], exp["mask"], kl_coef,

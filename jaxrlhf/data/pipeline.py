@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxrlhf.data.sources import DataError, Record, Report, fingerprint, read_source, read_texts
 
-CACHE_VERSION = 1  # bump when the tokenized format or any adapter's output changes
+CACHE_VERSION = 2  # bump when the tokenized format or any adapter's output changes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +113,7 @@ def step_records(config: DataConfig, step: int) -> tuple[dict[str, list[Record]]
     if not sources:
         raise DataError("no datasets given: set data_path (e.g. data_path: [synthetic])")
     for spec, sft_only in sources:
-        split = read_source(spec, on_bad_row=config.on_bad_row, seed=config.seed)
+        split = read_source(spec, on_bad_row=config.on_bad_row, seed=config.seed, eval_fraction=config.eval_fraction)
         reports += [report for _, report in split.values()]
         train, evaluation = _train_eval(split, config.eval_fraction, config.seed, spec)
         if step == 2 and any(r.rejected is None for r in train):

@@ -220,14 +220,17 @@ def _collect(source: str, rows: Iterable[tuple[str, Any]], convert, on_bad_row: 
 SUFFIXES = (".json", ".jsonl", ".jsonl.gz", ".json.gz", ".parquet")
 
 
-def read_source(spec: str, *, on_bad_row: str = "error", seed: int = 1234) -> dict[str, tuple[list[Record], Report]]:
-    """The records of one source by split: {"train": ...} and, where the source has one, {"eval": ...}."""
+def read_source(spec: str, *, on_bad_row: str = "error", seed: int = 1234,
+                eval_fraction: float = 0.1) -> dict[str, tuple[list[Record], Report]]:
+    """The records of one source by split: {"train": ...} and, where the source has one, {"eval": ...}.
+
+    The synthetic task has its own eval split (`eval_fraction` of its pairs), labelled without noise."""
     if spec == "synthetic" or spec.startswith("synthetic:"):
         from jaxrlhf.data import synthetic
 
         n = int(spec.split(":", 1)[1]) if ":" in spec else 4000
-        records = [Record(**r) for r in synthetic.preference_records(n, seed)]
-        return {"train": (records, Report(spec, kept=len(records)))}
+        splits = synthetic.preference_splits(n, seed, eval_fraction)
+        return {part: ([Record(**r) for r in rows], Report(f"{spec} [{part}]", kept=len(rows))) for part, rows in splits.items()}
     path = Path(spec)
     if path.is_file():
         if not path.name.lower().endswith(SUFFIXES):

@@ -186,6 +186,25 @@ def preference_records(n: int, seed: int = 0, flip_rate: float = 0.1, **task) ->
     return SyntheticTask(seed=seed, flip_rate=flip_rate, **task).records("preference", n)
 
 
+def relabel(record: dict) -> dict:
+    """`record` with chosen and rejected ordered by the gold reward (the noiseless annotator)."""
+    prompt, a, b = record["prompt"], record["chosen"], record["rejected"]
+    return {**record, "chosen": a, "rejected": b} if gold_reward(prompt, a) > gold_reward(prompt, b) else \
+        {**record, "chosen": b, "rejected": a}
+
+
+def preference_splits(n: int, seed: int = 0, eval_fraction: float = 0.1, **task) -> dict[str, list[dict]]:
+    """Step 2's `n` pairs cut into {"train": noisy labels, "eval": gold labels}.
+
+    The last round(eval_fraction * n) pairs of `preference_records(n, seed)` are held out and labelled by
+    the gold reward: training on a noisy annotator is realistic, but measuring against one would cap the
+    accuracy at 1 - flip_rate and hide what the model learned.
+    """
+    records = preference_records(n, seed, **task)
+    cut = n - int(round(eval_fraction * n))
+    return {"train": records[:cut], "eval": [relabel(r) for r in records[cut:]]}
+
+
 def prompt_records(n: int, seed: int = 0, **task) -> list[dict]:
     """Step 3: `n` prompts (chosen holds the gold answer, for reference)."""
     return SyntheticTask(seed=seed, **task).records("prompt", n)

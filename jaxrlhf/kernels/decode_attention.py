@@ -28,6 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 from jax.sharding import PartitionSpec as P
 
 
@@ -136,7 +137,7 @@ def _pallas(q, k, v, layer, start, end, *, config):
         raise ValueError(f"cache length {S} must be a multiple of 16 for the kernel; allocate the cache rounded up")
     G = H // Hkv
     interpret = config.interpret if config.interpret is not None else jax.default_backend() != "gpu"
-    params = None if interpret else pl.triton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+    params = None if interpret else pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
     row = pl.BlockSpec((1,), lambda b, h: (b,))
     out = pl.pallas_call(
         functools.partial(_kernel, block_s=block_s),
