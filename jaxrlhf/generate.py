@@ -3,7 +3,7 @@
     prompts [B, P] left-padded ──prefill (one pass, K/V written at slots 0..P-1)──► first token
         ──scan over G - 1 steps: one token per row at slot P + t, K/V written in place──► tokens [B, G]
 
-The cache [L, B, P + G, H, K] is allocated once and carried through the scan (written with one
+The cache [L, B, H, P + G, K] is allocated once and carried through the scan (written with one
 dynamic_update_slice per layer and step, so XLA updates it in place; DESIGN.md measured 3.6x against
 passing per-layer caches through a scan). Rows stop at their first EOS: later tokens are pad and the
 answer mask is 0 there (1 up to and including the EOS). Sampling: greedy (temperature 0), temperature,
@@ -73,7 +73,7 @@ def _generate(config, params, input_ids, attention_mask, key, *, max_new_tokens,
     valid = jnp.concatenate([attention_mask.astype(bool), jnp.ones((B, G), bool)], axis=1)
     cache = init_cache(config, valid)
     if mesh is not None:  # heads over "model", batch over "data": the tensor-parallel layout of the cache
-        cache_spec = NamedSharding(mesh, P(None, "data", None, "model", None))
+        cache_spec = NamedSharding(mesh, P(None, "data", "model", None, None))
         cache = {**cache, "k": jax.lax.with_sharding_constraint(cache["k"], cache_spec),
                  "v": jax.lax.with_sharding_constraint(cache["v"], cache_spec)}
     positions = jnp.maximum(positions_from_mask(attention_mask), 0)

@@ -16,8 +16,8 @@ KERNEL = DecodeAttentionConfig(implementation="pallas", block_s=16)
 def inputs(L, B, H, Hkv, S, K, dtype, seed):
     ks = jax.random.split(jax.random.key(seed), 5)
     q = jax.random.normal(ks[0], (B, H, K), dtype) * K**-0.5
-    k = jax.random.normal(ks[1], (L, B, S, Hkv, K), dtype)
-    v = jax.random.normal(ks[2], (L, B, S, Hkv, K), dtype)
+    k = jax.random.normal(ks[1], (L, B, Hkv, S, K), dtype)
+    v = jax.random.normal(ks[2], (L, B, Hkv, S, K), dtype)
     start = jax.random.randint(ks[3], (B,), 0, S // 2)  # left padding of different lengths
     end = start + 1 + jax.random.randint(ks[4], (B,), 0, S - S // 2)  # ragged current lengths, >= 1 slot
     return q, k, v, start, end
@@ -32,12 +32,14 @@ CASES = [  # (L, B, H, Hkv, S, K, dtype): multi-head and grouped-query, head dim
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
-@pytest.mark.parametrize("implementation", ["pallas", "xla"])
-def test_kernel_and_xla_match_the_reference(case, implementation):
+@pytest.mark.parametrize("implementation, use_dot", [("pallas", None), ("pallas", True), ("xla", None)],
+                         ids=["kernel", "kernel_dot", "xla"])
+def test_kernel_and_xla_match_the_reference(case, implementation, use_dot):
     L, B, H, Hkv, S, K, dtype = CASES[case]
     q, k, v, start, end = inputs(L, B, H, Hkv, S, K, dtype, seed=100 + case)  # fresh inputs per case
     layer = L - 1
-    got = decode_attention(q, k, v, start, end, layer, config=dataclasses.replace(KERNEL, implementation=implementation))
+    config = dataclasses.replace(KERNEL, implementation=implementation, use_dot=use_dot)
+    got = decode_attention(q, k, v, start, end, layer, config=config)
     want = decode_attention_reference(q, k, v, start, end, layer)
     assert not np.allclose(np.asarray(want, np.float32), 0)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
@@ -49,13 +51,13 @@ def test_kernel_and_xla_match_the_reference(case, implementation):
 
 def test_reference_by_hand_and_slots_outside_the_range_are_ignored():
     q = jnp.array([[[1.0, 0.0]]])  # B=1, H=1, K=2
-    k = jnp.array([[[[1.0, 0.0]], [[0.0, 1.0]], [[9.0, 9.0]], [[2.0, 0.0]]]])  # S=4
-    v = jnp.array([[[[1.0, 0.0]], [[0.0, 1.0]], [[5.0, 5.0]], [[0.0, 3.0]]]])
+    k = jnp.array([[[[1.0, 0.0], [0.0, 1.0], [9.0, 9.0], [2.0, 0.0]]]])  # B=1, Hkv=1, S=4, K=2
+    v = jnp.array([[[[1.0, 0.0], [0.0, 1.0], [5.0, 5.0], [0.0, 3.0]]]])
     out = decode_attention_reference(q, k, v, jnp.array([0]), jnp.array([2]))
     w = np.exp([1.0, 0.0]) / np.exp([1.0, 0.0]).sum()
     np.testing.assert_allclose(np.asarray(out)[0, 0], w[0] * np.array([1, 0]) + w[1] * np.array([0, 1]), rtol=1e-6)
-    k_big = jnp.concatenate([k] * 4, axis=1)  # S = 16 for the kernel's block
-    v_big = jnp.concatenate([v] * 4, axis=1)
+    k_big = jnp.concatenate([k] * 4, axis=2)  # S = 16 for the kernel's block
+    v_big = jnp.concatenate([v] * 4, axis=2)
     got = decode_attention(q, k_big, v_big, jnp.array([0]), jnp.array([2]), config=KERNEL)
     np.testing.assert_allclose(np.asarray(got), np.asarray(out), rtol=1e-6)
 

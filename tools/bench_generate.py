@@ -6,7 +6,7 @@ Random weights of the real shape (bf16), random prompt tokens, sampling at tempe
 full length (EOS off) so every system does the same work (BENCHMARKS.md item 1). Figures per batch: total
 seconds, prefill seconds (a one-token generate), ms per decode step = (total - prefill) / (new - 1),
 generated tokens/s, and the fraction of the memory roofline: the bytes one decode step must read (all
-weights once plus the KV cache so far, averaged over the steps) over the device bandwidth measured here.
+weights once plus the KV cache so far, averaged over the steps) over the read bandwidth measured here (tools.common.read_bandwidth).
 """
 
 from __future__ import annotations
@@ -87,9 +87,9 @@ def main():
     mesh = make_mesh(args.tp)
     params = jax.jit(lambda k: init_params(config, k, dtype=jnp.bfloat16),
                      out_shardings=shardings_for(param_shapes(config), "tp", mesh))(jax.random.key(0))
-    bandwidth = device_bandwidth()
+    bandwidth = common.read_bandwidth()
     result = {"benchmark": "generate", **common.environment(), "model": args.model, "prompt": args.prompt, "new": args.new,
-              "mesh": dict(mesh.shape), "device_bandwidth_Bps": bandwidth, "runs": []}
+              "mesh": dict(mesh.shape), "read_bandwidth_Bps": bandwidth, "copy_bandwidth_Bps": device_bandwidth(), "runs": []}
     for B in args.batch:
         run = {"batch": B}
         for decode in args.decode:

@@ -57,6 +57,17 @@ def timeit(fn, repeats: int = 10, warmup: int = 2, block=jax.block_until_ready) 
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "repeats": repeats}
 
 
+def read_bandwidth() -> float:
+    """Bytes read per second by a sum over 4 GiB of bf16: the roofline of a read-bound kernel (decode
+    attention, a decode step). A copy (`a + 1`) reads and writes and runs well below it."""
+    import jax.numpy as jnp
+
+    a = jnp.ones((2**31,), jnp.bfloat16)
+    total = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
+    t = timeit(lambda: total(a), repeats=10)
+    return a.nbytes / t["median_s"]
+
+
 def peak_bytes() -> int | None:
     """Peak device memory of device 0 since the process started (None where not reported, e.g. CPU)."""
     stats = jax.devices()[0].memory_stats() or {}

@@ -1,21 +1,22 @@
 """Decode attention: one query per row against its KV cache, reading only the row's valid slots.
 
     q          [B, H, K]            this step's query (one token per row), already scaled
-    k, v       [L, B, S, Hkv, K]    the whole generation cache (all layers); query head h reads KV head
-                                    h // (H / Hkv) (grouped-query). A single layer's [B, S, Hkv, K] works too.
+    k, v       [L, B, Hkv, S, K]    the whole generation cache (all layers); query head h reads KV head
+                                    h // (H / Hkv) (grouped-query). A single layer's [B, Hkv, S, K] works too.
     layer      int32 scalar         which layer of the cache to read (ignored for a single layer)
-    start, end [B] int32            (or scalars) row b attends slots start[b] <= s < end[b] (left padding, current length)
+    start, end [B] int32 (or scalars)  row b attends slots start[b] <= s < end[b] (left padding, current length)
     out        [B, H, K]
 
-The Pallas (Triton) kernel runs one program per (row, KV head). It holds that head's G = H / Hkv queries,
-walks the row's valid slots in blocks of `block_s` with an online softmax in float32, and so reads only the
-part of the cache that holds real tokens, once (plain XLA reads all S slots of every row every step). It
-reads the layer straight out of the whole cache, so generation never copies a layer's cache out of the
-carried [L, ...] buffer. Scores are elementwise products summed over K rather than a matrix product: G is
-usually 1 and a decode step is bound by memory, not arithmetic.
+The Pallas (Triton) kernel runs one program per (row, KV head). Each (row, head) holds its slots contiguously
+(S x K), so a program streams the row's valid slots in blocks of `block_s` with an online softmax in
+float32, reading only the part of the cache that holds real tokens, once (plain XLA reads all S slots of
+every row every step). It reads the layer straight out of the whole cache, so generation never copies a
+layer's cache out of the carried [L, ...] buffer. With one query per KV head (G = H / Hkv = 1) scores are
+elementwise products summed over K; with grouped queries the G queries, padded to 16 rows, go through
+tensor-core matrix products.
 
-Under tensor parallelism (`attention(..., mesh)` with a "model" axis) the kernel runs per shard with
-`shard_map`: each device holds its heads' queries and cache, and its rows if "data" splits the batch.
+Under tensor parallelism (`decode_attention(..., mesh=mesh)` with a "model" axis) the kernel runs per shard
+with `shard_map`: each device holds its heads' queries and cache, and its rows if "data" splits the batch.
 `decode_attention_reference` is the plain-jnp definition; `xla_decode_attention` is what XLA does well
 without the kernel (the switch `DecodeAttentionConfig(implementation="xla")`).
 """
@@ -38,6 +39,7 @@ class DecodeAttentionConfig:
 
     implementation: str = "auto"  # "auto" (the kernel on a GPU, XLA elsewhere), "pallas" or "xla"
     block_s: int = 64  # cache slots per inner step; a power of two (smaller when S has fewer factors of 2)
+    use_dot: bool | None = None  # scores by tensor-core products (queries padded to 16); None: when G > 1
     num_warps: int = 4
     num_stages: int = 2
     interpret: bool | None = None  # None: interpret mode when not on a GPU (CPU tests)
@@ -75,12 +77,12 @@ def decode_attention_reference(q, k, v, start, end, layer=0):
     k, v, layer = _as_cache(k, v, layer)
     k, v = k[layer], v[layer]
     B, H, K = q.shape
-    S, Hkv = k.shape[1], k.shape[2]
+    Hkv, S = k.shape[1], k.shape[2]
     qg = q.reshape(B, Hkv, H // Hkv, K).astype(jnp.float32)
-    scores = jnp.einsum("bhgk,bshk->bhgs", qg, k.astype(jnp.float32))
+    scores = jnp.einsum("bhgk,bhsk->bhgs", qg, k.astype(jnp.float32))
     scores = jnp.where(_valid(start, end, S)[:, None, None, :], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bhgs,bshk->bhgk", probs, v.astype(jnp.float32))
+    out = jnp.einsum("bhgs,bhsk->bhgk", probs, v.astype(jnp.float32))
     return out.reshape(B, H, K).astype(q.dtype)
 
 
@@ -90,37 +92,43 @@ def xla_decode_attention(q, k, v, start, end, layer=0):
     k = jax.lax.dynamic_index_in_dim(k, layer, 0, keepdims=False)
     v = jax.lax.dynamic_index_in_dim(v, layer, 0, keepdims=False)
     B, H, K = q.shape
-    S, Hkv = k.shape[1], k.shape[2]
+    Hkv, S = k.shape[1], k.shape[2]
     qg = q.reshape(B, Hkv, H // Hkv, K).astype(k.dtype)
-    scores = jnp.einsum("bhgk,bshk->bhgs", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("bhgk,bhsk->bhgs", qg, k, preferred_element_type=jnp.float32)
     scores = jnp.where(_valid(start, end, S)[:, None, None, :], scores, -1e30)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bhgs,bshk->bhgk", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("bhgs,bhsk->bhgk", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(B, H, K).astype(q.dtype)
 
 
-def _kernel(layer_ref, start_ref, end_ref, q_ref, k_ref, v_ref, o_ref, *, block_s: int):
+def _kernel(layer_ref, start_ref, end_ref, q_ref, k_ref, v_ref, o_ref, *, block_s: int, use_dot: bool):
     # layer_ref [1]; start_ref, end_ref [1] (this row's valid range); q_ref, o_ref [G, K] (the queries of
-    # one KV head); k_ref, v_ref: the whole cache [L, B, S, Hkv, K], indexed here.
+    # one KV head, padded to 16 rows for the dot path); k_ref, v_ref: the whole cache [L, B, Hkv, S, K].
     b, h = pl.program_id(0), pl.program_id(1)
     layer, start, end = layer_ref[0], start_ref[0], end_ref[0]
-    q = q_ref[...].astype(jnp.float32)
-    G, K = q.shape
+    G, K = q_ref.shape
+    q = q_ref[...] if use_dot else q_ref[...].astype(jnp.float32)
 
     def body(i, carry):
         m, l, acc = carry  # running max [G], normaliser [G], weighted sum of values [G, K]
         s0 = pl.multiple_of(i * block_s, block_s)
-        kb = k_ref[layer, b, pl.ds(s0, block_s), h, :].astype(jnp.float32)  # [block_s, K]
-        vb = v_ref[layer, b, pl.ds(s0, block_s), h, :].astype(jnp.float32)
-        scores = jnp.sum(q[:, None, :] * kb[None, :, :], axis=-1)  # [G, block_s]
+        kb = k_ref[layer, b, h, pl.ds(s0, block_s), :]  # [block_s, K]
+        vb = v_ref[layer, b, h, pl.ds(s0, block_s), :]
+        if use_dot:
+            scores = jnp.dot(q, kb.T, preferred_element_type=jnp.float32)  # [G, block_s]
+        else:
+            scores = jnp.sum(q[:, None, :] * kb.astype(jnp.float32)[None, :, :], axis=-1)
         pos = s0 + jax.lax.broadcasted_iota(jnp.int32, (1, block_s), 1)
         scores = jnp.where((pos >= start) & (pos < end), scores, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
         p = jnp.exp(scores - m_new[:, None])
         alpha = jnp.exp(m - m_new)
         l = l * alpha + jnp.sum(p, axis=-1)
-        acc = acc * alpha[:, None] + jnp.sum(p[:, :, None] * vb[None, :, :], axis=1)
-        return m_new, l, acc
+        if use_dot:
+            pv = jnp.dot(p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
+        else:
+            pv = jnp.sum(p[:, :, None] * vb.astype(jnp.float32)[None, :, :], axis=1)
+        return m_new, l, acc * alpha[:, None] + pv
 
     # Only the blocks that hold valid slots are read. The running max starts finite so that the first
     # rescale exp(m - m_new) is 0, not NaN.
@@ -129,34 +137,41 @@ def _kernel(layer_ref, start_ref, end_ref, q_ref, k_ref, v_ref, o_ref, *, block_
     o_ref[...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
 
 
+# jit makes the call removable by dead-code elimination (flax's scan over layers traces the body twice).
+@functools.partial(jax.jit, static_argnames="config")
 def _pallas(q, k, v, layer, start, end, *, config):
     B, H, K = q.shape
-    S, Hkv = k.shape[2], k.shape[3]
+    Hkv, S = k.shape[2], k.shape[3]
     block_s = min(config.block_s, S & -S)  # the largest power of two that divides S, at most config's
     if block_s < 16:
         raise ValueError(f"cache length {S} must be a multiple of 16 for the kernel; allocate the cache rounded up")
     G = H // Hkv
+    use_dot = G > 1 if config.use_dot is None else config.use_dot
+    qg = q.reshape(B, Hkv, G, K)
+    Gp = max(G, 16) if use_dot else G  # tensor-core products need 16 rows
+    if Gp > G:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
     interpret = config.interpret if config.interpret is not None else jax.default_backend() != "gpu"
     params = None if interpret else pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
     row = pl.BlockSpec((1,), lambda b, h: (b,))
     out = pl.pallas_call(
-        functools.partial(_kernel, block_s=block_s),
+        functools.partial(_kernel, block_s=block_s, use_dot=use_dot),
         grid=(B, Hkv),
         in_specs=[
             pl.BlockSpec((1,), lambda b, h: (0,)),
             row,
             row,
-            pl.BlockSpec((None, None, G, K), lambda b, h: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, Gp, K), lambda b, h: (b, h, 0, 0)),
             pl.no_block_spec,
             pl.no_block_spec,
         ],
-        out_specs=pl.BlockSpec((None, None, G, K), lambda b, h: (b, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((B, Hkv, G, K), q.dtype),
+        out_specs=pl.BlockSpec((None, None, Gp, K), lambda b, h: (b, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, Hkv, Gp, K), q.dtype),
         compiler_params=params,
         interpret=interpret,
         name="jaxrlhf_decode_attention",
-    )(layer.reshape(1), start.astype(jnp.int32), end.astype(jnp.int32), q.reshape(B, Hkv, G, K), k, v)
-    return out.reshape(B, H, K)
+    )(layer.reshape(1), start, end, qg, k, v)
+    return out[:, :, :G].reshape(B, H, K)
 
 
 def decode_attention(q, k, v, start, end, layer=0, *, config: DecodeAttentionConfig = DecodeAttentionConfig(),
@@ -169,7 +184,7 @@ def decode_attention(q, k, v, start, end, layer=0, *, config: DecodeAttentionCon
     B, H, K = q.shape
     k, v, layer = _as_cache(k, v, layer)
     start, end = (jnp.broadcast_to(x, (B,)).astype(jnp.int32) for x in (start, end))
-    Hkv = k.shape[3]
+    Hkv = k.shape[2]
     if H % Hkv:
         raise ValueError(f"query heads ({H}) must be a multiple of KV heads ({Hkv})")
     if not config.use_kernel(K, H // Hkv):
@@ -179,7 +194,7 @@ def decode_attention(q, k, v, start, end, layer=0, *, config: DecodeAttentionCon
         rows = "data" if B % mesh.shape["data"] == 0 else None
         fn = jax.shard_map(
             fn, mesh=mesh,
-            in_specs=(P(rows, "model", None), P(None, rows, None, "model", None), P(None, rows, None, "model", None),
+            in_specs=(P(rows, "model", None), P(None, rows, "model", None, None), P(None, rows, "model", None, None),
                       P(), P(rows), P(rows)),
             out_specs=P(rows, "model", None), check_vma=False)
     return fn(q, k, v, layer, start, end)

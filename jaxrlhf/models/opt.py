@@ -121,7 +121,7 @@ def cached_attention(q, k, v, cache, decode: str = "auto"):
     """Attention over a KV cache, writing this call's keys and values into it first (generation).
 
     q, k, v: [B, T, H, K] for T new tokens (the prompt at prefill, 1 when decoding); cache: "k", "v"
-    [L, B, S, H, K], "layer" (this layer's index), "slot" (where the T tokens go: slots slot .. slot+T-1,
+    [L, B, H, S, K] (each row's and head's slots contiguous, as the decode kernel streams them), "layer" (this layer's index), "slot" (where the T tokens go: slots slot .. slot+T-1,
     the same for every row), "valid" [B, S] (False at left padding), "start" [B] (each row's first valid
     slot). The write is one dynamic_update_slice into the cache carried through the loops, so XLA updates
     it in place. Query t attends valid slots <= slot + t. A decode step (T = 1) runs the decode-attention
@@ -130,23 +130,24 @@ def cached_attention(q, k, v, cache, decode: str = "auto"):
     Returns (out [B, T, H, K], cache with k and v updated).
     """
     layer, slot = cache["layer"], cache["slot"]
-    ck = jax.lax.dynamic_update_slice(cache["k"], k[None].astype(cache["k"].dtype), (layer, 0, slot, 0, 0))
-    cv = jax.lax.dynamic_update_slice(cache["v"], v[None].astype(cache["v"].dtype), (layer, 0, slot, 0, 0))
+    write = lambda c, x: jax.lax.dynamic_update_slice(c, x.transpose(0, 2, 1, 3)[None].astype(c.dtype),
+                                                      (layer, 0, 0, slot, 0))
+    ck, cv = write(cache["k"], k), write(cache["v"], v)
     cache = {**cache, "k": ck, "v": cv}
-    S, T = ck.shape[2], q.shape[1]
+    S, T = ck.shape[3], q.shape[1]
     if T == 1:
         mesh = jax.sharding.get_abstract_mesh()  # generate() sets the generation mesh around its program
         mesh = None if mesh.empty or "model" not in mesh.axis_names else mesh
         config = DecodeAttentionConfig(implementation=decode)
         out = decode_attention(q[:, 0], ck, cv, cache["start"], slot + 1, layer, config=config, mesh=mesh)
         return out[:, None], cache
-    kl = jax.lax.dynamic_index_in_dim(ck, layer, 0, keepdims=False).astype(q.dtype)  # [B, S, H, K]
+    kl = jax.lax.dynamic_index_in_dim(ck, layer, 0, keepdims=False).astype(q.dtype)  # [B, H, S, K]
     vl = jax.lax.dynamic_index_in_dim(cv, layer, 0, keepdims=False).astype(v.dtype)
     visible = jnp.arange(S)[None, :] <= slot + jnp.arange(T)[:, None]  # [T, S]
     allowed = cache["valid"][:, None, None, :] & visible[None, None]  # [B, 1, T, S]
-    scores = jnp.einsum("bthk,bshk->bhts", q, kl, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("bthk,bhsk->bhts", q, kl, preferred_element_type=jnp.float32)
     probs = jax.nn.softmax(jnp.where(allowed, scores, -1e9), axis=-1)  # finite: a fully masked row stays NaN-free
-    out = jnp.einsum("bhts,bshk->bthk", probs.astype(vl.dtype), vl)
+    out = jnp.einsum("bhts,bhsk->bthk", probs.astype(vl.dtype), vl)
     return out, cache
 
 
@@ -210,7 +211,7 @@ class OPTLayer(nn.Module):
 
     @nn.compact
     def __call__(self, carry, layer, where):
-        # carry: (h [B, T, D], kv) with kv None, or {"k", "v"} caches [L, B, S, H, K] when generating;
+        # carry: (h [B, T, D], kv) with kv None, or {"k", "v"} caches [L, B, H, S, K] when generating;
         # layer: this layer's index (scanned); where: None, or "valid", "slot", "start" (see
         # cached_attention; broadcast to all layers).
         h, kv = carry
@@ -345,7 +346,7 @@ def values(config: OPTConfig, params: Any, input_ids, attention_mask, *, dropout
 
 
 def init_cache(config: OPTConfig, valid, dtype=None, multiple: int = 64) -> dict:
-    """An empty KV cache for generation: "k", "v" [L, B, S, H, K] zeros, "valid" [B, S] (which slots hold
+    """An empty KV cache for generation: "k", "v" [L, B, H, S, K] zeros, "valid" [B, S] (which slots hold
     real tokens: False at left padding), "start" [B] (each row's first valid slot), "slot" 0.
 
     S is valid.shape[1] (prompt + answer length) rounded up to `multiple` (the decode kernel reads the
@@ -353,7 +354,7 @@ def init_cache(config: OPTConfig, valid, dtype=None, multiple: int = 64) -> dict
     """
     B, S = valid.shape
     valid = jnp.pad(valid.astype(bool), ((0, 0), (0, -S % multiple)))
-    shape = (config.num_hidden_layers, B, valid.shape[1], config.num_attention_heads, config.head_dim)
+    shape = (config.num_hidden_layers, B, config.num_attention_heads, valid.shape[1], config.head_dim)
     zeros = jnp.zeros(shape, dtype or config.compute_dtype)
     start = jnp.argmax(valid, axis=1).astype(jnp.int32)
     return {"k": zeros, "v": zeros, "valid": valid, "start": start, "slot": jnp.zeros((), jnp.int32)}
