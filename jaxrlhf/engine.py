@@ -154,6 +154,138 @@ def tree_bytes(tree) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(tree))
 
 
+# ------------------------------------------------------------------------------- the compiled programs
+#
+# Module-level and keyed by `Static` (hashable), so two engines with the same settings and shapes (a run
+# and its resumption, or tests) compile once. Each program pins its outputs to the FSDP layout.
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    cfg: EngineConfig
+    actor: OPTConfig
+    critic: OPTConfig
+    total_steps: int
+    mesh: Any
+
+    def side(self, name: str) -> ModelSide:
+        return getattr(self.cfg, name)
+
+    def tx(self, name: str):
+        return make_optimizer(self.side(name).optim, self.total_steps, self.side(name).lora)
+
+
+def _fsdp(tree, mesh):
+    return jax.lax.with_sharding_constraint(tree, shardings_for(tree, "fsdp", mesh))
+
+
+def _rows(tree, mesh):
+    return jax.lax.with_sharding_constraint(tree, batch_sharding(mesh, "fsdp"))
+
+
+def _answer_logprobs(config, params, exp, key=None):
+    """[B, G]: log p of each answer token, from the logits one position earlier."""
+    G = exp["mask"].shape[1]
+    out = logits(config, params, exp["seq"], exp["seq_mask"], dropout_rng=key)
+    return losses.token_logprobs(out, exp["seq"])[:, -G:]
+
+
+def _answer_values(config, params, exp, key=None):
+    """[B, G]: the value of the state each answer token was chosen in (the position before it)."""
+    G = exp["mask"].shape[1]
+    return values(config, params, exp["seq"], exp["seq_mask"], dropout_rng=key)[:, -G - 1 : -1]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _fused(s: Static, actor):
+    """The actor's weights as it runs (LoRA fused), in the FSDP layout: the EMA's starting point."""
+    return _fsdp(effective_params(actor, s.cfg.actor.lora), s.mesh)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _to_generation(s: Static, actor):
+    """The copy that is resharded and generates: LoRA fused, in the compute dtype."""
+    dtype = s.actor.compute_dtype
+    return _fsdp(jax.tree.map(lambda x: x.astype(dtype), effective_params(actor, s.cfg.actor.lora)), s.mesh)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _score(s: Static, state, ref_own, reward_own, prompt_ids, prompt_mask, tokens, mask, gen_logprobs):
+    """The experience of one batch (see HybridEngine.generate_experience), rows over all devices."""
+    cfg = s.cfg
+    exp = _rows({"seq": jnp.concatenate([prompt_ids, tokens], 1), "seq_mask": jnp.concatenate([prompt_mask, mask], 1),
+                 "mask": mask}, s.mesh)
+    actor, critic = state["actor"], state["critic"]
+    if cfg.old_logprobs_from_generation:
+        exp["logprobs"] = gen_logprobs * mask
+    else:
+        exp["logprobs"] = _answer_logprobs(s.actor, effective_params(actor, cfg.actor.lora), exp) * mask
+    exp["ref_logprobs"] = _answer_logprobs(s.actor, with_shared(ref_own, actor), exp) * mask
+    exp["values"] = _answer_values(s.critic, effective_params(critic, cfg.critic.lora), exp) * mask
+    reward = values(s.critic, with_shared(reward_own, critic), exp["seq"], exp["seq_mask"])
+    last = prompt_ids.shape[1] + jnp.sum(mask, axis=1) - 1  # the answer's last real token (EOS if it ended)
+    exp["scores"] = jnp.take_along_axis(reward, last[:, None], axis=1)[:, 0]
+    return _rows(exp, s.mesh)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _advantages(s: Static, exp, kl_coef):
+    """The experience plus rewards, advantages and returns, and the batch's figures."""
+    cfg = s.cfg
+    rewards = losses.compute_rewards(exp["logprobs"], exp["ref_logprobs"], exp["scores"], exp["mask"], kl_coef, cfg.clip_score)
+    adv, ret = losses.gae(exp["values"], rewards, exp["mask"], cfg.gamma, cfg.lam)
+    if cfg.whiten_advantages:
+        adv = losses.whiten(adv, exp["mask"])
+    m = exp["mask"].astype(jnp.float32)
+    stats = {"reward": jnp.mean(exp["scores"]), "kl": jnp.sum((exp["logprobs"] - exp["ref_logprobs"]) * m) / m.shape[0],
+             "answer_len": jnp.mean(m.sum(1)), "advantage": losses.masked_mean(adv, m),
+             "return": losses.masked_mean(ret, m), "value": losses.masked_mean(exp["values"], m)}
+    return {**exp, "advantages": adv, "returns": ret}, stats
+
+
+def _one_step(s: Static, name: str, loss_fn, state, exp):
+    """One optimizer step of the actor or critic on the whole batch (one micro-batch: [1, B, ...])."""
+    step = make_train_step(loss_fn, s.tx(name), s.side(name).lora)
+    state, metrics = step(state, jax.tree.map(lambda x: x[None], exp))
+    return jax.lax.with_sharding_constraint(state, state_shardings(state, s.mesh)), metrics
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
+def _actor_update(s: Static, actor, ema, exp):
+    """The actor's PPO step (+ the mixture LM loss) and the EMA update."""
+    cfg = s.cfg
+
+    def loss_fn(params, exp, key):
+        lp = _answer_logprobs(s.actor, params, exp, key)
+        loss = losses.actor_loss(lp, exp["logprobs"], exp["advantages"], exp["mask"], cfg.clip_ratio)
+        metrics = {"actor_loss": loss}
+        if "unsup" in exp:  # DeepSpeed-Chat's mixture training, here in the same step
+            u = exp["unsup"]
+            out = logits(s.actor, params, u["input_ids"], u["attention_mask"], dropout_rng=key)
+            total, count, _ = losses.lm_loss(out, u["input_ids"], u["loss_mask"])
+            metrics["unsup_loss"] = total / jnp.maximum(count, 1)
+            loss = loss + cfg.unsup_coef * metrics["unsup_loss"]
+        return loss, jnp.float32(1), metrics
+
+    actor, metrics = _one_step(s, "actor", loss_fn, actor, exp)
+    if ema is not None:
+        fused = effective_params(actor, cfg.actor.lora)
+        ema = _fsdp(jax.tree.map(lambda e, a: cfg.ema_decay * e + (1 - cfg.ema_decay) * a.astype(e.dtype), ema, fused), s.mesh)
+    return actor, ema, metrics
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def _critic_update(s: Static, critic, exp):
+    """The critic's clipped value-loss step."""
+
+    def loss_fn(params, exp, key):
+        v = _answer_values(s.critic, params, exp, key)
+        loss = losses.critic_loss(v, exp["values"], exp["returns"], exp["mask"], s.cfg.clip_value)
+        return loss, jnp.float32(1), {"critic_loss": loss}
+
+    return _one_step(s, "critic", loss_fn, critic, exp)
+
+
 # ---------------------------------------------------------------------------------------------- the engine
 
 
@@ -170,26 +302,26 @@ class HybridEngine:
                  total_steps: int, eos_id: int | None = None, pad_id: int | None = None):
         self.cfg, self.mesh = cfg, mesh
         (self.actor_config, actor_params), (self.critic_config, critic_params) = actor, critic
+        # Everything the compiled programs depend on besides array shapes: engines alike share their compilations.
+        engine_cfg = EngineConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(EngineConfig)})
+        self.static = Static(engine_cfg, self.actor_config, self.critic_config, total_steps, mesh)
         check_tp(self.actor_config.num_attention_heads, mesh)
         self.eos_id = self.actor_config.eos_token_id if eos_id is None else eos_id
         self.pad_id = self.actor_config.pad_token_id if pad_id is None else pad_id
         key = jax.random.key(cfg.seed)
-        self.actor_tx = make_optimizer(cfg.actor.optim, total_steps, cfg.actor.lora)
-        self.critic_tx = make_optimizer(cfg.critic.optim, total_steps, cfg.critic.lora)
-        actor_state = create_state(actor_params, cfg.actor.lora, self.actor_tx, jax.random.fold_in(key, 1), mesh)
-        critic_state = create_state(critic_params, cfg.critic.lora, self.critic_tx, jax.random.fold_in(key, 2), mesh)
+        actor_state = create_state(actor_params, cfg.actor.lora, self.static.tx("actor"), jax.random.fold_in(key, 1), mesh)
+        critic_state = create_state(critic_params, cfg.critic.lora, self.static.tx("critic"), jax.random.fold_in(key, 2), mesh)
         frozen_dtype = self.actor_config.compute_dtype  # what the forward casts to anyway
         self.ref_own = reshard(own_leaves(actor_params, never_moves(actor_state, cfg.actor.lora), frozen_dtype), "fsdp", mesh)
         self.reward_own = reshard(own_leaves(critic_params, never_moves(critic_state, cfg.critic.lora),
                                              self.critic_config.compute_dtype), "fsdp", mesh)
-        self.state = {"actor": actor_state, "critic": critic_state, "kl_coef": jnp.float32(cfg.kl_coef),
-                      "iteration": jnp.zeros((), jnp.int32)}
+        self._replicated = lambda x: jax.device_put(x, NamedSharding(mesh, P()))
+        self.state = {"actor": actor_state, "critic": critic_state, "kl_coef": self._replicated(np.float32(cfg.kl_coef)),
+                      "iteration": self._replicated(np.int32(0))}
         if cfg.enable_ema:
-            fused = lambda s: effective_params(s, cfg.actor.lora)
-            self.state["ema"] = jax.jit(fused, out_shardings=shardings_for(jax.eval_shape(fused, actor_state), "fsdp", mesh))(actor_state)
+            self.state["ema"] = _fused(self.static, actor_state)
         self.timings: dict[str, float] = {}
         self.reshard_bytes = 0
-        self._compile()
 
     # ---------------------------------------------------------------------------------------- compiled pieces
 
@@ -203,93 +335,6 @@ class HybridEngine:
             out["ema"] = shardings_for(state["ema"], "fsdp", self.mesh)
         return out
 
-    def _compile(self):
-        cfg, mesh = self.cfg, self.mesh
-        actor_cfg, critic_cfg = self.actor_config, self.critic_config
-        rows = batch_sharding(mesh, "fsdp")
-        shardings = self.shardings()
-
-        def answer_logprobs(params, exp, key=None):  # [B, G]: log p of each answer token
-            G = exp["mask"].shape[1]
-            out = logits(actor_cfg, params, exp["seq"], exp["seq_mask"], dropout_rng=key)
-            return losses.token_logprobs(out, exp["seq"])[:, -G:]
-
-        def answer_values(config, params, exp, key=None):  # [B, G]: the value where each answer token was chosen
-            G = exp["mask"].shape[1]
-            return values(config, params, exp["seq"], exp["seq_mask"], dropout_rng=key)[:, -G - 1 : -1]
-
-        def to_generation(actor_state):  # fused, in the compute dtype: the copy that is resharded and generates
-            dtype = actor_cfg.compute_dtype
-            return jax.tree.map(lambda x: x.astype(dtype), effective_params(actor_state, cfg.actor.lora))
-
-        gen_shapes = jax.eval_shape(to_generation, self.state["actor"])
-        self._to_generation = jax.jit(to_generation, out_shardings=shardings_for(gen_shapes, "fsdp", mesh))
-
-        def score(state, ref_own, reward_own, prompt_ids, prompt_mask, tokens, mask, gen_logprobs):
-            c = lambda x: jax.lax.with_sharding_constraint(x, rows)
-            exp = {"seq": c(jnp.concatenate([prompt_ids, tokens], 1)), "seq_mask": c(jnp.concatenate([prompt_mask, mask], 1)),
-                   "mask": c(mask)}
-            actor, critic = state["actor"], state["critic"]
-            if cfg.old_logprobs_from_generation:
-                exp["logprobs"] = c(gen_logprobs * mask)
-            else:
-                exp["logprobs"] = answer_logprobs(effective_params(actor, cfg.actor.lora), exp) * mask
-            exp["ref_logprobs"] = answer_logprobs(with_shared(ref_own, actor), exp) * mask
-            exp["values"] = answer_values(critic_cfg, effective_params(critic, cfg.critic.lora), exp) * mask
-            reward = values(critic_cfg, with_shared(reward_own, critic), exp["seq"], exp["seq_mask"])
-            last = prompt_ids.shape[1] + jnp.sum(mask, axis=1) - 1  # the answer's last real token (EOS if it ended)
-            exp["scores"] = jnp.take_along_axis(reward, last[:, None], axis=1)[:, 0]
-            return exp
-
-        self._score = jax.jit(score, out_shardings=rows)  # every output is [B, ...], rows over all devices
-
-        def advantages(exp, kl_coef):
-            rewards = losses.compute_rewards(exp["logprobs"], exp["ref_logprobs"], exp["scores"], exp["mask"], kl_coef,
-                                             cfg.clip_score)
-            adv, ret = losses.gae(exp["values"], rewards, exp["mask"], cfg.gamma, cfg.lam)
-            if cfg.whiten_advantages:
-                adv = losses.whiten(adv, exp["mask"])
-            return {**exp, "advantages": adv, "returns": ret, "rewards": rewards}
-
-        def actor_loss(params, exp, key):
-            lp = answer_logprobs(params, exp, key)
-            loss = losses.actor_loss(lp, exp["logprobs"], exp["advantages"], exp["mask"], cfg.clip_ratio)
-            metrics = {"actor_loss": loss}
-            if "unsup" in exp:  # DeepSpeed-Chat's mixture training, in the same step
-                u = exp["unsup"]
-                total, count, _ = losses.lm_loss(logits(actor_cfg, params, u["input_ids"], u["attention_mask"], dropout_rng=key),
-                                                 u["input_ids"], u["loss_mask"])
-                metrics["unsup_loss"] = total / jnp.maximum(count, 1)
-                loss = loss + cfg.unsup_coef * metrics["unsup_loss"]
-            return loss, jnp.float32(1), metrics
-
-        def critic_loss(params, exp, key):
-            v = answer_values(critic_cfg, params, exp, key)
-            loss = losses.critic_loss(v, exp["values"], exp["returns"], exp["mask"], cfg.clip_value)
-            return loss, jnp.float32(1), {"critic_loss": loss}
-
-        one_micro = lambda step: lambda state, exp: step(state, jax.tree.map(lambda x: x[None], exp))  # [1, B, ...]
-        actor_step = one_micro(make_train_step(actor_loss, self.actor_tx, cfg.actor.lora))
-        critic_step = one_micro(make_train_step(critic_loss, self.critic_tx, cfg.critic.lora))
-
-        def actor_update(actor, ema, exp):
-            actor, metrics = actor_step(actor, exp)
-            if ema is not None:
-                fused = effective_params(actor, cfg.actor.lora)
-                ema = jax.tree.map(lambda e, a: cfg.ema_decay * e + (1 - cfg.ema_decay) * a.astype(e.dtype), ema, fused)
-            return actor, ema, metrics
-
-        def stats(exp):
-            m = exp["mask"].astype(jnp.float32)
-            return {"reward": jnp.mean(exp["scores"]), "kl": jnp.sum((exp["logprobs"] - exp["ref_logprobs"]) * m) / m.shape[0],
-                    "answer_len": jnp.mean(m.sum(1)), "advantage": losses.masked_mean(exp["advantages"], m),
-                    "return": losses.masked_mean(exp["returns"], m), "value": losses.masked_mean(exp["values"], m)}
-
-        self._advantages = jax.jit(lambda exp, kl_coef: (lambda e: (e, stats(e)))(advantages(exp, kl_coef)))
-        self._actor_update = jax.jit(actor_update, donate_argnums=(0, 1),
-                                     out_shardings=(shardings["actor"], shardings.get("ema"), None))
-        self._critic_update = jax.jit(critic_step, donate_argnums=0, out_shardings=(shardings["critic"], None))
-
     # ------------------------------------------------------------------------------------------------ verbs
 
     def _timed(self, phase: str, fn, *args):
@@ -300,8 +345,9 @@ class HybridEngine:
 
     def generate_experience(self, prompt_batch: dict) -> dict:
         """Answers to left-padded prompts {"prompt_ids", "prompt_mask"} [B, P] (host or device arrays) and
-        their scores; returns the experience: seq, seq_mask [B, P + G]; mask, tokens, logprobs,
-        ref_logprobs, values [B, G]; scores [B]; all on the mesh, rows split over every device."""
+        their scores. Returns the experience, on the mesh with rows split over every device: seq, seq_mask
+        [B, P + G] (prompt then answer); mask (answer tokens up to and including EOS), logprobs (old),
+        ref_logprobs, values, generation_logprobs (generation's own) [B, G]; scores [B] (reward model)."""
         cfg, mesh = self.cfg, self.mesh
         ids, mask = prompt_batch["prompt_ids"], prompt_batch["prompt_mask"]
         if ids.shape[1] + cfg.max_answer_len > self.actor_config.max_position_embeddings:
@@ -309,18 +355,22 @@ class HybridEngine:
                              f"actor's {self.actor_config.max_position_embeddings} positions")
         gen_rows = batch_sharding(mesh, "tp")
         ids, mask = (jax.device_put(np.asarray(x), gen_rows) if isinstance(x, np.ndarray) else x for x in (ids, mask))
-        # One copy of the actor's weights in the generation layout; the FSDP-layout temporary is given up as
-        # soon as it has moved (it is always a new tree: LoRA fused and/or cast, or at least a jit output).
-        actor_leaves = {id(x) for x in jax.tree.leaves(self.state["actor"])}
-        fresh = lambda tree: [x for x in jax.tree.leaves(tree) if id(x) not in actor_leaves]
+        # One copy of the actor's weights in the generation layout. Arrays are freed by hand (`delete`) the moment
+        # they are done with, never the actor's own: jit hands back an untouched input as is (fp32, no LoRA).
+        own = {id(x) for x in jax.tree.leaves(self.state["actor"])}
+        fresh = lambda tree, keep=(): [x for x in jax.tree.leaves(tree) if id(x) not in own and id(x) not in keep]
 
-        def to_tp():  # jit may hand back an untouched input (fp32, no LoRA): never free the actor's own arrays
-            fsdp = self._to_generation(self.state["actor"])
-            return reshard(fsdp, "tp", mesh, donate=len(fresh(fsdp)) == len(jax.tree.leaves(fsdp)))
+        def to_tp():
+            fsdp = _to_generation(self.static, self.state["actor"])
+            tp = jax.block_until_ready(reshard(fsdp, "tp", mesh))
+            for x in fresh(fsdp, keep={id(y) for y in jax.tree.leaves(tp)}):  # the FSDP-layout temporary
+                x.delete()
+            return tp
 
         params = self._timed("reshard", to_tp)
         self.reshard_bytes = tree_bytes(params)
         key = jax.random.fold_in(jax.random.key(cfg.seed), int(self.state["iteration"]))
+
         def answer():
             gen = generate(self.actor_config, params, ids, mask, key, max_new_tokens=cfg.max_answer_len,
                            temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, eos_id=self.eos_id,
@@ -331,7 +381,7 @@ class HybridEngine:
         for leaf in fresh(params):  # DeepSpeed-Chat's release of the inference copy
             leaf.delete()
         del params
-        exp = self._timed("score", self._score, self.state, self.ref_own, self.reward_own, ids, mask, tokens, answer_mask,
+        exp = self._timed("score", _score, self.static, self.state, self.ref_own, self.reward_own, ids, mask, tokens, answer_mask,
                           gen_logprobs)
         exp["generation_logprobs"] = gen_logprobs
         self.state["iteration"] = self.state["iteration"] + 1
@@ -344,10 +394,10 @@ class HybridEngine:
         if unsupervised is not None:
             exp["unsup"] = {k: jax.device_put(np.asarray(v), batch_sharding(self.mesh, "fsdp")) if isinstance(v, np.ndarray)
                             else v for k, v in unsupervised.items()}
-        exp, stats = self._timed("advantages", self._advantages, exp, self.state["kl_coef"])
-        actor, ema, a = self._timed("actor_step", self._actor_update, self.state["actor"], self.state.get("ema"), exp)
+        exp, stats = self._timed("advantages", _advantages, self.static, exp, self.state["kl_coef"])
+        actor, ema, a = self._timed("actor_step", _actor_update, self.static, self.state["actor"], self.state.get("ema"), exp)
         self.state.update(actor=actor, **({"ema": ema} if ema is not None else {}))
-        critic, c = self._timed("critic_step", self._critic_update, self.state["critic"], exp)
+        critic, c = self._timed("critic_step", _critic_update, self.static, self.state["critic"], exp)
         self.state["critic"] = critic
         stats.update(actor_loss=a["actor_loss"], actor_grad_norm=a["grad_norm"], critic_loss=c["critic_loss"],
                      critic_grad_norm=c["grad_norm"], kl_coef=self.state["kl_coef"], **{k: a[k] for k in ("unsup_loss",) if k in a})
@@ -355,7 +405,7 @@ class HybridEngine:
         if self.cfg.kl_target is not None:  # adaptive KL controller: move beta towards the target KL
             error = float(np.clip(stats["kl"] / self.cfg.kl_target - 1, -0.2, 0.2))
             batch = experience["mask"].shape[0]
-            self.state["kl_coef"] = jnp.float32(float(self.state["kl_coef"]) * (1 + error * batch / self.cfg.kl_horizon))
+            self.state["kl_coef"] = self._replicated(np.float32(float(self.state["kl_coef"]) * (1 + error * batch / self.cfg.kl_horizon)))
         return stats
 
     # ------------------------------------------------------------------------------------------------ views

@@ -1,0 +1,170 @@
+"""The hybrid engine on tiny models: one iteration on 8 devices (tp 2) equals one device, the experience is
+what the models say, generation's log-probs equal the training forward's, LoRA shares the base weights
+(counted in bytes), EMA, the mixture loss and the adaptive KL controller."""
+
+import gc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import POST_LN_PROJ, PRE_LN, left_padded_batch
+
+from jaxrlhf import OPTConfig, init_params, logits, make_mesh, values
+from jaxrlhf.engine import EngineConfig, HybridEngine, ModelSide, tree_bytes
+from jaxrlhf.generate import generate
+from jaxrlhf.lora import LoRAConfig
+from jaxrlhf.sharding import path_str
+from jaxrlhf.losses import lm_loss
+from jaxrlhf.trainer import OptimConfig
+
+ACTOR = OPTConfig(**PRE_LN, dropout=0.0)
+CRITIC = OPTConfig(**POST_LN_PROJ, dropout=0.0)
+G = 5
+LENGTHS = [6, 3, 5, 1, 4, 6, 2, 5]
+
+
+@pytest.fixture(scope="module")
+def models():
+    actor = jax.device_get(init_params(ACTOR, jax.random.key(0), std=0.3))
+    critic = jax.device_get(init_params(CRITIC, jax.random.key(1), value_head=True, std=0.3))
+    return actor, critic
+
+
+@pytest.fixture(scope="module")
+def prompts(models):
+    ids, mask = left_padded_batch(64, LENGTHS, T=6, seed=5)
+    # An EOS that the actor really draws: the second token of the first row's answer, so some answers end
+    # early (different lengths) and others fill all G positions.
+    first = generate(ACTOR, models[0], ids, mask, jax.random.key(0), max_new_tokens=G)
+    return {"prompt_ids": ids, "prompt_mask": mask}, int(np.asarray(first.tokens)[0, 1])
+
+
+def config(**kw):
+    side = ModelSide(optim=OptimConfig(learning_rate=1e-2, warmup_steps=0, schedule="constant"))
+    base = dict(actor=side, critic=side, precision="fp32", max_answer_len=G, enable_ema=True, kl_coef=0.1, seed=3)
+    return EngineConfig(**{**base, **kw})
+
+
+def engine(models, mesh, eos, **kw):
+    return HybridEngine(config(**kw), mesh, (ACTOR, models[0]), (CRITIC, models[1]), total_steps=10, eos_id=eos, pad_id=1)
+
+
+def host(tree):
+    return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+def test_one_iteration_on_8_devices_with_tp_2_equals_one_device(models, prompts):
+    batch, eos = prompts
+    runs = {}
+    for name, mesh in (("one", make_mesh(1, jax.devices()[:1])), ("eight", make_mesh(2))):
+        e = engine(models, mesh, eos)
+        exp = e.generate_experience(batch)
+        stats = e.train_rlhf(exp)
+        runs[name] = host(exp), stats, host(e.state)
+        if name == "eight":  # scored and trained with the rows split over all devices
+            assert exp["seq"].sharding.spec == jax.sharding.PartitionSpec(("data", "model"))
+    (exp1, stats1, state1), (exp8, stats8, state8) = runs["one"], runs["eight"]
+    np.testing.assert_array_equal(exp1["seq"], exp8["seq"])
+    lengths = exp1["mask"].sum(1)
+    assert lengths.max() == G and lengths.min() < G, lengths  # both kinds of answer are in the batch
+    for k in ("logprobs", "ref_logprobs", "values", "scores"):
+        np.testing.assert_allclose(exp1[k], exp8[k], atol=2e-5, err_msg=k)
+    for k in stats1:
+        np.testing.assert_allclose(stats1[k], stats8[k], rtol=1e-4, atol=1e-5, err_msg=k)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(state1)[0], jax.tree.leaves(state8)):
+        # The key bias has a zero gradient in exact arithmetic (softmax ignores a constant added to every
+        # key); Adam normalises its float noise into a full-size step, different on 1 and 8 devices.
+        if "k_proj/bias" not in path_str(path):
+            np.testing.assert_allclose(a, b, atol=1e-4, err_msg=path_str(path))
+    moved = np.abs(state1["actor"]["trainable"]["params"]["decoder"]["layers"]["fc1"]["kernel"] - models[0]["decoder"]["layers"]["fc1"]["kernel"])
+    assert moved.max() > 1e-3  # the step did something
+
+
+def test_experience_is_what_the_models_say(models, prompts):
+    """Old and reference log-probs, values and scores against direct forwards; generation's own log-probs
+    equal the training forward's old log-probs, so old_logprobs_from_generation may skip that forward."""
+    batch, eos = prompts
+    e = engine(models, make_mesh(1, jax.devices()[:1]), eos)  # shares the compilations of the test above
+    exp = host(e.generate_experience(batch))
+    seq, seq_mask, mask = exp["seq"], exp["seq_mask"], exp["mask"]
+    np.testing.assert_array_equal(seq[:, :6], batch["prompt_ids"])
+    n = mask.sum(1)
+    for b in range(len(n)):  # mask: 1 up to and including the first EOS
+        hits = np.flatnonzero(seq[b, 6:] == eos)
+        assert n[b] == (hits[0] + 1 if len(hits) else G)
+    lp = np.asarray(jax.nn.log_softmax(logits(ACTOR, models[0], seq, seq_mask)))
+    want = np.take_along_axis(lp[:, 5:-1], seq[:, 6:, None], -1)[..., 0] * mask  # token 6 + g from logits at 5 + g
+    np.testing.assert_allclose(exp["logprobs"], want, atol=1e-5)
+    np.testing.assert_array_equal(exp["ref_logprobs"], exp["logprobs"])  # before any step the actor is the reference
+    np.testing.assert_allclose(exp["generation_logprobs"] * mask, exp["logprobs"], atol=2e-5)
+    v = np.asarray(values(CRITIC, models[1], seq, seq_mask))
+    np.testing.assert_allclose(exp["values"], v[:, 5:-1] * mask, atol=1e-5)
+    np.testing.assert_allclose(exp["scores"], v[np.arange(len(n)), 5 + n], atol=1e-5)  # critic = reward model at first
+    reuse = engine(models, make_mesh(1, jax.devices()[:1]), eos, old_logprobs_from_generation=True)
+    exp2 = host(reuse.generate_experience(batch))
+    np.testing.assert_array_equal(exp2["seq"], seq)
+    np.testing.assert_allclose(exp2["logprobs"], exp["logprobs"], atol=2e-5)
+
+
+def live_bytes():
+    """Bytes of every array alive on the mesh (per-device views of shards, SingleDeviceSharding, share the
+    buffers of their global array and are not counted twice)."""
+    gc.collect()  # what earlier tests left in reference cycles
+    return sum(x.nbytes for x in jax.live_arrays() if not x.is_deleted() and isinstance(x.sharding, jax.sharding.NamedSharding))
+
+
+def adapted_bytes(params):
+    layers = params["decoder"]["layers"]
+    return sum(layers[m]["kernel"].nbytes for m in ("fc1", "fc2")) + sum(
+        layers["self_attn"][m]["kernel"].nbytes for m in ("q_proj", "k_proj", "v_proj", "out_proj"))
+
+
+def test_lora_shares_the_base_weights_ema_mixture_and_adaptive_kl(models, prompts):
+    """Count bytes. Critic with only_optimize_lora: the reward model holds no weights of its own. Actor with
+    LoRA on every layer's Linears and the rest trained: the reference holds a copy of exactly that rest and
+    stays the Step 1 model. Nothing else is alive: the generation-layout copy is gone after
+    generate_experience. The EMA, the mixture LM loss and the adaptive KL coefficient follow their formulas."""
+    batch, eos = prompts
+    mesh = make_mesh(2)
+    optim = OptimConfig(learning_rate=1e-2, warmup_steps=0)
+    only = ModelSide(optim=optim, lora=LoRAConfig(dim=4, only_optimize_lora=True))
+    lora = ModelSide(optim=optim, lora=LoRAConfig(dim=4))
+    before = live_bytes()
+    e = engine(models, mesh, eos, actor=lora, critic=only, kl_target=0.5, kl_horizon=100, unsup_coef=0.5, ema_decay=0.9)
+    assert tree_bytes(e.reward_own) == 0
+    assert tree_bytes(e.state["critic"]["frozen"]) == tree_bytes(models[1])  # its one copy, in the critic's state
+    for a, b in zip(jax.tree.leaves(e.reward_params()), jax.tree.leaves(e.state["critic"]["frozen"]["params"])):
+        assert a is b
+    assert tree_bytes(e.ref_own) == tree_bytes(models[0]) - adapted_bytes(models[0])
+    assert live_bytes() - before == tree_bytes(e.state) + tree_bytes(e.ref_own)
+
+    ema0 = host(e.state["ema"])
+    unsup_ids = np.random.default_rng(0).integers(3, 64, (8, 12)).astype(np.int32)
+    unsup = {"input_ids": unsup_ids, "attention_mask": np.ones_like(unsup_ids), "loss_mask": np.ones_like(unsup_ids)}
+    exp = e.generate_experience(batch)
+    assert e.reshard_bytes == tree_bytes(models[0])  # the fused copy existed in the generation layout ...
+    assert live_bytes() - before == tree_bytes(e.state) + tree_bytes(e.ref_own) + tree_bytes(exp)  # ... and is gone
+    total, count, _ = lm_loss(logits(ACTOR, models[0], unsup_ids, unsup["attention_mask"]), unsup_ids, unsup["loss_mask"])
+    stats = e.train_rlhf(exp, unsup)
+    np.testing.assert_allclose(stats["unsup_loss"], float(total / count), rtol=1e-5)  # LM loss before the step
+    actor = host(e.actor_params())
+    for a, b, ema in zip(jax.tree.leaves(ema0), jax.tree.leaves(actor), jax.tree.leaves(host(e.state["ema"]))):
+        np.testing.assert_allclose(ema, 0.9 * a + 0.1 * b, rtol=1e-5, atol=1e-7)
+    assert stats["kl"] == 0.0  # the first batch is scored by an actor equal to the reference
+    np.testing.assert_allclose(float(e.state["kl_coef"]), 0.1 * (1 - 0.2 * 8 / 100), rtol=1e-6)  # error clipped to -0.2
+    for a, b in zip(jax.tree.leaves(host(e.reference_params())), jax.tree.leaves(models[0])):
+        np.testing.assert_array_equal(a, b)  # the reference is still exactly the Step 1 model ...
+    layers = models[0]["decoder"]["layers"]  # ... while the actor moved, through its adapters and directly
+    assert np.abs(actor["decoder"]["layers"]["fc1"]["kernel"] - layers["fc1"]["kernel"]).max() > 1e-4
+    assert np.abs(actor["decoder"]["layers"]["final_layer_norm"]["bias"] - layers["final_layer_norm"]["bias"]).max() > 1e-4
+    for a, b in zip(jax.tree.leaves(host(e.reward_params())), jax.tree.leaves(models[1])):
+        np.testing.assert_array_equal(a, b)  # and the reward model is still the Step 2 model
+
+    # Actor with only_optimize_lora: the reference shares every leaf; without LoRA it is a whole copy.
+    shared = engine(models, mesh, eos, actor=only, enable_ema=False)
+    assert tree_bytes(shared.ref_own) == 0
+    assert all(a is b for a, b in zip(jax.tree.leaves(shared.reference_params()),
+                                      jax.tree.leaves(shared.state["actor"]["frozen"]["params"])))
+    full = engine(models, mesh, eos, enable_ema=False)
+    assert tree_bytes(full.ref_own) == tree_bytes(models[0]) and tree_bytes(full.reward_own) == tree_bytes(models[1])
