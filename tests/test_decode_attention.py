@@ -32,8 +32,8 @@ CASES = [  # (L, B, H, Hkv, S, K, dtype): multi-head and grouped-query, head dim
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
-@pytest.mark.parametrize("implementation, use_dot", [("pallas", None), ("pallas", True), ("xla", None)],
-                         ids=["kernel", "kernel_dot", "xla"])
+@pytest.mark.parametrize("implementation, use_dot", [("pallas", True), ("pallas", False), ("xla", True)],
+                         ids=["kernel", "kernel_elementwise", "xla"])
 def test_kernel_and_xla_match_the_reference(case, implementation, use_dot):
     L, B, H, Hkv, S, K, dtype = CASES[case]
     q, k, v, start, end = inputs(L, B, H, Hkv, S, K, dtype, seed=100 + case)  # fresh inputs per case

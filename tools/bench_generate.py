@@ -12,6 +12,7 @@ weights once plus the KV cache so far, averaged over the steps) over the read ba
 from __future__ import annotations
 
 import argparse
+import os
 import dataclasses
 import sys
 from pathlib import Path
@@ -56,7 +57,8 @@ def theirs(name, B, Pn, G, cache, repeats):
     kwargs = dict(max_new_tokens=G, min_new_tokens=G, do_sample=True, top_k=0, attention_mask=torch.ones_like(ids))
     if cache == "static":
         kwargs["cache_implementation"] = "static"
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        # transformers compiles the forward itself for a static cache (compiling it here as well made
+        # CUDA graphs overwrite outputs that generate still reads)
 
     def run(n):
         with torch.no_grad():
@@ -78,18 +80,19 @@ def main():
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (the devices used: all)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--unroll", type=int, default=1, help="OPTConfig.scan_unroll (24: no loop over layers)")
     ap.add_argument("--decode", nargs="+", default=["pallas", "xla"], choices=["pallas", "xla"],
                     help="our decode attention: the Pallas kernel and/or the plain-XLA path")
     ap.add_argument("--hf", nargs="*", default=["static", "dynamic"], choices=["static", "dynamic"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    config = OPTConfig(**PRESETS[args.model], dtype="bfloat16")
+    config = OPTConfig(**PRESETS[args.model], dtype="bfloat16", scan_unroll=args.unroll)
     mesh = make_mesh(args.tp)
     params = jax.jit(lambda k: init_params(config, k, dtype=jnp.bfloat16),
                      out_shardings=shardings_for(param_shapes(config), "tp", mesh))(jax.random.key(0))
     bandwidth = common.read_bandwidth()
     result = {"benchmark": "generate", **common.environment(), "model": args.model, "prompt": args.prompt, "new": args.new,
-              "mesh": dict(mesh.shape), "read_bandwidth_Bps": bandwidth, "copy_bandwidth_Bps": device_bandwidth(), "runs": []}
+              "mesh": dict(mesh.shape), "scan_unroll": args.unroll, "xla_flags": os.environ.get("XLA_FLAGS", ""), "read_bandwidth_Bps": bandwidth, "copy_bandwidth_Bps": device_bandwidth(), "runs": []}
     for B in args.batch:
         run = {"batch": B}
         for decode in args.decode:
