@@ -1,0 +1,119 @@
+"""`python -m jaxrlhf.chat --path MODEL`: a multi-turn conversation with a trained model (DeepSpeed-Chat's chat.py).
+
+    python -m jaxrlhf.chat --path runs/train/step3-models/actor [max_new_tokens=128 temperature=0.7 ...]
+
+The conversation is kept as one HH-style text, "\\n\\nHuman: ...\\n\\nAssistant: ..." turn after turn, and the
+model continues it after each "Assistant:"; its answer ends at its EOS or where it starts a new "Human:"
+turn. Type `clear` to start a new conversation and `quit` to leave.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Callable
+
+import jax
+import numpy as np
+
+from jaxrlhf.config import run_cli
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatConfig:
+    #: the model: a Hugging Face OPT folder with its tokenizer (e.g. OUT/step3-models/actor)
+    path: str = ""
+    #: tokens per answer at most
+    max_new_tokens: int = 128
+    #: sampling temperature (0: greedy), top-k (0: off) and top-p (1: off)
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    #: compute dtype
+    dtype: str = "float32"
+    #: seed of the sampling
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected >= 1, got {self.max_new_tokens}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype: expected float32 or bfloat16, got {self.dtype!r}")
+
+
+class Chatbot:
+    """A model and its tokenizer, answering a conversation held as text."""
+
+    def __init__(self, cfg: ChatConfig):
+        from jaxrlhf.checkpoint import load_hf
+        from jaxrlhf.tokenizer import load_tokenizer
+
+        if not cfg.path:
+            raise ValueError("path: required, a Hugging Face OPT folder (e.g. --path runs/train/step3-models/actor)")
+        self.cfg = cfg
+        self.config, self.params = load_hf(cfg.path, dtype=np.dtype(cfg.dtype) if cfg.dtype == "float32" else jax.numpy.bfloat16)
+        self.params = {k: v for k, v in self.params.items() if k != "value_head"}
+        self.tokenizer = load_tokenizer(cfg.path)
+        self.max_new = min(cfg.max_new_tokens, self.config.max_position_embeddings // 2)
+        self.turns = 0
+
+    def answer(self, conversation: str) -> str:
+        """The model's next answer to `conversation` (which ends with "Assistant:"), as text."""
+        from jaxrlhf.generate import generate
+
+        tok = self.tokenizer
+        ids = [tok.bos_token_id] + tok(conversation, add_special_tokens=False)["input_ids"]
+        room = self.config.max_position_embeddings - self.max_new
+        ids = ids[-room:]  # a long conversation keeps its latest part
+        width = min(room, 1 << (len(ids) - 1).bit_length())  # a few prompt shapes, so few compilations
+        prompt = np.full((1, width), tok.pad_token_id, np.int32)
+        prompt[0, width - len(ids) :] = ids
+        mask = (np.arange(width) >= width - len(ids)).astype(np.int32)[None]
+        out = generate(self.config, self.params, prompt, mask, jax.random.key(self.cfg.seed + self.turns),
+                       max_new_tokens=self.max_new, temperature=self.cfg.temperature, top_k=self.cfg.top_k,
+                       top_p=self.cfg.top_p, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+        self.turns += 1
+        tokens = [int(t) for t, m in zip(np.asarray(out.tokens)[0], np.asarray(out.mask)[0]) if m and t != tok.eos_token_id]
+        return tok.decode(tokens).split("\n\nHuman:")[0].rstrip()
+
+
+def chat(cfg: ChatConfig, read: Callable[[str], str] | None = None, write: Callable[[str], None] = print) -> list[tuple[str, str]]:
+    """The conversation loop (reading with `input` unless given `read`); returns every (conversation sent to
+    the model, answer) pair."""
+    read = read or input
+    bot = Chatbot(cfg)
+    write(f"model: {cfg.path} ({sum(x.size for x in jax.tree.leaves(bot.params)) / 1e6:.1f}M parameters). "
+          "Type 'clear' for a new conversation, 'quit' to leave.")
+    conversation, log = "", []
+    while True:
+        try:
+            text = read("Human: ").strip()
+        except EOFError:
+            break
+        if text == "quit":
+            break
+        if text == "clear":
+            conversation = ""
+            write("(a new conversation)")
+            continue
+        if not text:
+            continue
+        conversation += f"\n\nHuman: {text}\n\nAssistant:"
+        reply = bot.answer(conversation)
+        log.append((conversation, reply))
+        conversation += reply
+        write(f"Assistant:{reply}")
+    return log
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for flag in ("--path", "--max_new_tokens", "--max-new-tokens"):  # DeepSpeed-Chat's flags, as key=value
+        while flag in argv[:-1]:
+            i = argv.index(flag)
+            argv[i : i + 2] = [f"{flag.lstrip('-').replace('-', '_')}={argv[i + 1]}"]
+    run_cli(ChatConfig, __doc__, "python -m jaxrlhf.chat", chat, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""python -m jaxrlhf.chat: the multi-turn Human/Assistant protocol, clear and quit, on a tiny model."""
+
+import jax
+import numpy as np
+
+from jaxrlhf.chat import ChatConfig, chat, main
+from jaxrlhf.checkpoint import load_hf
+from jaxrlhf.generate import generate
+from jaxrlhf.train import builtin_model, builtin_tokenizer
+
+
+def greedy(folder, text, n):
+    """The reference answer: greedy generation on the unpadded conversation, cut like the chatbot cuts."""
+    config, params = load_hf(folder)
+    tok = builtin_tokenizer()
+    ids = np.array([[tok.bos_token_id] + tok(text, add_special_tokens=False)["input_ids"]], np.int32)
+    out = generate(config, params, ids, np.ones_like(ids), jax.random.key(0), max_new_tokens=n, temperature=0.0, eos_id=2)
+    tokens = [int(t) for t, m in zip(np.asarray(out.tokens)[0], np.asarray(out.mask)[0]) if m and t != 2]
+    return tok.decode(tokens).split("\n\nHuman:")[0].rstrip()
+
+
+def test_multi_turn_clear_and_quit(tmp_path, monkeypatch, capsys):
+    folder = builtin_model(tmp_path / "m", seed=3)
+    lines = iter(["Sort these letters: c a b", "Sort these letters: d e", "clear", "", "Sort these letters: x y", "quit", "never read"])
+    printed = []
+    log = chat(ChatConfig(path=str(folder), max_new_tokens=6), read=lambda _: next(lines), write=printed.append)
+    first = "\n\nHuman: Sort these letters: c a b\n\nAssistant:"
+    assert [c for c, _ in log] == [
+        first,
+        first + log[0][1] + "\n\nHuman: Sort these letters: d e\n\nAssistant:",  # the history carries over
+        "\n\nHuman: Sort these letters: x y\n\nAssistant:",  # ... until `clear`
+    ]
+    for conversation, answer in log:
+        assert answer == greedy(folder, conversation, 6)
+    assert printed[1:] == [f"Assistant:{log[0][1]}", f"Assistant:{log[1][1]}", "(a new conversation)", f"Assistant:{log[2][1]}"]
+    # The entry point, with DeepSpeed-Chat's --path flag and input() from the terminal.
+    lines = iter(["Sort these letters: c a b", "quit"])
+    monkeypatch.setattr("builtins.input", lambda _: next(lines))
+    main(["--path", str(folder), "max_new_tokens=6"])
+    assert f"Assistant:{log[0][1]}\n" in capsys.readouterr().out
