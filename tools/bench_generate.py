@@ -12,6 +12,7 @@ weights once plus the KV cache so far, averaged over the steps) over the read ba
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import dataclasses
 import sys
@@ -93,6 +94,7 @@ def main():
     bandwidth = common.read_bandwidth()
     result = {"benchmark": "generate", **common.environment(), "model": args.model, "prompt": args.prompt, "new": args.new,
               "mesh": dict(mesh.shape), "scan_unroll": args.unroll, "xla_flags": os.environ.get("XLA_FLAGS", ""), "read_bandwidth_Bps": bandwidth, "copy_bandwidth_Bps": device_bandwidth(), "runs": []}
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     for B in args.batch:
         run = {"batch": B}
         for decode in args.decode:
@@ -113,7 +115,7 @@ def main():
             print(f"B={B:4d} {impl:10s} total {total:7.3f} s  prefill {prefill:6.3f} s  {r['ms_per_step']:6.2f} ms/step  "
                   f"{r['tokens_per_s']:8.0f} tok/s  roofline {r['roofline_fraction']:.2f}", flush=True)
         result["runs"].append(run)
-    common.write(f"generate-{args.model}", result, args.out)
+        common.write(f"generate-{args.model}", result, args.out, stamp)  # what we have so far
 
 
 if __name__ == "__main__":

@@ -74,10 +74,12 @@ def peak_bytes() -> int | None:
     return stats.get("peak_bytes_in_use")
 
 
-def write(name: str, result: dict, out_dir: str | Path | None = None) -> Path:
+def write(name: str, result: dict, out_dir: str | Path | None = None, stamp: str | None = None) -> Path:
+    """Write bench/results/NAME-STAMP.json (STAMP: now). Passing the same stamp again rewrites that file, so a
+    long benchmark can save what it has after each part."""
     out = Path(out_dir) if out_dir else RESULTS
     out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    stamp = stamp or datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = out / f"{name}-{stamp}.json"
     path.write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"wrote {path}")
