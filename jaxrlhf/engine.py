@@ -33,6 +33,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrlhf import losses
+from jaxrlhf.data import place
 from jaxrlhf.generate import generate
 from jaxrlhf.lora import LoRAConfig, adapted_mask
 from jaxrlhf.models.opt import OPTConfig, logits, values
@@ -323,7 +324,7 @@ class HybridEngine:
         self.timings: dict[str, float] = {}
         self.reshard_bytes = 0
 
-    # ---------------------------------------------------------------------------------------- compiled pieces
+    # ------------------------------------------------------------------------------------------------ layout
 
     def shardings(self, state=None):
         """The shardings of `self.state` (or a tree shaped like it): FSDP for every model, scalars replicated."""
@@ -353,8 +354,8 @@ class HybridEngine:
         if ids.shape[1] + cfg.max_answer_len > self.actor_config.max_position_embeddings:
             raise ValueError(f"max_prompt_len ({ids.shape[1]}) + max_answer_len ({cfg.max_answer_len}) exceeds the "
                              f"actor's {self.actor_config.max_position_embeddings} positions")
-        gen_rows = batch_sharding(mesh, "tp")
-        ids, mask = (jax.device_put(np.asarray(x), gen_rows) if isinstance(x, np.ndarray) else x for x in (ids, mask))
+        if isinstance(ids, np.ndarray):  # this process's rows, split over "data" as generation wants them
+            ids, mask = place({"ids": ids, "mask": mask}, mesh, "tp").values()
         # One copy of the actor's weights in the generation layout. Arrays are freed by hand (`delete`) the moment
         # they are done with, never the actor's own: jit hands back an untouched input as is (fp32, no LoRA).
         own = {id(x) for x in jax.tree.leaves(self.state["actor"])}
@@ -371,13 +372,13 @@ class HybridEngine:
         self.reshard_bytes = tree_bytes(params)
         key = jax.random.fold_in(jax.random.key(cfg.seed), int(self.state["iteration"]))
 
-        def answer():
+        def answer(params):
             gen = generate(self.actor_config, params, ids, mask, key, max_new_tokens=cfg.max_answer_len,
                            temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, eos_id=self.eos_id,
                            pad_id=self.pad_id, mesh=mesh)
             return gen.tokens, gen.mask, gen.logprobs
 
-        tokens, answer_mask, gen_logprobs = self._timed("generate", answer)
+        tokens, answer_mask, gen_logprobs = self._timed("generate", answer, params)
         for leaf in fresh(params):  # DeepSpeed-Chat's release of the inference copy
             leaf.delete()
         del params
@@ -392,8 +393,7 @@ class HybridEngine:
         of the critic on `experience`; the EMA follows the actor. Returns the batch's figures as floats."""
         exp = {k: experience[k] for k in ("seq", "seq_mask", "mask", "logprobs", "ref_logprobs", "values", "scores")}
         if unsupervised is not None:
-            exp["unsup"] = {k: jax.device_put(np.asarray(v), batch_sharding(self.mesh, "fsdp")) if isinstance(v, np.ndarray)
-                            else v for k, v in unsupervised.items()}
+            exp["unsup"] = place(unsupervised, self.mesh, "fsdp") if isinstance(unsupervised["input_ids"], np.ndarray) else unsupervised
         exp, stats = self._timed("advantages", _advantages, self.static, exp, self.state["kl_coef"])
         actor, ema, a = self._timed("actor_step", _actor_update, self.static, self.state["actor"], self.state.get("ema"), exp)
         self.state.update(actor=actor, **({"ema": ema} if ema is not None else {}))

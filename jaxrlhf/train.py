@@ -63,8 +63,8 @@ class TrainConfig:
                                optim=OptimConfig(learning_rate=3e-3, schedule="constant", warmup_steps=20))
     reward: RewardConfig = RewardConfig(batch_size=16, max_steps=300, log_every=50, precision="fp32", loss_kind="last",
                                         optim=OptimConfig(learning_rate=1e-3, schedule="constant", warmup_steps=20))
-    ppo: PPOConfig = PPOConfig(batch_size=32, max_steps=60, max_answer_len=8, precision="fp32", kl_coef=0.02,
-                               log_every=5, actor=ModelSide(optim=OptimConfig(learning_rate=5e-4, warmup_steps=5)),
+    ppo: PPOConfig = PPOConfig(batch_size=32, max_steps=300, max_answer_len=8, precision="fp32", kl_coef=0.1,
+                               log_every=10, actor=ModelSide(optim=OptimConfig(learning_rate=5e-4, warmup_steps=5)),
                                critic=ModelSide(optim=OptimConfig(learning_rate=2e-3, warmup_steps=5)))
 
     def __post_init__(self):
@@ -141,10 +141,9 @@ def compare(cfg: TrainConfig, sft_model: Path, actor_model: Path, log=print) -> 
     from jaxrlhf.tokenizer import load_tokenizer
 
     tok = load_tokenizer(actor_model)
-    data = dataclasses.replace(cfg.data, data_path=cfg.data.data_path)
-    held = prepare(data, 3, tok, log=lambda _: None)["eval"]
+    held = prepare(cfg.data, 3, tok, log=lambda _: None)["eval"]  # Step 3's held-out prompts: never trained on
     n = min(cfg.eval_prompts, len(held["offsets"]) - 1)
-    batch = make_batch(held, range(n), 3, data, tok.pad_token_id)
+    batch = make_batch(held, range(n), 3, cfg.data, tok.pad_token_id)
     ids, mask = batch["prompt_ids"], batch["prompt_mask"]
     prompts = decode_rows(tok, ids, mask, skip_first=True)
     G = cfg.ppo.max_answer_len

@@ -5,7 +5,6 @@ what the models say, generation's log-probs equal the training forward's, LoRA s
 import gc
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import POST_LN_PROJ, PRE_LN, left_padded_batch

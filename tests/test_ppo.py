@@ -41,8 +41,15 @@ def figures(records):
     return [{k: v for k, v in r.items() if k != "split" and not k.endswith(TIMES)} for r in records]
 
 
-def test_resume_after_a_crash_equals_an_uninterrupted_run(folders, tmp_path, monkeypatch):
-    whole = run(ppo_config(folders, tmp_path / "a"), log=lambda _: None)
+@pytest.fixture(scope="module")
+def whole(folders, tmp_path_factory):
+    """Four uninterrupted iterations (LoRA-free actor and critic, EMA, mixture loss, reused log-probs)."""
+    tmp = tmp_path_factory.mktemp("whole")
+    return run(ppo_config(folders, tmp), log=lambda _: None), tmp / "out"
+
+
+def test_resume_after_a_crash_equals_an_uninterrupted_run(folders, whole, tmp_path, monkeypatch):
+    whole, _ = whole
     real = HybridEngine.generate_experience
     calls = []
 
@@ -68,9 +75,8 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(folders, tmp_path, mon
     assert whole["records"][-1]["gold_reward"] >= 0 and whole["records"][-1]["unsup_loss"] > 0
 
 
-def test_outputs_are_hf_folders_and_metrics(folders, tmp_path):
-    cfg = ppo_config(folders, tmp_path, max_steps=2)
-    out = run(cfg, log=lambda _: None)
+def test_outputs_are_hf_folders_and_metrics(whole):
+    out, folder = whole
     engine = out["engine"]
     assert set(out["folders"]) == {"actor", "critic", "actor_ema"}
     for name, params in (("actor", engine.actor_params()), ("critic", engine.critic_params()), ("actor_ema", engine.state["ema"])):
@@ -78,13 +84,13 @@ def test_outputs_are_hf_folders_and_metrics(folders, tmp_path):
         for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(jax.device_get(params))):
             np.testing.assert_array_equal(a, b)
     assert "value_head" in load_hf(out["folders"]["critic"])[1]
-    lines = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines] == [1, 2]
+    lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]
     phases = {"reshard_s", "generate_s", "score_s", "actor_step_s", "critic_step_s", "reshard_bytes", "samples_per_s",
               "tflops", "reward", "kl", "answer_len", "gold_reward", "actor_loss", "critic_loss", "unsup_loss"}
     assert phases <= lines[0].keys()
     assert abs(lines[0]["kl"]) < 1e-4 and 0 < lines[0]["answer_len"] <= 6 and lines[0]["reshard_bytes"] > 0
-    assert list((tmp_path / "out" / "tb").glob("events.out.tfevents.*"))
+    assert list((folder / "tb").glob("events.out.tfevents.*"))
 
 
 def test_bad_configs_are_refused_before_compiling(folders, tmp_path, capsys):
