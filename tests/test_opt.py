@@ -69,17 +69,19 @@ def test_value_head_is_a_linear_map_of_the_last_hidden_state(hf_folder):
     np.testing.assert_allclose(ours[mask == 1], ref[mask == 1], atol=1e-4)
 
 
-def test_remat_changes_neither_values_nor_gradients(hf_folder):
+@pytest.mark.parametrize("change", [{"remat": True}, {"scan_unroll": 2}, {"remat": True, "scan_unroll": 99}],
+                         ids=["remat", "unroll", "remat_unrolled"])
+def test_remat_and_unrolling_change_neither_values_nor_gradients(hf_folder, change):
     config, params = load_hf(hf_folder)
     ids, mask = left_padded_batch(config.vocab_size, [6, 4], T=6)
 
     def loss(p, cfg):
         return jnp.sum(jax.nn.log_softmax(logits(cfg, p, ids, mask))[..., 5] * mask)
 
-    plain = jax.value_and_grad(loss)(params, config)
-    remat = jax.value_and_grad(loss)(params, dataclasses.replace(config, remat=True))
-    np.testing.assert_allclose(plain[0], remat[0], rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(plain[1]), jax.tree.leaves(remat[1])):
+    plain = jax.value_and_grad(loss)(params, dataclasses.replace(config, scan_unroll=1))
+    other = jax.value_and_grad(loss)(params, dataclasses.replace(config, **change))
+    np.testing.assert_allclose(plain[0], other[0], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(plain[1]), jax.tree.leaves(other[1])):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 

@@ -81,7 +81,7 @@ def main():
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (the devices used: all)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--unroll", type=int, default=1, help="OPTConfig.scan_unroll (24: no loop over layers)")
+    ap.add_argument("--unroll", type=int, default=0, help="OPTConfig.scan_unroll (0: auto, no loop on a GPU)")
     ap.add_argument("--decode", nargs="+", default=["pallas", "xla"], choices=["pallas", "xla"],
                     help="our decode attention: the Pallas kernel and/or the plain-XLA path")
     ap.add_argument("--hf", nargs="*", default=["static", "dynamic"], choices=["static", "dynamic"])

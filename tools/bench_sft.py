@@ -29,7 +29,7 @@ from tools import common  # noqa: E402
 from tools.bench_forward import matmul_ceiling  # noqa: E402
 
 
-def ours(name, B, T, precision, remat, repeats, unroll=1):
+def ours(name, B, T, precision, remat, repeats, unroll=0):
     mesh = make_mesh(1, jax.devices()[:1])
     dtype = jnp.bfloat16 if precision == "pure_bf16" else jnp.float32
     config = OPTConfig(**PRESETS[name], dtype="bfloat16", remat=remat, dropout=0.0, scan_unroll=unroll)
@@ -81,7 +81,7 @@ def main():
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--recipes", nargs="+", default=["bf16", "pure_bf16"], choices=["bf16", "pure_bf16", "fp32"])
     ap.add_argument("--remat", nargs="+", type=int, default=[0, 1], help="1: with per-layer remat, 0: without")
-    ap.add_argument("--unroll", nargs="+", type=int, default=[1], help="OPTConfig.scan_unroll values to compare")
+    ap.add_argument("--unroll", nargs="+", type=int, default=[0], help="OPTConfig.scan_unroll values (0: auto)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     B, T = args.batch, args.seq
@@ -90,7 +90,7 @@ def main():
     ceiling = matmul_ceiling()
     result = {"benchmark": "sft_step", **common.environment(), "model": args.model, "params": n, "batch": B, "seq": T,
               "matmul_ceiling_flops": ceiling, "runs": {}}
-    variants = {f"ours_{p}{'_remat' if r else ''}{f'_unroll{u}' if u > 1 else ''}": (p, bool(r), u)
+    variants = {f"ours_{p}{'_remat' if r else ''}{f'_unroll{u}' if u else ''}": (p, bool(r), u)
                 for p in args.recipes for r in args.remat for u in args.unroll}
     result["xla_flags"] = __import__("os").environ.get("XLA_FLAGS", "")
     for key, (precision, remat, unroll) in variants.items():

@@ -64,7 +64,9 @@ class OPTConfig:
     remat: bool = False  # recompute each layer's activations in the backward pass
     attention: str = "auto"  # "auto", "cudnn" (flash attention, GPU) or "xla"; see fused_attention
     decode_attention: str = "auto"  # generation: "auto" (our Pallas kernel on a GPU), "pallas" or "xla"
-    scan_unroll: int = 1  # layers per iteration of the loop over layers (num_hidden_layers: no loop at all)
+    # Layers per iteration of the loop over layers; 0 (auto): no loop at all on a GPU (measured on the H200:
+    # SFT step 86 -> 78 ms, decode step 4.5 -> 4.3 ms for OPT-1.3B), a rolled loop elsewhere (fast compiles).
+    scan_unroll: int = 0
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -73,8 +75,8 @@ class OPTConfig:
             raise ValueError(f"OPTConfig.attention: expected 'auto', 'cudnn' or 'xla', got {self.attention!r}")
         if self.decode_attention not in ("auto", "pallas", "xla"):
             raise ValueError(f"OPTConfig.decode_attention: expected 'auto', 'pallas' or 'xla', got {self.decode_attention!r}")
-        if not 1 <= self.scan_unroll:
-            raise ValueError(f"OPTConfig.scan_unroll: expected >= 1, got {self.scan_unroll}")
+        if self.scan_unroll < 0:
+            raise ValueError(f"OPTConfig.scan_unroll: expected >= 0 (0: auto), got {self.scan_unroll}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"OPTConfig: hidden_size {self.hidden_size} is not divisible by "
@@ -295,7 +297,8 @@ class OPTDecoder(nn.Module):
             split_rngs={"params": True, "dropout": True},
             in_axes=(0, nn.broadcast),
             length=c.num_hidden_layers,
-            unroll=min(c.scan_unroll, c.num_hidden_layers),
+            unroll=min(c.scan_unroll or (c.num_hidden_layers if jax.default_backend() == "gpu" else 1),
+                       c.num_hidden_layers),
         )(c, self.deterministic, name="layers")
         kv = None if cache is None else {"k": cache["k"], "v": cache["v"]}
         where = None if cache is None else {n: cache[n] for n in ("valid", "slot", "start")}
