@@ -174,7 +174,11 @@ def _help_lines(cls, prefix="") -> list[str]:
 
 
 def parse_cli(cls, description: str, argv: list[str] | None = None, prog: str | None = None):
-    """Parse `[CONFIG.yaml] [key=value ...]` for the entry point whose options are `cls`; exits on errors."""
+    """Parse `[CONFIG.yaml] [key=value ...]` for the entry point whose options are `cls`; exits on errors.
+
+    The multi-process flags (`jaxrlhf.distributed`) are read here too, and the process joins the others."""
+    from jaxrlhf import distributed
+
     parser = argparse.ArgumentParser(
         prog=prog,
         description=description,
@@ -182,11 +186,15 @@ def parse_cli(cls, description: str, argv: list[str] | None = None, prog: str | 
         epilog="settings (set in CONFIG.yaml or as key=value; values are YAML):\n" + "\n".join(_help_lines(cls)),
     )
     parser.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
-    args = parser.parse_args(argv).args
+    distributed.add_arguments(parser)
+    ns = parser.parse_args(argv)
+    args = ns.args
     config_file = args[0] if args and "=" not in args[0] else None
     try:
-        return load(cls, config_file, args[1:] if config_file else args)
-    except ConfigError as e:
+        cfg = load(cls, config_file, args[1:] if config_file else args)
+        distributed.initialize(ns.coordinator_address, ns.num_processes, ns.process_id)
+        return cfg
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 

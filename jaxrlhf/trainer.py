@@ -463,9 +463,12 @@ def train(run: RunConfig, *, step: int, value_head: bool, make_loss, summarise, 
     """
     from jaxrlhf.checkpoint import save_hf
     from jaxrlhf.data import Batches, prepare
+    from jaxrlhf.distributed import to_host
 
     mesh = mesh or make_mesh(run.tp)
     check_run(run, mesh.size)
+    log(f"mesh {dict(mesh.shape)}: {mesh.size} devices, {jax.process_count()} process(es), this is process "
+        f"{jax.process_index()}")
     config, params, tokenizer = load_model(run, value_head=value_head)
     data = prepare(run.data, step, tokenizer, log=log)
     pad = tokenizer.pad_token_id
@@ -477,7 +480,7 @@ def train(run: RunConfig, *, step: int, value_head: bool, make_loss, summarise, 
     on_eval = make_on_eval(config, tokenizer, data, state) if make_on_eval else None
     state, records = fit(run, state, make_loss(config), tx, batches, eval_batches(data["eval"], step, run, pad), summarise,
                          mesh, total_steps=steps, on_eval=on_eval, log=log)
-    final = jax.device_get(effective_params(state, run.lora))
+    final = to_host(effective_params(state, run.lora))
     out = save_hf(Path(run.output_dir) / "model", config, final, tokenizer) if jax.process_index() == 0 else None
     log(f"Step {step} done: Hugging Face model in {out}")
     return {"state": state, "records": records, "config": config, "model_dir": out}
