@@ -12,11 +12,12 @@ from jaxrlhf.data.__main__ import PrepareConfig
 from jaxrlhf.inspect import InspectConfig
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+from jaxrlhf.eval import EvalConfig  # noqa: E402
 from jaxrlhf.ppo import PPOConfig  # noqa: E402
 from jaxrlhf.train import TrainConfig  # noqa: E402
 
 ENTRY_POINTS = {"inspect.yaml": InspectConfig, "data.yaml": PrepareConfig,  # shipped config -> its settings
-                "ppo.yaml": PPOConfig, "train.yaml": TrainConfig}
+                "ppo.yaml": PPOConfig, "train.yaml": TrainConfig, "eval.yaml": EvalConfig}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,499 @@
+"""`python -m jaxrlhf.eval`: what RLHF did to the models, as a report (Markdown table, PNG plots, raw JSON).
+
+    python -m jaxrlhf.eval --models runs/train/actor-models/model runs/train/step3-models/actor \\
+        runs/train/step3-models/actor_ema --reward-model runs/train/reward-models/model --prompts synthetic:6000 \\
+        [CONFIG.yaml] [key=value ...]
+
+    held-out Step 3 prompts ──each model answers (same sampling keys)──► answers [N, G]
+        ──reward model──► score per answer ──► mean, win rate vs the first model (Wilson 95% interval)
+        ──gold reward (built-in task)──► mean;   ──reference forward──► KL per answer
+        ──answers themselves──► length (mean, distribution), repetition (repeated n-grams), entropy
+    held-out Step 1 text ──► perplexity per model;   held-out Step 2 pairs ──► the reward model's accuracy
+    Step 3 metrics.jsonl (found beside a model, or `metrics=`) ──► reward / KL / length over training
+
+Writes OUTPUT_DIR/report.md (table, plots, side-by-side answers), report.json (every number, every answer)
+and training.png, frontier.png, lengths.png, win_rates.png. The held-out sets are the eval splits of the
+`data` settings: pass the ones the models were trained with, so no prompt was seen in training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from functools import partial
+from pathlib import Path
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrlhf.alarms import AlarmConfig, answer_figures, answer_rows, check
+from jaxrlhf.data import DataConfig
+
+Z95 = 1.959963984540054
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    #: the models to compare (HF folders); the first is the baseline of the win rates (e.g. the Step 1 model)
+    models: tuple[str, ...] = ()
+    #: their names in the report (default: the folder names)
+    names: tuple[str, ...] = ()
+    #: the reward model that judges the answers (the Step 2 output)
+    reward_model: str = ""
+    #: the KL reference (default: the first model)
+    reference: str | None = None
+    #: tokenizer folder (default: the first model's)
+    tokenizer: str | None = None
+    #: Step 3 metrics.jsonl for the training curves (default: one found beside a model)
+    metrics: str | None = None
+    #: where report.md, report.json and the PNG plots go
+    output_dir: str = "runs/eval"
+    #: held-out prompts answered by every model
+    num_prompts: int = 128
+    #: rows per generation / forward batch
+    batch_size: int = 32
+    #: tokens per answer at most (cut to the positions the models have left after the prompt)
+    max_answer_len: int = 256
+    #: sampling of the answers (the KL and entropy estimates assume temperature 1)
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    #: seed of the sampling: every model gets the same keys
+    seed: int = 1234
+    #: held-out Step 1 sequences for the perplexity, and Step 2 pairs for the reward model's accuracy
+    ppl_rows: int = 256
+    rm_pairs: int = 256
+    #: prompts shown with every model's answer side by side
+    samples: int = 4
+    #: parameter and compute dtype
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    #: n of the repeated n-grams, and the bounds that flag a model against the first
+    alarms: AlarmConfig = AlarmConfig()
+    data: DataConfig = DataConfig()
+
+    def __post_init__(self):
+        if self.names and len(self.names) != len(self.models):
+            raise ValueError(f"names: expected one per model ({len(self.models)}), got {len(self.names)}")
+        if min(self.num_prompts, self.batch_size, self.max_answer_len) < 1 or min(self.ppl_rows, self.rm_pairs, self.samples) < 0:
+            raise ValueError("num_prompts, batch_size and max_answer_len must be >= 1; ppl_rows, rm_pairs, samples >= 0")
+
+
+# ---------------------------------------------------------------------------------------------- numbers
+
+
+def win_rate(scores, baseline) -> dict:
+    """Share of prompts where `scores` beats `baseline` (a tie counts half), with its Wilson 95% interval."""
+    scores, baseline = np.asarray(scores, np.float64), np.asarray(baseline, np.float64)
+    wins, ties = int(np.sum(scores > baseline)), int(np.sum(scores == baseline))
+    n = len(scores)
+    p = (wins + 0.5 * ties) / n
+    centre = (p + Z95**2 / (2 * n)) / (1 + Z95**2 / n)
+    half = Z95 * math.sqrt(p * (1 - p) / n + Z95**2 / (4 * n * n)) / (1 + Z95**2 / n)
+    return {"win_rate": p, "win_ci": [centre - half, centre + half], "wins": wins, "ties": ties, "losses": n - wins - ties}
+
+
+def paired_t(a, b) -> float:
+    """t-statistic of the mean of a - b (0 when every difference is 0)."""
+    d = np.asarray(a, np.float64) - np.asarray(b, np.float64)
+    se = d.std(ddof=1) / math.sqrt(len(d)) if len(d) > 1 else 0.0
+    return 0.0 if se == 0 else float(d.mean() / se)
+
+
+def gold_scorer(prompts: list[str]):
+    """The gold reward function of these prompts' task, or None (today: the built-in sorting task)."""
+    from jaxrlhf.data.synthetic import gold_reward, prompt_items
+
+    try:
+        for p in prompts:
+            prompt_items(p)
+    except ValueError:
+        return None
+    return gold_reward
+
+
+def _in_batches(fn, arrays: list[np.ndarray], size: int) -> list[np.ndarray]:
+    """fn(batch index, *chunks) over fixed-size chunks of `arrays` (the last padded with its final row), the
+    outputs concatenated and cut back to the rows given: one compilation whatever the number of rows."""
+    n = len(arrays[0])
+    size = min(size, n)
+    outs = []
+    for i, start in enumerate(range(0, n, size)):
+        chunk = [a[start : start + size] for a in arrays]
+        short = size - len(chunk[0])
+        if short:
+            chunk = [np.concatenate([c, np.repeat(c[-1:], short, 0)]) for c in chunk]
+        outs.append(jax.device_get(fn(i, *chunk)))
+    return [np.concatenate([o[k] for o in outs])[:n] for k in range(len(outs[0]))]
+
+
+@partial(jax.jit, static_argnums=0)
+def _answer_logprobs(config, params, ids, mask, tokens, answer_mask):
+    """[B, G]: log p of each answer token given the prompt and the answer before it (0 past the answer)."""
+    from jaxrlhf.losses import token_logprobs
+    from jaxrlhf.models.opt import logits
+
+    seq, seq_mask = jnp.concatenate([ids, tokens], 1), jnp.concatenate([mask, answer_mask], 1)
+    return token_logprobs(logits(config, params, seq, seq_mask), seq)[:, -tokens.shape[1] :] * answer_mask
+
+
+@partial(jax.jit, static_argnums=0)
+def _scores(config, params, ids, mask, tokens, answer_mask):
+    """[B]: the reward model's value at each answer's last real token (its EOS if it ended), as in Step 3."""
+    from jaxrlhf.models.opt import values
+
+    v = values(config, params, jnp.concatenate([ids, tokens], 1), jnp.concatenate([mask, answer_mask], 1))
+    last = ids.shape[1] + jnp.sum(answer_mask, axis=1) - 1
+    return jnp.take_along_axis(v, last[:, None], axis=1)[:, 0]
+
+
+@partial(jax.jit, static_argnums=0)
+def _row_nll(config, params, input_ids, attention_mask, loss_mask):
+    """[B] each row's summed next-token loss over its targets, and [B] the number of targets."""
+    from jaxrlhf.losses import token_logprobs
+    from jaxrlhf.models.opt import logits
+
+    m = loss_mask[:, 1:].astype(jnp.float32)
+    return -jnp.sum(token_logprobs(logits(config, params, input_ids, attention_mask), input_ids) * m, axis=1), m.sum(1)
+
+
+@partial(jax.jit, static_argnums=0)
+def _pair_scores(config, params, chosen_ids, chosen_mask, rejected_ids, rejected_mask):
+    from jaxrlhf.losses import end_scores
+    from jaxrlhf.models.opt import values
+
+    return (end_scores(values(config, params, chosen_ids, chosen_mask), chosen_mask),
+            end_scores(values(config, params, rejected_ids, rejected_mask), rejected_mask))
+
+
+def answer(cfg: EvalConfig, model, ids, mask, max_new: int, eos_id: int, pad_id: int):
+    """Every prompt's sampled answer: tokens and mask [N, G]; batch i is sampled with key fold_in(seed, i)."""
+    from jaxrlhf.generate import generate
+
+    config, params = model
+
+    def run(i, ids, mask):
+        gen = generate(config, params, ids, mask, jax.random.fold_in(jax.random.key(cfg.seed), i), max_new_tokens=max_new,
+                       temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, eos_id=eos_id, pad_id=pad_id)
+        return gen.tokens, gen.mask
+
+    return _in_batches(run, [ids, mask], cfg.batch_size)
+
+
+def perplexity(cfg: EvalConfig, model, arrays, pad_id: int) -> float | None:
+    """exp(mean next-token loss) over the first `ppl_rows` held-out Step 1 sequences."""
+    from jaxrlhf.data import make_batch
+
+    n = min(cfg.ppl_rows, len(arrays["offsets"]) - 1)
+    if n == 0:
+        return None
+    b = make_batch(arrays, range(n), 1, cfg.data, pad_id)
+    config, params = model
+    total, count = _in_batches(lambda i, *x: _row_nll(config, params, *x), [b["input_ids"], b["attention_mask"],
+                                                                              b["loss_mask"]], cfg.batch_size)
+    return math.exp(min(float(total.sum() / max(count.sum(), 1)), 50.0))
+
+
+def rm_accuracy(cfg: EvalConfig, rm, arrays, pad_id: int) -> dict | None:
+    from jaxrlhf.data import make_batch
+
+    n = min(cfg.rm_pairs, len(arrays["chosen_offsets"]) - 1)
+    if n == 0:
+        return None
+    b = make_batch(arrays, range(n), 2, cfg.data, pad_id)
+    chosen, rejected = _in_batches(lambda i, *x: _pair_scores(*rm, *x),
+                                   [b["chosen_ids"], b["chosen_mask"], b["rejected_ids"], b["rejected_mask"]], cfg.batch_size)
+    return {"pairs": n, "accuracy": float(np.mean(chosen > rejected)), "chosen_score": float(chosen.mean()),
+            "rejected_score": float(rejected.mean())}
+
+
+def training_records(path) -> list[dict]:
+    """The Step 3 log's train records, one per iteration (a resumed run's later line wins), in order."""
+    by_step = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            if r.get("split") == "train":
+                by_step[r["step"]] = r
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def find_metrics(cfg: EvalConfig) -> Path | None:
+    candidates = [Path(cfg.metrics)] if cfg.metrics else [Path(m).parent / "metrics.jsonl" for m in cfg.models]
+    for path in candidates:
+        if path.is_file() and any("kl" in r for r in training_records(path)):
+            return path
+    if cfg.metrics:
+        raise ValueError(f"{cfg.metrics}: not a Step 3 metrics log (no train records with a kl figure)")
+    return None
+
+
+def evaluate(cfg: EvalConfig, log=print) -> dict:
+    """Every number of the report (see the module docstring), as a JSON-ready dict."""
+    from jaxrlhf.checkpoint import load_hf
+    from jaxrlhf.data import make_batch, prepare
+    from jaxrlhf.ppo import decode_rows
+    from jaxrlhf.tokenizer import load_tokenizer
+
+    if not cfg.models or not cfg.reward_model:
+        raise ValueError("models and reward_model are required (--models SFT_DIR PPO_DIR ... --reward-model RM_DIR)")
+    dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else np.float32
+    names = list(cfg.names) or [Path(m).name for m in cfg.models]
+    if len(set(names)) < len(names):  # e.g. .../actor-models/model and .../reward-models/model
+        names = [f"{Path(m).parent.name}/{Path(m).name}" for m in cfg.models]
+    tok = load_tokenizer(cfg.tokenizer or cfg.models[0])
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    load = lambda path: (lambda c, p: (c, {k: v for k, v in p.items() if k != "value_head"}))(*load_hf(path, dtype=dtype))
+    rm = load_hf(cfg.reward_model, dtype=dtype)
+    if "value_head" not in rm[1]:
+        raise ValueError(f"{cfg.reward_model}: no value head; expected a reward model (the Step 2 output)")
+    quiet = lambda _: None
+    held = {step: prepare(cfg.data, step, tok, log=quiet)["eval"] for step in (1, 2, 3)}
+    n = min(cfg.num_prompts, len(held[3]["offsets"]) - 1)
+    if n == 0:
+        raise ValueError(f"no held-out Step 3 prompts in {list(cfg.data.data_path)} (data.eval_fraction, data.data_split)")
+    batch = make_batch(held[3], range(n), 3, cfg.data, pad)
+    ids, mask = batch["prompt_ids"], batch["prompt_mask"]
+    prompts = decode_rows(tok, ids, mask, skip_first=True)
+    gold = gold_scorer(prompts)
+    reference = load(cfg.reference or cfg.models[0])
+    G = min(cfg.max_answer_len, reference[0].max_position_embeddings - ids.shape[1])
+    if G < 1:
+        raise ValueError(f"data.max_prompt_len {ids.shape[1]} leaves no positions for an answer")
+    log(f"eval: {n} held-out prompts, answers of up to {G} tokens, {len(cfg.models)} models")
+    rows, per_prompt = [], {"prompts": prompts}
+    for name, path in zip(names, cfg.models):
+        model = load(path)
+        tokens, amask = answer(cfg, model, ids, mask, G, eos, pad)
+        logp, ref_logp = (_in_batches(lambda i, *x: [_answer_logprobs(*m, *x)], [ids, mask, tokens, amask], cfg.batch_size)[0]
+                          for m in (model, reference))
+        (scores,) = _in_batches(lambda i, *x: [_scores(*rm, *x)], [ids, mask, tokens, amask], cfg.batch_size)
+        texts = decode_rows(tok, tokens, amask)
+        lengths = amask.sum(1)
+        row = {"name": name, "path": str(path), "reward": float(scores.mean()),
+               **answer_figures(tokens, amask, logp, eos_id=eos, ngram=cfg.alarms.ngram),
+               "kl": float(((logp - ref_logp) * amask).sum(1).mean()),
+               "answer_len_percentiles": {str(q): float(np.percentile(lengths, q)) for q in (10, 50, 90)},
+               "answer_len_hist": np.bincount(lengths, minlength=G + 1).tolist(),
+               "truncated": float(np.mean([not r or r[-1] != eos for r in answer_rows(tokens, amask)])),
+               "perplexity": perplexity(cfg, model, held[1], pad)}
+        golds = [gold(p, a) for p, a in zip(prompts, texts)] if gold else None
+        row["gold_reward"] = float(np.mean(golds)) if gold else None
+        per_prompt[name] = {"answers": texts, "scores": scores.tolist(), "gold": golds, "lengths": lengths.tolist()}
+        rows.append(row)
+        log(f"eval: {name}: reward {row['reward']:.3f}" + (f", gold {row['gold_reward']:.3f}" if gold else "")
+            + f", KL {row['kl']:.3f}, length {row['answer_len']:.1f}, repetition {row['repetition']:.3f}")
+    base = per_prompt[names[0]]
+    for row in rows:
+        mine = per_prompt[row["name"]]
+        row.update(win_rate(mine["scores"], base["scores"]))
+        row["alarms"] = [m for _, m in check(row, rows[0], cfg.alarms)]
+        if gold and paired_t(mine["scores"], base["scores"]) > cfg.alarms.z and paired_t(mine["gold"], base["gold"]) < -cfg.alarms.z:
+            row["alarms"].append(f"higher reward but lower gold reward than {names[0]}: reward hacking?")
+    metrics = find_metrics(cfg)
+    return {"models": rows, "baseline": names[0], "reference": str(cfg.reference or cfg.models[0]),
+            "reward_model": {"path": str(cfg.reward_model), **(rm_accuracy(cfg, rm, held[2], pad) or {})},
+            "training": training_records(metrics) if metrics else [], "metrics_log": str(metrics) if metrics else None,
+            "settings": {"prompts": n, "max_answer_len": G, "temperature": cfg.temperature, "top_k": cfg.top_k,
+                         "top_p": cfg.top_p, "seed": cfg.seed, "ngram": cfg.alarms.ngram, "data": list(cfg.data.data_path)},
+            "per_prompt": per_prompt}
+
+
+# ------------------------------------------------------------------------------------------------ plots
+#
+# Each function returns a matplotlib Figure (no pyplot: no global state, no display); `curves` counts what
+# a reader sees: one line per series, one bar per model.
+
+
+def _figure(panels: int):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5.5 * panels, 4), layout="constrained")
+    return fig, list(np.atleast_1d(fig.subplots(1, panels)))
+
+
+def plot_training(records: list[dict]):
+    """Reward (and gold reward) and KL over the Step 3 iterations."""
+    fig, (left, right) = _figure(2)
+    steps = [r["step"] for r in records]
+    for key, label in (("reward", "reward model score"), ("gold_reward", "gold reward")):
+        if all(key in r for r in records):
+            left.plot(steps, [r[key] for r in records], label=label)
+    right.plot(steps, [r["kl"] for r in records], color="tab:red", label="KL to reference")
+    for ax, title in ((left, "reward"), (right, "KL per answer (nats)")):
+        ax.set(xlabel="Step 3 iteration", title=title)
+        ax.legend()
+    return fig
+
+
+def plot_frontier(report: dict):
+    """Reward vs KL: the training trajectory and each model; a second panel for the gold reward."""
+    gold = report["models"][0]["gold_reward"] is not None
+    fig, axes = _figure(2 if gold else 1)
+    for ax, key, title in zip(axes, ("reward", "gold_reward"), ("reward model score", "gold reward")):
+        training = [r for r in report["training"] if key in r]
+        if training:
+            ax.plot([r["kl"] for r in training], [r[key] for r in training], color="0.7", label="training")
+        for m in report["models"]:
+            ax.plot([m["kl"]], [m[key]], marker="o", linestyle="none", label=m["name"])
+        ax.set(xlabel="KL to reference (nats per answer)", title=f"{title} vs KL")
+        ax.legend()
+    return fig
+
+
+def plot_lengths(report: dict):
+    """Answer-length distribution per model, and the mean length over training."""
+    fig, axes = _figure(2 if report["training"] else 1)
+    for m in report["models"]:
+        hist = np.asarray(m["answer_len_hist"], np.float64)
+        axes[0].step(np.arange(len(hist)), hist / hist.sum(), where="mid", label=m["name"])
+    axes[0].set(xlabel="answer length (tokens)", ylabel="share of answers", title="answer lengths")
+    axes[0].legend()
+    if report["training"]:
+        records = [r for r in report["training"] if "answer_len" in r]
+        axes[1].plot([r["step"] for r in records], [r["answer_len"] for r in records], label="mean answer length")
+        axes[1].set(xlabel="Step 3 iteration", title="length drift")
+        axes[1].legend()
+    return fig
+
+
+def plot_win_rates(report: dict):
+    """Win rate against the baseline per model, with the 95% interval."""
+    fig, (ax,) = _figure(1)
+    models = report["models"]
+    rates = [m["win_rate"] for m in models]
+    err = np.array([[m["win_rate"] - m["win_ci"][0], m["win_ci"][1] - m["win_rate"]] for m in models]).T
+    ax.bar([m["name"] for m in models], rates, yerr=err, capsize=4, color="tab:blue")
+    ax.axhline(0.5, color="0.5", linestyle="--", linewidth=1, label="_tie")
+    ax.set(ylim=(0, 1), ylabel=f"win rate vs {report['baseline']}", title="judged by the reward model")
+    return fig
+
+
+def curves(fig) -> int:
+    """Lines (labelled series) and bars drawn in `fig`."""
+    return sum(len([l for l in ax.lines if not l.get_label().startswith("_")]) + len(ax.patches) for ax in fig.axes)
+
+
+# ----------------------------------------------------------------------------------------------- report
+
+
+def _fmt(x, spec=".3f"):
+    return "–" if x is None else format(x, spec)
+
+
+def markdown(report: dict, plots: dict) -> str:
+    s = report["settings"]
+    lines = [f"# Evaluation report\n",
+             f"{s['prompts']} held-out prompts of {', '.join(s['data'])}, answers sampled (temperature {s['temperature']}, "
+             f"up to {s['max_answer_len']} tokens, seed {s['seed']}, the same keys for every model). Win rates and KL "
+             f"against `{report['baseline']}`; KL in nats per answer; repetition = share of repeated {s['ngram']}-grams; "
+             f"perplexity on held-out Step 1 text.\n",
+             "| model | RM score | win rate (95% CI) | gold reward | KL | length mean (p10/p50/p90) | truncated | repetition "
+             "| entropy | perplexity |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for m in report["models"]:
+        p = m["answer_len_percentiles"]
+        lines.append(f"| {m['name']} | {m['reward']:.3f} | {m['win_rate']:.3f} ({m['win_ci'][0]:.3f}–{m['win_ci'][1]:.3f}) "
+                     f"| {_fmt(m['gold_reward'])} | {m['kl']:.3f} | {m['answer_len']:.1f} ({p['10']:.0f}/{p['50']:.0f}/{p['90']:.0f}) "
+                     f"| {m['truncated']:.2f} | {m['repetition']:.3f} | {m['entropy']:.3f} | {_fmt(m['perplexity'], '.2f')} |")
+    r = report["reward_model"]
+    if "accuracy" in r:
+        lines.append(f"\nReward model `{r['path']}`: accuracy {r['accuracy']:.3f} on {r['pairs']} held-out pairs "
+                     f"(mean chosen score {r['chosen_score']:.3f}, rejected {r['rejected_score']:.3f}).")
+    flagged = [(m["name"], a) for m in report["models"] for a in m["alarms"]]
+    if flagged:
+        lines += ["\n## Alarms\n"] + [f"- **{n}**: {a}" for n, a in flagged]
+    train_alarms = [(r["step"], r["alarms"]) for r in report["training"] if r.get("alarms")]
+    if train_alarms:
+        lines.append(f"\nDuring Step 3 ({report['metrics_log']}): alarms at {len(train_alarms)} logged iterations, first at "
+                     f"iteration {train_alarms[0][0]}: {train_alarms[0][1]}.")
+    if plots:
+        lines.append("\n## Plots\n")
+        lines += [f"![{name}]({p['file']})" for name, p in plots.items()]
+    pp, names = report["per_prompt"], [m["name"] for m in report["models"]]
+    k = min(s.get("samples", 4), len(pp["prompts"]))
+    if k:
+        lines.append("\n## Sample answers\n")
+        for i in range(k):
+            lines.append(f"**Prompt {i + 1}:** `{pp['prompts'][i].strip()!r}`\n\n| model | answer | RM score | gold |\n| --- | --- | ---: | ---: |")
+            for n in names:
+                g = pp[n]["gold"][i] if pp[n]["gold"] else None
+                text = pp[n]["answers"][i].replace("|", "\\|").replace("\n", "⏎")
+                lines.append(f"| {n} | `{text}` | {pp[n]['scores'][i]:.3f} | {_fmt(g)} |")
+            lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict, out, samples: int = 4, log=print) -> Path:
+    """report.md, report.json and the PNG plots under `out`; returns the Markdown file."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    plots = {}
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        log("eval: matplotlib is not installed: the report has no plots")
+    else:
+        makers = {"win_rates": lambda: plot_win_rates(report), "frontier": lambda: plot_frontier(report),
+                  "lengths": lambda: plot_lengths(report)}
+        if report["training"]:
+            makers = {"training": lambda: plot_training(report["training"]), **makers}
+        for name, make in makers.items():
+            fig = make()
+            fig.savefig(out / f"{name}.png", dpi=100)
+            plots[name] = {"file": f"{name}.png", "curves": curves(fig)}
+    report = {**report, "plots": plots, "settings": {**report["settings"], "samples": samples}}
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "report.md").write_text(markdown(report, plots))
+    return out / "report.md"
+
+
+def run(cfg: EvalConfig, log=print) -> dict:
+    """Evaluate and write the report; returns the numbers and the report's path."""
+    report = evaluate(cfg, log=log)
+    path = write_report(report, cfg.output_dir, cfg.samples, log=log)
+    log(f"eval: report in {path}")
+    return {**report, "report": str(path)}
+
+
+def parse(argv: list[str] | None) -> EvalConfig:
+    """--models/--names/--reward-model/--prompts/--reference/--metrics/--output-dir, then [CONFIG.yaml] [key=value ...]."""
+    from jaxrlhf.config import _help_lines, load
+
+    parser = argparse.ArgumentParser(prog="python -m jaxrlhf.eval", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="settings (set in CONFIG.yaml or as key=value; values are YAML):\n"
+                                     + "\n".join(_help_lines(EvalConfig)))
+    parser.add_argument("--models", nargs="+")
+    parser.add_argument("--names", nargs="+")
+    parser.add_argument("--reward-model", "--reward_model")
+    parser.add_argument("--prompts", help="the dataset of the held-out prompts (data.data_path), e.g. synthetic:6000")
+    parser.add_argument("--reference")
+    parser.add_argument("--metrics")
+    parser.add_argument("--output-dir", "--output_dir")
+    parser.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
+    ns = parser.parse_args(argv)
+    config_file = ns.args[0] if ns.args and "=" not in ns.args[0] else None
+    flags = {"models": ns.models, "names": ns.names, "reward_model": ns.reward_model, "reference": ns.reference,
+             "metrics": ns.metrics, "output_dir": ns.output_dir, "data.data_path": [ns.prompts] if ns.prompts else None}
+    overrides = [f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None]
+    return load(EvalConfig, config_file, overrides + (ns.args[1:] if config_file else ns.args))
+
+
+def main(argv=None):
+    from jaxrlhf.config import default_xla_flags
+
+    default_xla_flags()
+    try:
+        return run(parse(argv))
+    except ValueError as e:  # ConfigError, DataError, CheckpointError are ValueErrors
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

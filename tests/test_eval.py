@@ -1,0 +1,189 @@
+"""python -m jaxrlhf.eval on tiny models of the built-in task: the report's numbers against direct computation,
+the plots, and a degenerate model (one token over and over) caught by the alarms."""
+
+import json
+import math
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrlhf.alarms import AlarmConfig, AlarmTracker, answer_figures
+from jaxrlhf.checkpoint import load_hf, save_hf
+from jaxrlhf.data import DataConfig, make_batch, prepare
+from jaxrlhf.data.synthetic import gold_answer, gold_reward
+from jaxrlhf.eval import EvalConfig, main, parse, plot_training, curves, run, win_rate
+from jaxrlhf.generate import generate
+from jaxrlhf.losses import end_scores, token_logprobs
+from jaxrlhf.models.opt import OPTConfig, init_params, logits, values
+from jaxrlhf.train import BUILTIN_MODEL, builtin_tokenizer
+
+PROMPTS, G, REPEATED = 16, 16, " q"  # one generation batch; answers long enough to double a sorted list
+HELD = 10  # held-out Step 1 sequences and Step 2 pairs (synthetic:600 holds 12 and 24)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """Step 1-like model `sft`, a perturbed `ppo`, `stuck` (always the token " q"), and a reward model."""
+    root = tmp_path_factory.mktemp("eval")
+    tok = builtin_tokenizer()
+    config = OPTConfig(**BUILTIN_MODEL)
+    base = jax.device_get(init_params(config, jax.random.key(0), value_head=True, std=0.1))
+    lm = {k: v for k, v in base.items() if k != "value_head"}
+    rng = np.random.default_rng(0)
+    moved = jax.tree.map(lambda x: x + rng.normal(0, 0.05, x.shape).astype(x.dtype), lm)
+    # Degenerate: the final LayerNorm outputs a constant, its bias pointing at one token's (tied) embedding.
+    q = tok(REPEATED, add_special_tokens=False)["input_ids"][0]
+    stuck = jax.tree.map(np.copy, lm)
+    emb = stuck["decoder"]["embed_tokens"]["embedding"]
+    stuck["decoder"]["final_layer_norm"] = {"scale": np.zeros(64, np.float32), "bias": 50 * emb[q] / np.sum(emb[q] ** 2)}
+    out = {name: save_hf(root / name, config, params, tok)
+           for name, params in (("sft", lm), ("ppo", moved), ("stuck", stuck), ("rm", base))}
+    # A Step 3 log as ppo.run writes it (a resumed run repeats step 3: the later line wins).
+    lines = [{"step": s, "split": "train", "reward": 0.1 * s, "gold_reward": 0.5 + 0.01 * s, "kl": 0.2 * s,
+              "answer_len": 6 + s % 2} for s in (1, 2, 3, 3, 4, 5)]
+    lines.insert(1, {"step": 1, "split": "eval", "loss": 1.0})
+    (root / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return {k: str(v) for k, v in out.items()}, root
+
+
+@pytest.fixture(scope="module")
+def report(folders):
+    models, root = folders
+    data = DataConfig(data_path=("synthetic:600",), max_seq_len=32, max_prompt_len=24, cache_dir=str(root / "cache"))
+    cfg = EvalConfig(models=(models["sft"], models["ppo"], models["stuck"]), reward_model=models["rm"],
+                     metrics=str(root / "metrics.jsonl"), output_dir=str(root / "report"), num_prompts=PROMPTS,
+                     batch_size=PROMPTS, max_answer_len=G, ppl_rows=HELD, rm_pairs=HELD, data=data)
+    return cfg, run(cfg, log=lambda _: None)
+
+
+def prompts_batch(cfg):
+    tok = builtin_tokenizer()
+    return make_batch(prepare(cfg.data, 3, tok, log=lambda _: None)["eval"], range(PROMPTS), 3, cfg.data, tok.pad_token_id)
+
+
+def test_gold_reward_and_win_rate_agree_with_direct_computation(report):
+    cfg, out = report
+    tok = builtin_tokenizer()
+    batch = prompts_batch(cfg)
+    ids, mask = batch["prompt_ids"], batch["prompt_mask"]
+    rm_config, rm = load_hf(cfg.reward_model)
+    direct = {}
+    for name, path in zip(("sft", "ppo"), cfg.models):
+        config, params = load_hf(path)
+        gen = generate(config, params, ids, mask, jax.random.fold_in(jax.random.key(cfg.seed), 0), max_new_tokens=G,
+                       eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+        tokens, keep = np.asarray(gen.tokens), np.asarray(gen.mask)
+        prompts = [tok.decode(r[m.astype(bool)][1:]) for r, m in zip(ids, mask)]
+        answers = [tok.decode([t for t in r[k.astype(bool)] if t != tok.eos_token_id]) for r, k in zip(tokens, keep)]
+        # The reward model's score, here on right-padded prompt + answer sequences (the report scores left-padded ones).
+        seqs = [np.concatenate([r[m.astype(bool)], a[k.astype(bool)]]) for r, m, a, k in zip(ids, mask, tokens, keep)]
+        right = np.full((PROMPTS, ids.shape[1] + G), tok.pad_token_id, np.int32)
+        right_mask = np.zeros_like(right)
+        for b, s in enumerate(seqs):
+            right[b, : len(s)], right_mask[b, : len(s)] = s, 1
+        scores = np.asarray(end_scores(values(rm_config, rm, right, right_mask), right_mask))
+        direct[name] = {"gold": np.mean([gold_reward(p, a) for p, a in zip(prompts, answers)]), "scores": scores}
+        row = next(m for m in out["models"] if m["name"] == name)
+        assert out["per_prompt"][name]["answers"] == answers
+        assert row["gold_reward"] == pytest.approx(direct[name]["gold"], abs=1e-12)
+        np.testing.assert_allclose(out["per_prompt"][name]["scores"], scores, atol=1e-5)
+        assert row["reward"] == pytest.approx(scores.mean(), abs=1e-5)
+        assert row["answer_len"] == pytest.approx(keep.sum(1).mean())
+    a, b = direct["sft"]["scores"], direct["ppo"]["scores"]
+    ppo = next(m for m in out["models"] if m["name"] == "ppo")
+    assert ppo["win_rate"] == pytest.approx(np.mean(b > a) + 0.5 * np.mean(b == a))
+    assert ppo["win_ci"][0] < ppo["win_rate"] < ppo["win_ci"][1]
+    sft = out["models"][0]
+    assert (sft["win_rate"], sft["ties"], sft["kl"]) == (0.5, PROMPTS, 0.0)  # the baseline against itself
+    assert ppo["kl"] > 0
+
+
+def test_wilson_interval_and_ties():
+    # 7 wins of 10: the Wilson 95% interval is (0.3968, 0.8922) (by hand: (p + z^2/2n -+ z sqrt(p(1-p)/n + z^2/4n^2)) / (1 + z^2/n)).
+    w = win_rate([1] * 7 + [0] * 3, [0.5] * 10)
+    assert (w["win_rate"], w["wins"], w["losses"]) == (0.7, 7, 3)
+    np.testing.assert_allclose(w["win_ci"], [0.3968, 0.8922], atol=5e-5)
+    assert win_rate([1, 1, 0, 0], [1, 0, 1, 0])["win_rate"] == 0.5  # one win, two ties, one loss
+
+
+def test_perplexity_and_reward_model_accuracy(report):
+    cfg, out = report
+    tok = builtin_tokenizer()
+    held = {s: prepare(cfg.data, s, tok, log=lambda _: None)["eval"] for s in (1, 2)}
+    b = make_batch(held[1], range(HELD), 1, cfg.data, tok.pad_token_id)
+    config, params = load_hf(cfg.models[1])
+    lp = np.asarray(token_logprobs(logits(config, params, b["input_ids"], b["attention_mask"]), b["input_ids"]))
+    m = b["loss_mask"][:, 1:]
+    assert out["models"][1]["perplexity"] == pytest.approx(math.exp(-(lp * m).sum() / m.sum()), rel=1e-5)
+    p = make_batch(held[2], range(HELD), 2, cfg.data, tok.pad_token_id)
+    rm_config, rm = load_hf(cfg.reward_model)
+    c, r = (np.asarray(end_scores(values(rm_config, rm, p[f"{k}_ids"], p[f"{k}_mask"]), p[f"{k}_mask"])) for k in ("chosen", "rejected"))
+    assert out["reward_model"]["pairs"] == HELD
+    assert out["reward_model"]["accuracy"] == pytest.approx(np.mean(c > r))
+
+
+def test_report_files_and_plots(report):
+    from PIL import Image
+
+    cfg, out = report
+    folder = Path(cfg.output_dir)
+    saved = json.loads((folder / "report.json").read_text())
+    assert [m["name"] for m in saved["models"]] == ["sft", "ppo", "stuck"]
+    assert [r["step"] for r in saved["training"]] == [1, 2, 3, 4, 5]  # eval lines dropped, step 3 once
+    # curves: training = reward + gold + KL; frontier = 2 panels x (trajectory + 3 models); lengths = 3 models +
+    # length over training; win rates = 3 bars.
+    assert {k: v["curves"] for k, v in saved["plots"].items()} == {"training": 3, "frontier": 8, "lengths": 4, "win_rates": 3}
+    for name in saved["plots"]:
+        with Image.open(folder / f"{name}.png") as im:
+            assert im.format == "PNG" and im.size[0] > 300 and im.size[1] > 200
+            im.verify()
+    with Image.open(folder / "training.png") as im:  # the KL curve is drawn in red
+        pixels = np.asarray(im.convert("RGB")).reshape(-1, 3).astype(int)
+        assert np.sum(np.abs(pixels - [214, 39, 40]).sum(1) < 30) > 100
+    md = (folder / "report.md").read_text()
+    assert md.count("\n| sft |") == 1 + cfg.samples and "![training](training.png)" in md
+    assert f"| {out['models'][1]['reward']:.3f} |" in md
+    assert curves(plot_training(saved["training"][:2])) == 3
+
+
+def test_degenerate_model_trips_repetition_and_length_alarms(report):
+    cfg, out = report
+    tok = builtin_tokenizer()
+    stuck = out["models"][2]
+    q = tok(REPEATED, add_special_tokens=False)["input_ids"][0]
+    assert set(" ".join(out["per_prompt"]["stuck"]["answers"]).split()) == {REPEATED.strip()}
+    assert (stuck["answer_len"], stuck["truncated"]) == (G, 1.0)
+    assert stuck["repetition"] == pytest.approx(1 - 1 / (G - 2))  # one distinct 3-gram of G - 2
+    assert any("repetition" in a for a in stuck["alarms"]) and not out["models"][0]["alarms"]
+    # During Step 3: healthy answers (the gold ones, as a trained actor writes them) set the baseline, then the
+    # actor turns into the degenerate model.
+    batch = prompts_batch(cfg)
+    prompts = [tok.decode(r[m.astype(bool)][1:]) for r, m in zip(batch["prompt_ids"], batch["prompt_mask"])]
+    gold = [tok(gold_answer(p), add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for p in prompts]
+    tokens = np.full((PROMPTS, G), tok.pad_token_id)
+    mask = np.zeros_like(tokens)
+    for i, g in enumerate(gold):
+        tokens[i, : len(g)], mask[i, : len(g)] = g, 1
+    healthy = {**answer_figures(tokens, mask, -2.0 * mask, eos_id=tok.eos_token_id), "kl": 0.1}
+    tracker = AlarmTracker(AlarmConfig(baseline_iterations=2))
+    assert tracker.update(healthy) == [] and tracker.update(healthy) == [] and tracker.update(healthy) == []
+    degenerate = {**answer_figures(np.full((PROMPTS, G), q), np.ones((PROMPTS, G)), np.zeros((PROMPTS, G)),
+                                   eos_id=tok.eos_token_id), "kl": 0.1}
+    alarms = tracker.update(degenerate)
+    assert {a.name for a in alarms} == {"repetition", "answer_len", "entropy"} and all(a.new for a in alarms)
+    assert [a.new for a in tracker.update(degenerate)] == [False, False, False]
+
+
+def test_cli_flags_and_errors(folders, report, tmp_path, capsys):
+    models, root = folders
+    cfg = parse(["--models", "a", "b", "--reward-model", "rm", "--prompts", "synthetic:600", "--output-dir", "x",
+                 "num_prompts=8", "alarms.ngram=2"])
+    assert (cfg.models, cfg.reward_model, cfg.data.data_path, cfg.output_dir) == (("a", "b"), "rm", ("synthetic:600",), "x")
+    assert (cfg.num_prompts, cfg.alarms.ngram) == (8, 2)
+    with pytest.raises(SystemExit):  # a language model is not a reward model
+        main(["--models", models["sft"], "--reward-model", models["sft"], "--prompts", "synthetic:600",
+              "--output-dir", str(tmp_path), f"data.cache_dir={root / 'cache'}", "data.max_prompt_len=24"])
+    assert "no value head" in capsys.readouterr().err
+
