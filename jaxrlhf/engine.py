@@ -65,9 +65,11 @@ class EngineConfig:
     precision: Literal["bf16", "fp32", "pure_bf16"] = "bf16"
     #: tokens generated per answer (DeepSpeed-Chat's max_answer_seq_len)
     max_answer_len: int = 256
-    #: sampling of the answers (temperature 0: greedy)
+    #: sampling temperature of the answers (0: greedy)
     temperature: float = 1.0
+    #: sample from the k most likely tokens only (0: off)
     top_k: int = 0
+    #: sample from the smallest set of tokens holding this probability (1: off)
     top_p: float = 1.0
     #: tensor-parallel size of the generation layout (DeepSpeed-Chat's inference_tp_size)
     inference_tp_size: int = 1
@@ -78,21 +80,25 @@ class EngineConfig:
     old_logprobs_from_generation: bool = False
     #: KL penalty coefficient beta in r_t = -beta * (log p - log p_ref)
     kl_coef: float = 0.1
-    #: adaptive KL controller (Ziegler et al. 2019): target KL per answer (null: fixed kl_coef) and horizon
+    #: adaptive KL controller (Ziegler et al. 2019): the KL per answer to steer kl_coef towards (null: fixed kl_coef)
     kl_target: float | None = None
+    #: its horizon in samples: kl_coef *= 1 + clip(KL / kl_target - 1, -0.2, 0.2) * batch / kl_horizon
     kl_horizon: int = 10000
     #: the reward model's score is clipped to [-clip_score, clip_score]
     clip_score: float = 5.0
-    #: PPO ratio clip (DeepSpeed-Chat's cliprange) and value clip (cliprange_value)
+    #: PPO ratio clip (DeepSpeed-Chat's cliprange)
     clip_ratio: float = 0.2
+    #: value clip of the critic loss (DeepSpeed-Chat's cliprange_value)
     clip_value: float = 0.2
-    #: GAE discount and lambda
+    #: GAE discount
     gamma: float = 1.0
+    #: GAE lambda
     lam: float = 0.95
     #: whiten the advantages over each batch
     whiten_advantages: bool = False
     #: keep an exponential moving average of the actor (written as actor_ema)
     enable_ema: bool = False
+    #: ema = ema_decay * ema + (1 - ema_decay) * actor after each actor step
     ema_decay: float = 0.992
     #: weight of the mixture LM loss on the unsupervised set (data.unsupervised_data_path)
     unsup_coef: float = 27.8

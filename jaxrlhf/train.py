@@ -56,7 +56,9 @@ class TrainConfig:
     #: everything goes under here (actor-models/, reward-models/, step3-models/)
     output_dir: str = "runs/train"
     #: held-out prompts on which the Step 1 model and the final actor are compared (built-in task)
-    eval_prompts: int = 128
+    eval_prompts: int = 256
+    #: sampled answers per held-out prompt in that comparison
+    eval_samples: int = 4
     #: the datasets and lengths of all three steps
     data: DataConfig = DEMO_DATA
     sft: SFTConfig = SFTConfig(batch_size=16, max_steps=500, log_every=50, precision="fp32", sample_prompts=2,
@@ -144,8 +146,9 @@ def compare(cfg: TrainConfig, sft_model: Path, actor_model: Path, log=print) -> 
     held = prepare(cfg.data, 3, tok, log=lambda _: None)["eval"]  # Step 3's held-out prompts: never trained on
     n = min(cfg.eval_prompts, len(held["offsets"]) - 1)
     batch = make_batch(held, range(n), 3, cfg.data, tok.pad_token_id)
-    ids, mask = batch["prompt_ids"], batch["prompt_mask"]
-    prompts = decode_rows(tok, ids, mask, skip_first=True)
+    prompts = decode_rows(tok, batch["prompt_ids"], batch["prompt_mask"], skip_first=True)
+    ids, mask = (np.tile(batch[k], (cfg.eval_samples, 1)) for k in ("prompt_ids", "prompt_mask"))  # samples of a prompt
+    prompts = prompts * cfg.eval_samples
     G = cfg.ppo.max_answer_len
     out, answers = {}, {}
     models = {"step1": load_hf(sft_model), "actor": load_hf(actor_model)}
@@ -164,6 +167,7 @@ def compare(cfg: TrainConfig, sft_model: Path, actor_model: Path, log=print) -> 
     out["kl_actor_to_step1"] = float(np.sum((logp["actor"] - logp["step1"]) * m) / len(m))
     out["examples"] = [{"prompt": p, "step1": answers[("step1", "greedy")][1][i], "actor": answers[("actor", "greedy")][1][i]}
                        for i, p in enumerate(prompts[:3])]
+    out["eval_answers"] = len(prompts)
     return out
 
 
@@ -206,7 +210,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
     result["seconds"] = time.perf_counter() - clock
     if "comparison" in result:
         c = result["comparison"]
-        log(f"gold reward on {cfg.eval_prompts} held-out prompts (sampled / greedy): Step 1 model "
+        log(f"gold reward on {c['eval_answers']} answers to held-out prompts (sampled / greedy): Step 1 model "
             f"{c['step1_gold_reward_sampled']:.3f} / {c['step1_gold_reward_greedy']:.3f}, final actor "
             f"{c['actor_gold_reward_sampled']:.3f} / {c['actor_gold_reward_greedy']:.3f}; "
             f"KL(actor || Step 1) {c['kl_actor_to_step1']:.3f} nats per answer")
