@@ -8,6 +8,7 @@ from jaxrlhf.data.synthetic import (
     gold_reward,
     make_prompt,
     preference_records,
+    preference_splits,
     prompt_items,
     prompt_records,
     sft_records,
@@ -87,20 +88,34 @@ def test_sft_demonstrations_err_at_the_error_rate():
         assert min(rewards) >= 0.5
 
 
-def test_preferences_are_never_tied_and_flip_at_the_flip_rate():
+def test_preferences_differ_by_a_mistake_and_flip_at_the_flip_rate():
     for flip_rate in (0.0, 0.1, 1.0):
         records = preference_records(2000, seed=2, flip_rate=flip_rate)
         chosen = [gold_reward(r["prompt"], r["chosen"]) for r in records]
         rejected = [gold_reward(r["prompt"], r["rejected"]) for r in records]
-        assert all(c != r for c, r in zip(chosen, rejected))
+        # Never a near-tie: the two differ by at least the cheapest mistake (a duplicate, 1 / (n + 1)).
+        cheapest = [1 / (len(prompt_items(r["prompt"])) + 1) for r in records]
+        assert all(abs(c - r) >= m - 1e-9 for c, r, m in zip(chosen, rejected, cheapest))
         flipped = sum(c < r for c, r in zip(chosen, rejected)) / len(records)
         assert flipped == pytest.approx(flip_rate, abs=0.03)
     # The pairs are informative: both better and worse answers than the gold one appear.
     assert 0.3 < sum(c == 1.0 for c in chosen + rejected) / len(records) < 0.9
 
 
+def test_held_out_pairs_are_labelled_by_the_gold_reward():
+    splits = preference_splits(2000, seed=5, eval_fraction=0.1)
+    assert len(splits["train"]) == 1800 and len(splits["eval"]) == 200
+    records = preference_records(2000, seed=5)
+    assert splits["train"] == records[:1800]  # the same pairs, the same noisy labels
+    assert {(r["prompt"], frozenset((r["chosen"], r["rejected"]))) for r in splits["eval"]} == \
+        {(r["prompt"], frozenset((r["chosen"], r["rejected"]))) for r in records[1800:]}
+    assert all(gold_reward(r["prompt"], r["chosen"]) > gold_reward(r["prompt"], r["rejected"]) for r in splits["eval"])
+    flipped = sum(gold_reward(r["prompt"], r["chosen"]) < gold_reward(r["prompt"], r["rejected"]) for r in records[1800:])
+    assert flipped > 5  # relabelling had something to fix
+
+
 def test_seed_is_the_only_randomness():
-    for make in (sft_records, preference_records, prompt_records):
+    for make in (sft_records, preference_records, prompt_records, preference_splits):
         assert make(50, seed=7) == make(50, seed=7)
         assert make(50, seed=7) != make(50, seed=8)
     assert SyntheticTask(seed=7).records("sft", 20) == sft_records(20, seed=7)

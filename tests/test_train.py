@@ -189,17 +189,30 @@ def test_sft_learns_the_builtin_task(assets, tmp_path):
 
 
 @pytest.mark.slow
-def test_reward_model_learns_the_builtin_preferences(tiny_model, tmp_path):
-    """From random weights, 200 steps on the built-in pairs: held-out accuracy well above chance.
+def test_reward_model_learns_the_builtin_preferences(assets, tmp_path):
+    """From random weights, 200 steps on the built-in pairs: >= 0.9 accuracy on held-out pairs labelled by the
+    gold reward (the training labels carry 10 % flips, so training accuracy stays below 0.9).
 
-    (The labels carry 10 % flips, so 0.9 is the ceiling; a tiny model from scratch reaches about 0.7 here.)
+    What it took, from 0.72 (measured alone; held-out accuracy against gold labels): pairs that differ by at least
+    one mistake instead of near-ties (synthetic._pair), DeepSpeed-Chat's span loss instead of the end-score loss
+    (the end-score loss stalls near 0.8, "is it perfect?"), weights at std 0.1 rather than 0.02, so the letters'
+    embeddings differ from the start, 8 heads instead of 4 (swapped letters are the hard case: 0.72 -> 0.82 of
+    those pairs), and 25,600 fresh pairs, 128 a step.
     """
-    data = DataConfig(data_path=("synthetic:3000",), data_split="0,1,0", max_seq_len=32, cache_dir=str(tmp_path / "cache"))
-    cfg = RewardConfig(model=str(tiny_model), output_dir=str(tmp_path / "rm"), batch_size=16, max_steps=200, log_every=50,
-                       precision="fp32", loss_kind="last", data=data,
-                       optim=OptimConfig(learning_rate=1e-3, weight_decay=0.0, schedule="constant", warmup_steps=10))
-    out = run_reward(cfg, log=lambda _: None)
+    tok = opt_tokenizer(assets / "opt-tokenizer")
+    config = OPTConfig(**{**TINY, "hidden_size": 64, "word_embed_proj_dim": 64, "ffn_dim": 256, "num_attention_heads": 8})
+    # Held-out accuracy with weights from key 0, 1, 2: 0.903, 0.945, 0.924 (key 2 here).
+    model = save_hf(tmp_path / "base", config, jax.device_get(init_params(config, jax.random.key(2), std=0.1)), tok)
+    data = DataConfig(data_path=("synthetic:28000",), data_split="0,1,0", eval_fraction=0.05, max_seq_len=32,
+                      cache_dir=str(tmp_path / "cache"))
+    cfg = RewardConfig(model=str(model), output_dir=str(tmp_path / "rm"), batch_size=128, max_steps=200, log_every=50,
+                       precision="fp32", loss_kind="span", data=data,
+                       optim=OptimConfig(learning_rate=4e-3, schedule="cosine", warmup_steps=10))
+    # One device: on a 2-core CPU the 8 fake devices only add collectives to a step this small.
+    out = run_reward(cfg, log=lambda _: None, mesh=make_mesh(1, jax.devices()[:1]))
     evaluation = [r for r in out["records"] if r["split"] == "eval"][-1]
-    print("held-out accuracy", evaluation["accuracy"])
-    assert evaluation["accuracy"] > 0.6
+    train_accuracy = [r["accuracy"] for r in out["records"] if r["split"] == "train"]
+    print("held-out accuracy", evaluation["accuracy"], "training accuracy", train_accuracy)
+    assert evaluation["accuracy"] >= 0.9
     assert evaluation["chosen_score"] > evaluation["rejected_score"]
+    assert train_accuracy[-1] < 0.9  # the training labels are still noisy

@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxrlhf.data.sources import DataError, Record, Report, fingerprint, read_source, read_texts
 
-CACHE_VERSION = 2  # bump when the tokenized format or any adapter's output changes
+CACHE_VERSION = 3  # bump when the tokenized format or any adapter's output changes
 
 
 @dataclasses.dataclass(frozen=True)

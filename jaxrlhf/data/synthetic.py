@@ -4,6 +4,7 @@
     gold answer     " a b d f"                               reward 1.0
     imperfect demo  " a d b f"   (one adjacent pair swapped)  reward 0.75
     preference      chosen " a b d f" (1.0)  vs  rejected " a d b" (swapped, then dropped: 0.5)
+                    (the rejected answer is the chosen one plus 1-2 mistakes, worse by at least one mistake)
 
 The gold reward is the share of the gold answer kept in order:
 
@@ -140,21 +141,28 @@ class SyntheticTask:
         return [self.alphabet[i] for i in rng.choice(len(self.alphabet), size=n, replace=False)]
 
     def _pair(self, gold: list[str], prompt: str, rng: np.random.Generator) -> tuple[str, str]:
-        """(chosen, rejected): the gold answer or one mistake vs. 1-3 mistakes, ranked by gold reward, maybe flipped."""
-        while True:  # redraw ties; a tie has probability well below 1, so this ends quickly
-            a = make_response(corrupt(gold, int(rng.integers(0, 2)), rng))
-            b = make_response(corrupt(gold, int(rng.integers(1, 4)), rng))
-            ra, rb = gold_reward(prompt, a), gold_reward(prompt, b)
-            if ra != rb:
+        """(chosen, rejected): the gold answer or one mistake, vs. the same with 1-2 more mistakes; maybe flipped.
+
+        The rejected answer must be worse by at least the cheapest single mistake (a duplicate costs
+        1 / (n + 1) on n letters); closer pairs are redrawn. Two independent corruptions ranked by reward
+        (the first design) gave a fifth near-ties, e.g. " a b b d f" 0.8 vs " a d b f" 0.75, that only the exact
+        LCS ranks: even counting mistakes ranked 0.84 of those pairs right, and a small reward model stalled
+        near "is it perfect?" (0.80). Here counting mistakes ranks 0.996 of the pairs right.
+        """
+        while True:  # a pair with a margin has probability well above 0, so this ends quickly
+            better = corrupt(gold, int(rng.integers(0, 2)), rng)
+            worse = corrupt(better, int(rng.integers(1, 3)), rng)
+            chosen, rejected = make_response(better), make_response(worse)
+            if gold_reward(prompt, chosen) - gold_reward(prompt, rejected) >= 1 / (len(gold) + 1) - 1e-9:
                 break
-        chosen, rejected = (a, b) if ra > rb else (b, a)
         return (rejected, chosen) if rng.random() < self.flip_rate else (chosen, rejected)
 
     def records(self, kind: str, n: int) -> list[dict]:
         """`n` records {prompt, chosen, rejected} of one kind, drawn from `seed` alone.
 
         "sft": chosen is a demonstration, wrong by one mistake in a share `error_rate`; rejected is None.
-        "preference": chosen and rejected differ in gold reward; a share `flip_rate` is labelled the wrong way.
+        "preference": rejected is chosen with 1-2 more mistakes, clearly lower in gold reward; a share
+        `flip_rate` is labelled the wrong way.
         "prompt": chosen is the gold answer (for reference only); rejected is None.
         """
         if kind not in KINDS:
