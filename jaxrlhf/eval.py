@@ -6,7 +6,7 @@
 
     held-out Step 3 prompts ──each model answers (same sampling keys)──► answers [N, G]
         ──reward model──► score per answer ──► mean, win rate vs the first model (Wilson 95% interval)
-        ──gold reward (built-in task)──► mean;   ──reference forward──► KL per answer
+        ──gold reward (built-in task; GSM8K-style "#### N")──► mean;   ──reference forward──► KL per answer
         ──answers themselves──► length (mean, distribution), repetition (repeated n-grams), entropy
     held-out Step 1 text ──► perplexity per model;   held-out Step 2 pairs ──► the reward model's accuracy
     Step 3 metrics.jsonl (found beside a model, or `metrics=`) ──► reward / KL / length over training
@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import sys
 from functools import partial
 from pathlib import Path
@@ -104,16 +105,35 @@ def paired_t(a, b) -> float:
     return 0.0 if se == 0 else float(d.mean() / se)
 
 
-def gold_scorer(prompts: list[str]):
-    """The gold reward function of these prompts' task, or None (today: the built-in sorting task)."""
+_FINAL = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
+_NUMBER = re.compile(r"-?[\d,]*\.?\d+")
+
+
+def final_number(text: str) -> float | None:
+    """GSM8K's final answer: the number after "####", else the text's last number (commas dropped)."""
+    found = _FINAL.search(text)
+    numbers = [found.group(1)] if found else _NUMBER.findall(text)
+    try:
+        return float(numbers[-1].replace(",", "")) if numbers else None
+    except ValueError:
+        return None
+
+
+def gold_rewards(prompts: list[str], references: list[str | None], answers: list[str]) -> list[float] | None:
+    """The gold reward of each answer where the task has one, else None: the built-in sorting task's
+    (jaxrlhf.data.synthetic.gold_reward), or 1.0 / 0.0 for a right / wrong final number where every
+    reference answer ends GSM8K-style with "#### N"."""
     from jaxrlhf.data.synthetic import gold_reward, prompt_items
 
     try:
         for p in prompts:
             prompt_items(p)
+        return [gold_reward(p, a) for p, a in zip(prompts, answers)]
     except ValueError:
-        return None
-    return gold_reward
+        pass
+    if references and all(r and _FINAL.search(r) for r in references):
+        return [float(final_number(a) == final_number(r)) for r, a in zip(references, answers)]
+    return None
 
 
 def _in_batches(fn, arrays: list[np.ndarray], size: int) -> list[np.ndarray]:
@@ -235,7 +255,7 @@ def find_metrics(cfg: EvalConfig) -> Path | None:
 def evaluate(cfg: EvalConfig, log=print) -> dict:
     """Every number of the report (see the module docstring), as a JSON-ready dict."""
     from jaxrlhf.checkpoint import load_hf
-    from jaxrlhf.data import make_batch, prepare
+    from jaxrlhf.data import make_batch, prepare, step_records
     from jaxrlhf.ppo import decode_rows
     from jaxrlhf.tokenizer import load_tokenizer
 
@@ -259,7 +279,8 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
     batch = make_batch(held[3], range(n), 3, cfg.data, pad)
     ids, mask = batch["prompt_ids"], batch["prompt_mask"]
     prompts = decode_rows(tok, ids, mask, skip_first=True)
-    gold = gold_scorer(prompts)
+    records = step_records(cfg.data, 3)[0]["eval"]  # the reference answers, for a gold reward (GSM8K's "#### N")
+    references = [records[i].chosen for i in held[3]["record_index"][:n]]
     reference = load(cfg.reference or cfg.models[0])
     G = min(cfg.max_answer_len, reference[0].max_position_embeddings - ids.shape[1])
     if G < 1:
@@ -281,18 +302,18 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
                "answer_len_hist": np.bincount(lengths, minlength=G + 1).tolist(),
                "truncated": float(np.mean([not r or r[-1] != eos for r in answer_rows(tokens, amask)])),
                "perplexity": perplexity(cfg, model, held[1], pad)}
-        golds = [gold(p, a) for p, a in zip(prompts, texts)] if gold else None
-        row["gold_reward"] = float(np.mean(golds)) if gold else None
+        golds = gold_rewards(prompts, references, texts)
+        row["gold_reward"] = float(np.mean(golds)) if golds else None
         per_prompt[name] = {"answers": texts, "scores": scores.tolist(), "gold": golds, "lengths": lengths.tolist()}
         rows.append(row)
-        log(f"eval: {name}: reward {row['reward']:.3f}" + (f", gold {row['gold_reward']:.3f}" if gold else "")
+        log(f"eval: {name}: reward {row['reward']:.3f}" + (f", gold {row['gold_reward']:.3f}" if golds else "")
             + f", KL {row['kl']:.3f}, length {row['answer_len']:.1f}, repetition {row['repetition']:.3f}")
     base = per_prompt[names[0]]
     for row in rows:
         mine = per_prompt[row["name"]]
         row.update(win_rate(mine["scores"], base["scores"]))
         row["alarms"] = [m for _, m in check(row, rows[0], cfg.alarms)]
-        if gold and paired_t(mine["scores"], base["scores"]) > cfg.alarms.z and paired_t(mine["gold"], base["gold"]) < -cfg.alarms.z:
+        if mine["gold"] and paired_t(mine["scores"], base["scores"]) > cfg.alarms.z and paired_t(mine["gold"], base["gold"]) < -cfg.alarms.z:
             row["alarms"].append(f"higher reward but lower gold reward than {names[0]}: reward hacking?")
     metrics = find_metrics(cfg)
     return {"models": rows, "baseline": names[0], "reference": str(cfg.reference or cfg.models[0]),
@@ -336,8 +357,10 @@ def plot_frontier(report: dict):
     fig, axes = _figure(2 if gold else 1)
     for ax, key, title in zip(axes, ("reward", "gold_reward"), ("reward model score", "gold reward")):
         training = [r for r in report["training"] if key in r]
-        if training:
-            ax.plot([r["kl"] for r in training], [r[key] for r in training], color="0.7", label="training")
+        if training:  # a moving average over a tenth of the run: the raw per-iteration figures zigzag
+            w = max(1, len(training) // 10)
+            smooth = lambda k: np.convolve([r[k] for r in training], np.ones(w) / w, mode="valid")
+            ax.plot(smooth("kl"), smooth(key), color="0.6", label="training (moving average)")
         for m in report["models"]:
             ax.plot([m["kl"]], [m[key]], marker="o", linestyle="none", label=m["name"])
         ax.set(xlabel="KL to reference (nats per answer)", title=f"{title} vs KL")

@@ -13,7 +13,7 @@ from jaxrlhf.alarms import AlarmConfig, AlarmTracker, answer_figures
 from jaxrlhf.checkpoint import load_hf, save_hf
 from jaxrlhf.data import DataConfig, make_batch, prepare
 from jaxrlhf.data.synthetic import gold_answer, gold_reward
-from jaxrlhf.eval import EvalConfig, main, parse, plot_training, curves, run, win_rate
+from jaxrlhf.eval import EvalConfig, curves, final_number, gold_rewards, main, parse, plot_training, run, win_rate
 from jaxrlhf.generate import generate
 from jaxrlhf.losses import end_scores, token_logprobs
 from jaxrlhf.models.opt import OPTConfig, init_params, logits, values
@@ -106,6 +106,15 @@ def test_wilson_interval_and_ties():
     assert (w["win_rate"], w["wins"], w["losses"]) == (0.7, 7, 3)
     np.testing.assert_allclose(w["win_ci"], [0.3968, 0.8922], atol=5e-5)
     assert win_rate([1, 1, 0, 0], [1, 0, 1, 0])["win_rate"] == 0.5  # one win, two ties, one loss
+
+
+def test_gold_reward_of_gsm8k_style_references():
+    assert [final_number(t) for t in ("so 9 * 2 = 18.\n#### 1,018", "It is 42.", "-3.5 then 7", "none")] == [1018, 42, 7, None]
+    refs = ["9 * 2 = 18\n#### 18", "#### 3"]
+    assert gold_rewards(["Q1", "Q2"], refs, ["She makes $18 a day.", "#### 4"]) == [1.0, 0.0]
+    assert gold_rewards(["Q1", "Q2"], ["18", None], ["18", "3"]) is None  # no "#### N" references: no gold
+    sort = "\n\nHuman: Sort these letters: c a b\n\nAssistant:"
+    assert gold_rewards([sort], [None], [" a b c"]) == [1.0]
 
 
 def test_perplexity_and_reward_model_accuracy(report):
