@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.alarms import AlarmConfig, answer_figures, answer_rows, check
-from jaxrlhf.data import DataConfig
+from jaxrlhf.data import DataConfig, DataError
 
 Z95 = 1.959963984540054
 
@@ -272,7 +272,12 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
     if "value_head" not in rm[1]:
         raise ValueError(f"{cfg.reward_model}: no value head; expected a reward model (the Step 2 output)")
     quiet = lambda _: None
-    held = {step: prepare(cfg.data, step, tok, log=quiet)["eval"] for step in (1, 2, 3)}
+    held = {step: prepare(cfg.data, step, tok, log=quiet)["eval"] for step in (1, 3)}
+    try:
+        held[2] = prepare(cfg.data, 2, tok, log=quiet)["eval"]
+    except DataError as e:  # prompt + response data (e.g. GSM8K) has no pairs: no reward-model accuracy
+        log(f"eval: no held-out pairs ({e})")
+        held[2] = None
     n = min(cfg.num_prompts, len(held[3]["offsets"]) - 1)
     if n == 0:
         raise ValueError(f"no held-out Step 3 prompts in {list(cfg.data.data_path)} (data.eval_fraction, data.data_split)")
@@ -317,7 +322,7 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
             row["alarms"].append(f"higher reward but lower gold reward than {names[0]}: reward hacking?")
     metrics = find_metrics(cfg)
     return {"models": rows, "baseline": names[0], "reference": str(cfg.reference or cfg.models[0]),
-            "reward_model": {"path": str(cfg.reward_model), **(rm_accuracy(cfg, rm, held[2], pad) or {})},
+            "reward_model": {"path": str(cfg.reward_model), **((held[2] and rm_accuracy(cfg, rm, held[2], pad)) or {})},
             "training": training_records(metrics) if metrics else [], "metrics_log": str(metrics) if metrics else None,
             "settings": {"prompts": n, "max_answer_len": G, "temperature": cfg.temperature, "top_k": cfg.top_k,
                          "top_p": cfg.top_p, "seed": cfg.seed, "ngram": cfg.alarms.ngram, "data": list(cfg.data.data_path)},
