@@ -61,7 +61,7 @@ class TrainConfig:
     eval_samples: int = 4
     #: the datasets and lengths of all three steps
     data: DataConfig = DEMO_DATA
-    sft: SFTConfig = SFTConfig(batch_size=16, max_steps=500, log_every=50, precision="fp32", sample_prompts=2,
+    sft: SFTConfig = SFTConfig(batch_size=16, max_steps=1500, log_every=100, precision="fp32", sample_prompts=2,
                                optim=OptimConfig(learning_rate=3e-3, schedule="constant", warmup_steps=20))
     reward: RewardConfig = RewardConfig(batch_size=16, max_steps=300, log_every=50, precision="fp32", loss_kind="last",
                                         optim=OptimConfig(learning_rate=1e-3, schedule="constant", warmup_steps=20))

@@ -138,7 +138,7 @@ def test_the_builtin_pipeline_aligns(tmp_path):
     c = result["comparison"]
     print({k: v for k, v in c.items() if k != "examples"}, f"{result['seconds']:.0f} s")
     assert c["actor_gold_reward_sampled"] > c["step1_gold_reward_sampled"] + 0.05
-    assert c["actor_gold_reward_greedy"] >= c["step1_gold_reward_greedy"]
+    assert c["actor_gold_reward_greedy"] > c["step1_gold_reward_greedy"]
     assert 0 < c["kl_actor_to_step1"] < 10
     for name in ("actor", "critic", "actor_ema"):
         assert (tmp_path / "run" / "step3-models" / name / "config.json").is_file()
