@@ -7,14 +7,18 @@
         ──proxy_vs_gold(rewards, golds, bounds)──► over the last `window` iterations the learned reward rises
                                                    while the gold reward falls, each by a t-statistic past `z`
 
-The checks are pure functions; `AlarmTracker` only keeps the history and says which alarms are new, so the
-loop can log an alarm once when it starts and keep it on the progress bar while it lasts.
+The checks are pure functions; `AlarmTracker` only keeps the history (a resumed run replays its logged figures)
+and says which alarms are new, so the loop logs an alarm when it starts (not again while it flickers on and off
+within `window` iterations) and keeps it on the progress bar while it lasts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
+import jax
 import numpy as np
 
 
@@ -31,11 +35,13 @@ class AlarmConfig:
     max_repetition: float = 0.3
     #: n of the n-grams counted by the repetition rate
     ngram: int = 3
-    #: entropy of the sampled tokens below this share of its baseline
-    min_entropy_ratio: float = 0.25
+    #: entropy of the sampled tokens below this share of its baseline (a task with one right answer, like the
+    #: built-in one, rightly lowers it to about a quarter)
+    min_entropy_ratio: float = 0.1
     #: KL to the reference per answer (nats) above this
     max_kl: float = 20.0
-    #: iterations over which the learned and the gold reward trends are fitted
+    #: iterations over which the learned and the gold reward trends are fitted; an alarm raised again within
+    #: this many iterations of its last raise is not logged again (it stays on the progress bar)
     window: int = 20
     #: |t-statistic| of both slopes past which "reward up, gold down" raises the alarm
     z: float = 3.0
@@ -76,6 +82,15 @@ def answer_figures(tokens, mask, logprobs, *, eos_id: int | None = None, ngram: 
     return {"answer_len": float(m.sum(1).mean()),
             "repetition": repetition_rate(answer_rows(tokens, mask, eos_id), ngram),
             "entropy": float(-(lp * m).sum() / max(m.sum(), 1.0)) + 0.0}  # + 0.0: no "-0.000" in reports
+
+
+def experience_figures(experiences: list[dict], eos_id: int | None, ngram: int = 3) -> dict[str, float]:
+    """repetition and entropy (answer_figures) of one Step 3 iteration's experience batches (engine.generate_experience)."""
+    G = experiences[0]["mask"].shape[1]
+    host = jax.device_get([(e["seq"][:, -G:], e["mask"], e["logprobs"]) for e in experiences])
+    tokens, mask, logprobs = (np.concatenate(parts) for parts in zip(*host))
+    f = answer_figures(tokens, mask, logprobs, eos_id=eos_id, ngram=ngram)
+    return {"repetition": f["repetition"], "entropy": f["entropy"]}
 
 
 def check(figures: dict, baseline: dict | None, bounds: AlarmConfig) -> list[tuple[str, str]]:
@@ -126,16 +141,33 @@ def proxy_vs_gold(rewards, golds, bounds: AlarmConfig) -> str | None:
 class Alarm:
     name: str
     message: str
-    new: bool  # not raised at the previous update
+    new: bool  # not raised in the last `window` updates: worth a line in the log
+
+
+def training_records(path, upto: int | None = None) -> list[dict]:
+    """The train records of a Step 3 metrics.jsonl, one per iteration (a resumed run's later line wins), in order,
+    up to iteration `upto`; [] without the file."""
+    path, by_step = Path(path), {}
+    if not path.is_file():
+        return []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            if r.get("split") == "train" and (upto is None or r["step"] <= upto):
+                by_step[r["step"]] = r
+    return [by_step[s] for s in sorted(by_step)]
 
 
 class AlarmTracker:
-    """The history of one run's figures; `update` returns the alarms raised now."""
+    """The history of one run's figures; `update` returns the alarms raised now. `history`: figures to replay
+    first (a resumed run's logged iterations)."""
 
-    def __init__(self, bounds: AlarmConfig = AlarmConfig()):
+    def __init__(self, bounds: AlarmConfig = AlarmConfig(), history=()):
         self.bounds = bounds
         self.history: list[dict] = []
-        self.active: set[str] = set()
+        self.last_raised: dict[str, int] = {}  # alarm name -> the update that last raised it
+        for figures in history:
+            self.update(figures)
 
     def baseline(self) -> dict | None:
         first = self.history[: self.bounds.baseline_iterations]
@@ -150,6 +182,8 @@ class AlarmTracker:
         trend = proxy_vs_gold([f["reward"] for f in with_gold], [f["gold_reward"] for f in with_gold], self.bounds)
         if trend:
             found.append(("proxy_vs_gold", trend))
-        alarms = [Alarm(name, message, name not in self.active) for name, message in found]
-        self.active = {a.name for a in alarms}
+        now = len(self.history)
+        alarms = [Alarm(name, message, now - self.last_raised.get(name, -self.bounds.window) > self.bounds.window)
+                  for name, message in found]
+        self.last_raised.update({a.name: now for a in alarms})
         return alarms

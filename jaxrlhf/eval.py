@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrlhf.alarms import AlarmConfig, answer_figures, answer_rows, check
+from jaxrlhf.alarms import AlarmConfig, answer_figures, answer_rows, check, training_records
 from jaxrlhf.data import DataConfig, DataError
 
 Z95 = 1.959963984540054
@@ -229,17 +229,6 @@ def rm_accuracy(cfg: EvalConfig, rm, arrays, pad_id: int) -> dict | None:
                                    [b["chosen_ids"], b["chosen_mask"], b["rejected_ids"], b["rejected_mask"]], cfg.batch_size)
     return {"pairs": n, "accuracy": float(np.mean(chosen > rejected)), "chosen_score": float(chosen.mean()),
             "rejected_score": float(rejected.mean())}
-
-
-def training_records(path) -> list[dict]:
-    """The Step 3 log's train records, one per iteration (a resumed run's later line wins), in order."""
-    by_step = {}
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            if r.get("split") == "train":
-                by_step[r["step"]] = r
-    return [by_step[s] for s in sorted(by_step)]
 
 
 def find_metrics(cfg: EvalConfig) -> Path | None:
@@ -486,6 +475,19 @@ def run(cfg: EvalConfig, log=print) -> dict:
     path = write_report(report, cfg.output_dir, cfg.samples, log=log)
     log(f"eval: report in {path}")
     return {**report, "report": str(path)}
+
+
+def pipeline_report(step1, reward_model, step3: dict, metrics, out_dir, data: DataConfig, ppo, num_prompts: int,
+                    log=print) -> str:
+    """The report `python -m jaxrlhf.train` ends with: the Step 1 model, the final actor and its EMA (step3: the
+    folders ppo.run wrote) on held-out prompts, sampled as Step 3 sampled (ppo: its PPOConfig), judged by the
+    Step 2 reward model; returns the report's path."""
+    names = ["step1"] + [n for n in ("actor", "actor_ema") if n in step3]
+    cfg = EvalConfig(models=(str(step1), *(str(step3[n]) for n in names[1:])), names=tuple(names),
+                     reward_model=str(reward_model), metrics=str(metrics), output_dir=str(out_dir), num_prompts=num_prompts,
+                     max_answer_len=ppo.max_answer_len, temperature=ppo.temperature, top_k=ppo.top_k, top_p=ppo.top_p,
+                     dtype="float32" if ppo.precision == "fp32" else "bfloat16", alarms=ppo.alarms, data=data)
+    return run(cfg, log=log)["report"]
 
 
 def parse(argv: list[str] | None) -> EvalConfig:

@@ -46,14 +46,16 @@ def test_slope_t_by_hand():
     assert slope_t([3, 2, 1]) == (-1.0, -np.inf) and slope_t([4, 4, 4]) == (0.0, 0.0)
 
 
-def test_tracker_reports_an_alarm_once_as_new_and_clears_it():
-    tracker = AlarmTracker(AlarmConfig(baseline_iterations=1))
+def test_tracker_logs_an_alarm_once_even_while_it_flickers():
+    tracker = AlarmTracker(AlarmConfig(baseline_iterations=1, window=3))
     figs = lambda rep: {"answer_len": 5.0, "repetition": rep, "entropy": 1.0, "kl": 0.0}
-    assert tracker.update(figs(0.0)) == []
-    assert [(a.name, a.new) for a in tracker.update(figs(0.9))] == [("repetition", True)]
-    assert [(a.name, a.new) for a in tracker.update(figs(0.9))] == [("repetition", False)]
-    assert tracker.update(figs(0.0)) == []
-    assert [a.new for a in tracker.update(figs(0.9))] == [True]
+    raised = lambda rep: [(a.name, a.new) for a in tracker.update(figs(rep))]
+    assert raised(0.0) == []
+    assert raised(0.9) == [("repetition", True)]  # update 2
+    assert raised(0.9) == [("repetition", False)]  # 3: still on
+    assert raised(0.0) == [] and raised(0.9) == [("repetition", False)]  # 4 off, 5 on again: 2 after its last raise
+    assert [raised(0.0) for _ in range(3)] == [[], [], []]
+    assert raised(0.9) == [("repetition", True)]  # 9: 4 updates after its last raise, more than the window
 
 
 PROMPTS = [r["prompt"] for r in prompt_records(64, seed=3)]
