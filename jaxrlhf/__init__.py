@@ -1,13 +1,14 @@
 """jaxrlhf: DeepSpeed-Chat's three-step RLHF recipe in JAX/Flax, with a hybrid FSDP / tensor-parallel engine."""
 
 from jaxrlhf.checkpoint import CheckpointError, load_hf, save_hf
-from jaxrlhf.models.opt import OPTConfig, init_params, logits, values
+from jaxrlhf.models import LlamaConfig, OPTConfig, init_params, logits, values
 from jaxrlhf.sharding import LayoutError, batch_sharding, describe, make_mesh, reshard, shardings_for
 from jaxrlhf.tokenizer import load_tokenizer, opt_tokenizer
 
 __all__ = [
     "CheckpointError",
     "LayoutError",
+    "LlamaConfig",
     "OPTConfig",
     "batch_sharding",
     "describe",

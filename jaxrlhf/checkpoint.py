@@ -1,15 +1,17 @@
 """Hugging Face checkpoint folders in and out, losslessly.
 
     HF folder                                   jaxrlhf
-    config.json (model_type "opt")      <->     OPTConfig
-    model.safetensors | sharded index   <->     params (the tree drawn in models/opt.py)
+    config.json (model_type "opt")      <->     OPTConfig     (models/opt.py)
+    config.json (model_type "llama")    <->     LlamaConfig   (models/llama.py)
+    model.safetensors | sharded index   <->     params (the tree drawn in the family's model file)
     | pytorch_model.bin (read only)
     value_head.safetensors              <->     params["value_head"]  (reward model / critic only)
     tokenizer files                     <->     a transformers tokenizer
 
-The weights map through one declarative table (`_MODULES`): HF module name -> our path and kind.
-Linear weights are transposed ([out, in] -> [in, out]); per-layer tensors are stacked on a leading
-[L] axis. Every tensor's shape is checked, and a missing or unused tensor is an error that names it.
+The family is chosen by config.json's `model_type`. Each family's weights map through one declarative
+table (`_OPT_MODULES`, `_LLAMA_MODULES`): HF module name -> our path and kind. Linear weights are
+transposed ([out, in] -> [in, out]); per-layer tensors are stacked on a leading [L] axis. Every tensor's
+shape is checked, and a missing or unused tensor is an error that names it.
 
 The value head is stored outside model.safetensors, in `value_head.safetensors` under the key
 `v_head.weight` with shape [1, E] (DeepSpeed-Chat's name and PyTorch's Linear layout), so that
@@ -19,6 +21,7 @@ OPT language model without warnings, and jaxrlhf loads it back with its head.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -28,7 +31,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxrlhf.models.opt import OPTConfig, param_shapes
+from jaxrlhf.models import param_shapes
+from jaxrlhf.models.llama import LlamaConfig
+from jaxrlhf.models.opt import OPTConfig
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -40,7 +45,7 @@ VALUE_HEAD_KEY = "v_head.weight"
 
 # HF module name (under "model.") -> (our path, kind). "{i}" marks a per-layer module, stacked on axis 0.
 # Kinds: "embed" (weight), "linear" (weight transposed, optional bias), "norm" (weight -> scale, bias).
-_MODULES = {
+_OPT_MODULES = {
     "decoder.embed_tokens": ("decoder/embed_tokens", "embed"),
     "decoder.embed_positions": ("decoder/embed_positions", "embed"),
     "decoder.project_in": ("decoder/project_in", "linear"),
@@ -55,6 +60,17 @@ _MODULES = {
     "decoder.layers.{i}.fc1": ("decoder/layers/fc1", "linear"),
     "decoder.layers.{i}.fc2": ("decoder/layers/fc2", "linear"),
 }
+# Llama (LlamaForCausalLM): names are complete; lm_head exists only when the head is untied.
+_LLAMA_MODULES = {
+    "model.embed_tokens": ("model/embed_tokens", "embed"),
+    "model.norm": ("model/norm", "norm"),
+    "lm_head": ("lm_head", "linear"),
+    "model.layers.{i}.input_layernorm": ("model/layers/input_layernorm", "norm"),
+    "model.layers.{i}.post_attention_layernorm": ("model/layers/post_attention_layernorm", "norm"),
+    **{f"model.layers.{{i}}.self_attn.{n}": (f"model/layers/self_attn/{n}", "linear")
+       for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
+    **{f"model.layers.{{i}}.mlp.{n}": (f"model/layers/mlp/{n}", "linear") for n in ("gate_proj", "up_proj", "down_proj")},
+}
 _TENSORS = {  # kind -> [(HF tensor suffix, our leaf name, transpose)]
     "embed": [("weight", "embedding", False)],
     "linear": [("weight", "kernel", True), ("bias", "bias", False)],
@@ -66,7 +82,7 @@ _TENSORS = {  # kind -> [(HF tensor suffix, our leaf name, transpose)]
 _PREFIXES = ("model.", "rwtranrsformer.", "rwtransformer.", "")
 
 # HF config.json keys that map onto OPTConfig fields (HF name -> our name).
-_CONFIG_KEYS = {
+_OPT_CONFIG_KEYS = {
     "vocab_size": "vocab_size",
     "hidden_size": "hidden_size",
     "num_hidden_layers": "num_hidden_layers",
@@ -83,6 +99,33 @@ _CONFIG_KEYS = {
     "bos_token_id": "bos_token_id",
     "eos_token_id": "eos_token_id",
 }
+_LLAMA_CONFIG_KEYS = {
+    name: name
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
+                 "attention_bias", "mlp_bias", "attention_dropout", "pad_token_id", "bos_token_id", "eos_token_id")
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Format:
+    """How one family's HF folders look: its config class and keys, its name table, where names start."""
+
+    config_cls: type
+    architecture: str
+    config_keys: dict
+    modules: dict
+    prefixes: tuple  # prefixes under which the names of `modules` may appear when reading
+    save_prefix: str  # the prefix written (OPTForCausalLM's "model.")
+    root: str  # a tensor every checkpoint of the family has (finds the prefix)
+
+
+_FORMATS = {
+    "opt": _Format(OPTConfig, "OPTForCausalLM", _OPT_CONFIG_KEYS, _OPT_MODULES, _PREFIXES, "model.",
+                   "decoder.embed_tokens.weight"),
+    "llama": _Format(LlamaConfig, "LlamaForCausalLM", _LLAMA_CONFIG_KEYS, _LLAMA_MODULES, ("",), "",
+                     "model.embed_tokens.weight"),
+}
 
 
 class CheckpointError(ValueError):
@@ -92,48 +135,64 @@ class CheckpointError(ValueError):
 # ----------------------------------------------------------------------------------------------- config
 
 
-def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> OPTConfig:
-    """OPTConfig from an HF config dict; refuses other model types and OPT options we do not implement."""
+def config_from_hf(hf: dict, source: str = "config.json", **overrides):
+    """Our config (OPTConfig or LlamaConfig, by `model_type`) from an HF config dict; refuses other model
+    types and options we do not implement."""
     model_type = hf.get("model_type")
-    if model_type != "opt":
+    if model_type not in _FORMATS:
         raise CheckpointError(
-            f"{source}: model_type is {model_type!r}; jaxrlhf supports OPT checkpoints (model_type 'opt') only"
+            f"{source}: model_type is {model_type!r}; jaxrlhf supports {' and '.join(map(repr, _FORMATS))} checkpoints"
         )
+    fmt = _FORMATS[model_type]
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     unsupported = {
-        "activation_function": (hf.get("activation_function", "relu"), "relu"),
-        "layer_norm_elementwise_affine": (hf.get("layer_norm_elementwise_affine", True), True),
-        "tie_word_embeddings": (hf.get("tie_word_embeddings", True), True),
-    }
+        "opt": {
+            "activation_function": (hf.get("activation_function", "relu"), "relu"),
+            "layer_norm_elementwise_affine": (hf.get("layer_norm_elementwise_affine", True), True),
+            "tie_word_embeddings": (hf.get("tie_word_embeddings", True), True),
+        },
+        "llama": {
+            "hidden_act": (hf.get("hidden_act", "silu"), "silu"),
+            "rope type": (rope.get("rope_type", rope.get("type", "default")), "default"),  # no RoPE scaling (yet)
+        },
+    }[model_type]
     for key, (got, want) in unsupported.items():
         if got != want:
-            raise CheckpointError(f"{source}: {key} is {got!r}; jaxrlhf's OPT supports only {want!r}")
-    fields = {ours: hf[theirs] for theirs, ours in _CONFIG_KEYS.items() if hf.get(theirs) is not None}
-    fields.setdefault("word_embed_proj_dim", fields.get("hidden_size", OPTConfig.hidden_size))
+            raise CheckpointError(f"{source}: {key} is {got!r}; jaxrlhf's {model_type} supports only {want!r}")
+    fields = {ours: hf[theirs] for theirs, ours in fmt.config_keys.items() if hf.get(theirs) is not None}
+    if model_type == "opt":
+        fields.setdefault("word_embed_proj_dim", fields.get("hidden_size", OPTConfig.hidden_size))
+    else:
+        theta = rope.get("rope_theta", hf.get("rope_theta"))
+        if theta is not None:
+            fields["rope_theta"] = float(theta)
+        if isinstance(fields.get("eos_token_id"), list):  # Llama 3 lists several; generation stops at the first
+            fields["eos_token_id"] = fields["eos_token_id"][0]
     try:
-        return OPTConfig(**{**fields, **overrides})
+        return fmt.config_cls(**{**fields, **overrides})
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{source}: {e}") from None
 
 
-def config_to_hf(config: OPTConfig, torch_dtype: str) -> dict:
-    """The config.json that transformers needs to rebuild `config` as an OPTForCausalLM."""
-    hf = {theirs: getattr(config, ours) for theirs, ours in _CONFIG_KEYS.items()}
-    hf.update(
-        model_type="opt",
-        architectures=["OPTForCausalLM"],
-        activation_function="relu",
-        layer_norm_elementwise_affine=True,
-        tie_word_embeddings=True,
-        init_std=0.02,
-        layerdrop=0.0,
-        use_cache=True,
-        dtype=torch_dtype,
-    )
+def config_to_hf(config, torch_dtype: str) -> dict:
+    """The config.json that transformers needs to rebuild `config` as an OPTForCausalLM or LlamaForCausalLM."""
+    fmt = _FORMATS[config.model_type]
+    hf = {theirs: getattr(config, ours) for theirs, ours in fmt.config_keys.items()}
+    hf.update(model_type=config.model_type, architectures=[fmt.architecture], use_cache=True, dtype=torch_dtype)
+    if config.model_type == "opt":
+        hf.update(activation_function="relu", layer_norm_elementwise_affine=True, tie_word_embeddings=True,
+                  init_std=0.02, layerdrop=0.0)
+    else:
+        if config.rope_interleaved:
+            raise ValueError("save_hf: Hugging Face's Llama pairs rotary dims (i, i + K/2); these parameters use the "
+                             "interleaved layout (rope_interleaved=True): permute q/k (see convert.py) first")
+        hf.update(hidden_act="silu", initializer_range=0.02, pretraining_tp=1, rope_theta=config.rope_theta,
+                  rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta})
     return hf
 
 
-def read_config(path: str | os.PathLike, **overrides) -> OPTConfig:
-    """OPTConfig from `path/config.json` (plus run options such as dtype and remat as overrides)."""
+def read_config(path: str | os.PathLike, **overrides):
+    """Our config from `path/config.json` (plus run options such as dtype and remat as overrides)."""
     file = Path(path) / CONFIG_FILE
     if not Path(path).is_dir():
         raise CheckpointError(f"{path}: not a folder; expected a Hugging Face checkpoint folder with {CONFIG_FILE}")
@@ -200,10 +259,10 @@ def read_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     )
 
 
-def _leaf_names(config: OPTConfig, with_value_head: bool):
+def _leaf_names(config, with_value_head: bool):
     """Yield (HF tensor name without prefix, our path, layer index or None, transpose) for every leaf."""
     shapes = param_shapes(config, value_head=False)
-    for module, (ours, kind) in _MODULES.items():
+    for module, (ours, kind) in _FORMATS[config.model_type].modules.items():
         node = shapes
         for part in ours.split("/"):
             node = node.get(part) if isinstance(node, dict) else None
@@ -220,11 +279,12 @@ def _leaf_names(config: OPTConfig, with_value_head: bool):
         yield VALUE_HEAD_KEY, "value_head/kernel", None, True
 
 
-def _strip_prefix(tensors: dict[str, np.ndarray], source: str) -> dict[str, np.ndarray]:
-    for prefix in _PREFIXES:
-        if f"{prefix}decoder.embed_tokens.weight" in tensors:
+def _strip_prefix(tensors: dict[str, np.ndarray], fmt: _Format, source: str) -> dict[str, np.ndarray]:
+    for prefix in fmt.prefixes:
+        if f"{prefix}{fmt.root}" in tensors:
             return {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in tensors.items()}
-    raise CheckpointError(f"{source}: missing tensor model.decoder.embed_tokens.weight; is this an OPT checkpoint?")
+    raise CheckpointError(f"{source}: missing tensor {fmt.save_prefix}{fmt.root}; "
+                          f"is this an {fmt.architecture} checkpoint?")
 
 
 def _set(tree: dict, path: str, value):
@@ -234,13 +294,15 @@ def _set(tree: dict, path: str, value):
     tree[leaf] = value
 
 
-def params_from_tensors(config: OPTConfig, tensors: dict[str, np.ndarray], source: str, dtype=None) -> dict:
+def params_from_tensors(config, tensors: dict[str, np.ndarray], source: str, dtype=None) -> dict:
     """Our parameter tree from HF tensors (names with or without prefix); every tensor is used exactly once."""
-    tensors = _strip_prefix(dict(tensors), source)
-    # A tied LM head may be stored too; it must equal the embedding (we support tied heads only).
-    lm_head = tensors.pop("lm_head.weight", None)
-    if lm_head is not None and not np.array_equal(lm_head, tensors["decoder.embed_tokens.weight"]):
-        raise CheckpointError(f"{source}: lm_head.weight differs from the embedding; untied OPT heads are unsupported")
+    fmt = _FORMATS[config.model_type]
+    tensors = _strip_prefix(dict(tensors), fmt, source)
+    if getattr(config, "tie_word_embeddings", True):
+        # A tied LM head may be stored too; it must equal the embedding.
+        lm_head = tensors.pop("lm_head.weight", None)
+        if lm_head is not None and not np.array_equal(lm_head, tensors[fmt.root]):
+            raise CheckpointError(f"{source}: lm_head.weight differs from the embedding, but the config ties them")
     with_value_head = VALUE_HEAD_KEY in tensors
     expected = param_shapes(config, value_head=with_value_head)
     stacked: dict[str, list] = {}
@@ -265,7 +327,7 @@ def params_from_tensors(config: OPTConfig, tensors: dict[str, np.ndarray], sourc
         _set(params, path, np.stack(values))
     if tensors:
         names = ", ".join(sorted(tensors)[:5]) + (" ..." if len(tensors) > 5 else "")
-        raise CheckpointError(f"{source}: unused tensor(s) {names}; they do not belong to this OPT config")
+        raise CheckpointError(f"{source}: unused tensor(s) {names}; they do not belong to this {fmt.architecture} config")
     return params
 
 
@@ -275,8 +337,9 @@ def _get(tree, path: str):
     return tree
 
 
-def params_to_tensors(config: OPTConfig, params: dict) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """(model tensors with HF names under "model.", value-head tensors) from our parameter tree."""
+def params_to_tensors(config, params: dict) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(model tensors with their HF names, value-head tensors) from our parameter tree."""
+    prefix = _FORMATS[config.model_type].save_prefix
     params = jax.device_get(params)
     model, head = {}, {}
     for name, path, layer, transpose in _leaf_names(config, "value_head" in params):
@@ -286,15 +349,15 @@ def params_to_tensors(config: OPTConfig, params: dict) -> tuple[dict[str, np.nda
         if name == VALUE_HEAD_KEY:
             head[name] = value
         else:
-            model["model." + name] = value
+            model[prefix + name] = value
     return model, head
 
 
 # ------------------------------------------------------------------------------------------ load / save
 
 
-def load_hf(path: str | os.PathLike, dtype=None, **config_overrides) -> tuple[OPTConfig, dict]:
-    """Read an HF OPT folder: (config, params as host NumPy arrays in `dtype`, or as stored if None).
+def load_hf(path: str | os.PathLike, dtype=None, **config_overrides) -> tuple[OPTConfig | LlamaConfig, dict]:
+    """Read an HF OPT or Llama folder: (config, params as host NumPy arrays in `dtype`, or as stored if None).
 
     The compute dtype of the returned config follows `dtype` (float32 when None). The value head is
     included when the folder has `value_head.safetensors` (a reward model or critic saved by jaxrlhf)
@@ -333,7 +396,7 @@ def _shard(tensors: dict[str, np.ndarray], max_bytes: int) -> list[dict[str, np.
 
 def save_hf(
     path: str | os.PathLike,
-    config: OPTConfig,
+    config: OPTConfig | LlamaConfig,
     params: dict,
     tokenizer=None,
     *,

@@ -3,7 +3,8 @@
     prompts [B, P] left-padded ──prefill (one pass, K/V written at slots 0..P-1)──► first token
         ──scan over G - 1 steps: one token per row at slot P + t, K/V written in place──► tokens [B, G]
 
-The cache [L, B, H, P + G, K] is allocated once and carried through the scan (written with one
+Every model family runs through it (models/__init__.py picks the family from the config's type). The
+cache [L, B, Hkv, P + G, K] (Hkv < H for grouped-query models such as Llama) is allocated once and carried through the scan (written with one
 dynamic_update_slice per layer and step, so XLA updates it in place; DESIGN.md measured 3.6x against
 passing per-layer caches through a scan). Rows stop at their first EOS: later tokens are pad and the
 answer mask is 0 there (1 up to and including the EOS). Sampling: greedy (temperature 0), temperature,
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxrlhf.models.opt import OPTConfig, init_cache, logits_with_cache, positions_from_mask
+from jaxrlhf.models import init_cache, logits_with_cache, positions_from_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +107,7 @@ def _generate(config, params, input_ids, attention_mask, key, *, max_new_tokens,
     return tokens, mask, logprobs
 
 
-def generate(config: OPTConfig, params: Any, input_ids, attention_mask, key, *, max_new_tokens: int,
+def generate(config, params: Any, input_ids, attention_mask, key, *, max_new_tokens: int,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_id: int | None = None,
              pad_id: int | None = None, force_length: bool = False, mesh=None) -> Generation:
     """Continue left-padded prompts [B, P] by up to `max_new_tokens` tokens (see the module docstring).

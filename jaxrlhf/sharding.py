@@ -8,9 +8,11 @@
                                        plain all-gather), else the largest; never the stacked layer axis
                                        (the layer scan gathers one layer at a time). Leaves with no such
                                        dimension are replicated. The batch is split over all devices.
-    layout "tp"    (generation)        Megatron: q/k/v and fc1 split by output columns, out_proj and fc2 by
-                                       input rows, the embedding (and tied LM head) by vocab, all over
-                                       "model"; replicated over "data". The prompt batch splits over "data".
+    layout "tp"    (generation)        Megatron: q/k/v and fc1 (Llama: gate/up) split by output columns,
+                                       out_proj and fc2 (o_proj, down_proj) by input rows, the embedding and
+                                       LM head by vocab, all over "model"; replicated over "data". Grouped-query
+                                       k/v split by KV heads, so each device keeps the KV heads its query heads
+                                       read. The prompt batch splits over "data".
 
 Which dimension of a parameter is which is data: `PARAM_AXES` maps parameter paths to a logical axis
 per dimension; `TP_RULES` maps logical axes to mesh axes. A leaf that no entry covers is an error, never
@@ -51,6 +53,16 @@ PARAM_AXES: list[tuple[str, tuple[str | None, ...]]] = [
     (r"layers/\w+_layer_norm/(scale|bias)", ("layers", "embed")),
     (r"final_layer_norm/(scale|bias)", ("embed",)),
     (r"value_head/kernel", ("embed", None)),
+    # Llama (models/llama.py): k/v_proj are [D, Hkv * K], so "heads" splits the KV heads over "model" too.
+    (r"layers/self_attn/o_proj/kernel", ("layers", "heads", "embed")),
+    (r"layers/self_attn/o_proj/bias", ("layers", "embed")),
+    (r"layers/mlp/(gate|up)_proj/kernel", ("layers", "embed", "mlp")),
+    (r"layers/mlp/(gate|up)_proj/bias", ("layers", "mlp")),
+    (r"layers/mlp/down_proj/kernel", ("layers", "mlp", "embed")),
+    (r"layers/mlp/down_proj/bias", ("layers", "embed")),
+    (r"layers/(input|post_attention)_layernorm/scale", ("layers", "embed")),
+    (r"model/norm/scale", ("embed",)),
+    (r"lm_head/kernel", ("embed", "vocab")),
 ]
 
 # Generation layout: logical axis -> mesh axis. Logical axes not listed are replicated.
@@ -136,14 +148,12 @@ def batch_sharding(mesh: Mesh, layout: str) -> NamedSharding:
     return NamedSharding(mesh, P(AXES if layout == "fsdp" else "data"))
 
 
-def check_tp(num_attention_heads: int, mesh: Mesh):
-    """Tensor parallelism splits whole heads: refuse a "model" axis that does not divide the heads."""
+def check_tp(num_attention_heads: int, mesh: Mesh, num_key_value_heads: int | None = None):
+    """Tensor parallelism splits whole heads: refuse a "model" axis that does not divide the (KV) heads."""
     tp = mesh.shape["model"]
-    if num_attention_heads % tp:
-        raise LayoutError(
-            f"num_attention_heads ({num_attention_heads}) is not divisible by inference_tp_size ({tp}); "
-            f"choose a tp size that divides it"
-        )
+    for name, n in (("num_attention_heads", num_attention_heads), ("num_key_value_heads", num_key_value_heads)):
+        if n is not None and n % tp:
+            raise LayoutError(f"{name} ({n}) is not divisible by inference_tp_size ({tp}); choose a tp size that divides it")
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,7 +1,10 @@
-"""Tokenizers: any Hugging Face tokenizer folder, or OPT's from its raw `vocab.json` + `merges.txt`.
+"""Tokenizers: any Hugging Face tokenizer folder, OPT's from its raw `vocab.json` + `merges.txt`, or a
+SentencePiece BPE vocabulary (pieces and scores, as in llama2.c's tokenizer files) as a fast HF tokenizer.
 
 OPT's tokenizer is GPT-2's byte-level BPE with fairseq ids (`<s>`=0, `<pad>`=1, `</s>`=2, `<unk>`=3) and
 one quirk: it prepends `</s>` (id 2) as the beginning-of-sequence token, and uses `</s>` as EOS too.
+Llama's (SentencePiece BPE with byte fallback): `<unk>`=0, `<s>`=1 (prepended), `</s>`=2; a space is
+the piece character '▁' and the text gets one in front (add_dummy_prefix).
 """
 
 from __future__ import annotations
@@ -41,3 +44,34 @@ def load_tokenizer(path: str | os.PathLike):
         f"{path}: no tokenizer found; expected tokenizer.json / tokenizer_config.json, or vocab.json + merges.txt "
         "(pass --tokenizer DIR to use another folder's)"
     )
+
+
+def sentencepiece_bpe(pieces: list[str], scores: list[float]):
+    """A transformers fast tokenizer equal to SentencePiece BPE over `pieces` (id = index) and `scores`.
+
+    Ids 0, 1, 2 are <unk>, <s>, </s>; pieces "<0x00>".."<0xFF>" are byte fallbacks; a space is '▁'.
+    SentencePiece merges, again and again, the adjacent pair whose concatenation is the piece with the
+    highest score; that is BPE whose merge list holds every split (a, b) of every piece, ranked by the
+    piece's score. Encoding prepends <s>; decoding drops the dummy-prefix space.
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {p: i for i, p in enumerate(pieces)}
+    if len(vocab) != len(pieces):
+        raise ValueError("sentencepiece_bpe: the vocabulary repeats a piece")
+    merges = []
+    for i, piece in enumerate(pieces):
+        if i < 3 or (piece.startswith("<0x") and len(piece) == 6):
+            continue
+        merges += [(-scores[i], i, piece[:j], piece[j:]) for j in range(1, len(piece))
+                   if piece[:j] in vocab and piece[j:] in vocab]
+    merges = [(a, b) for *_, a, b in sorted(merges)]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<unk>", clean_up_tokenization_spaces=False)

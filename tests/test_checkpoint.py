@@ -137,8 +137,8 @@ def test_missing_extra_and_misshaped_tensors_are_named(tmp_path):
 def test_bad_configs_are_refused(tmp_path):
     folder = make_hf_opt(tmp_path / "hf", **PRE_LN)
     cfg = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
-    _one_line_error(folder, r"config\.json: model_type is 'llama'; jaxrlhf supports OPT")
+    (folder / "config.json").write_text(json.dumps({**cfg, "model_type": "bloom"}))
+    _one_line_error(folder, r"config\.json: model_type is 'bloom'; jaxrlhf supports 'opt' and 'llama'")
     (folder / "config.json").write_text(json.dumps({**cfg, "activation_function": "gelu"}))
     _one_line_error(folder, "activation_function is 'gelu'")
     (folder / "config.json").write_text("{\n  \"model_type\": \"opt\",\n  oops\n}")

@@ -1,0 +1,261 @@
+"""What every decoder family shares: attention (training and cached), the padding layout, the scan over
+layers, the KV cache, and the functional API built on a family's Flax module.
+
+Shape vocabulary (used in comments and einsum strings throughout jaxrlhf):
+    B batch, T sequence, S cache slots, D model width, H query heads, Hkv key/value heads (Hkv divides H;
+    query head h reads KV head h // (H / Hkv)), K head dim, F FFN width, V vocab, L layers.
+
+A family module (models/opt.py, models/llama.py) defines its config dataclass (the architecture from
+config.json plus the run options checked by `check_run_options`), one layer, and a top-level module
+`Model(config, value_head, deterministic)(input_ids, attention_mask, cache=None, positions=None)`; the
+functions here (`apply`, `apply_with_cache`, `param_shapes`, `random_params`, `init_cache`) do the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxrlhf.kernels.decode_attention import DecodeAttentionConfig, decode_attention
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def check_run_options(config) -> None:
+    """Validate the run options every config carries: dtype, attention, decode_attention, scan_unroll, dropouts."""
+    name = type(config).__name__
+    if config.dtype not in DTYPES:
+        raise ValueError(f"{name}.dtype: expected one of {sorted(DTYPES)}, got {config.dtype!r}")
+    if config.attention not in ("auto", "cudnn", "xla"):
+        raise ValueError(f"{name}.attention: expected 'auto', 'cudnn' or 'xla', got {config.attention!r}")
+    if config.decode_attention not in ("auto", "pallas", "xla"):
+        raise ValueError(f"{name}.decode_attention: expected 'auto', 'pallas' or 'xla', got {config.decode_attention!r}")
+    if config.scan_unroll < 0:
+        raise ValueError(f"{name}.scan_unroll: expected >= 0 (0: auto), got {config.scan_unroll}")
+    for field in ("dropout", "attention_dropout"):
+        if not 0.0 <= getattr(config, field) < 1.0:
+            raise ValueError(f"{name}.{field}: expected a probability in [0, 1), got {getattr(config, field)}")
+
+
+# ------------------------------------------------------------------------------------------- attention
+
+
+def causal_attention(q, k, v, implementation: str = "auto"):
+    """Causal softmax(q k^T) v through `jax.nn.dot_product_attention`; q [B, T, H, K], k, v [B, T, Hkv, K],
+    q pre-scaled.
+
+    "cudnn" is cuDNN's flash attention (GPU, 16-bit dtypes; the [B, H, T, T] scores never exist in
+    memory); "xla" the plain XLA graph (scores in float32); "auto" takes cuDNN on a GPU with a 16-bit
+    dtype and XLA otherwise, or when cuDNN refuses the shapes. No mask tensor is passed (padding was
+    moved out of the way by the decoder): with one, cuDNN would also compute its gradient, a
+    [B, 1, T, T] tensor that made the backward pass 1.3x slower on the H200.
+    """
+    if implementation == "auto":
+        if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+            try:
+                return jax.nn.dot_product_attention(q, k, v, scale=1.0, is_causal=True, implementation="cudnn")
+            except (ValueError, NotImplementedError, RuntimeError):  # a shape or dtype cuDNN does not take
+                pass
+        implementation = "xla"
+    return jax.nn.dot_product_attention(q, k, v, scale=1.0, is_causal=True, implementation=implementation)
+
+
+def dropout_attention(q, k, v, dropout: nn.Dropout):
+    """Causal attention with dropout on the probabilities (training with attention_dropout > 0)."""
+    B, T, H, K = q.shape
+    qg = q.reshape(B, T, k.shape[2], H // k.shape[2], K)
+    scores = jnp.einsum("bqhgk,bshk->bhgqs", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores, jnp.finfo(jnp.float32).min)
+    probs = dropout(jax.nn.softmax(scores, axis=-1))
+    return jnp.einsum("bhgqs,bshk->bqhgk", probs.astype(v.dtype), v).reshape(B, T, H, K)
+
+
+def cached_attention(q, k, v, cache, decode: str = "auto"):
+    """Attention over a KV cache, writing this call's keys and values into it first (generation).
+
+    q [B, T, H, K], k, v [B, T, Hkv, K] for T new tokens (the prompt at prefill, 1 when decoding); cache:
+    "k", "v" [L, B, Hkv, S, K] (each row's and head's slots contiguous, as the decode kernel streams them),
+    "layer" (this layer's index), "slot" (where the T tokens go: slots slot .. slot+T-1, the same for every
+    row), "valid" [B, S] (False at left padding), "start" [B] (each row's first valid slot). The write is
+    one dynamic_update_slice into the cache carried through the loops, so XLA updates it in place. Query t
+    attends valid slots <= slot + t. A decode step (T = 1) runs the decode-attention kernel (`decode`: see
+    kernels.decode_attention; grouped-query heads included), which reads only the slots start .. slot of
+    the layer, straight from the whole cache; the prefill runs plain XLA over the whole cache.
+    Returns (out [B, T, H, K], cache with k and v updated).
+    """
+    layer, slot = cache["layer"], cache["slot"]
+    write = lambda c, x: jax.lax.dynamic_update_slice(c, x.transpose(0, 2, 1, 3)[None].astype(c.dtype),
+                                                      (layer, 0, 0, slot, 0))
+    ck, cv = write(cache["k"], k), write(cache["v"], v)
+    cache = {**cache, "k": ck, "v": cv}
+    B, T, H, K = q.shape
+    Hkv, S = ck.shape[2], ck.shape[3]
+    if T == 1:
+        mesh = jax.sharding.get_abstract_mesh()  # generate() sets the generation mesh around its program
+        mesh = None if mesh.empty or "model" not in mesh.axis_names else mesh
+        config = DecodeAttentionConfig(implementation=decode)
+        out = decode_attention(q[:, 0], ck, cv, cache["start"], slot + 1, layer, config=config, mesh=mesh)
+        return out[:, None], cache
+    kl = jax.lax.dynamic_index_in_dim(ck, layer, 0, keepdims=False).astype(q.dtype)  # [B, Hkv, S, K]
+    vl = jax.lax.dynamic_index_in_dim(cv, layer, 0, keepdims=False).astype(v.dtype)
+    qg = q.reshape(B, T, Hkv, H // Hkv, K)
+    visible = jnp.arange(S)[None, :] <= slot + jnp.arange(T)[:, None]  # [T, S]
+    allowed = cache["valid"][:, None, None, None, :] & visible[None, None, None]  # [B, 1, 1, T, S]
+    scores = jnp.einsum("bthgk,bhsk->bhgts", qg, kl, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(jnp.where(allowed, scores, -1e9), axis=-1)  # finite: a fully masked row stays NaN-free
+    out = jnp.einsum("bhgts,bhsk->bthgk", probs.astype(vl.dtype), vl)
+    return out.reshape(B, T, H, K), cache
+
+
+def attention(q, k, v, cache, config, deterministic: bool):
+    """The attention a layer runs: cached (generation), plain causal, or with dropout (training). Returns (out, cache)."""
+    if cache is not None:
+        return cached_attention(q, k, v, cache, config.decode_attention)
+    if deterministic or config.attention_dropout == 0.0:
+        return causal_attention(q, k, v, config.attention), None
+    return dropout_attention(q, k, v, nn.Dropout(config.attention_dropout, deterministic=False)), None
+
+
+# --------------------------------------------------------------------------------------- padding layout
+
+
+def positions_from_mask(attention_mask):
+    """Position ids [B, T] from the attention mask, as Hugging Face computes them for generation.
+
+    Real tokens count 0, 1, 2, ... from the first real token of their row (so left padding does not shift
+    them); padding gets -1. (OPT then adds its table offset of 2.)
+    """
+    mask = attention_mask.astype(jnp.int32)
+    return jnp.cumsum(mask, axis=1) * mask - 1
+
+
+def real_tokens_first(attention_mask):
+    """Per-row permutation [B, T] that moves the real tokens to the front, keeping their order.
+
+    Inside the decoder every row is laid out this way, so that "attend to earlier real tokens" is plain
+    causal attention with no mask tensor, whatever the padding (left, right or in between). Padded
+    positions end up last; their outputs are computed but meaningless, and callers ignore them.
+    """
+    return jnp.argsort(attention_mask.astype(jnp.int32) == 0, axis=1, stable=True)
+
+
+def layout_inputs(input_ids, attention_mask, positions, cache):
+    """(input_ids, positions, order) as the decoder runs them. Without a cache the real tokens go first
+    (`order` undoes it later); with one the caller's positions are used as given and order is None."""
+    if cache is not None:
+        return input_ids, positions, None
+    order = real_tokens_first(attention_mask)  # [B, T]
+    positions = jnp.take_along_axis(positions_from_mask(attention_mask), order, 1)
+    return jnp.take_along_axis(input_ids, order, 1), positions, order
+
+
+def restore_layout(h, order):
+    """Hidden states [B, T, D] back to the caller's token order (identity when order is None)."""
+    if order is None:
+        return h
+    return jnp.take_along_axis(h, jnp.argsort(order, axis=1)[..., None], 1)
+
+
+# ------------------------------------------------------------------------------------ scan over layers
+
+
+def run_layers(layer_cls, config, deterministic: bool, h, cache, shared: dict | None = None, name: str = "layers"):
+    """Run L copies of `layer_cls` under one `nn.scan` (optionally rematerialised per layer).
+
+    The layer's call is `(carry, layer_index, where) -> (carry, None)` with carry (h [B, T, D], kv) where
+    kv is None or {"k", "v"} [L, B, Hkv, S, K] (carried, updated in place), and `where` what all layers
+    share: the cache fields ("valid", "slot", "start") when generating, plus `shared` (e.g. Llama's
+    rotary tables). Returns (h, cache with the new k and v, or None).
+    """
+    L = config.num_hidden_layers
+    layer = nn.remat(layer_cls, prevent_cse=False) if config.remat else layer_cls
+    layers = nn.scan(
+        layer,
+        variable_axes={"params": 0},
+        split_rngs={"params": True, "dropout": True},
+        in_axes=(0, nn.broadcast),
+        length=L,
+        unroll=min(config.scan_unroll or (L if jax.default_backend() == "gpu" else 1), L),
+    )(config, deterministic, name=name)
+    kv = None if cache is None else {"k": cache["k"], "v": cache["v"]}
+    where = {} if cache is None else {n: cache[n] for n in ("valid", "slot", "start")}
+    where.update(shared or {})
+    (h, kv), _ = layers((h, kv), jnp.arange(L), where)
+    return h, (None if cache is None else {**cache, **kv})
+
+
+def layer_cache(kv, where, layer):
+    """The cache one layer sees (the carried k/v, the shared fields, its index), or None."""
+    return None if kv is None else {**kv, **where, "layer": layer}
+
+
+def carry_out(h, cache):
+    """A layer's new carry: (h, the cache's k/v or None)."""
+    return (h, None if cache is None else {"k": cache["k"], "v": cache["v"]}), None
+
+
+# ------------------------------------------------------------------------------------ functional API
+
+
+def apply(model_cls, config, params, input_ids, attention_mask, *, value_head: bool, dropout_rng=None):
+    """Logits [B, T, V] (or values [B, T] with value_head) in float32; dropout only with `dropout_rng`."""
+    model = model_cls(config, value_head=value_head, deterministic=dropout_rng is None)
+    rngs = None if dropout_rng is None else {"dropout": dropout_rng}
+    return model.apply({"params": params}, input_ids, attention_mask, rngs=rngs)
+
+
+def apply_with_cache(model_cls, config, params, input_ids, positions, cache):
+    """Logits [B, T, V] of T new tokens at cache["slot"] .. + T - 1, and the cache holding their K/V."""
+    out, cache = model_cls(config).apply({"params": params}, input_ids, None, cache, positions)
+    return out, {**cache, "slot": cache["slot"] + input_ids.shape[1]}
+
+
+def init_cache(config, valid, dtype=None, multiple: int = 64) -> dict:
+    """An empty KV cache for generation: "k", "v" [L, B, Hkv, S, K] zeros, "valid" [B, S] (which slots hold
+    real tokens: False at left padding), "start" [B] (each row's first valid slot), "slot" 0.
+
+    S is valid.shape[1] (prompt + answer length) rounded up to `multiple` (the decode kernel reads the
+    cache in blocks); the extra slots are never valid.
+    """
+    B, S = valid.shape
+    valid = jnp.pad(valid.astype(bool), ((0, 0), (0, -S % multiple)))
+    shape = (config.num_hidden_layers, B, config.num_key_value_heads, valid.shape[1], config.head_dim)
+    zeros = jnp.zeros(shape, dtype or config.compute_dtype)
+    start = jnp.argmax(valid, axis=1).astype(jnp.int32)
+    return {"k": zeros, "v": zeros, "valid": valid, "start": start, "slot": jnp.zeros((), jnp.int32)}
+
+
+def param_shapes(model_cls, config, *, value_head: bool = False):
+    """The parameter tree of `config` as `jax.ShapeDtypeStruct`s (float32), without allocating anything."""
+    model = model_cls(config, value_head=value_head)
+    ids = jnp.zeros((1, 1), jnp.int32)
+    return jax.eval_shape(lambda: model.init(jax.random.key(0), ids, jnp.ones_like(ids))["params"])
+
+
+def random_params(shapes: Any, key, *, dtype=jnp.float32, std: float = 0.02):
+    """Random parameters for a tree of shapes: normal(0, std) weights, zero biases, unit norm scales."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for (path, leaf), k in zip(leaves, keys):
+        name = jax.tree_util.keystr(path, simple=True, separator="/")
+        if name.endswith("scale"):
+            out.append(jnp.ones(leaf.shape, dtype))
+        elif name.endswith("bias"):
+            out.append(jnp.zeros(leaf.shape, dtype))
+        else:
+            out.append((std * jax.random.normal(k, leaf.shape, jnp.float32)).astype(dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def lm_head(h, embedding):
+    """Tied LM head: logits [B, T, V] in float32 from h [B, T, E] and the embedding table [V, E]."""
+    return jnp.einsum("bte,ve->btv", h, embedding.astype(h.dtype), preferred_element_type=jnp.float32)
+
+
+def value_head(h, dtype):
+    """The reward/critic head: `Linear(E, 1)`, no bias, on the last hidden state; [B, T] float32."""
+    return nn.Dense(1, use_bias=False, dtype=dtype, name="value_head")(h)[..., 0].astype(jnp.float32)

@@ -1,0 +1,262 @@
+"""Llama-family decoder in Flax Linen (Llama 1/2/3 shapes, TinyLlama, llama2.c's stories models).
+
+Differences from OPT, all in this file: RMSNorm instead of LayerNorm, rotary position embeddings instead
+of a learned table, a SwiGLU FFN (down(silu(gate x) * up x)), grouped-query attention (Hkv KV heads, query
+head h reads KV head h // (H / Hkv)), no biases by default, and an LM head that may be untied. What the
+two families share (attention, the KV cache, the padding layout, the scan over layers, the functional
+API) lives in models/common.py; shapes use its vocabulary.
+
+Parameter tree (mirrors Hugging Face's LlamaForCausalLM module names):
+
+    model/embed_tokens/embedding           [V, D]       also the LM head when tie_word_embeddings
+    model/layers/...                       every layer leaf stacked on a leading [L] axis:
+        input_layernorm/scale              [L, D]
+        self_attn/q_proj/kernel            [L, D, H*K]      bias [L, H*K] if attention_bias
+        self_attn/{k,v}_proj/kernel        [L, D, Hkv*K]    bias [L, Hkv*K] if attention_bias
+        self_attn/o_proj/kernel            [L, H*K, D]      bias [L, D] if attention_bias
+        post_attention_layernorm/scale     [L, D]
+        mlp/{gate,up}_proj/kernel          [L, D, F]        bias [L, F] if mlp_bias
+        mlp/down_proj/kernel               [L, F, D]        bias [L, D] if mlp_bias
+    model/norm/scale                       [D]
+    lm_head/kernel                         [D, V]       only when the head is untied
+    value_head/kernel                      [D, 1]       reward model and critic only
+
+Rotary embeddings rotate, per head, pairs of the head dim by angle position * rope_theta^(-2i/K). Hugging
+Face's layout pairs dims (i, i + K/2) ("rotate half"); Meta's original and llama2.c pair (2i, 2i + 1)
+(`rope_interleaved=True`). The two are the same model up to a permutation of the q/k projection rows,
+which is how convert.py turns a llama2.c file into an HF folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from jaxrlhf.models import common
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """The architecture (from Hugging Face's config.json) plus how to run it (dtype, remat, dropout)."""
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    head_dim: int = 0  # 0 (the usual case): hidden_size // num_attention_heads, filled in at construction
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_interleaved: bool = False  # pair dims (2i, 2i+1) as Meta / llama2.c do; HF's layout pairs (i, i+K/2)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    dropout: float = 0.0  # on each residual branch (HF's Llama has none; for fine-tuning)
+    attention_dropout: float = 0.0
+    pad_token_id: int = 0
+    bos_token_id: int = 1
+    eos_token_id: int = 2
+    # How to run it (not part of the checkpoint); see OPTConfig:
+    dtype: str = "float32"
+    remat: bool = False
+    attention: str = "auto"
+    decode_attention: str = "auto"
+    scan_unroll: int = 0
+
+    model_type = "llama"  # config.json's model_type (a class attribute, not a field)
+
+    def __post_init__(self):
+        common.check_run_options(self)
+        if not self.head_dim and self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"LlamaConfig: hidden_size {self.hidden_size} is not divisible by "
+                             f"num_attention_heads {self.num_attention_heads} (set head_dim)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"LlamaConfig: num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_key_value_heads}")
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.head_dim % 2:
+            raise ValueError(f"LlamaConfig: rotary embeddings need an even head dim, got {self.head_dim}")
+
+    @property
+    def word_embed_proj_dim(self) -> int:
+        """Width of the last hidden state (the value head's input), named as OPTConfig names it."""
+        return self.hidden_size
+
+    @property
+    def compute_dtype(self):
+        return common.DTYPES[self.dtype]
+
+
+# The Llama-family shapes, for random-weight models in benchmarks: `LlamaConfig(**PRESETS["llama-2-7b"])`.
+PRESETS = {
+    "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5),
+    # Llama-2-7B's shape with grouped-query attention (8 KV heads), the target of the issue-9 benchmark.
+    "llama-7b-gqa": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, max_position_embeddings=4096, rms_norm_eps=1e-5),
+    "tinyllama-1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                           num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5),
+}
+
+
+def rope_tables(positions, head_dim: int, theta: float):
+    """cos, sin [B, T, 1, K/2] (float32) of angle position * theta^(-2i/K) for i < K/2; positions [B, T]."""
+    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)  # [K/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, K/2]
+    return jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
+
+
+def apply_rope(x, cos, sin, interleaved: bool = False):
+    """Rotate x [B, T, H, K] by the tables of `rope_tables`: pairs (i, i + K/2), or (2i, 2i + 1) if interleaved."""
+    xf = x.astype(jnp.float32)
+    if interleaved:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(x.shape)
+    else:
+        x1, x2 = jnp.split(xf, 2, axis=-1)
+        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention with rotary embeddings; the softmax runs in float32. Returns (out, cache)."""
+
+    config: LlamaConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, h, rope, cache=None):
+        # h: [B, T, D]; rope: (cos, sin) [B, T, 1, K/2]
+        c = self.config
+        B, T, D = h.shape
+        H, Hkv, K = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        proj = lambda n, name: nn.Dense(n, use_bias=c.attention_bias, dtype=c.compute_dtype, name=name)
+        q = apply_rope(proj(H * K, "q_proj")(h).reshape(B, T, H, K), *rope, c.rope_interleaved) * (K**-0.5)
+        k = apply_rope(proj(Hkv * K, "k_proj")(h).reshape(B, T, Hkv, K), *rope, c.rope_interleaved)
+        v = proj(Hkv * K, "v_proj")(h).reshape(B, T, Hkv, K)
+        out, cache = common.attention(q, k, v, cache, c, self.deterministic)  # [B, T, H, K]
+        return proj(D, "o_proj")(out.reshape(B, T, H * K)), cache
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate x) * up x)."""
+
+    config: LlamaConfig
+
+    @nn.compact
+    def __call__(self, h):
+        c = self.config
+        dense = lambda n, name: nn.Dense(n, use_bias=c.mlp_bias, dtype=c.compute_dtype, name=name)
+        return dense(c.hidden_size, "down_proj")(
+            nn.silu(dense(c.intermediate_size, "gate_proj")(h)) * dense(c.intermediate_size, "up_proj")(h))
+
+
+class LlamaLayer(nn.Module):
+    """One pre-norm decoder layer; `nn.scan` stacks it L times (see common.run_layers)."""
+
+    config: LlamaConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, carry, layer, where):
+        h, kv = carry  # h [B, T, D]
+        rope = where["rope"]
+        cache = common.layer_cache(kv, {n: x for n, x in where.items() if n != "rope"}, layer)
+        c = self.config
+        norm = lambda name: nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=c.compute_dtype, name=name)
+        drop = lambda x: nn.Dropout(c.dropout)(x, deterministic=self.deterministic)
+        a, cache = LlamaAttention(c, self.deterministic, name="self_attn")(norm("input_layernorm")(h), rope, cache)
+        h = h + drop(a)
+        h = h + drop(LlamaMLP(c, name="mlp")(norm("post_attention_layernorm")(h)))
+        return common.carry_out(h, cache)
+
+
+class LlamaModel(nn.Module):
+    """Embedding, the scanned layers, the final RMSNorm. Returns h [B, T, D] (and the cache when given one)."""
+
+    config: LlamaConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, input_ids, attention_mask, cache=None, positions=None):
+        # Without a cache: any padding (positions come from the mask). With one (generation): `positions`
+        # [B, T] are given and attention_mask is unused (cache["valid"] says which slots are real).
+        c = self.config
+        input_ids, positions, order = common.layout_inputs(input_ids, attention_mask, positions, cache)
+        h = nn.Embed(c.vocab_size, c.hidden_size, name="embed_tokens")(input_ids).astype(c.compute_dtype)
+        rope = rope_tables(positions, c.head_dim, c.rope_theta)  # computed once, shared by all layers
+        h, cache = common.run_layers(LlamaLayer, c, self.deterministic, h, cache, {"rope": rope})
+        h = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=c.compute_dtype, name="norm")(h)
+        return (h, cache) if cache is not None else common.restore_layout(h, order)
+
+
+class LMHead(nn.Module):
+    """An untied LM head: logits [B, T, V] in float32 from h [B, T, D] (kernel [D, V])."""
+
+    vocab_size: int
+
+    @nn.compact
+    def __call__(self, h):
+        kernel = self.param("kernel", nn.initializers.normal(0.02), (h.shape[-1], self.vocab_size))
+        return jnp.einsum("btd,dv->btv", h, kernel.astype(h.dtype), preferred_element_type=jnp.float32)
+
+
+class Llama(nn.Module):
+    """LlamaForCausalLM (logits [B, T, V]) or, with `value_head=True`, the reward/critic model (values [B, T])."""
+
+    config: LlamaConfig
+    value_head: bool = False
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, input_ids, attention_mask, cache=None, positions=None):
+        c = self.config
+        model = LlamaModel(c, self.deterministic, name="model")
+        h = model(input_ids, attention_mask, cache, positions)
+        if cache is not None:
+            h, cache = h
+        head = None if c.tie_word_embeddings else LMHead(c.vocab_size, name="lm_head")
+        if self.value_head:
+            out = common.value_head(h, c.compute_dtype)
+            if head is not None and self.is_initializing():  # keep the LM head in the tree (saved with the model)
+                head(h[:, :0])
+        elif head is None:
+            out = common.lm_head(h, model.variables["params"]["embed_tokens"]["embedding"])
+        else:
+            out = head(h)
+        return out if cache is None else (out, cache)
+
+
+def logits(config: LlamaConfig, params: Any, input_ids, attention_mask, *, dropout_rng=None):
+    """Next-token logits [B, T, V] in float32. Dropout runs only when `dropout_rng` is given."""
+    return common.apply(Llama, config, params, input_ids, attention_mask, value_head=False, dropout_rng=dropout_rng)
+
+
+def values(config: LlamaConfig, params: Any, input_ids, attention_mask, *, dropout_rng=None):
+    """Value-head outputs [B, T] in float32 (reward model and critic); `params` must hold `value_head`."""
+    return common.apply(Llama, config, params, input_ids, attention_mask, value_head=True, dropout_rng=dropout_rng)
+
+
+init_cache = common.init_cache  # [L, B, Hkv, S, K] zeros and the slot bookkeeping; see common.init_cache
+
+
+def logits_with_cache(config: LlamaConfig, params: Any, input_ids, positions, cache):
+    """Logits [B, T, V] of T new tokens at cache["slot"] .. + T - 1 (rotary `positions` [B, T]), and the cache."""
+    return common.apply_with_cache(Llama, config, params, input_ids, positions, cache)
+
+
+def init_params(config: LlamaConfig, key, *, value_head: bool = False, dtype=jnp.float32, std: float = 0.02):
+    """Random parameters with HF's Llama initialisation (normal(0, std) weights, zero biases, unit norms)."""
+    return common.random_params(param_shapes(config, value_head=value_head), key, dtype=dtype, std=std)
+
+
+def param_shapes(config: LlamaConfig, *, value_head: bool = False):
+    """The parameter tree of `config` as `jax.ShapeDtypeStruct`s (float32), without allocating anything."""
+    return common.param_shapes(Llama, config, value_head=value_head)
+
