@@ -210,9 +210,12 @@ def make_train_step(loss_fn: LossFn, tx, lora_cfg: LoRAConfig):
         _, (c0, s0) = jax.eval_shape(compute, state["trainable"], jax.tree.map(lambda x: x[0], batch), step_key)
         init = (zero_grads, jnp.zeros(c0.shape, c0.dtype), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), s0))
         (grads, count, sums), _ = jax.lax.scan(body, init, (batch, jax.random.split(step_key, micro)))
-        grads = jax.tree.map(lambda g: g / jnp.maximum(count, 1), grads)
+        grads = jax.tree.map(lambda g: g / jnp.maximum(count, 1).astype(g.dtype), grads)
         trained = [g for g, lab in zip(jax.tree.leaves(grads), jax.tree.leaves(labels(grads, lora_cfg))) if lab != "frozen"]
         updates, opt = tx.update(grads, state["opt"], state["trainable"])
+        # The state keeps its dtypes (optax can promote bf16 moments to float32 through a float32 scalar):
+        # otherwise pure bf16 would silently hold float32 moments and the step would compile twice.
+        opt = jax.tree.map(lambda new, old: new.astype(old.dtype), opt, state["opt"])
         new = {**state, "trainable": optax.apply_updates(state["trainable"], updates), "opt": opt,
                "step": state["step"] + 1, "rng": jax.random.key_data(key)}
         return new, {**sums, "count": count, "grad_norm": _global_norm(trained)}

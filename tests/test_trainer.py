@@ -1,0 +1,35 @@
+"""The shared train step keeps the state's dtypes, so pure bf16 stays bf16 and nothing compiles twice."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxrlhf.lora import LoRAConfig
+from jaxrlhf.models.opt import OPTConfig, init_params
+from jaxrlhf.sft import sft_loss
+from jaxrlhf.sharding import make_mesh
+from jaxrlhf.trainer import OptimConfig, create_state, make_optimizer, make_train_step, state_shardings
+
+TINY = OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
+                 word_embed_proj_dim=32, max_position_embeddings=64, dtype="bfloat16", dropout=0.0)
+
+
+@pytest.mark.parametrize("param_dtype", [jnp.bfloat16, jnp.float32], ids=["pure_bf16", "fp32_master"])
+def test_state_dtypes_are_invariant_and_the_step_compiles_once(param_dtype):
+    tx = make_optimizer(OptimConfig(learning_rate=1e-3, weight_decay=0.1, clip_grad_norm=1.0), 10, LoRAConfig())
+    mesh = make_mesh(1, jax.devices()[:1])
+    state = create_state(init_params(TINY, jax.random.key(0), dtype=param_dtype), LoRAConfig(), tx, jax.random.key(1), mesh)
+    ids = jax.random.randint(jax.random.key(2), (1, 2, 8), 3, 64)
+    batch = {"input_ids": ids, "attention_mask": jnp.ones_like(ids), "loss_mask": jnp.ones_like(ids)}
+    step = jax.jit(make_train_step(sft_loss(TINY), tx, LoRAConfig()), out_shardings=(state_shardings(state, mesh), None))
+    dtypes = lambda s: [x.dtype for x in jax.tree.leaves(s)]
+    before = dtypes(state)
+    losses = []
+    for _ in range(3):
+        state, metrics = step(state, batch)
+        assert dtypes(state) == before
+        losses.append(float(metrics["loss"] / metrics["count"]))
+    assert step._cache_size() == 1
+    assert losses[-1] < losses[0]
+    moments = [x for x in jax.tree.leaves(state["opt"]) if x.ndim >= 2]
+    assert moments and all(x.dtype == param_dtype for x in moments)

@@ -1,0 +1,242 @@
+"""Benchmark one Step 3 iteration (BENCHMARKS.md items 3 and 5) against a plain PyTorch + HF implementation.
+
+    PYTHONPATH=. python tools/bench_ppo.py --actor opt-1.3b --critic opt-350m --batch 64 128 256 \\
+        [--precision pure_bf16 bf16] [--lora 0 128] [--no-torch] [--find-max]
+
+Ours: `HybridEngine` with random weights of the real shapes, random prompts of --prompt tokens, answers
+forced to --new tokens (EOS off), one generation batch and one PPO epoch, the generation batch = the
+training batch. One warm-up iteration (compilation), then the median of --repeats iterations. Figures:
+samples/s, seconds per phase (reshard, generate, score, advantages, actor step, critic step), peak device
+memory, effective TFLOP/s per GPU by DeepSpeed-Chat's count (BENCHMARKS.md: 2·N per token for every
+forward, 6·N for every forward + backward, over the whole iteration's wall time) and its fraction of the
+bf16 matmul rate measured in the run.
+
+Theirs (same process, same GPU): transformers' OPT in pure bf16: actor, critic (OPTModel + a value head),
+a frozen reference copy and a frozen reward copy; HF `generate` with its static cache (compiled by
+transformers); scoring and both updates micro-batched; torch AdamW (fused); the same PPO losses.
+`--find-max` instead tries growing actor sizes at batch 1 and reports the largest whose iteration runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxrlhf.engine import EngineConfig, HybridEngine, ModelSide  # noqa: E402
+from jaxrlhf.lora import LoRAConfig  # noqa: E402
+from jaxrlhf.models.opt import PRESETS, OPTConfig, init_params, param_shapes  # noqa: E402
+from jaxrlhf.sharding import make_mesh  # noqa: E402
+from jaxrlhf.trainer import OptimConfig  # noqa: E402
+from tools import common  # noqa: E402
+
+PHASES = ("reshard", "generate", "score", "advantages", "actor_step", "critic_step")
+
+
+def n_params(name: str, value_head: bool = False) -> int:
+    return sum(x.size for x in jax.tree.leaves(param_shapes(OPTConfig(**PRESETS[name]), value_head=value_head)))
+
+
+def effective_flops(actor: str, critic: str, B: int, L: int, ppo_epochs: int = 1) -> float:
+    """DeepSpeed-Chat's count for one iteration (BENCHMARKS.md)."""
+    na, nc = n_params(actor), n_params(critic, True)
+    return B * L * (2 * na * 3 + 2 * nc * 2 + ppo_epochs * 6 * (na + nc))
+
+
+def ours(args, actor: str, critic: str, B: int, precision: str, lora: int) -> dict:
+    mesh = make_mesh(args.tp)
+    dtype = jnp.float32 if precision in ("bf16", "fp32") else jnp.bfloat16
+    compute = "float32" if precision == "fp32" else "bfloat16"
+    configs, params = [], []
+    for name, head in ((actor, False), (critic, True)):
+        config = OPTConfig(**PRESETS[name], dtype=compute, dropout=0.0)
+        configs.append(config)
+        params.append(jax.device_get(jax.jit(lambda k, c=config, h=head: init_params(c, k, value_head=h, dtype=dtype))(
+            jax.random.key(len(params)))))
+    side = lambda lr: ModelSide(optim=OptimConfig(learning_rate=lr, warmup_steps=0), lora=LoRAConfig(dim=lora),
+                                remat=args.remat, dropout=0.0)
+    cfg = EngineConfig(actor=side(9.65e-6), critic=side(5e-6), precision=precision, max_answer_len=args.new,
+                       inference_tp_size=args.tp, enable_ema=False)
+    engine = HybridEngine(cfg, mesh, (configs[0], params[0]), (configs[1], params[1]), total_steps=1000,
+                          eos_id=-1, pad_id=1)  # EOS never matches: every answer has its full length
+    del params
+    rng = np.random.default_rng(0)
+    batch = {"prompt_ids": rng.integers(3, 50272, (B, args.prompt), dtype=np.int32),
+             "prompt_mask": np.ones((B, args.prompt), np.int32)}
+    times, phases = [], []
+    for i in range(args.repeats + 1):  # the first iteration compiles
+        engine.timings.clear()
+        start = time.perf_counter()
+        stats = engine.train_rlhf(engine.generate_experience(batch))
+        elapsed = time.perf_counter() - start
+        if i:
+            times.append(elapsed)
+            phases.append(dict(engine.timings))
+    t = statistics.median(times)
+    return {"iteration_s": t, "samples_per_s": B / t, "phases_s": {p: statistics.median(x.get(p, 0.0) for x in phases)
+                                                                  for p in PHASES},
+            "reshard_bytes": engine.reshard_bytes, "peak_bytes": common.peak_bytes(), "last_stats": stats}
+
+
+def theirs(args, actor: str, critic: str, B: int) -> dict:
+    """The same iteration in plain PyTorch + transformers, pure bf16."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import OPTConfig as HFConfig, OPTForCausalLM, OPTModel
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    bf16 = torch.bfloat16
+    mk = lambda name: HFConfig(**PRESETS[name], attn_implementation="sdpa", dropout=0.0)
+    actor_m = OPTForCausalLM(mk(actor)).to(dev, bf16)
+    ref_m = OPTForCausalLM(mk(actor)).to(dev, bf16).eval().requires_grad_(False)
+    critic_m, reward_m = OPTModel(mk(critic)).to(dev, bf16), OPTModel(mk(critic)).to(dev, bf16).eval().requires_grad_(False)
+    proj = PRESETS[critic].get("word_embed_proj_dim", PRESETS[critic]["hidden_size"])
+    v_head = torch.nn.Linear(proj, 1, bias=False).to(dev, bf16)
+    r_head = torch.nn.Linear(proj, 1, bias=False).to(dev, bf16).requires_grad_(False)
+    opt_a = torch.optim.AdamW(actor_m.parameters(), lr=9.65e-6, betas=(0.9, 0.95), fused=dev == "cuda")
+    opt_c = torch.optim.AdamW([*critic_m.parameters(), *v_head.parameters()], lr=5e-6, betas=(0.9, 0.95), fused=dev == "cuda")
+    mb = args.torch_micro_batch
+    P, G = args.prompt, args.new
+    prompts = torch.randint(3, 50272, (B, P), device=dev)
+
+    def logprobs(model, seq):
+        lp = F.log_softmax(model(seq).logits[:, P - 1:-1].float(), -1)
+        return lp.gather(-1, seq[:, P:, None])[..., 0]
+
+    def vals(model, head, seq):
+        return head(model(seq).last_hidden_state[:, P - 1:-1]).float()[..., 0]
+
+    def iteration():
+        with torch.no_grad():
+            actor_m.eval()
+            seq = actor_m.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=G, min_new_tokens=G,
+                                   do_sample=True, top_k=0, cache_implementation="static")
+            old, ref, v, score = [], [], [], []
+            for i in range(0, B, mb):
+                s = seq[i:i + mb]
+                old.append(logprobs(actor_m, s))
+                ref.append(logprobs(ref_m, s))
+                v.append(vals(critic_m, v_head, s))
+                score.append(r_head(reward_m(s).last_hidden_state[:, -1]).float()[:, 0])
+            old, ref, v, score = map(torch.cat, (old, ref, v, score))
+            rewards = -0.1 * (old - ref)
+            rewards[:, -1] += score.clamp(-5, 5)
+            adv, last = torch.zeros_like(rewards), torch.zeros(B, device=dev)
+            for t in reversed(range(G)):
+                nxt = v[:, t + 1] if t + 1 < G else torch.zeros(B, device=dev)
+                last = rewards[:, t] + nxt - v[:, t] + 0.95 * last
+                adv[:, t] = last
+            returns = adv + v
+        actor_m.train()
+        for i in range(0, B, mb):
+            s = seq[i:i + mb]
+            ratio = torch.exp(logprobs(actor_m, s) - old[i:i + mb])
+            a = adv[i:i + mb]
+            loss = torch.max(-a * ratio, -a * ratio.clamp(0.8, 1.2)).mean() * s.shape[0] / B
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(actor_m.parameters(), 1.0)
+        opt_a.step()
+        opt_a.zero_grad(set_to_none=True)
+        for i in range(0, B, mb):
+            s = seq[i:i + mb]
+            nv, ov, r = vals(critic_m, v_head, s), v[i:i + mb], returns[i:i + mb]
+            vc = ov + (nv - ov).clamp(-0.2, 0.2)
+            loss = 0.5 * torch.max((nv - r) ** 2, (vc - r) ** 2).mean() * s.shape[0] / B
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_([*critic_m.parameters(), *v_head.parameters()], 1.0)
+        opt_c.step()
+        opt_c.zero_grad(set_to_none=True)
+
+    sync = (lambda _: torch.cuda.synchronize()) if dev == "cuda" else (lambda _: None)
+    t = common.timeit(iteration, args.repeats, warmup=1, block=sync)
+    peak = torch.cuda.max_memory_allocated() if dev == "cuda" else None
+    del actor_m, ref_m, critic_m, reward_m, opt_a, opt_c
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    return {"iteration_s": t["median_s"], "samples_per_s": B / t["median_s"], "spread_s": [t["min_s"], t["max_s"]],
+            "peak_bytes": peak, "micro_batch": mb}
+
+
+def find_max(args) -> dict:
+    """The largest actor (critic opt-350m) whose iteration runs at batch 1, full fine-tuning and with LoRA."""
+    sizes = ["opt-1.3b", "opt-6.7b", "opt-13b", "opt-30b", "opt-66b"]
+    found = {}
+    for lora in (0, 128):
+        found[f"lora{lora}"] = None
+        for actor in sizes:
+            try:
+                ours(dataclasses.replace(args, repeats=1), actor, "opt-350m", 1, "bf16", lora)
+                found[f"lora{lora}"] = actor
+                print(f"find-max lora={lora}: {actor} runs", flush=True)
+            except Exception as e:  # noqa: BLE001 - out of memory: the previous size is the answer
+                print(f"find-max lora={lora}: {actor} fails: {str(e).splitlines()[0][:200]}", flush=True)
+                break
+    return found
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--actor", default="opt-1.3b", choices=sorted(PRESETS))
+    ap.add_argument("--critic", default="opt-350m", choices=sorted(PRESETS))
+    ap.add_argument("--batch", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--precision", nargs="+", default=["pure_bf16", "bf16"], choices=["pure_bf16", "bf16", "fp32"])
+    ap.add_argument("--lora", type=int, nargs="+", default=[0], help="actor and critic LoRA dims to compare (0: off)")
+    ap.add_argument("--remat", action="store_true", help="recompute layers in the backward passes")
+    ap.add_argument("--tp", type=int, default=1, help="inference_tp_size (the mesh spans every device)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--torch-micro-batch", type=int, default=16)
+    ap.add_argument("--find-max", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    result = {"benchmark": "ppo_step", **common.environment(), "args": vars(args), "runs": []}
+    if args.find_max:
+        result["largest_actor"] = find_max(args)
+        common.write("ppo-find-max", result, args.out)
+        return
+    from tools.bench_forward import matmul_ceiling
+
+    ceiling = matmul_ceiling() if jax.default_backend() == "gpu" else None
+    result["matmul_ceiling_flops"] = ceiling
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for B in args.batch:
+        flops = effective_flops(args.actor, args.critic, B, args.prompt + args.new)
+        runs = {f"ours_{p}" + (f"_lora{r}" if r else ""): (p, r) for p in args.precision for r in args.lora}
+        row = {"batch": B, "effective_flops": flops}
+        for key, (precision, lora) in runs.items():
+            try:
+                row[key] = ours(args, args.actor, args.critic, B, precision, lora)
+            except Exception as e:  # noqa: BLE001 - out of memory at a large batch: keep the others
+                row[key] = {"error": str(e).splitlines()[0][:300]}
+        if not args.no_torch:
+            try:
+                row["torch_hf_pure_bf16"] = theirs(args, args.actor, args.critic, B)
+            except Exception as e:  # noqa: BLE001
+                row["torch_hf_pure_bf16"] = {"error": str(e).splitlines()[0][:300]}
+        for key, r in row.items():
+            if isinstance(r, dict) and "iteration_s" in r:
+                r["tflops_per_gpu"] = flops / r["iteration_s"] / jax.device_count() / 1e12
+                if ceiling:
+                    r["matmul_fraction"] = flops / r["iteration_s"] / jax.device_count() / ceiling
+                phases = " ".join(f"{p} {s:.2f}" for p, s in r.get("phases_s", {}).items())
+                print(f"B={B:4d} {key:24s} {r['iteration_s']:7.2f} s  {r['samples_per_s']:6.1f} samples/s  "
+                      f"{r['tflops_per_gpu']:6.1f} TFLOP/s  {phases}", flush=True)
+            elif isinstance(r, dict):
+                print(f"B={B:4d} {key:24s} {r['error']}", flush=True)
+        result["runs"].append(row)
+        common.write(f"ppo-{args.actor}", result, args.out, stamp)
+
+
+if __name__ == "__main__":
+    main()
