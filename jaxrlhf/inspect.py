@@ -22,7 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxrlhf.checkpoint import CheckpointError, load_hf, save_hf
 from jaxrlhf.config import ConfigError, run_cli
 from jaxrlhf.generate import generate
-from jaxrlhf.models.opt import PRESETS, OPTConfig, init_params, logits, param_shapes
+from jaxrlhf.models import logits
+from jaxrlhf.models.opt import PRESETS, OPTConfig, init_params, param_shapes
 from jaxrlhf.sharding import check_tp, describe, make_mesh, reshard, shardings_for
 from jaxrlhf.tokenizer import load_tokenizer
 

@@ -24,7 +24,7 @@ import numpy as np
 from jaxrlhf.config import run_cli
 from jaxrlhf.data import DataError
 from jaxrlhf.losses import end_scores, reward_loss
-from jaxrlhf.models.opt import values
+from jaxrlhf.models import values
 from jaxrlhf.trainer import OptimConfig, RunConfig, load_model, train
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxrlhf.config import run_cli
 from jaxrlhf.losses import lm_loss
-from jaxrlhf.models.opt import logits
+from jaxrlhf.models import logits
 from jaxrlhf.trainer import RunConfig, effective_params, perplexity, train
 
 
