@@ -507,6 +507,12 @@ def parse(argv: list[str] | None) -> EvalConfig:
     parser.add_argument("--output-dir", "--output_dir")
     parser.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
     ns = parser.parse_args(argv)
+    for flag in ("models", "names"):  # "--models A B key=value" or "... CONFIG.yaml": argparse gave those to the flag
+        given = getattr(ns, flag) or []
+        stray = [a for a in given if ("=" in a or a.endswith((".yaml", ".yml"))) and not Path(a).is_dir()]
+        if stray:
+            setattr(ns, flag, [a for a in given if a not in stray])
+            ns.args = stray + ns.args
     config_file = ns.args[0] if ns.args and "=" not in ns.args[0] else None
     flags = {"models": ns.models, "names": ns.names, "reward_model": ns.reward_model, "reference": ns.reference,
              "metrics": ns.metrics, "output_dir": ns.output_dir, "data.data_path": [ns.prompts] if ns.prompts else None}

@@ -185,12 +185,16 @@ def test_degenerate_model_trips_repetition_and_length_alarms(report):
     assert [a.new for a in tracker.update(degenerate)] == [False, False, False]
 
 
-def test_cli_flags_and_errors(folders, report, tmp_path, capsys):
+def test_cli_flags_and_errors(folders, tmp_path, capsys):
     models, root = folders
     cfg = parse(["--models", "a", "b", "--reward-model", "rm", "--prompts", "synthetic:600", "--output-dir", "x",
                  "num_prompts=8", "alarms.ngram=2"])
     assert (cfg.models, cfg.reward_model, cfg.data.data_path, cfg.output_dir) == (("a", "b"), "rm", ("synthetic:600",), "x")
     assert (cfg.num_prompts, cfg.alarms.ngram) == (8, 2)
+    config = tmp_path / "eval.yaml"
+    config.write_text("samples: 2\n")
+    cfg = parse(["--reward-model", "rm", "--models", "a", "b", str(config), "num_prompts=8"])
+    assert (cfg.models, cfg.samples, cfg.num_prompts) == (("a", "b"), 2, 8)
     with pytest.raises(SystemExit):  # a language model is not a reward model
         main(["--models", models["sft"], "--reward-model", models["sft"], "--prompts", "synthetic:600",
               "--output-dir", str(tmp_path), f"data.cache_dir={root / 'cache'}", "data.max_prompt_len=24"])
