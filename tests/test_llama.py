@@ -117,7 +117,7 @@ def test_greedy_generation_equals_transformers(model):
         assert np.asarray(out.tokens)[b].tolist() == want[0, n:].tolist()
 
 
-def test_tensor_parallel_generation_gives_the_same_tokens(model):
+def test_tensor_parallel_generation_with_the_decode_kernel_gives_the_same_tokens(model):
     _, config, params = model
     if config.tie_word_embeddings:
         pytest.skip("one variant is enough (the grouped-query one); test_convert.py runs stories260K with tp 2 too")
@@ -127,7 +127,9 @@ def test_tensor_parallel_generation_gives_the_same_tokens(model):
     tp = reshard(jax.tree.map(jnp.asarray, params), "tp", mesh)
     k_spec = tp["model"]["layers"]["self_attn"]["k_proj"]["kernel"].sharding.spec
     assert tuple(k_spec) == (None, None, "model")  # KV heads split over "model"
-    out = generate(config, tp, ids, mask, jax.random.key(0), max_new_tokens=6, temperature=0.0, mesh=mesh)
+    # The GPU's path: the Pallas decode kernel (interpreted on the CPU) per shard, 1 query-head pair per KV head.
+    kernel = dataclasses.replace(config, decode_attention="pallas")
+    out = generate(kernel, tp, ids, mask, jax.random.key(0), max_new_tokens=6, temperature=0.0, mesh=mesh)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(one.tokens))
     np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(one.logprobs), atol=1e-5)
 
