@@ -66,7 +66,7 @@ class TrainConfig:
     reward: RewardConfig = RewardConfig(batch_size=16, max_steps=300, log_every=50, precision="fp32", loss_kind="last",
                                         optim=OptimConfig(learning_rate=1e-3, schedule="constant", warmup_steps=20))
     ppo: PPOConfig = PPOConfig(batch_size=32, max_steps=300, max_answer_len=8, precision="fp32", kl_coef=0.1,
-                               log_every=10, actor=ModelSide(optim=OptimConfig(learning_rate=5e-4, warmup_steps=5)),
+                               log_every=10, enable_ema=True, actor=ModelSide(optim=OptimConfig(learning_rate=5e-4, warmup_steps=5)),
                                critic=ModelSide(optim=OptimConfig(learning_rate=2e-3, warmup_steps=5)))
 
     def __post_init__(self):
@@ -174,8 +174,9 @@ def compare(cfg: TrainConfig, sft_model: Path, actor_model: Path, log=print) -> 
 # ----------------------------------------------------------------------------------------------- the run
 
 
-def run(cfg: TrainConfig, log=print) -> dict:
-    """Steps `cfg.steps` in order; returns each step's model folder and, on the built-in task, the comparison."""
+def run(cfg: TrainConfig, log=print, mesh=None) -> dict:
+    """Steps `cfg.steps` in order (on `mesh`, default all devices); returns each step's model folder and, on
+    the built-in task, the comparison."""
     from jaxrlhf import ppo, reward, sft
 
     out = Path(cfg.output_dir)
@@ -191,11 +192,11 @@ def run(cfg: TrainConfig, log=print) -> dict:
     if 1 in cfg.steps:
         log(f"=== Step 1: supervised fine-tuning -> {dirs[1]}")
         step = dataclasses.replace(cfg.sft, model=starting_model(cfg.actor_model, 0), output_dir=str(dirs[1]), data=cfg.data)
-        result["step1"] = str(sft.run(step, log=log)["model_dir"])
+        result["step1"] = str(sft.run(step, log=log, mesh=mesh)["model_dir"])
     if 2 in cfg.steps:
         log(f"=== Step 2: reward model -> {dirs[2]}")
         step = dataclasses.replace(cfg.reward, model=starting_model(cfg.reward_model, 1), output_dir=str(dirs[2]), data=cfg.data)
-        result["step2"] = str(reward.run(step, log=log)["model_dir"])
+        result["step2"] = str(reward.run(step, log=log, mesh=mesh)["model_dir"])
     if 3 in cfg.steps:
         log(f"=== Step 3: PPO -> {dirs[3]}")
         for path in (sft_model, rm_model):
@@ -204,7 +205,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
         step = dataclasses.replace(cfg.ppo, actor=dataclasses.replace(cfg.ppo.actor, model=str(sft_model)),
                                    critic=dataclasses.replace(cfg.ppo.critic, model=str(rm_model)),
                                    output_dir=str(dirs[3]), data=cfg.data)
-        result["step3"] = {k: str(v) for k, v in ppo.run(step, log=log)["folders"].items()}
+        result["step3"] = {k: str(v) for k, v in ppo.run(step, log=log, mesh=mesh)["folders"].items()}
         if all(p.startswith("synthetic") for p in cfg.data.data_path):
             result["comparison"] = compare(cfg, sft_model, dirs[3] / "actor", log=log)
     result["seconds"] = time.perf_counter() - clock

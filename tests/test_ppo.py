@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxrlhf.checkpoint import load_hf
+from jaxrlhf.sharding import make_mesh
 from jaxrlhf.data import DataConfig
 from jaxrlhf.engine import HybridEngine, ModelSide
 from jaxrlhf.ppo import PPOConfig, main, run
@@ -134,7 +135,9 @@ def test_the_builtin_pipeline_aligns(tmp_path):
     gold reward on held-out prompts is clearly above the Step 1 model's, at a bounded KL."""
     from jaxrlhf.train import parse, run as run_train
 
-    result = run_train(parse(["--output-dir", str(tmp_path / "run"), f"data.cache_dir={tmp_path / 'cache'}"]))
+    # One device, as the command sees a CPU machine (8 virtual devices on 2 cores would double the time).
+    result = run_train(parse(["--output-dir", str(tmp_path / "run"), f"data.cache_dir={tmp_path / 'cache'}"]),
+                       mesh=make_mesh(1, jax.devices()[:1]))
     c = result["comparison"]
     print({k: v for k, v in c.items() if k != "examples"}, f"{result['seconds']:.0f} s")
     assert c["actor_gold_reward_sampled"] > c["step1_gold_reward_sampled"] + 0.05
