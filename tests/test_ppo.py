@@ -17,6 +17,7 @@ from jaxrlhf.train import builtin_model
 from jaxrlhf.trainer import OptimConfig
 
 TIMES = ("_s", "samples_per_s", "tflops")  # wall-clock figures, not expected to repeat
+ONE = make_mesh(1, jax.devices()[:1])  # the engine's mesh behaviour is test_engine's; one device compiles faster
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def figures(records):
 def whole(folders, tmp_path_factory):
     """Four uninterrupted iterations (LoRA-free actor and critic, EMA, mixture loss, reused log-probs)."""
     tmp = tmp_path_factory.mktemp("whole")
-    return run(ppo_config(folders, tmp), log=lambda _: None), tmp / "out"
+    return run(ppo_config(folders, tmp), log=lambda _: None, mesh=ONE), tmp / "out"
 
 
 def test_resume_after_a_crash_equals_an_uninterrupted_run(folders, whole, tmp_path, monkeypatch):
@@ -63,9 +64,9 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(folders, whole, tmp_pa
     monkeypatch.setattr(HybridEngine, "generate_experience", crash_in_iteration_3)
     cfg = ppo_config(folders, tmp_path / "b", save_every=2)
     with pytest.raises(KeyboardInterrupt):
-        run(cfg, log=lambda _: None)
+        run(cfg, log=lambda _: None, mesh=ONE)
     monkeypatch.setattr(HybridEngine, "generate_experience", real)
-    resumed = run(dataclasses.replace(cfg, resume=True), log=lambda _: None)
+    resumed = run(dataclasses.replace(cfg, resume=True), log=lambda _: None, mesh=ONE)
     assert [r["step"] for r in resumed["records"]] == [3, 4]
     got, want = figures(resumed["records"]), figures(whole["records"][2:])
     for g, w in zip(got, want):
@@ -136,8 +137,7 @@ def test_the_builtin_pipeline_aligns(tmp_path):
     from jaxrlhf.train import parse, run as run_train
 
     # One device, as the command sees a CPU machine (8 virtual devices on 2 cores would double the time).
-    result = run_train(parse(["--output-dir", str(tmp_path / "run"), f"data.cache_dir={tmp_path / 'cache'}"]),
-                       mesh=make_mesh(1, jax.devices()[:1]))
+    result = run_train(parse(["--output-dir", str(tmp_path / "run"), f"data.cache_dir={tmp_path / 'cache'}"]), mesh=ONE)
     c = result["comparison"]
     print({k: v for k, v in c.items() if k != "examples"}, f"{result['seconds']:.0f} s")
     assert c["actor_gold_reward_sampled"] > c["step1_gold_reward_sampled"] + 0.05
