@@ -10,6 +10,8 @@ import pytest
 from jaxrlhf.config import ConfigError, field_help, load, parse_cli
 from jaxrlhf.data.__main__ import PrepareConfig
 from jaxrlhf.inspect import InspectConfig
+from jaxrlhf.reward import RewardConfig
+from jaxrlhf.sft import SFTConfig
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 from jaxrlhf.eval import EvalConfig  # noqa: E402
@@ -17,7 +19,8 @@ from jaxrlhf.ppo import PPOConfig  # noqa: E402
 from jaxrlhf.train import TrainConfig  # noqa: E402
 
 ENTRY_POINTS = {"inspect.yaml": InspectConfig, "data.yaml": PrepareConfig,  # shipped config -> its settings
-                "ppo.yaml": PPOConfig, "train.yaml": TrainConfig, "eval.yaml": EvalConfig}
+                "ppo.yaml": PPOConfig, "train.yaml": TrainConfig, "eval.yaml": EvalConfig, "sft.yaml": SFTConfig,
+                "reward.yaml": RewardConfig}
 
 
 @dataclasses.dataclass(frozen=True)
