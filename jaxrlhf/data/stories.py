@@ -81,22 +81,38 @@ def sample_pool(model_dir: str | Path, n: int, max_new_tokens: int, seed: int = 
     return stories[:n]
 
 
-def records(stories: list[str], n: int, seed: int = 0, label_noise: float = 0.1) -> list[dict]:
-    """`n` {prompt, chosen, rejected} records from a pool of stories (see the module docstring)."""
+def records(stories: list[str], n: int, seed: int = 0, label_noise: float = 0.1, min_hits: int = 20,
+            off_topic: float = 0.5) -> list[dict]:
+    """`n` {prompt, chosen, rejected} records from a pool of stories (see the module docstring).
+
+    Only words that at least `min_hits` pooled stories use are asked for (a word with a handful of stories
+    would give a reward model those few stories to learn by heart, and PPO a story to repeat for every
+    prompt). `off_topic` of the rejected stories use another task word: the reward model must read the
+    prompt, not only judge the story.
+    """
     rng = np.random.default_rng(seed)
     with_word = {w: [s for s in stories if uses(s, w)] for w in WORDS}
-    words = [w for w in WORDS if with_word[w] and len(with_word[w]) < len(stories)]
+    words = [w for w in WORDS if min_hits <= len(with_word[w]) < len(stories)]
     if not words:
-        raise ValueError("records: no story in the pool uses any of the task's words; sample a larger pool")
+        raise ValueError(f"records: no task word is used by {min_hits} pooled stories; sample a larger pool")
     out = []
     for _ in range(n):
         w = words[rng.integers(len(words))]
-        hits, misses = with_word[w], [s for s in stories if not uses(s, w)]
-        chosen, rejected = hits[rng.integers(len(hits))], misses[rng.integers(len(misses))]
+        misses = [s for s in stories if not uses(s, w)]
+        other = [s for s in misses if any(uses(s, v) for v in words)]
+        if other and rng.random() < off_topic:
+            misses = other
+        chosen, rejected = with_word[w][rng.integers(len(with_word[w]))], misses[rng.integers(len(misses))]
         if rng.random() < label_noise:
             chosen, rejected = rejected, chosen
         out.append({"prompt": make_prompt(w), "chosen": chosen, "rejected": rejected})
     return out
+
+
+def task_words(path: str | Path) -> list[str]:
+    """The words the records in a task file ask for, in WORDS order."""
+    asked = {prompt_word(json.loads(line)["prompt"]) for line in Path(path).read_text().splitlines() if line}
+    return [w for w in WORDS if w in asked]
 
 
 def build(model_dir: str | Path, out_file: str | Path, *, n: int = 3000, pool: int = 2048,
@@ -107,3 +123,65 @@ def build(model_dir: str | Path, out_file: str | Path, *, n: int = 3000, pool: i
     rows = records(sample_pool(model_dir, pool, max_new_tokens, seed), n, seed, **kwargs)
     out_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return out_file
+
+
+def evaluate(step1_dir: str | Path, actor_dir: str | Path, words=WORDS, *, samples: int = 16,
+             max_new_tokens: int = 32, seed: int = 7) -> dict:
+    """Gold reward of the Step 1 model and of the final actor (sampled at temperature 1, and greedy) on each
+    word's prompt `samples` times, and the KL from the actor to the Step 1 model (nats per sampled answer)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrlhf.checkpoint import load_hf
+    from jaxrlhf.generate import generate
+    from jaxrlhf.losses import token_logprobs
+    from jaxrlhf.models import logits
+    from jaxrlhf.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(actor_dir)
+    prompts = [make_prompt(w) for w in words] * samples
+    enc = [tok(p)["input_ids"] for p in prompts]
+    width = max(map(len, enc))
+    ids, mask = np.full((len(enc), width), tok.pad_token_id, np.int32), np.zeros((len(enc), width), np.int32)
+    for i, e in enumerate(enc):  # left padding, as generation wants
+        ids[i, width - len(e) :], mask[i, width - len(e) :] = e, 1
+    models = {"step1": load_hf(step1_dir), "actor": load_hf(actor_dir)}
+    out, sampled = {}, None
+    for name, (config, params) in models.items():
+        for mode, temperature in (("sampled", 1.0), ("greedy", 0.0)):
+            gen = generate(config, params, ids, mask, jax.random.key(seed), max_new_tokens=max_new_tokens,
+                           temperature=temperature, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+            texts = [tok.decode([t for t, k in zip(row, m) if k and t != tok.eos_token_id])
+                     for row, m in zip(np.asarray(gen.tokens), np.asarray(gen.mask))]
+            out[f"{name}_gold_reward_{mode}"] = float(np.mean([gold_reward(p, a) for p, a in zip(prompts, texts)]))
+            out.setdefault("examples", {})[f"{name}_{mode}"] = texts[: len(words) : 4]
+            if (name, mode) == ("actor", "sampled"):
+                sampled = gen
+    seq = jnp.concatenate([ids, sampled.tokens], 1)
+    seq_mask = jnp.concatenate([mask, sampled.mask], 1)
+    logp = {name: token_logprobs(logits(c, p, seq, seq_mask), seq)[:, -max_new_tokens:] for name, (c, p) in models.items()}
+    out["kl_actor_to_step1"] = float(jnp.sum((logp["actor"] - logp["step1"]) * sampled.mask) / len(prompts))
+    out["answers"] = len(prompts)
+    return out
+
+
+def main(argv=None):
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m jaxrlhf.data.stories",
+                                 description="Write the story task's records (JSON lines) from a pretrained model's own samples.")
+    ap.add_argument("model", help="an HF Llama folder, e.g. from python -m jaxrlhf.convert llama2c ...")
+    ap.add_argument("out", help="the .jsonl file to write (then data.data_path=[OUT])")
+    ap.add_argument("--n", type=int, default=3000, help="records")
+    ap.add_argument("--pool", type=int, default=2048, help="stories sampled from the model")
+    ap.add_argument("--max-new-tokens", type=int, default=40, help="tokens per sampled story")
+    ap.add_argument("--label-noise", type=float, default=0.1, help="share of pairs with chosen and rejected swapped")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    out = build(args.model, args.out, n=args.n, pool=args.pool, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                label_noise=args.label_noise)
+    print(f"wrote {args.n} records to {out}")
+
+
+if __name__ == "__main__":
+    main()
