@@ -20,7 +20,7 @@ def test_prompt_and_gold_reward():
 def test_records_pair_a_story_with_the_word_against_one_without():
     pool = [" There was a dog.", " A big dog ran.", " The cat slept.", " A bird sang.", " The sun was hot.",
             " Lily had a ball and a cat."]
-    rows = stories.records(pool, 2000, seed=0, label_noise=0.1)
+    rows = stories.records(pool, 2000, seed=0, label_noise=0.1, min_hits=1)
     right = [stories.gold_reward(r["prompt"], r["chosen"]) == 1.0 and stories.gold_reward(r["prompt"], r["rejected"]) == 0.0
              for r in rows]
     swapped = [stories.gold_reward(r["prompt"], r["chosen"]) == 0.0 and stories.gold_reward(r["prompt"], r["rejected"]) == 1.0
@@ -28,4 +28,6 @@ def test_records_pair_a_story_with_the_word_against_one_without():
     assert all(a or b for a, b in zip(right, swapped))
     assert abs(np.mean(swapped) - 0.1) < 0.03  # the annotator's noise
     assert {stories.prompt_word(r["prompt"]) for r in rows} == {"dog", "cat", "bird", "sun", "ball"}
-    assert rows == stories.records(pool, 2000, seed=0, label_noise=0.1)  # seeded
+    assert rows == stories.records(pool, 2000, seed=0, label_noise=0.1, min_hits=1)  # seeded
+    assert {stories.prompt_word(r["prompt"]) for r in stories.records(pool, 50, min_hits=2)} == {"dog", "cat"}
+
