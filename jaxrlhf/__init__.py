@@ -1,17 +1,22 @@
 """jaxrlhf: DeepSpeed-Chat's three-step RLHF recipe in JAX/Flax, with a hybrid FSDP / tensor-parallel engine."""
 
 from jaxrlhf.checkpoint import CheckpointError, load_hf, save_hf
+from jaxrlhf.engine import EngineConfig, HybridEngine
+from jaxrlhf.generate import generate
 from jaxrlhf.models import LlamaConfig, OPTConfig, init_params, logits, values
 from jaxrlhf.sharding import LayoutError, batch_sharding, describe, make_mesh, reshard, shardings_for
 from jaxrlhf.tokenizer import load_tokenizer, opt_tokenizer
 
 __all__ = [
     "CheckpointError",
+    "EngineConfig",
+    "HybridEngine",
     "LayoutError",
     "LlamaConfig",
     "OPTConfig",
     "batch_sharding",
     "describe",
+    "generate",
     "init_params",
     "load_hf",
     "load_tokenizer",

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from jaxrlhf.config import ConfigError, run_cli
+from jaxrlhf.distributed import to_host
 from jaxrlhf.data import Batches, DataConfig, prepare
 from jaxrlhf.engine import EngineConfig, HybridEngine, ModelSide
 from jaxrlhf.sharding import make_mesh
@@ -131,7 +132,7 @@ def export(engine: HybridEngine, out: Path, tokenizer) -> dict[str, Path]:
         trees["actor_ema"] = (engine.actor_config, engine.state["ema"])
     folders = {}
     for name, (config, params) in trees.items():
-        host = jax.device_get(params)
+        host = to_host(params)  # every process takes part; process 0 writes
         if jax.process_index() == 0:
             folders[name] = save_hf(out / name, config, host, tokenizer)
     return folders

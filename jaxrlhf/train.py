@@ -225,6 +225,7 @@ def run(cfg: TrainConfig, log=print, mesh=None) -> dict:
 def parse(argv: list[str] | None) -> TrainConfig:
     """DeepSpeed-Chat's flags (--actor-model, --reward-model, --deployment-type, --step, --output-dir), then
     [CONFIG.yaml] [key=value ...]; the flags and the preset become overrides under the config machinery."""
+    from jaxrlhf import distributed
     from jaxrlhf.config import _help_lines
 
     parser = argparse.ArgumentParser(prog="python -m jaxrlhf.train", description=__doc__.split("\n\n")[0],
@@ -237,6 +238,7 @@ def parse(argv: list[str] | None) -> TrainConfig:
     parser.add_argument("--step", type=int, action="append", metavar="{1,2,3} ...")
     parser.add_argument("--output-dir", "--output_dir")
     parser.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
+    distributed.add_arguments(parser)
     argv = list(sys.argv[1:] if argv is None else argv)
     for i in range(len(argv) - 1, 0, -1):  # "--step 1 2 3" -> "--step 1 --step 2 --step 3"
         if argv[i].isdigit() and argv[i - 1] != "--step" and "--step" in argv[:i] and argv[i - 1].isdigit():
@@ -248,6 +250,7 @@ def parse(argv: list[str] | None) -> TrainConfig:
              "steps": ns.step, "output_dir": ns.output_dir}
     overrides = [f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None] + overrides
     cfg = load(TrainConfig, config_file, overrides)
+    distributed.initialize(ns.coordinator_address, ns.num_processes, ns.process_id)
     preset = DEPLOYMENTS[cfg.deployment_type]
     if preset:  # the preset first, then the file and the command line again on top of it
         base = build(TrainConfig, _nested(preset))
