@@ -478,10 +478,12 @@ def run(cfg: EvalConfig, log=print) -> dict:
 
 
 def pipeline_report(step1, reward_model, step3: dict, metrics, out_dir, data: DataConfig, ppo, num_prompts: int,
-                    log=print) -> str:
+                    log=print) -> str | None:
     """The report `python -m jaxrlhf.train` ends with: the Step 1 model, the final actor and its EMA (step3: the
     folders ppo.run wrote) on held-out prompts, sampled as Step 3 sampled (ppo: its PPOConfig), judged by the
-    Step 2 reward model; returns the report's path."""
+    Step 2 reward model; returns the report's path. Process 0 alone evaluates (on its first device)."""
+    if jax.process_index() != 0:
+        return None
     names = ["step1"] + [n for n in ("actor", "actor_ema") if n in step3]
     cfg = EvalConfig(models=(str(step1), *(str(step3[n]) for n in names[1:])), names=tuple(names),
                      reward_model=str(reward_model), metrics=str(metrics), output_dir=str(out_dir), num_prompts=num_prompts,
