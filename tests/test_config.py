@@ -20,7 +20,7 @@ from jaxrlhf.train import TrainConfig  # noqa: E402
 
 ENTRY_POINTS = {"inspect.yaml": InspectConfig, "data.yaml": PrepareConfig,  # shipped config -> its settings
                 "ppo.yaml": PPOConfig, "train.yaml": TrainConfig, "eval.yaml": EvalConfig, "sft.yaml": SFTConfig,
-                "reward.yaml": RewardConfig}
+                "reward.yaml": RewardConfig, "stories.yaml": TrainConfig}
 
 
 @dataclasses.dataclass(frozen=True)
