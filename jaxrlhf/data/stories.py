@@ -91,18 +91,18 @@ def records(stories: list[str], n: int, seed: int = 0, label_noise: float = 0.1,
     prompt, not only judge the story.
     """
     rng = np.random.default_rng(seed)
-    with_word = {w: [s for s in stories if uses(s, w)] for w in WORDS}
+    used = [{w for w in WORDS if uses(s, w)} for s in stories]  # the task words each story uses
+    with_word = {w: [s for s, u in zip(stories, used) if w in u] for w in WORDS}
     words = [w for w in WORDS if min_hits <= len(with_word[w]) < len(stories)]
     if not words:
         raise ValueError(f"records: no task word is used by {min_hits} pooled stories; sample a larger pool")
+    misses = {w: [s for s, u in zip(stories, used) if w not in u] for w in words}
+    others = {w: [s for s, u in zip(stories, used) if w not in u and u & set(words)] for w in words}
     out = []
     for _ in range(n):
         w = words[rng.integers(len(words))]
-        misses = [s for s in stories if not uses(s, w)]
-        other = [s for s in misses if any(uses(s, v) for v in words)]
-        if other and rng.random() < off_topic:
-            misses = other
-        chosen, rejected = with_word[w][rng.integers(len(with_word[w]))], misses[rng.integers(len(misses))]
+        pool = others[w] if others[w] and rng.random() < off_topic else misses[w]
+        chosen, rejected = with_word[w][rng.integers(len(with_word[w]))], pool[rng.integers(len(pool))]
         if rng.random() < label_noise:
             chosen, rejected = rejected, chosen
         out.append({"prompt": make_prompt(w), "chosen": chosen, "rejected": rejected})
