@@ -36,7 +36,7 @@ from jaxrlhf import losses
 from jaxrlhf.data import place
 from jaxrlhf.generate import generate
 from jaxrlhf.lora import LoRAConfig, adapted_mask
-from jaxrlhf.models.opt import OPTConfig, logits, values
+from jaxrlhf.models import OPTConfig, logits, values
 from jaxrlhf.sharding import batch_sharding, check_tp, reshard, shardings_for
 from jaxrlhf.trainer import OptimConfig, create_state, effective_params, make_optimizer, make_train_step, state_shardings
 
