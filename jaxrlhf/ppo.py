@@ -20,6 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxrlhf.alarms import AlarmConfig, AlarmTracker, experience_figures, training_records
 from jaxrlhf.config import ConfigError, run_cli
 from jaxrlhf.distributed import to_host
 from jaxrlhf.data import Batches, DataConfig, prepare
@@ -58,6 +59,8 @@ class PPOConfig(EngineConfig):
     resume: bool = False
     #: print a prompt and its answer at every log (DeepSpeed-Chat's --print_answers)
     print_answers: bool = False
+    #: reward-hacking alarms: bounds on answer length, repetition, entropy and KL; learned vs gold reward trend
+    alarms: AlarmConfig = AlarmConfig()
     data: DataConfig = DataConfig(max_prompt_len=256)
 
     def __post_init__(self):
@@ -187,6 +190,7 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
     synthetic = all(p.startswith("synthetic") for p in cfg.data.data_path)
     metrics_log, records = MetricsLog(out), []
     start = int(engine.state["iteration"]) // cfg.generation_batches
+    tracker = AlarmTracker(cfg.alarms, history=training_records(out / "metrics.jsonl", upto=start))  # resume: replay
     prompt_iter, unsup_iter = iter(prompts), iter(unsup) if unsup else None
     bar = tqdm(total=iterations, initial=start, desc="ppo", dynamic_ncols=True, disable=jax.process_index() != 0)
     for it in range(start + 1, iterations + 1):
@@ -204,11 +208,20 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
             figures["peak_memory_bytes"] = peak_memory()
         if synthetic:
             figures["gold_reward"] = float(np.mean([g for e in experiences for g in gold_rewards(tokenizer, e)]))
+        if cfg.alarms.enabled:  # signs of reward hacking: logged when they start, on the bar while they last
+            figures.update(experience_figures(experiences, tokenizer.eos_token_id, cfg.alarms.ngram))
+            alarms = tracker.update(figures)
+            for a in alarms:
+                if a.new:
+                    log(f"alarm at iteration {it}: {a.message}")
+            if alarms:
+                figures["alarms"] = ",".join(a.name for a in alarms)
         if it % cfg.log_every == 0 or it == iterations:
             metrics_log.write(it, "train", figures)
             records.append({"step": it, "split": "train", **figures})
             shown = ("reward", "gold_reward", "kl", "answer_len", "samples_per_s")
-            bar.set_postfix({k: f"{figures[k]:.3g}" for k in shown if k in figures})
+            bar.set_postfix({**{k: f"{figures[k]:.3g}" for k in shown if k in figures},
+                             **({"ALARM": figures["alarms"]} if "alarms" in figures else {})})
             if cfg.print_answers:
                 e = experiences[0]
                 G = e["mask"].shape[1]

@@ -208,6 +208,10 @@ def run(cfg: TrainConfig, log=print, mesh=None) -> dict:
         result["step3"] = {k: str(v) for k, v in ppo.run(step, log=log, mesh=mesh)["folders"].items()}
         if all(p.startswith("synthetic") for p in cfg.data.data_path):
             result["comparison"] = compare(cfg, sft_model, dirs[3] / "actor", log=log)
+        from jaxrlhf.eval import pipeline_report
+
+        result["report"] = pipeline_report(sft_model, rm_model, result["step3"], dirs[3] / "metrics.jsonl",
+                                           out / "eval", cfg.data, cfg.ppo, cfg.eval_prompts, log=log)
     result["seconds"] = time.perf_counter() - clock
     if "comparison" in result:
         c = result["comparison"]
@@ -217,7 +221,7 @@ def run(cfg: TrainConfig, log=print, mesh=None) -> dict:
             f"KL(actor || Step 1) {c['kl_actor_to_step1']:.3f} nats per answer")
         for e in c["examples"]:
             log(f"  {e['prompt']!r}\n     Step 1: {e['step1']!r}\n     actor:  {e['actor']!r}")
-    log(f"done in {result['seconds']:.0f} s")
+    log(f"done in {result['seconds']:.0f} s" + (f"; evaluation report: {result['report']}" if "report" in result else ""))
     (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 

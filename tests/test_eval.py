@@ -200,3 +200,44 @@ def test_cli_flags_and_errors(folders, tmp_path, capsys):
               "--output-dir", str(tmp_path), f"data.cache_dir={root / 'cache'}", "data.max_prompt_len=24"])
     assert "no value head" in capsys.readouterr().err
 
+
+
+def test_step3_raises_alarms_when_the_actor_degenerates(folders, tmp_path, monkeypatch):
+    """ppo.run with the actor's answers replaced: short healthy ones for two iterations (the baseline), then one
+    token over and over: the repetition and length alarms are logged once each and written to the metrics."""
+    import jaxrlhf.engine as engine
+    from jaxrlhf.engine import ModelSide
+    from jaxrlhf.generate import Generation
+    from jaxrlhf.ppo import PPOConfig, run as run_ppo
+    from jaxrlhf.trainer import OptimConfig
+
+    models, root = folders
+    tok = builtin_tokenizer()
+    q, eos, real = tok(REPEATED, add_special_tokens=False)["input_ids"][0], tok.eos_token_id, engine.generate
+    calls = []
+
+    def scripted(config, params, ids, mask, key, **kw):
+        gen = real(config, params, ids, mask, key, **kw)
+        calls.append(1)
+        t = np.asarray(gen.tokens).copy()
+        if len(calls) <= 2:  # healthy: two tokens and EOS
+            t[:, 2], t[:, 3:] = eos, tok.pad_token_id
+            m = (np.arange(t.shape[1]) < 3).astype(np.int32)[None].repeat(len(t), 0)
+        else:
+            t[:], m = q, np.ones_like(t, np.int32)
+        return Generation(jax.numpy.asarray(t), jax.numpy.asarray(m), gen.logprobs)
+
+    monkeypatch.setattr(engine, "generate", scripted)
+    data = DataConfig(data_path=("synthetic:600",), max_seq_len=32, max_prompt_len=24, cache_dir=str(root / "cache"))
+    optim = OptimConfig(learning_rate=1e-4)
+    cfg = PPOConfig(actor=ModelSide(model=models["sft"], optim=optim), critic=ModelSide(model=models["rm"], optim=optim),
+                    output_dir=str(tmp_path), batch_size=8, max_steps=4, max_answer_len=8, precision="fp32",
+                    alarms=AlarmConfig(baseline_iterations=2), data=data)
+    lines = []
+    out = run_ppo(cfg, log=lines.append)
+    alarms = [line for line in lines if line.startswith("alarm")]
+    assert len(alarms) == 2 and "repetition" in alarms[0] + alarms[1] and "answer length" in alarms[0] + alarms[1]
+    assert all("iteration 3" in a for a in alarms)  # raised when it started, not again at iteration 4
+    records = out["records"]
+    assert [r.get("alarms", "") for r in records] == ["", "", "repetition,answer_len", "repetition,answer_len"]
+    assert records[0]["repetition"] == 0.0 and records[3]["repetition"] == pytest.approx(5 / 6)
