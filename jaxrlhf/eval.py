@@ -404,7 +404,7 @@ def _fmt(x, spec=".3f"):
 
 def markdown(report: dict, plots: dict) -> str:
     s = report["settings"]
-    lines = [f"# Evaluation report\n",
+    lines = ["# Evaluation report\n",
              f"{s['prompts']} held-out prompts of {', '.join(s['data'])}, answers sampled (temperature {s['temperature']}, "
              f"up to {s['max_answer_len']} tokens, seed {s['seed']}, the same keys for every model). Win rates and KL "
              f"against `{report['baseline']}`; KL in nats per answer; repetition = share of repeated {s['ngram']}-grams; "
