@@ -141,23 +141,28 @@ def test_tokenized_batches_for_each_step(hh, tok):
     prompt_ids = tok(r0.prompt, add_special_tokens=False)["input_ids"]
     chosen_ids = tok(r0.chosen, add_special_tokens=False)["input_ids"]
 
+    # Record 0 (206 + 28 tokens, rejected 63) is too long: its prompt loses its oldest tokens after BOS, so that
+    # the whole answer and EOS still fit; in Step 2 by the same count in both halves, set by the longer answer.
     arrays, stats = tokenize(records, tok, 1, config)
     b = make_batch(arrays, [0, 1], 1, config, tok.pad_token_id)
     assert b["input_ids"].shape == (2, 128)
-    n = min(1 + len(prompt_ids) + len(chosen_ids) + 1, 128)
-    assert b["input_ids"][0, :n].tolist() == ([2] + prompt_ids + chosen_ids + [2])[:n]  # BOS ... EOS, right-padded
-    assert b["attention_mask"][0].sum() == n and (b["input_ids"][0, n:] == 1).all()
-    assert b["loss_mask"][0].tolist() == [0] + [1] * (n - 1) + [0] * (128 - n)
+    kept = prompt_ids[len(prompt_ids) + len(chosen_ids) + 2 - 128 :]
+    assert len(kept) == 98 and b["input_ids"][0].tolist() == [2] + kept + chosen_ids + [2]  # BOS ... EOS, fills 128
+    assert b["attention_mask"][0].sum() == 128 and b["loss_mask"][0].tolist() == [0] + [1] * 127
     masked = make_batch(arrays, [0], 1, dataclasses.replace(config, mask_prompt=True), tok.pad_token_id)
-    assert masked["loss_mask"][0, : 1 + len(prompt_ids)].sum() == 0 and masked["loss_mask"][0].sum() == max(0, n - 1 - len(prompt_ids))
-    assert tok.decode(b["input_ids"][1][b["attention_mask"][1] == 1][1:-1]) == (records[1].prompt + records[1].chosen) or stats["chosen_truncated"]
+    assert masked["loss_mask"][0].tolist() == [0] * (1 + len(kept)) + [1] * (len(chosen_ids) + 1)
+    assert tok.decode(b["input_ids"][1][b["attention_mask"][1] == 1][1:-1]) == (records[1].prompt + records[1].chosen) or stats["prompts_cut"]
 
     arrays, stats = tokenize(records, tok, 2, config)
     b = make_batch(arrays, [0], 2, config, tok.pad_token_id)
     assert b["chosen_ids"].shape == b["rejected_ids"].shape == (1, 128)
     rejected_ids = tok(r0.rejected, add_special_tokens=False)["input_ids"]
-    m = min(len(prompt_ids) + len(rejected_ids) + 2, 128)
-    assert b["rejected_ids"][0, :m].tolist() == ([2] + prompt_ids + rejected_ids + [2])[:m]
+    kept = prompt_ids[len(prompt_ids) + len(rejected_ids) + 2 - 128 :]
+    assert b["rejected_ids"][0].tolist() == [2] + kept + rejected_ids + [2]
+    n = 1 + len(kept) + len(chosen_ids) + 1
+    assert b["chosen_ids"][0, :n].tolist() == [2] + kept + chosen_ids + [2] and b["chosen_mask"][0].sum() == n
+    answers = [len(tok(r.chosen, add_special_tokens=False)["input_ids"]) for r in records]
+    assert stats["chosen_truncated"] == sum(n + 2 > 128 for n in answers) and stats["prompts_cut"] > 0
 
     arrays, stats = tokenize(records, tok, 3, config)
     lengths = [len(tok(r.prompt, add_special_tokens=False)["input_ids"]) + 1 for r in records]

@@ -9,8 +9,10 @@ without their own eval split give `eval_fraction` of their rows to eval first. S
 (`sft_only_data_path`) go to Step 1 whole.
 
 Tokenized sets are ragged (tokens + offsets), padded only when batched (batches.py):
-    step 1   sequence = BOS + prompt + chosen + EOS, cut to max_seq_len; `prompt_len` for the loss mask
+    step 1   sequence = BOS + prompt + chosen + EOS; `prompt_len` for the loss mask
     step 2   chosen and rejected sequences as in step 1
+             longer than max_seq_len: the prompt loses its oldest tokens after BOS (both halves of a pair
+             alike), then the answer its end
     step 3   BOS + prompt; prompts longer than max_prompt_len are dropped (and counted), never cut
     "unsupervised"  texts joined with EOS between them and cut into blocks of unsupervised_block_size
              (DeepSpeed-Chat's group_texts), for the mixture LM loss of Step 3
@@ -30,7 +32,7 @@ import numpy as np
 
 from jaxrlhf.data.sources import DataError, Record, Report, fingerprint, read_source, read_texts
 
-CACHE_VERSION = 3  # bump when the tokenized format or any adapter's output changes
+CACHE_VERSION = 4  # bump when the tokenized format or any adapter's output changes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +48,7 @@ class DataConfig:
     eval_fraction: float = 0.1
     #: seed of the splits and the shuffles
     seed: int = 1234
-    #: Steps 1 and 2: tokens per sequence (longer ones are cut)
+    #: Steps 1 and 2: tokens per sequence (longer ones lose the start of the prompt, then the end of the answer)
     max_seq_len: int = 512
     #: Step 3: tokens per prompt (longer prompts are dropped, not cut)
     max_prompt_len: int = 256
@@ -155,11 +157,19 @@ def tokenize(records: list[Record], tokenizer, step: int, config: DataConfig) ->
         return arrays, {"prompts": len(keep), "dropped_too_long": len(prompts) - len(keep)}
     arrays, stats = {}, {"sequences": len(records)}
     fields = ("chosen",) if step == 1 else ("chosen", "rejected")
+    answers = {field: _encode(tokenizer, [getattr(r, field) for r in records]) for field in fields}
+    # An over-long sequence loses the oldest prompt tokens after BOS first, the same number in both halves
+    # of a pair (so they still share the prompt and differ where the answers do), and only then the end of
+    # its answer. Cutting the end alone (DeepSpeed-Chat) drops the answer, which is what both steps learn
+    # from: a pair whose prompt fills max_seq_len becomes two identical sequences.
+    longest = [max(len(answers[f][i]) for f in fields) for i in range(len(records))]
+    cut = [max(0, len(p) + n + 1 - config.max_seq_len) for p, n in zip(prompts, longest)]
+    stats["prompts_cut"] = sum(c > 0 for c in cut)
+    prompts = [p[:1] + p[1 + c :] for p, c in zip(prompts, cut)]
     for field in fields:
-        answers = _encode(tokenizer, [getattr(r, field) for r in records])
-        seqs = [(p + a + [eos])[: config.max_seq_len] for p, a in zip(prompts, answers)]
-        stats[f"{field}_truncated"] = sum(len(p) + len(a) + 1 > config.max_seq_len for p, a in zip(prompts, answers))
-        for key, value in _ragged(seqs).items():
+        seqs = [p + a + [eos] for p, a in zip(prompts, answers[field])]
+        stats[f"{field}_truncated"] = sum(len(s) > config.max_seq_len for s in seqs)
+        for key, value in _ragged([s[: config.max_seq_len] for s in seqs]).items():
             arrays[key if step == 1 else f"{field}_{key}"] = value
     arrays["prompt_len"] = np.array([min(len(p), config.max_seq_len) for p in prompts], np.int64)
     return arrays, stats
