@@ -49,6 +49,38 @@ def test_kernel_and_xla_match_the_reference(case, implementation, use_dot):
         assert np.abs(np.asarray(other, np.float32) - np.asarray(want, np.float32)).max() > 0.1
 
 
+SPLIT_CASES = [  # (B, H, Hkv, S, K, dtype, num_splits): chunks of S=64 in 16-slot blocks
+    (4, 2, 2, 64, 64, jnp.float32, 4),  # multi-head, 4 chunks of 16
+    (4, 8, 2, 64, 128, jnp.bfloat16, 3),  # grouped-query; 3 splits round to chunks of 32, so 2 programs
+]
+
+
+@pytest.mark.parametrize("case", range(len(SPLIT_CASES)))
+def test_split_kernel_matches_the_reference(case):
+    """Flash-decoding: rows whose range lies inside one chunk, rows with empty chunks before and after their
+    range, and a row with no valid slot at all (zeros, no NaN from its empty chunks)."""
+    B, H, Hkv, S, K, dtype, num_splits = SPLIT_CASES[case]
+    q, k, v, _, _ = inputs(2, B, H, Hkv, S, K, dtype, seed=200 + case)
+    start = jnp.array([0, 37, 20, 50])  # all; inside one chunk (32..47); 2nd..4th chunk; none (50 >= 50)
+    end = jnp.array([64, 45, 61, 50])
+    config = dataclasses.replace(KERNEL, num_splits=num_splits)
+    got = np.asarray(decode_attention(q, k, v, start, end, 1, config=config), np.float32)
+    want = np.asarray(decode_attention_reference(q, k, v, start, end, 1), np.float32)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(got[:3], want[:3], atol=tol, rtol=tol)
+    np.testing.assert_array_equal(got[3], 0.0)
+
+
+def test_auto_splits_by_hand():
+    auto = DecodeAttentionConfig()
+    assert auto.splits(programs=256, blocks=32, cores=132) == 4  # B=32, Hkv=8: 1024 programs >= 4 x 132
+    assert auto.splits(programs=512, blocks=32, cores=132) == 2
+    assert auto.splits(programs=1024, blocks=32, cores=132) == 1  # enough programs: as without splits
+    assert auto.splits(programs=32, blocks=4, cores=132) == 4  # at most one chunk per block
+    assert auto.splits(programs=32, blocks=32, cores=None) == 1  # CPU: SM count unknown
+    assert DecodeAttentionConfig(num_splits=8).splits(programs=4096, blocks=4, cores=132) == 4
+
+
 def test_reference_by_hand_and_slots_outside_the_range_are_ignored():
     q = jnp.array([[[1.0, 0.0]]])  # B=1, H=1, K=2
     k = jnp.array([[[[1.0, 0.0], [0.0, 1.0], [9.0, 9.0], [2.0, 0.0]]]])  # B=1, Hkv=1, S=4, K=2
@@ -63,10 +95,12 @@ def test_reference_by_hand_and_slots_outside_the_range_are_ignored():
 
 
 def test_per_shard_under_tensor_parallelism():
+    """Split over 2 chunks per shard (one split under TP: tests/test_generate.py's kernel runs)."""
     mesh = make_mesh(tp=4)  # 8 CPU devices: data 2 x model 4
     q, k, v, start, end = inputs(2, 4, 8, 4, 32, 64, jnp.float32, seed=7)
     want = decode_attention_reference(q, k, v, start, end, 1)
-    got = jax.jit(lambda *a: decode_attention(*a, 1, config=KERNEL, mesh=mesh))(q, k, v, start, end)
+    config = dataclasses.replace(KERNEL, num_splits=2)
+    got = jax.jit(lambda *a: decode_attention(*a, 1, config=config, mesh=mesh))(q, k, v, start, end)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
@@ -76,6 +110,8 @@ def test_bad_shapes_and_knobs():
         decode_attention(q, k, v, start, end, config=KERNEL)
     with pytest.raises(ValueError, match="block_s: expected a power of two"):
         DecodeAttentionConfig(block_s=48)
+    with pytest.raises(ValueError, match="num_splits: expected an int >= 0"):
+        DecodeAttentionConfig(num_splits=-1)
     with pytest.raises(ValueError, match="implementation: expected"):
         DecodeAttentionConfig(implementation="triton")
     q, k, v, start, end = inputs(1, 1, 2, 2, 40, 64, jnp.float32, seed=0)

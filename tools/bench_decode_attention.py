@@ -1,14 +1,17 @@
 """Benchmark the decode-attention kernel against the plain-XLA path (BENCHMARKS.md item 2).
 
-    PYTHONPATH=. python tools/bench_decode_attention.py [--tune]
+    PYTHONPATH=. python tools/bench_decode_attention.py [--tune] [--splits 1 2 4 8 0]
+    PYTHONPATH=. python tools/bench_decode_attention.py --batch 2 --seq 64 --head-dim 64 --heads 4 --calls 2  # CPU
 
 Shapes: batch 32-256, 32 query heads with 32 or 8 KV heads, head dim 64 and 128, cache length 512 and 2048,
 bf16. Each row's valid range is ragged: left padding up to S/8 and a current length between S/2 and S
 ("ragged"), or the whole cache ("full"). A call is timed as the mean over 64 chained calls inside one jitted
 loop (each call's output is the next call's query), so Python dispatch stays out of the microseconds.
 Roofline: the K and V bytes of the valid slots, read once, over the read bandwidth measured in this run (a
-sum over 4 GiB). `--tune` first sweeps block_s, num_warps, num_stages and the product form at two shapes
-and uses the best of each kind (multi-head, grouped-query) in the table.
+sum over 4 GiB; not measured on the CPU, where the kernel runs in interpret mode). `--splits` times the kernel
+once per value of DecodeAttentionConfig.num_splits (0: auto, the default; the JSON records what auto chose).
+`--tune` first sweeps block_s, num_warps, num_stages and the product form at two shapes and uses the best of
+each kind (multi-head, grouped-query) in the table.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from jaxrlhf.kernels.decode_attention import (  # noqa: E402
 from tools import common  # noqa: E402
 from tools.bench_reshard import device_bandwidth  # noqa: E402
 
-CALLS = 64
+CALLS = 64  # --calls
 
 
 def make_inputs(B, H, Hkv, S, K, ragged, seed=0):
@@ -45,14 +48,23 @@ def make_inputs(B, H, Hkv, S, K, ragged, seed=0):
     return q, k, v, start.astype(jnp.int32), end.astype(jnp.int32)
 
 
-def time_call(config, q, k, v, start, end) -> float:
-    """Seconds per call: CALLS chained calls in one program."""
+def time_call(config, q, k, v, start, end, calls=None) -> float:
+    """Seconds per call: `calls` (default CALLS) chained calls in one program."""
+    calls = calls or CALLS
+
     @jax.jit
     def loop(q, k, v, start, end):
         body = lambda _, q: decode_attention(q, k, v, start, end, 0, config=config)
-        return jax.lax.fori_loop(0, CALLS, body, q)
+        return jax.lax.fori_loop(0, calls, body, q)
 
-    return common.timeit(lambda: loop(q, k, v, start, end), repeats=5, warmup=1)["median_s"] / CALLS
+    return common.timeit(lambda: loop(q, k, v, start, end), repeats=5, warmup=1)["median_s"] / calls
+
+
+def auto_splits(config, B, Hkv, S) -> int:
+    """The number of splits the kernel runs with (what num_splits=0 resolves to at this shape)."""
+    cores = getattr(jax.devices()[0], "core_count", None) if jax.default_backend() == "gpu" else None
+    block_s = min(config.block_s, S & -S)
+    return config.splits(B * Hkv, S // block_s, cores)
 
 
 def tune(bandwidth, result):
@@ -83,43 +95,64 @@ def tune(bandwidth, result):
 
 
 def main():
+    global CALLS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[32, 64, 128, 256])
+    ap.add_argument("--seq", type=int, nargs="+", default=[512, 2048], help="cache lengths S")
+    ap.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--heads", type=int, default=None, help="query heads (default: 2048 / head dim); KV heads: "
+                    "as many (multi-head) and a quarter (grouped-query)")
+    ap.add_argument("--splits", type=int, nargs="+", default=[0],
+                    help="DecodeAttentionConfig.num_splits values to time the kernel with (0: auto)")
+    ap.add_argument("--calls", type=int, default=CALLS, help="chained calls per timing")
     ap.add_argument("--tune", action="store_true", help="sweep the knobs first and use the best in the table")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    bandwidth = common.read_bandwidth()
+    CALLS = args.calls
+    gpu = jax.default_backend() == "gpu"
+    bandwidth = common.read_bandwidth() if gpu else None  # 4 GiB reads: not on the CPU
     default, xla = DecodeAttentionConfig(implementation="pallas"), DecodeAttentionConfig(implementation="xla")
     result = {"benchmark": "decode_attention", **common.environment(), "read_bandwidth_Bps": bandwidth,
-              "copy_bandwidth_Bps": device_bandwidth(), "calls_per_timing": CALLS, "runs": [], "tuning": []}
-    print(f"read bandwidth {bandwidth / 1e12:.2f} TB/s, copy {result['copy_bandwidth_Bps'] / 1e12:.2f} TB/s", flush=True)
+              "copy_bandwidth_Bps": device_bandwidth() if gpu else None, "calls_per_timing": CALLS,
+              "splits": args.splits, "runs": [], "tuning": []}
+    if gpu:
+        print(f"read bandwidth {bandwidth / 1e12:.2f} TB/s, copy {result['copy_bandwidth_Bps'] / 1e12:.2f} TB/s",
+              flush=True)
     chosen = tune(bandwidth, result) if args.tune else {}
     result["kernel_config"] = {key: dataclasses.asdict(chosen.get(key, default)) for key in ("mha", "gqa")}
-    for K in (64, 128):
-        H = 2048 // K  # 32 heads of 64 (OPT-1.3B), 16 of 128
-        for Hkv in (H, H // 4):
+    ratio = lambda t, need: t * bandwidth / need if bandwidth else None
+    for K in args.head_dim:
+        H = args.heads or 2048 // K  # 32 heads of 64 (OPT-1.3B), 16 of 128
+        for Hkv in (H, H // 4) if H >= 4 else (H,):
             kernel = chosen.get("mha" if Hkv == H else "gqa", default)
-            for S in (512, 2048):
+            for S in args.seq:
                 for B in args.batch:
                     for ragged in (True, False):
                         if B * S * Hkv * K * 2 * 2 > 8 * 2**30:
                             continue
                         x = make_inputs(B, H, Hkv, S, K, ragged)
-                        ref = decode_attention_reference(*x)
-                        err = float(jnp.max(jnp.abs(decode_attention(*x, config=kernel).astype(jnp.float32)
-                                                    - ref.astype(jnp.float32))))
+                        ref = decode_attention_reference(*x).astype(jnp.float32)
                         valid = int(np.sum(np.asarray(x[4]) - np.asarray(x[3])))
                         need = valid * Hkv * K * 2 * 2 + 2 * q_bytes(x[0])
-                        t_k, t_x = time_call(kernel, *x), time_call(xla, *x)
-                        run = {"B": B, "H": H, "Hkv": Hkv, "K": K, "S": S, "ragged": ragged, "max_abs_err": err,
-                               "kernel_us": 1e6 * t_k, "xla_us": 1e6 * t_x, "speedup": t_x / t_k,
-                               "roofline_us": 1e6 * need / bandwidth, "kernel_roofline_ratio": t_k * bandwidth / need,
-                               "xla_roofline_ratio": t_x * bandwidth / need}
+                        t_x = time_call(xla, *x)
+                        run = {"B": B, "H": H, "Hkv": Hkv, "K": K, "S": S, "ragged": ragged, "xla_us": 1e6 * t_x,
+                               "roofline_us": 1e6 * need / bandwidth if bandwidth else None,
+                               "xla_roofline_ratio": ratio(t_x, need), "kernel": []}
+                        line = [f"B={B:3d} H={H} Hkv={Hkv:2d} K={K:3d} S={S:4d} {'ragged' if ragged else 'full  '} "
+                                f"xla {1e6 * t_x:7.1f} us" + (f" ({ratio(t_x, need):.2f}x roofline)" if gpu else "")]
+                        for n in args.splits:
+                            cfg = dataclasses.replace(kernel, num_splits=n)
+                            used = auto_splits(cfg, B, Hkv, S)
+                            err = float(jnp.max(jnp.abs(decode_attention(*x, config=cfg).astype(jnp.float32) - ref)))
+                            t_k = time_call(cfg, *x)
+                            run["kernel"].append({"num_splits": n, "splits_used": used, "us": 1e6 * t_k,
+                                                  "speedup": t_x / t_k, "roofline_ratio": ratio(t_k, need),
+                                                  "max_abs_err": err})
+                            line.append(f"splits {n or 'auto'}{f'={used}' if not n else ''} {1e6 * t_k:7.1f} us "
+                                        f"({t_x / t_k:.2f}x xla" + (f", {ratio(t_k, need):.2f}x roofline" if gpu else "")
+                                        + f", err {err:.0e})")
                         result["runs"].append(run)
-                        print(f"B={B:3d} H={H} Hkv={Hkv:2d} K={K:3d} S={S:4d} {'ragged' if ragged else 'full  '} "
-                              f"kernel {run['kernel_us']:7.1f} us ({run['kernel_roofline_ratio']:.2f}x roofline)  "
-                              f"xla {run['xla_us']:7.1f} us ({run['xla_roofline_ratio']:.2f}x)  "
-                              f"speedup {run['speedup']:.2f}  err {err:.1e}", flush=True)
+                        print(" | ".join(line), flush=True)
     common.write("decode-attention", result, args.out)
 
 

@@ -7,10 +7,13 @@
     start, end [B] int32 (or scalars)  row b attends slots start[b] <= s < end[b] (left padding, current length)
     out        [B, H, K]
 
-The Pallas (Triton) kernel runs one program per (row, KV head). Each (row, head) holds its slots contiguously
-(S x K), so a program streams the row's valid slots in blocks of `block_s` with an online softmax in
-float32, reading only the part of the cache that holds real tokens, once (plain XLA reads all S slots of
-every row every step). It reads the layer straight out of the whole cache, so generation never copies a
+The Pallas (Triton) kernel runs one program per (row, KV head, split). Each (row, head) holds its slots
+contiguously (S x K), so a program streams the valid slots of its chunk of S in blocks of `block_s` with an
+online softmax in float32, reading only the part of the cache that holds real tokens, once (plain XLA reads
+all S slots of every row every step). With one split (the default when B x Hkv already fills the GPU) a
+program covers all S and writes the normalised output. With N > 1 splits (flash-decoding: for small B x Hkv,
+where B x Hkv programs leave SMs idle) each program covers S / N slots and writes its partial sums (the
+unnormalised output, the running max and the normaliser), and a few jnp ops merge the N partials. It reads the layer straight out of the whole cache, so generation never copies a
 layer's cache out of the carried [L, ...] buffer. The G = H / Hkv queries of a KV head, padded to 16 rows,
 go through tensor-core matrix products: measured on the H200 this beats elementwise products summed over K
 (the `use_dot=False` form) by 2x even when G = 1.
@@ -43,6 +46,8 @@ class DecodeAttentionConfig:
     use_dot: bool = True  # scores by tensor-core products (queries padded to 16 rows), else elementwise
     num_warps: int = 2
     num_stages: int = 3
+    # Chunks of the cache per (row, KV head), each its own program (flash-decoding); 0: auto (`splits`).
+    num_splits: int = 0
     interpret: bool | None = None  # None: interpret mode when not on a GPU (CPU tests)
 
     def __post_init__(self):
@@ -54,12 +59,27 @@ class DecodeAttentionConfig:
             raise ValueError(f"num_warps: expected a power of two, got {self.num_warps}")
         if self.num_stages < 1:
             raise ValueError(f"num_stages: expected >= 1, got {self.num_stages}")
+        if not isinstance(self.num_splits, int) or self.num_splits < 0:
+            raise ValueError(f"num_splits: expected an int >= 0 (0: auto), got {self.num_splits!r}")
 
     def use_kernel(self, head_dim: int, groups: int) -> bool:
         if self.implementation == "auto":  # Triton needs power-of-two block shapes
             pow2 = lambda n: n & (n - 1) == 0
             return jax.default_backend() == "gpu" and pow2(head_dim) and head_dim >= 16 and pow2(groups)
         return self.implementation == "pallas"
+
+    def splits(self, programs: int, blocks: int, cores: int | None) -> int:
+        """How many chunks each (row, KV head) is split into, given B x Hkv `programs`, `blocks` of block_s slots
+        in S and the GPU's SM count `cores` (None: unknown, e.g. on the CPU): num_splits if set, at most one
+        chunk per block. Auto (0): double the splits while B x Hkv x splits is under 4 programs per SM (one
+        program per (row, head) leaves most SMs idle at batch 32 with grouped-query heads); 1 where B x Hkv
+        already reaches that, or the SM count is unknown."""
+        if self.num_splits:
+            return min(self.num_splits, blocks)
+        splits = 1
+        while cores and programs * splits < 4 * cores and splits * 2 <= blocks:
+            splits *= 2
+        return splits
 
 
 def _as_cache(k, v, layer):
@@ -102,11 +122,16 @@ def xla_decode_attention(q, k, v, start, end, layer=0):
     return out.reshape(B, H, K).astype(q.dtype)
 
 
-def _kernel(layer_ref, start_ref, end_ref, q_ref, k_ref, v_ref, o_ref, *, block_s: int, use_dot: bool):
-    # layer_ref [1]; start_ref, end_ref [1] (this row's valid range); q_ref, o_ref [G, K] (the queries of
-    # one KV head, padded to 16 rows for the dot path); k_ref, v_ref: the whole cache [L, B, Hkv, S, K].
-    b, h = pl.program_id(0), pl.program_id(1)
-    layer, start, end = layer_ref[0], start_ref[0], end_ref[0]
+def _kernel(layer_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *out_refs, block_s: int, chunk: int,
+            use_dot: bool):
+    # layer_ref [1]; start_ref, end_ref [1] (this row's valid range); q_ref [G, K] (the queries of one KV head,
+    # padded to 16 rows for the dot path); k_ref, v_ref: the whole cache [L, B, Hkv, S, K]. This program reads
+    # the chunk of slots [j * chunk, (j + 1) * chunk). out_refs: o_ref [G, K] (one split: the output), or
+    # acc_ref [G, K], m_ref [G], l_ref [G] (the partial sums of this chunk, float32).
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]
+    start = jnp.maximum(start_ref[0], j * chunk)  # start >= end: a chunk with no valid slot reads nothing
+    end = jnp.minimum(end_ref[0], (j + 1) * chunk)
     G, K = q_ref.shape
     q = q_ref[...] if use_dot else q_ref[...].astype(jnp.float32)
 
@@ -131,11 +156,25 @@ def _kernel(layer_ref, start_ref, end_ref, q_ref, k_ref, v_ref, o_ref, *, block_
             pv = jnp.sum(p[:, :, None] * vb.astype(jnp.float32)[None, :, :], axis=1)
         return m_new, l, acc * alpha[:, None] + pv
 
-    # Only the blocks that hold valid slots are read. The running max starts finite so that the first
-    # rescale exp(m - m_new) is 0, not NaN.
+    # Only the blocks that hold valid slots are read. The running max starts at -1e30, our finite -inf: the
+    # first rescale exp(m - m_new) is 0, not NaN, and a chunk with no valid slot leaves m = -1e30, l = acc = 0.
     init = (jnp.full((G,), -1e30, jnp.float32), jnp.zeros((G,), jnp.float32), jnp.zeros((G, K), jnp.float32))
     m, l, acc = jax.lax.fori_loop(start // block_s, pl.cdiv(end, block_s), body, init)
-    o_ref[...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
+    if len(out_refs) == 1:
+        out_refs[0][...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(out_refs[0].dtype)
+    else:
+        acc_ref, m_ref, l_ref = out_refs
+        acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
+
+
+def _combine(acc, m, l):
+    """Merge the splits' partial sums: acc [..., N, G, K] (unnormalised outputs), m, l [..., N, G] (running max,
+    normaliser) -> [..., G, K]. Split n's terms were scaled by exp(-m_n); rescale all to the largest max M.
+    A split with no valid slot has m = -1e30 (finite), so its weight exp(m - M) <= 1 is no NaN and multiplies
+    its l = acc = 0; a row with no valid slot at all gives 0, as with one split."""
+    w = jnp.exp(m - jnp.max(m, axis=-2, keepdims=True))  # [..., N, G]
+    total = jnp.sum(w * l, axis=-2)  # [..., G]
+    return jnp.sum(w[..., None] * acc, axis=-3) / jnp.maximum(total, 1e-30)[..., None]
 
 
 # jit makes the call removable by dead-code elimination (flax's scan over layers traces the body twice).
@@ -154,25 +193,40 @@ def _pallas(q, k, v, layer, start, end, *, config):
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
     interpret = config.interpret if config.interpret is not None else jax.default_backend() != "gpu"
     params = None if interpret else pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
-    row = pl.BlockSpec((1,), lambda b, h: (b,))
+    cores = None if interpret else getattr(jax.devices()[0], "core_count", None)
+    splits = config.splits(B * Hkv, S // block_s, cores)
+    chunk = pl.cdiv(pl.cdiv(S, splits), block_s) * block_s  # whole blocks: a block never straddles two chunks
+    splits = pl.cdiv(S, chunk)
+    row = pl.BlockSpec((1,), lambda b, h, j: (b,))
+    part = lambda *shape: pl.BlockSpec((None, None, None, *shape), lambda b, h, j: (b, h, j) + (0,) * len(shape))
+    if splits == 1:
+        out_specs, out_shape = part(Gp, K), jax.ShapeDtypeStruct((B, Hkv, 1, Gp, K), q.dtype)
+    else:  # the partial sums: acc, m, l
+        out_specs = [part(Gp, K), part(Gp), part(Gp)]
+        out_shape = [jax.ShapeDtypeStruct((B, Hkv, splits, *shape), jnp.float32) for shape in ((Gp, K), (Gp,), (Gp,))]
     out = pl.pallas_call(
-        functools.partial(_kernel, block_s=block_s, use_dot=use_dot),
-        grid=(B, Hkv),
+        functools.partial(_kernel, block_s=block_s, chunk=chunk, use_dot=use_dot),
+        grid=(B, Hkv, splits),
         in_specs=[
-            pl.BlockSpec((1,), lambda b, h: (0,)),
+            pl.BlockSpec((1,), lambda b, h, j: (0,)),
             row,
             row,
-            pl.BlockSpec((None, None, Gp, K), lambda b, h: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, Gp, K), lambda b, h, j: (b, h, 0, 0)),
             pl.no_block_spec,
             pl.no_block_spec,
         ],
-        out_specs=pl.BlockSpec((None, None, Gp, K), lambda b, h: (b, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((B, Hkv, Gp, K), q.dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=params,
         interpret=interpret,
         name="jaxrlhf_decode_attention",
     )(layer.reshape(1), start, end, qg, k, v)
-    return out[:, :, :G].reshape(B, H, K)
+    if splits == 1:
+        out = out[:, :, 0, :G]
+    else:
+        acc, m, l = out
+        out = _combine(acc[..., :G, :], m[..., :G], l[..., :G]).astype(q.dtype)
+    return out.reshape(B, H, K)
 
 
 def decode_attention(q, k, v, start, end, layer=0, *, config: DecodeAttentionConfig = DecodeAttentionConfig(),
