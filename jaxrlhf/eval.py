@@ -155,7 +155,7 @@ def _in_batches(fn, arrays: list[np.ndarray], size: int) -> list[np.ndarray]:
 def _answer_logprobs(config, params, ids, mask, tokens, answer_mask):
     """[B, G]: log p of each answer token given the prompt and the answer before it (0 past the answer)."""
     from jaxrlhf.losses import token_logprobs
-    from jaxrlhf.models.opt import logits
+    from jaxrlhf.models import logits
 
     seq, seq_mask = jnp.concatenate([ids, tokens], 1), jnp.concatenate([mask, answer_mask], 1)
     return token_logprobs(logits(config, params, seq, seq_mask), seq)[:, -tokens.shape[1] :] * answer_mask
@@ -164,7 +164,7 @@ def _answer_logprobs(config, params, ids, mask, tokens, answer_mask):
 @partial(jax.jit, static_argnums=0)
 def _scores(config, params, ids, mask, tokens, answer_mask):
     """[B]: the reward model's value at each answer's last real token (its EOS if it ended), as in Step 3."""
-    from jaxrlhf.models.opt import values
+    from jaxrlhf.models import values
 
     v = values(config, params, jnp.concatenate([ids, tokens], 1), jnp.concatenate([mask, answer_mask], 1))
     last = ids.shape[1] + jnp.sum(answer_mask, axis=1) - 1
@@ -175,7 +175,7 @@ def _scores(config, params, ids, mask, tokens, answer_mask):
 def _row_nll(config, params, input_ids, attention_mask, loss_mask):
     """[B] each row's summed next-token loss over its targets, and [B] the number of targets."""
     from jaxrlhf.losses import token_logprobs
-    from jaxrlhf.models.opt import logits
+    from jaxrlhf.models import logits
 
     m = loss_mask[:, 1:].astype(jnp.float32)
     return -jnp.sum(token_logprobs(logits(config, params, input_ids, attention_mask), input_ids) * m, axis=1), m.sum(1)
@@ -184,7 +184,7 @@ def _row_nll(config, params, input_ids, attention_mask, loss_mask):
 @partial(jax.jit, static_argnums=0)
 def _pair_scores(config, params, chosen_ids, chosen_mask, rejected_ids, rejected_mask):
     from jaxrlhf.losses import end_scores
-    from jaxrlhf.models.opt import values
+    from jaxrlhf.models import values
 
     return (end_scores(values(config, params, chosen_ids, chosen_mask), chosen_mask),
             end_scores(values(config, params, rejected_ids, rejected_mask), rejected_mask))
