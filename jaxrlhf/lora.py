@@ -1,8 +1,10 @@
 """LoRA adapters (DeepSpeed-Chat's `--lora_dim`, `--lora_module_name`): a separate trainable subtree.
 
 Every Linear kernel whose dotted module path contains `LoRAConfig.module_name` gets two low-rank
-factors of rank r = `dim`, kept in a tree of their own that mirrors only the adapted modules
-(default filter "decoder.layers."):
+factors of rank r = `dim`, kept in a tree of their own that mirrors only the adapted modules. The
+default filter is the model family's decoder layers, told apart by the root of the parameter tree
+(FAMILY_LAYERS): OPT's "decoder.layers." (shown here), Llama's "model.layers." (q/k/v/o_proj and
+mlp/gate/up/down_proj; never the embedding, the untied lm_head or the value head):
 
     params (untouched)                              lora (new, trainable)
     decoder/embed_tokens/embedding  [V, E]          never adapted (nor embed_positions)
@@ -45,6 +47,9 @@ import jax.numpy as jnp
 from jaxrlhf.sharding import path_str
 
 _LEAVES = ("lora_a", "lora_b")
+# The default module filter per model family, keyed by the root module of its parameter tree (HF's names:
+# OPTForCausalLM's model.decoder.layers, LlamaForCausalLM's model.layers): every Linear of the layers.
+FAMILY_LAYERS = {"decoder": "decoder.layers.", "model": "model.layers."}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +57,8 @@ class LoRAConfig:
     #: LoRA rank (DeepSpeed-Chat's lora_dim); 0 turns LoRA off
     dim: int = 0
     #: adapt every Linear whose dotted module path (e.g. decoder.layers.self_attn.q_proj) contains this
-    module_name: str = "decoder.layers."
+    #: (null: every Linear of the decoder layers, for the model's family: OPT decoder.layers., Llama model.layers.)
+    module_name: str | None = None
     #: the adapter output is multiplied by scaling / dim (DeepSpeed-Chat's lora_scaling)
     scaling: float = 1.0
     #: train only the adapters; all base weights (biases, LayerNorms, embeddings too) stay frozen
@@ -63,7 +69,7 @@ class LoRAConfig:
     def __post_init__(self):
         if self.dim < 0:
             raise ValueError(f"LoRAConfig.dim: expected >= 0 (0 = LoRA off), got {self.dim}")
-        if not self.module_name:
+        if self.module_name == "":
             raise ValueError("LoRAConfig.module_name: expected a non-empty module path fragment, e.g. decoder.layers.")
         if not self.scaling > 0:
             raise ValueError(f"LoRAConfig.scaling: expected > 0, got {self.scaling}")
@@ -83,14 +89,27 @@ def _kernels(params: Any) -> dict[str, Any]:
     return out
 
 
+def module_filter(params: Any, cfg: LoRAConfig) -> str:
+    """`cfg.module_name`, or when it is None the decoder layers of the family whose tree `params` is."""
+    if cfg.module_name is not None:
+        return cfg.module_name
+    roots = [r for r in FAMILY_LAYERS if isinstance(params, dict) and r in params]
+    if len(roots) != 1:
+        top = sorted(params) if isinstance(params, dict) else type(params).__name__
+        raise ValueError(f"LoRA: cannot tell the model family from the parameter tree (top-level modules {top}; "
+                         f"known: {', '.join(FAMILY_LAYERS)}); set lora.module_name")
+    return FAMILY_LAYERS[roots[0]]
+
+
 def _targets(params: Any, cfg: LoRAConfig) -> dict[str, Any]:
     """The kernels `cfg.module_name` selects, matched like DeepSpeed-Chat against dotted module names."""
     kernels = _kernels(params)
-    out = {m: k for m, k in kernels.items() if cfg.module_name in m.replace("/", ".")}
+    name = module_filter(params, cfg)
+    out = {m: k for m, k in kernels.items() if name in m.replace("/", ".")}
     if not out:
         names = sorted(m.replace("/", ".") for m in kernels)
         raise ValueError(
-            f"LoRA module_name {cfg.module_name!r} matches no Linear kernel; available modules: "
+            f"LoRA module_name {name!r} matches no Linear kernel; available modules: "
             f"{', '.join(names[:8])}{', ...' if len(names) > 8 else ''}"
         )
     return out

@@ -9,7 +9,7 @@ import pytest
 from helpers import POST_LN_PROJ, PRE_LN, left_padded_batch
 from jax.sharding import PartitionSpec as P
 
-from jaxrlhf import OPTConfig, init_params, logits, make_mesh, reshard, shardings_for
+from jaxrlhf import LlamaConfig, OPTConfig, init_params, logits, make_mesh, reshard, shardings_for
 from jaxrlhf.config import ConfigError, field_help, load
 from jaxrlhf.lora import LoRAConfig, fuse, init_lora
 from jaxrlhf.sharding import path_str
@@ -188,6 +188,49 @@ def test_module_filter_selects_like_deepspeed_chat():
         pick("lm_head")
     with pytest.raises(ValueError, match="matches no Linear kernel"):  # embeddings are never adapted
         pick("embed_tokens")
+
+
+def test_llama_default_filter_adapts_attention_and_mlp_and_only_optimize_lora_freezes_the_base():
+    from jaxrlhf.sft import sft_loss
+    from jaxrlhf.trainer import OptimConfig, create_state, effective_params, make_optimizer, make_train_step
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)
+    params = init_params(config, jax.random.key(0), std=0.2)
+    cfg = LoRAConfig(dim=4, only_optimize_lora=True)
+    lora = init_lora(params, cfg, jax.random.key(1))
+    layers = "model/layers/"
+    assert modules(lora) == sorted([f"{layers}self_attn/{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+                                   + [f"{layers}mlp/{n}" for n in ("gate_proj", "up_proj", "down_proj")])  # not lm_head
+    got = leaves(lora)
+    assert got[f"{layers}self_attn/k_proj/lora_b"].shape == (2, 4, 16)  # 2 KV heads x head dim 8
+    assert got[f"{layers}mlp/down_proj/lora_a"].shape == (2, 48, 4)
+    assert modules(init_lora(params, LoRAConfig(dim=4, module_name="lm_head"), jax.random.key(1))) == ["lm_head"]
+    with pytest.raises(ValueError, match=r"cannot tell the model family from the parameter tree \(top-level modules \['encoder'\]; "
+                       r"known: decoder, model\); set lora.module_name"):
+        init_lora({"encoder": params["model"]}, cfg, jax.random.key(1))
+    # A few steps of Step 1's loss with only the adapters trained: the loss falls, the base stays bit-identical.
+    before = jax.tree.map(np.array, params)
+    tx = make_optimizer(OptimConfig(learning_rate=1e-2, warmup_steps=0), 4, cfg)
+    state = create_state(params, cfg, tx, jax.random.key(2), make_mesh(1, jax.devices()[:1]))
+    ids = np.asarray(jax.random.randint(jax.random.key(3), (1, 4, 12), 3, 64), np.int32)
+    batch = {"input_ids": ids, "attention_mask": np.ones_like(ids), "loss_mask": np.ones_like(ids)}
+    step = jax.jit(make_train_step(sft_loss(config), tx, cfg))
+    losses = []
+    for _ in range(4):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"] / metrics["count"]))
+    assert losses[-1] < losses[0] - 0.05, losses
+    assert set(state["trainable"]) == {"lora"}
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state["frozen"]["params"]), before)
+    trained = leaves(state["trainable"]["lora"])
+    assert all(np.abs(np.asarray(trained[f"{m}/lora_b"])).max() > 0 for m in modules(lora))
+    fused = leaves(effective_params(state, cfg))
+    for path, x in leaves(params).items():  # only the adapted kernels moved in the model that runs
+        assert np.array_equal(np.asarray(fused[path]), np.asarray(x)) == (path.rpartition("/")[0] not in modules(lora)), path
+    ref = LOGITS(config, hand_fused(params, state["trainable"]["lora"], cfg), ids[0], batch["attention_mask"][0])
+    np.testing.assert_allclose(LOGITS(config, effective_params(state, cfg), ids[0], batch["attention_mask"][0]),
+                               ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
