@@ -37,7 +37,7 @@ from jaxrlhf.data import place
 from jaxrlhf.generate import generate
 from jaxrlhf.lora import LoRAConfig, adapted_mask
 from jaxrlhf.models import OPTConfig, logits, values
-from jaxrlhf.sharding import batch_sharding, check_tp, reshard, shardings_for
+from jaxrlhf.sharding import AXES, batch_sharding, check_tp, reshard, shardings_for
 from jaxrlhf.trainer import OptimConfig, create_state, effective_params, make_optimizer, make_train_step, state_shardings
 
 
@@ -76,6 +76,9 @@ class EngineConfig:
     #: kept for DeepSpeed-Chat configs: the KV cache exists only inside the compiled generate call and is
     #: always freed when it returns, with the generation copy of the weights
     release_inference_cache: bool = True
+    #: rows per micro-batch in the actor and critic steps (0: the whole batch at once); the gradients of a batch's
+    #: micro-batches are accumulated into one optimizer step (DeepSpeed-Chat's per_device_training_batch_size)
+    train_micro_batch_size: int = 0
     #: use generation's own log-probs as the old log-probs (skips one actor forward; equal in fp32, tested)
     old_logprobs_from_generation: bool = False
     #: KL penalty coefficient beta in r_t = -beta * (log p - log p_ref)
@@ -112,6 +115,7 @@ class EngineConfig:
             (self.temperature >= 0 and self.top_k >= 0 and 0 < self.top_p <= 1, "sampling: expected temperature >= 0, "
              f"top_k >= 0, 0 < top_p <= 1; got {self.temperature}, {self.top_k}, {self.top_p}"),
             (self.inference_tp_size >= 1, f"inference_tp_size: expected >= 1, got {self.inference_tp_size}"),
+            (self.train_micro_batch_size >= 0, f"train_micro_batch_size: expected >= 0, got {self.train_micro_batch_size}"),
             (self.kl_coef >= 0, f"kl_coef: expected >= 0, got {self.kl_coef}"),
             (self.kl_target is None or self.kl_target > 0, f"kl_target: expected > 0 or null, got {self.kl_target}"),
             (self.kl_horizon > 0, f"kl_horizon: expected > 0, got {self.kl_horizon}"),
@@ -250,10 +254,20 @@ def _advantages(s: Static, exp, kl_coef):
     return {**exp, "advantages": adv, "returns": ret}, stats
 
 
+def _micro_batches(s: Static, exp):
+    """Every leaf [B, ...] as [n, B / n, ...]: micro-batch i holds rows i, i + n, ..., so no row leaves its device."""
+    B, size = exp["mask"].shape[0], s.cfg.train_micro_batch_size or exp["mask"].shape[0]
+    if B % size or size % s.mesh.size:
+        raise ValueError(f"train_micro_batch_size: expected a divisor of the batch ({B}) that the device count "
+                         f"({s.mesh.size}) divides, got {size}")
+    split = lambda x: jnp.swapaxes(x.reshape(x.shape[0] * size // B, B // size, *x.shape[1:]), 0, 1)
+    return jax.lax.with_sharding_constraint(jax.tree.map(split, exp), NamedSharding(s.mesh, P(None, AXES)))
+
+
 def _one_step(s: Static, name: str, loss_fn, state, exp):
-    """One optimizer step of the actor or critic on the whole batch (one micro-batch: [1, B, ...])."""
+    """One optimizer step of the actor or critic on the whole batch, accumulated over its micro-batches."""
     step = make_train_step(loss_fn, s.tx(name), s.side(name).lora)
-    state, metrics = step(state, jax.tree.map(lambda x: x[None], exp))
+    state, metrics = step(state, _micro_batches(s, exp))
     return jax.lax.with_sharding_constraint(state, state_shardings(state, s.mesh)), metrics
 
 
@@ -264,15 +278,17 @@ def _actor_update(s: Static, actor, ema, exp):
 
     def loss_fn(params, exp, key):
         lp = _answer_logprobs(s.actor, params, exp, key)
+        tokens = jnp.sum(exp["mask"]).astype(jnp.float32)  # micro-batches weigh by their answer tokens
         loss = losses.actor_loss(lp, exp["logprobs"], exp["advantages"], exp["mask"], cfg.clip_ratio)
-        metrics = {"actor_loss": loss}
+        metrics = {"actor_loss": loss * tokens}
         if "unsup" in exp:  # DeepSpeed-Chat's mixture training, here in the same step
             u = exp["unsup"]
             out = logits(s.actor, params, u["input_ids"], u["attention_mask"], dropout_rng=key)
             total, count, _ = losses.lm_loss(out, u["input_ids"], u["loss_mask"])
-            metrics["unsup_loss"] = total / jnp.maximum(count, 1)
-            loss = loss + cfg.unsup_coef * metrics["unsup_loss"]
-        return loss, jnp.float32(1), metrics
+            unsup = total / jnp.maximum(count, 1)
+            metrics["unsup_loss"] = unsup * tokens
+            loss = loss + cfg.unsup_coef * unsup
+        return loss * tokens, tokens, metrics
 
     actor, metrics = _one_step(s, "actor", loss_fn, actor, exp)
     if ema is not None:
@@ -287,8 +303,9 @@ def _critic_update(s: Static, critic, exp):
 
     def loss_fn(params, exp, key):
         v = _answer_values(s.critic, params, exp, key)
-        loss = losses.critic_loss(v, exp["values"], exp["returns"], exp["mask"], s.cfg.clip_value)
-        return loss, jnp.float32(1), {"critic_loss": loss}
+        tokens = jnp.sum(exp["mask"]).astype(jnp.float32)
+        loss = losses.critic_loss(v, exp["values"], exp["returns"], exp["mask"], s.cfg.clip_value) * tokens
+        return loss, tokens, {"critic_loss": loss}
 
     return _one_step(s, "critic", loss_fn, critic, exp)
 
@@ -405,8 +422,8 @@ class HybridEngine:
         self.state.update(actor=actor, **({"ema": ema} if ema is not None else {}))
         critic, c = self._timed("critic_step", _critic_update, self.static, self.state["critic"], exp)
         self.state["critic"] = critic
-        stats.update(actor_loss=a["actor_loss"], actor_grad_norm=a["grad_norm"], critic_loss=c["critic_loss"],
-                     critic_grad_norm=c["grad_norm"], kl_coef=self.state["kl_coef"], **{k: a[k] for k in ("unsup_loss",) if k in a})
+        stats.update(actor_grad_norm=a["grad_norm"], critic_loss=c["critic_loss"] / c["count"], critic_grad_norm=c["grad_norm"],
+                     kl_coef=self.state["kl_coef"], **{k: a[k] / a["count"] for k in ("actor_loss", "unsup_loss") if k in a})
         stats = {k: float(v) for k, v in jax.device_get(stats).items()}
         if self.cfg.kl_target is not None:  # adaptive KL controller: move beta towards the target KL
             error = float(np.clip(stats["kl"] / self.cfg.kl_target - 1, -0.2, 0.2))
