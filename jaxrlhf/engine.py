@@ -53,6 +53,9 @@ class ModelSide:
     remat: bool = False
     #: dropout in the training steps (null: the checkpoint's own; 0 is DeepSpeed-Chat's --disable_*_dropout)
     dropout: float | None = 0.0
+    #: keep the optimizer state in host memory (pinned_host), on the device only during this model's step
+    #: (DeepSpeed-Chat's --offload)
+    offload: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +79,10 @@ class EngineConfig:
     #: kept for DeepSpeed-Chat configs: the KV cache exists only inside the compiled generate call and is
     #: always freed when it returns, with the generation copy of the weights
     release_inference_cache: bool = True
+    #: keep the reference model's own leaves in host memory, on the device only while scoring (--offload_reference_model)
+    offload_reference_model: bool = False
+    #: keep the reward model's own leaves in host memory, on the device only while scoring (--offload_reward_model)
+    offload_reward_model: bool = False
     #: rows per micro-batch in the actor and critic steps (0: the whole batch at once); the gradients of a batch's
     #: micro-batches are accumulated into one optimizer step (DeepSpeed-Chat's per_device_training_batch_size)
     train_micro_batch_size: int = 0
@@ -158,6 +165,17 @@ def with_shared(own, state):
     """The frozen model's full tree: its own leaves, and the trainable model's base leaves where it shares."""
     return jax.tree.map(lambda mine, base: base if mine is None else mine, own, base_params(state),
                         is_leaf=lambda x: x is None)
+
+
+def to_memory(tree, kind: str, donate: bool = False):
+    """`tree` in memory `kind` ("pinned_host" or "device") with the same layout; `donate` frees the source (by
+    hand once the copy exists: jax 0.11 cannot donate across memory kinds)."""
+    out = jax.block_until_ready(jax.device_put(tree, jax.tree.map(lambda x: x.sharding.with_memory_kind(kind), tree)))
+    if donate:
+        for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(out)):
+            if x is not y:
+                x.delete()
+    return out
 
 
 def tree_bytes(tree) -> int:
@@ -346,6 +364,11 @@ class HybridEngine:
             self.state["ema"] = _fused(self.static, actor_state)
         self.timings: dict[str, float] = {}
         self.reshard_bytes = 0
+        if cfg.offload_reference_model:
+            self.ref_own = to_memory(self.ref_own, "pinned_host", donate=True)
+        if cfg.offload_reward_model:
+            self.reward_own = to_memory(self.reward_own, "pinned_host", donate=True)
+        self.offload()
 
     # ------------------------------------------------------------------------------------------------ layout
 
@@ -358,6 +381,16 @@ class HybridEngine:
         if "ema" in state:
             out["ema"] = shardings_for(state["ema"], "fsdp", self.mesh)
         return out
+
+    def offload(self):
+        """Move the optimizer states that the config offloads to host memory (after construction or a restore)."""
+        for name in ("actor", "critic"):
+            self._opt_to(name, "pinned_host")
+
+    def _opt_to(self, name: str, kind: str):
+        if getattr(self.cfg, name).offload:
+            state = self.state[name]
+            self.state[name] = {**state, "opt": self._timed("offload", to_memory, state["opt"], kind, True)}
 
     # ------------------------------------------------------------------------------------------------ verbs
 
@@ -405,8 +438,14 @@ class HybridEngine:
         for leaf in fresh(params):  # DeepSpeed-Chat's release of the inference copy
             leaf.delete()
         del params
-        exp = self._timed("score", _score, self.static, self.state, self.ref_own, self.reward_own, ids, mask, tokens, answer_mask,
-                          gen_logprobs)
+        # Offloaded frozen models come to the device for scoring only; the host copy stays.
+        frozen = [self._timed("offload", to_memory, own, "device") if on else own for own, on in
+                  ((self.ref_own, cfg.offload_reference_model), (self.reward_own, cfg.offload_reward_model))]
+        exp = self._timed("score", _score, self.static, self.state, *frozen, ids, mask, tokens, answer_mask, gen_logprobs)
+        for tree, on in zip(frozen, (cfg.offload_reference_model, cfg.offload_reward_model)):
+            for leaf in jax.tree.leaves(tree) if on else ():
+                leaf.delete()
+        del frozen
         exp["generation_logprobs"] = gen_logprobs
         self.state["iteration"] = self.state["iteration"] + 1
         return exp
@@ -418,10 +457,14 @@ class HybridEngine:
         if unsupervised is not None:
             exp["unsup"] = place(unsupervised, self.mesh, "fsdp") if isinstance(unsupervised["input_ids"], np.ndarray) else unsupervised
         exp, stats = self._timed("advantages", _advantages, self.static, exp, self.state["kl_coef"])
+        self._opt_to("actor", "device")  # offloaded optimizer states are on the device for their own step only
         actor, ema, a = self._timed("actor_step", _actor_update, self.static, self.state["actor"], self.state.get("ema"), exp)
         self.state.update(actor=actor, **({"ema": ema} if ema is not None else {}))
+        self._opt_to("actor", "pinned_host")
+        self._opt_to("critic", "device")
         critic, c = self._timed("critic_step", _critic_update, self.static, self.state["critic"], exp)
         self.state["critic"] = critic
+        self._opt_to("critic", "pinned_host")
         stats.update(actor_grad_norm=a["grad_norm"], critic_loss=c["critic_loss"] / c["count"], critic_grad_norm=c["grad_norm"],
                      kl_coef=self.state["kl_coef"], **{k: a[k] / a["count"] for k in ("actor_loss", "unsup_loss") if k in a})
         stats = {k: float(v) for k, v in jax.device_get(stats).items()}

@@ -24,11 +24,12 @@ from jaxrlhf.alarms import AlarmConfig, AlarmTracker, experience_figures, traini
 from jaxrlhf.config import ConfigError, run_cli
 from jaxrlhf.distributed import to_host
 from jaxrlhf.data import Batches, DataConfig, prepare
+from jaxrlhf import plan as memory_plan
 from jaxrlhf.engine import EngineConfig, HybridEngine, ModelSide
 from jaxrlhf.sharding import make_mesh
 from jaxrlhf.trainer import MetricsLog, RunConfig, checkpoint_manager, load_model, restore_state
 
-PHASES = ("reshard", "generate", "score", "advantages", "actor_step", "critic_step")
+PHASES = ("reshard", "generate", "score", "advantages", "actor_step", "critic_step", "offload")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,9 @@ class PPOConfig(EngineConfig):
     print_answers: bool = False
     #: reward-hacking alarms: bounds on answer length, repetition, entropy and KL; learned vs gold reward trend
     alarms: AlarmConfig = AlarmConfig()
+    #: device memory in GiB that the memory plan must fit (0: the device's bytes_limit; the CPU reports none, so
+    #: nothing is checked there unless set); see python -m jaxrlhf.plan
+    device_memory_gib: float = 0.0
     data: DataConfig = DataConfig(max_prompt_len=256)
 
     def __post_init__(self):
@@ -79,6 +83,10 @@ def check(cfg: PPOConfig, mesh):
     for name, rows in (("batch_size", cfg.batch_size), ("unsup_batch_size", cfg.unsup_batch_size or cfg.batch_size)):
         if rows % mesh.size:
             raise ConfigError(f"{name} {rows} does not split over the {mesh.size} devices; use a multiple of {mesh.size}")
+    local = jax.local_device_count()
+    if jax.process_count() > 1 and local % cfg.inference_tp_size:  # each process loads its own prompts
+        raise ConfigError(f"inference_tp_size {cfg.inference_tp_size} would span processes ({local} devices each): "
+                          f"a generation group must sit in one process; use a divisor of {local}")
 
 
 def side_run(cfg: PPOConfig, side: ModelSide) -> RunConfig:
@@ -98,7 +106,7 @@ def decode_rows(tokenizer, ids, mask, skip_first: bool = False) -> list[str]:
 
 
 def gold_rewards(tokenizer, exp) -> list[float]:
-    """The built-in task's gold reward of each answer in an experience batch."""
+    """The built-in task's gold reward of each answer in an experience batch (host arrays, `host_experiences`)."""
     from jaxrlhf.data.synthetic import gold_reward
 
     G = exp["mask"].shape[1]
@@ -106,6 +114,12 @@ def gold_rewards(tokenizer, exp) -> list[float]:
     prompts = decode_rows(tokenizer, seq[:, :-G], seq_mask[:, :-G], skip_first=True)
     answers = decode_rows(tokenizer, seq[:, -G:], seq_mask[:, -G:])
     return [gold_reward(p, a) for p, a in zip(prompts, answers)]
+
+
+def host_experiences(experiences: list[dict]) -> list[dict]:
+    """The token arrays and old log-probs of experience batches, whole on every process (each process holds only
+    its rows of a batch): what gold rewards, alarms and printed answers read."""
+    return to_host([{k: e[k] for k in ("seq", "seq_mask", "mask", "logprobs")} for e in experiences])
 
 
 def effective_tflops(engine: HybridEngine, samples: int, seq_len: int, seconds: float, ppo_epochs: int) -> float:
@@ -147,7 +161,12 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
     from tqdm import tqdm
 
     mesh = mesh or make_mesh(cfg.inference_tp_size)
+    log(f"mesh {dict(mesh.shape)}: {mesh.size} devices, {jax.process_count()} process(es), this is process "
+        f"{jax.process_index()}")
+    if jax.process_index() != 0:  # the others run silently (errors still reach their stderr)
+        log = lambda _: None  # noqa: E731
     check(cfg, mesh)
+    log(memory_plan.check(cfg, mesh).table())  # refuses a config that cannot fit, before loading or compiling
     actor_config, actor_params, tokenizer = load_model(side_run(cfg, cfg.actor), value_head=False)
     critic_config, critic_params, _ = load_model(side_run(cfg, cfg.critic), value_head=True)
     positions = actor_config.max_position_embeddings
@@ -176,6 +195,7 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
         restored, meta = restore_state(manager, engine.state, engine.shardings())
         if restored is not None:
             engine.state = restored
+            engine.offload()
             for name, batches in sources.items():
                 batches.epoch, batches.position = meta[name]["epoch"], meta[name]["position"]
             log(f"resumed from iteration {int(engine.state['iteration']) // cfg.generation_batches}")
@@ -206,10 +226,11 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
                        tflops=effective_tflops(engine, samples, experiences[0]["seq"].shape[1], seconds, cfg.ppo_epochs))
         if peak_memory() is not None:
             figures["peak_memory_bytes"] = peak_memory()
+        host = host_experiences(experiences) if synthetic or cfg.alarms.enabled or cfg.print_answers else None
         if synthetic:
-            figures["gold_reward"] = float(np.mean([g for e in experiences for g in gold_rewards(tokenizer, e)]))
+            figures["gold_reward"] = float(np.mean([g for e in host for g in gold_rewards(tokenizer, e)]))
         if cfg.alarms.enabled:  # signs of reward hacking: logged when they start, on the bar while they last
-            figures.update(experience_figures(experiences, tokenizer.eos_token_id, cfg.alarms.ngram))
+            figures.update(experience_figures(host, tokenizer.eos_token_id, cfg.alarms.ngram))
             alarms = tracker.update(figures)
             for a in alarms:
                 if a.new:
@@ -223,10 +244,10 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
             bar.set_postfix({**{k: f"{figures[k]:.3g}" for k in shown if k in figures},
                              **({"ALARM": figures["alarms"]} if "alarms" in figures else {})})
             if cfg.print_answers:
-                e = experiences[0]
+                e = host[0]
                 G = e["mask"].shape[1]
-                prompt = decode_rows(tokenizer, np.asarray(e["seq"])[:1, :-G], np.asarray(e["seq_mask"])[:1, :-G], True)[0]
-                answer = decode_rows(tokenizer, np.asarray(e["seq"])[:1, -G:], np.asarray(e["seq_mask"])[:1, -G:])[0]
+                prompt = decode_rows(tokenizer, e["seq"][:1, :-G], e["seq_mask"][:1, :-G], True)[0]
+                answer = decode_rows(tokenizer, e["seq"][:1, -G:], e["seq_mask"][:1, -G:])[0]
                 log(f"--- iteration {it}\nprompt: {prompt!r}\nanswer: {answer!r}")
         bar.update(1)
         if cfg.save_every and it % cfg.save_every == 0 and it != iterations:

@@ -1,0 +1,405 @@
+"""The memory plan of Step 3: bytes per device of every item in every phase, from the config and the mesh
+alone, before anything is loaded or compiled. `python -m jaxrlhf.plan CONFIG [key=value ...]` prints it.
+
+    item                 lives                            dtype
+    actor/critic weights  always (FSDP)                   master (fp32; pure_bf16: bf16) + LoRA adapters fp32
+    actor/critic optim    always; offload: its step only   Adam moments of the leaves that train
+    reference / reward    always; offload: scoring only    compute dtype, only the leaves not shared (engine.py)
+    ema                   always                           master, the fused actor
+    gradients             the model's step                 the whole trainable tree, master dtype
+    fused LoRA kernels    scoring and the model's step     master dtype, the adapted kernels (fuse)
+    FSDP → TP switch      reshard                          compute dtype, both layouts at once
+    TP copy + KV cache    generation                       compute dtype; cache [L, B/data, Hkv/tp, S, K], S = P + G up to x64
+    activations           every program                    see `activations` (with and without remat)
+
+Shapes and sharding are exact (the trainer state is traced with `jax.eval_shape` and laid out with the
+FSDP/TP tables of jaxrlhf.sharding on an abstract mesh, so any device count can be planned); activations
+are an estimate (see `activations`). The phase peak is the resident items plus that phase's transients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AbstractMesh
+
+from jaxrlhf.config import ConfigError
+from jaxrlhf.lora import adapted_mask
+from jaxrlhf.models import param_shapes
+from jaxrlhf.sharding import AXES, FSDP_AXES, partition_spec, path_str
+from jaxrlhf.trainer import init_state, make_optimizer
+
+GiB = 2**30
+PHASES = ("reshard", "generate", "score", "actor_step", "critic_step")
+
+
+def abstract_mesh(devices: int, tp: int) -> AbstractMesh:
+    if tp < 1 or devices % tp:
+        raise ConfigError(f"inference_tp_size {tp} must divide the number of devices ({devices})")
+    return AbstractMesh((devices // tp, tp), AXES)
+
+
+def _leaf_bytes(path: str, x, layout: str, mesh) -> int:
+    spec = partition_spec(path, x.shape, layout, mesh)
+    split = math.prod(mesh.shape[a] for entry in spec if entry for a in (entry if isinstance(entry, tuple) else (entry,)))
+    return math.prod(x.shape) // split * np.dtype(x.dtype).itemsize
+
+
+def shard_bytes(tree, layout: str, mesh) -> int:
+    """Bytes per device of `tree` (arrays or ShapeDtypeStructs) laid out in `layout` on `mesh`."""
+    return sum(_leaf_bytes(path_str(p), x, layout, mesh) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0])
+
+
+def _cast(tree, dtype):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), tree)
+
+
+def activations(config, rows: int, T: int, *, train: bool, remat: bool, value_head: bool, backend: str) -> int:
+    """Bytes per device of one forward (and backward with `train`) over `rows` sequences of T tokens.
+
+    An estimate from the layer's tensors, per token of compute dtype c: a layer keeps for its backward its
+    input, the two LayerNorm outputs, q, k, v, the attention output and the residual (7 D) and the FFN's
+    hidden before and after the activation (2 F; Llama's gated MLP 3 F); with XLA's attention (the CPU, fp32,
+    attention dropout) also the [H, T, T] scores and probabilities in fp32. Remat keeps only each layer's
+    input and recomputes one layer at a time. The head's fp32 output ([T, V] logits or [T] values) exists
+    with its log-softmax and, training, their gradient; a forward alone holds a few [T, D] hidden states.
+    """
+    c = np.dtype(config.compute_dtype).itemsize
+    D, L, H = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
+    F = getattr(config, "ffn_dim", None) or config.intermediate_size
+    gated = 3 if config.model_type == "llama" else 2
+    xla_scores = config.attention == "xla" or backend != "gpu" or c == 4 or (train and config.attention_dropout > 0)
+    scores = H * T * T * 4 if xla_scores else 0  # one [H, T, T] fp32 array per sequence
+    layer = T * (7 * D + gated * F) * c + 3.5 * scores  # one layer's saved tensors per sequence: scores, probs (2 dtypes)
+    head = T * (1 if value_head else config.vocab_size) * 4
+    if not train:  # one layer at a time
+        return int(rows * (4 * T * D * c + T * (7 * D + gated * F) * c + 2 * scores + 2 * head))
+    # remat: each layer's input, and the one layer being recomputed (its scores and probabilities once)
+    kept = L * T * D * c + T * (7 * D + gated * F) * c + 2 * scores if remat else L * layer
+    backward = T * (2 * D + gated * F) * c + 2 * scores  # one layer's gradients in flight
+    return int(rows * (kept + backward + 2 * head))
+
+
+@dataclasses.dataclass
+class Plan:
+    """Bytes per device: `items` (name -> bytes), `phases` (phase -> the items it holds), and the capacity."""
+
+    items: dict[str, int]
+    phases: dict[str, list[str]]
+    capacity: int | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def phase_bytes(self, phase: str) -> int:
+        return sum(self.items[i] for i in self.phases[phase])
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phase_bytes)
+
+    @property
+    def peak(self) -> int:
+        return self.phase_bytes(self.peak_phase)
+
+    @property
+    def fits(self) -> bool:
+        return self.capacity is None or self.peak <= self.capacity
+
+    def largest(self, phase: str | None = None) -> tuple[str, int]:
+        name = max(self.phases[phase or self.peak_phase], key=self.items.get)
+        return name, self.items[name]
+
+    def table(self) -> str:
+        """Items as rows, phases as columns (GiB per device), the peak marked."""
+        width = max(len(i) for i in self.items) + 2
+        head = "item".ljust(width) + "".join(p.rjust(12) for p in self.phases)
+        lines = [head, "-" * len(head)]
+        for item, b in self.items.items():
+            cells = "".join((f"{b / GiB:12.3f}" if item in held else " " * 11 + "-") for held in self.phases.values())
+            lines.append(item.ljust(width) + cells)
+        lines.append("-" * len(head))
+        lines.append("total".ljust(width) + "".join(f"{self.phase_bytes(p) / GiB:12.3f}" for p in self.phases))
+        cap = "no limit given" if self.capacity is None else f"{self.capacity / GiB:.2f} GiB"
+        lines.append(f"peak {self.peak / GiB:.3f} GiB per device in {self.peak_phase}; capacity {cap}"
+                     + ("" if self.fits else " -- DOES NOT FIT"))
+        return "\n".join(lines + self.notes)
+
+
+def _model(config, side, precision: str, mesh, value_head: bool) -> dict[str, int]:
+    """Bytes per device of one trainable model's state, its gradients, its fused LoRA kernels and the leaves
+    its frozen twin (reference or reward model) holds itself."""
+    master = jnp.bfloat16 if precision == "pure_bf16" else jnp.float32
+    params = _cast(param_shapes(config, value_head=value_head), master)
+    tx = make_optimizer(side.optim, 1, side.lora)
+    state = jax.eval_shape(lambda p: init_state(p, side.lora, tx, jax.random.key(0)), params)
+    adapted = adapted_mask(params, side.lora) if side.lora.dim else jax.tree.map(lambda _: False, params)
+    shared = jax.tree.map(lambda _: True, params) if side.lora.only_optimize_lora else adapted  # engine.never_moves
+    leaves = list(zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(adapted), jax.tree.leaves(shared)))
+    compute = jax.ShapeDtypeStruct
+    return {
+        "weights": shard_bytes({k: state[k] for k in ("trainable", "frozen")}, "fsdp", mesh),
+        "optimizer": shard_bytes(state["opt"], "fsdp", mesh),
+        "gradients": shard_bytes(state["trainable"], "fsdp", mesh),
+        "twin": sum(_leaf_bytes(path_str(p), compute(x.shape, config.compute_dtype), "fsdp", mesh)
+                    for (p, x), _, s in leaves if not s),
+        "fused": sum(_leaf_bytes(path_str(p), x, "fsdp", mesh) for (p, x), a, _ in leaves if a),
+        "master": shard_bytes(params, "fsdp", mesh),
+        "fsdp_compute": shard_bytes(_cast(params, config.compute_dtype), "fsdp", mesh),
+        "tp_compute": shard_bytes(_cast(params, config.compute_dtype), "tp", mesh),
+    }
+
+
+def plan(cfg, actor_config, critic_config, mesh, *, batch: int, prompt_len: int, capacity: int | None = None,
+         backend: str | None = None) -> Plan:
+    """The memory plan of Step 3 (`cfg`: an EngineConfig, e.g. a PPOConfig) on `mesh` (a Mesh or AbstractMesh)
+    for generation batches of `batch` prompts of `prompt_len` tokens."""
+    backend = backend or jax.default_backend()
+    G, N, tp = cfg.max_answer_len, mesh.size, mesh.shape["model"]
+    T = prompt_len + G
+    a = _model(actor_config, cfg.actor, cfg.precision, mesh, value_head=False)
+    c = _model(critic_config, cfg.critic, cfg.precision, mesh, value_head=True)
+    rows, gen_rows = -(-batch // N), -(-batch // (N // tp))
+    cache = init_cache_bytes(actor_config, gen_rows, T, tp)
+    head = gen_rows * prompt_len * -(-actor_config.vocab_size // tp) * 4  # the prefill's fp32 logits
+    gather = lambda x: 0 if N == 1 else 2 * x["master"] // actor_config.num_hidden_layers  # two layers in flight
+    gather_c = 0 if N == 1 else 2 * c["master"] // critic_config.num_hidden_layers
+    switch = 0 if N == 1 else a["fsdp_compute"]  # one device: both layouts are the same arrays
+    act = lambda config, side, value_head, train: activations(config, rows, T, train=train, remat=side.remat,
+                                                              value_head=value_head, backend=backend)
+    items = {
+        "actor weights": a["weights"], "actor optimizer": a["optimizer"],
+        "critic weights": c["weights"], "critic optimizer": c["optimizer"],
+        "reference (own leaves)": a["twin"], "reward (own leaves)": c["twin"],
+        "ema": a["master"] if cfg.enable_ema else 0,
+        "switch: FSDP compute copy": switch, "TP generation copy": a["tp_compute"],
+        "KV cache": cache, "generation activations": head + gen_rows * T * actor_config.hidden_size * 4 * 4,
+        "fused LoRA kernels": a["fused"] + c["fused"],
+        "scoring activations": max(act(actor_config, cfg.actor, False, False), act(critic_config, cfg.critic, True, False))
+        + max(gather(a), gather_c),
+        "actor gradients": a["gradients"], "actor fused LoRA": a["fused"],
+        "actor step activations": act(actor_config, cfg.actor, False, True) + gather(a),
+        "critic gradients": c["gradients"], "critic fused LoRA": c["fused"],
+        "critic step activations": act(critic_config, cfg.critic, True, True) + gather_c,
+        "experience": rows * T * 4 * 12,
+    }
+    offloaded = {"actor optimizer": cfg.actor.offload, "critic optimizer": cfg.critic.offload,
+                 "reference (own leaves)": cfg.offload_reference_model, "reward (own leaves)": cfg.offload_reward_model}
+    uses = {"actor optimizer": "actor_step", "critic optimizer": "critic_step",
+            "reference (own leaves)": "score", "reward (own leaves)": "score"}
+    resident = ["actor weights", "critic weights", "ema"] + [i for i in offloaded if not offloaded[i]]
+    phases = {
+        "reshard": ["switch: FSDP compute copy", "TP generation copy"],
+        "generate": ["TP generation copy", "KV cache", "generation activations"],
+        "score": ["fused LoRA kernels", "scoring activations", "experience"],
+        "actor_step": ["actor gradients", "actor fused LoRA", "actor step activations", "experience"],
+        "critic_step": ["critic gradients", "critic fused LoRA", "critic step activations", "experience"],
+    }
+    for phase, held in phases.items():
+        held[:0] = resident + [i for i, on in offloaded.items() if on and uses[i] == phase]
+    notes = [f"{N} device(s), inference_tp_size {tp}, batch {batch}, {prompt_len} + {G} tokens, precision "
+             f"{cfg.precision}, backend {backend}; offloaded to host: "
+             + (", ".join(i for i, on in offloaded.items() if on) or "nothing")]
+    return Plan(items, phases, capacity, notes)
+
+
+def init_cache_bytes(config, rows: int, T: int, tp: int) -> int:
+    """Bytes per device of the KV cache (models.common.init_cache): k and v [L, rows, Hkv / tp, S, K], S = T up to x64."""
+    S = -(-T // 64) * 64
+    heads = -(-config.num_key_value_heads // tp)
+    return 2 * config.num_hidden_layers * rows * heads * S * config.head_dim * np.dtype(config.compute_dtype).itemsize
+
+
+# ------------------------------------------------------------------------------------------- the check
+
+
+def model_config(cfg, side):
+    """The architecture of one side of a Step 3 config, as trainer.load_model sets it up, from its folder's
+    config.json (or a random:NAME preset) alone."""
+    from jaxrlhf.checkpoint import read_config
+    from jaxrlhf.models import preset
+
+    if not side.model:
+        raise ConfigError("actor.model and critic.model: required, Hugging Face folders (or random:NAME)")
+    config = preset(side.model.removeprefix("random:")) if side.model.startswith("random:") else read_config(side.model)
+    overrides = {"dtype": "float32" if cfg.precision == "fp32" else "bfloat16", "remat": side.remat}
+    if side.dropout is not None:
+        overrides.update(dropout=side.dropout, attention_dropout=side.dropout)
+    return dataclasses.replace(config, **overrides)
+
+
+def capacity(gib: float = 0.0) -> int | None:
+    """Bytes per device to plan against: `gib` if > 0, else the device's bytes_limit (None where unknown: the CPU)."""
+    if gib > 0:
+        return int(gib * GiB)
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def ppo_plan(cfg, mesh, actor_config=None, critic_config=None, backend=None) -> Plan:
+    """The plan of a PPOConfig on `mesh`: its batch, prompt length and capacity (device_memory_gib)."""
+    return plan(cfg, actor_config or model_config(cfg, cfg.actor), critic_config or model_config(cfg, cfg.critic), mesh,
+                batch=cfg.batch_size, prompt_len=cfg.data.max_prompt_len, capacity=capacity(cfg.device_memory_gib),
+                backend=backend)
+
+
+def alternatives(cfg, mesh, actor_config, critic_config, backend=None) -> list[tuple[str, str, Plan]]:
+    """The options that change the memory, each alone: LoRA, remat, offload, a smaller batch, more devices, a
+    larger inference_tp_size; as (kind, what to set, its plan)."""
+    replace = dataclasses.replace
+    sides = lambda **kw: {n: replace(getattr(cfg, n), **kw) for n in ("actor", "critic")}
+    lora = {n: replace(getattr(cfg, n), lora=replace(getattr(cfg, n).lora, dim=getattr(cfg, n).lora.dim or 128,
+                                                     only_optimize_lora=True)) for n in ("actor", "critic")}
+    options = []
+    if not (cfg.actor.lora.only_optimize_lora and cfg.critic.lora.only_optimize_lora):
+        options.append(("LoRA only (actor.lora.dim/critic.lora.dim 128, lora.only_optimize_lora=true)", replace(cfg, **lora), mesh))
+    if cfg.precision != "pure_bf16":
+        options.append(("precision=pure_bf16 (bf16 master weights and optimizer state)", replace(cfg, precision="pure_bf16"), mesh))
+    if not (cfg.actor.remat and cfg.critic.remat):
+        options.append(("remat (actor.remat=true critic.remat=true)", replace(cfg, **sides(remat=True)), mesh))
+    if not (cfg.actor.offload and cfg.critic.offload and cfg.offload_reference_model and cfg.offload_reward_model):
+        options.append(("offload (actor.offload critic.offload offload_reference_model offload_reward_model =true)",
+                        replace(cfg, **sides(offload=True), offload_reference_model=True, offload_reward_model=True), mesh))
+    N, tp = mesh.size, mesh.shape["model"]
+    batch = cfg.batch_size // 2
+    while batch >= N and batch % N == 0:
+        options.append((f"batch_size={batch}", replace(cfg, batch_size=batch), mesh))
+        batch //= 2
+    options += [(f"{N * k} devices", cfg, abstract_mesh(N * k, tp)) for k in (2, 4, 8)]
+    heads = actor_config.num_attention_heads
+    options += [(f"inference_tp_size={t}", replace(cfg, inference_tp_size=t), abstract_mesh(N, t))
+                for t in (2 * tp, 4 * tp, 8 * tp) if N % t == 0 and heads % t == 0]
+    kind = lambda name: "devices" if name[0].isdigit() else name.split("=")[0]
+    return [(kind(name), name, plan(c, actor_config, critic_config, m, batch=c.batch_size, prompt_len=c.data.max_prompt_len,
+                        capacity=capacity(cfg.device_memory_gib), backend=backend)) for name, c, m in options]
+
+
+def check(cfg, mesh, actor_config=None, critic_config=None, backend=None) -> Plan:
+    """Refuse a Step 3 config whose plan does not fit the device, before anything is loaded or compiled: the
+    message names the phase, the largest item and what each option would need."""
+    actor_config = actor_config or model_config(cfg, cfg.actor)
+    critic_config = critic_config or model_config(cfg, cfg.critic)
+    p = ppo_plan(cfg, mesh, actor_config, critic_config, backend)
+    if p.fits:
+        return p
+    item, size = p.largest()
+    lines = [f"out of memory before starting: Step 3 needs {p.peak / GiB:.2f} GiB per device in {p.peak_phase}, the "
+             f"device has {p.capacity / GiB:.2f} GiB (device_memory_gib or the device's bytes_limit); the largest item "
+             f"there is {item} ({size / GiB:.2f} GiB). Options (peak per device with each alone):"]
+    shown = {}  # per kind of option: the first that fits (the largest batch, the fewest devices), else the last tried
+    for kind, name, q in alternatives(cfg, mesh, actor_config, critic_config, backend):
+        if kind not in shown or not shown[kind][1].fits:
+            shown[kind] = (name, q)
+    for name, q in shown.values():
+        lines.append(f"  {name}: {q.peak / GiB:.2f} GiB in {q.peak_phase} -- {'fits' if q.fits else 'does not fit'}")
+    lines.append("(python -m jaxrlhf.plan CONFIG [key=value ...] prints the whole plan)")
+    raise ConfigError("\n".join(lines))
+
+
+# ------------------------------------------------------------------------------------------- measuring
+
+
+def device_bytes(device) -> int:
+    """Bytes of the live arrays in `device`'s own memory (host-memory arrays not counted)."""
+    total = 0
+    for x in jax.live_arrays():
+        if device in x.sharding.device_set and x.sharding.memory_kind in (None, "device"):
+            total += math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+    return total
+
+
+def measure(engine, prompt_batch: dict) -> dict[str, int]:
+    """One iteration of `engine` (generate_experience + train_rlhf) and the peak bytes of device 0 in each phase.
+
+    Where the device reports memory (GPU: memory_stats' peak_bytes_in_use, which cannot be reset) the figure
+    is the running peak after each phase. Where it does not (the CPU), it is computed from what JAX offers
+    there: the live arrays on the device when each compiled program starts, plus the program's own
+    temporaries and outputs from its `memory_analysis()` (temp + output - aliased), maximised over the
+    phase's programs.
+    """
+    import importlib
+    from unittest import mock
+
+    engine_mod, generate_mod, sharding_mod = (importlib.import_module(f"jaxrlhf.{m}") for m in ("engine", "generate", "sharding"))
+
+    device = jax.local_devices()[0]
+    peaks: dict[str, int] = {}
+    if device.memory_stats() and "peak_bytes_in_use" in device.memory_stats():
+        timed = engine._timed
+
+        def after(phase, fn, *args):
+            out = timed(phase, fn, *args)
+            peaks[phase] = device.memory_stats()["peak_bytes_in_use"]
+            return out
+
+        with mock.patch.object(engine, "_timed", after):
+            engine.train_rlhf(engine.generate_experience(prompt_batch))
+        return peaks
+
+    current = {"phase": None}
+
+    def probe(fn):
+        def run(*args, **kwargs):
+            stats = fn.lower(*args, **kwargs).compile().memory_analysis()
+            program = stats.temp_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+            phase = current["phase"]
+            peaks[phase] = max(peaks.get(phase, 0), device_bytes(device) + program)
+            return fn(*args, **kwargs)
+        return run
+
+    timed = engine._timed
+
+    def in_phase(phase, fn, *args):
+        current["phase"] = phase
+        return timed(phase, fn, *args)
+
+    identity = sharding_mod._identity
+    patches = [mock.patch.object(engine, "_timed", in_phase),
+               mock.patch.object(sharding_mod, "_identity", lambda shardings: probe(identity(shardings))),
+               mock.patch.object(generate_mod, "_generate", probe(generate_mod._generate))]
+    patches += [mock.patch.object(engine_mod, n, probe(getattr(engine_mod, n)))
+                for n in ("_to_generation", "_score", "_advantages", "_actor_update", "_critic_update")]
+    for p in patches:
+        p.start()
+    try:
+        engine.train_rlhf(engine.generate_experience(prompt_batch))
+    finally:
+        for p in reversed(patches):
+            p.stop()
+    return peaks
+
+
+def main(argv=None):
+    """python -m jaxrlhf.plan CONFIG [key=value ...] [--devices N]: print the plan of a Step 3 config."""
+    import argparse
+
+    from jaxrlhf.config import load
+    from jaxrlhf.ppo import PPOConfig
+    from jaxrlhf.sharding import make_mesh
+
+    ap = argparse.ArgumentParser(prog="python -m jaxrlhf.plan", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
+    ap.add_argument("--devices", type=int, default=0, help="plan for this many devices (default: the ones here)")
+    ap.add_argument("--backend", default=None, help="gpu, tpu or cpu (default: this machine's)")
+    ns = ap.parse_args(argv)
+    config_file = ns.args[0] if ns.args and "=" not in ns.args[0] else None
+    try:
+        cfg = load(PPOConfig, config_file, ns.args[1:] if config_file else ns.args)
+        mesh = abstract_mesh(ns.devices, cfg.inference_tp_size) if ns.devices else make_mesh(cfg.inference_tp_size)
+        actor, critic = model_config(cfg, cfg.actor), model_config(cfg, cfg.critic)
+        p = ppo_plan(cfg, mesh, actor, critic, ns.backend)
+        print(p.table())
+        if not p.fits:
+            check(cfg, mesh, actor, critic, ns.backend)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()
