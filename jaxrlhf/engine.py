@@ -16,6 +16,10 @@
         rewards (KL penalty + clipped score) ──► GAE ──► actor PPO step (+ unsup_coef * LM loss) ──► EMA
         ──► critic step;  states donated
 
+Offload (ModelSide.offload, offload_reference_model, offload_reward_model): those trees live in pinned host
+memory and are copied to the device for the program that uses them (an optimizer state for its model's step,
+the reference and reward leaves for scoring), then freed there. jaxrlhf.plan counts them in those phases only.
+
 Answer token g sits at sequence position P + g: its log-prob comes from the logits at P + g - 1, and its
 value is the critic's output there too (the state the token was chosen in), as in DeepSpeed-Chat.
 """

@@ -115,15 +115,16 @@ class Plan:
         return name, self.items[name]
 
     def table(self) -> str:
-        """Items as rows, phases as columns (GiB per device), the peak marked."""
+        """Items as rows, phases as columns (GiB, or MiB for small plans, per device), the peak marked."""
+        unit, name = (GiB, "GiB") if self.peak >= GiB else (2**20, "MiB")
         width = max(len(i) for i in self.items) + 2
-        head = "item".ljust(width) + "".join(p.rjust(12) for p in self.phases)
+        head = f"item ({name} per device)".ljust(width) + "".join(p.rjust(12) for p in self.phases)
         lines = [head, "-" * len(head)]
         for item, b in self.items.items():
-            cells = "".join((f"{b / GiB:12.3f}" if item in held else " " * 11 + "-") for held in self.phases.values())
+            cells = "".join((f"{b / unit:12.3f}" if item in held else " " * 11 + "-") for held in self.phases.values())
             lines.append(item.ljust(width) + cells)
         lines.append("-" * len(head))
-        lines.append("total".ljust(width) + "".join(f"{self.phase_bytes(p) / GiB:12.3f}" for p in self.phases))
+        lines.append("total".ljust(width) + "".join(f"{self.phase_bytes(p) / unit:12.3f}" for p in self.phases))
         cap = "no limit given" if self.capacity is None else f"{self.capacity / GiB:.2f} GiB"
         lines.append(f"peak {self.peak / GiB:.3f} GiB per device in {self.peak_phase}; capacity {cap}"
                      + ("" if self.fits else " -- DOES NOT FIT"))
