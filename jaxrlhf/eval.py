@@ -6,7 +6,7 @@
 
     held-out Step 3 prompts ──each model answers (same sampling keys)──► answers [N, G]
         ──reward model──► score per answer ──► mean, win rate vs the first model (Wilson 95% interval)
-        ──gold reward (built-in task; GSM8K-style "#### N")──► mean;   ──reference forward──► KL per answer
+        ──gold reward (built-in task, story task; GSM8K-style "#### N")──► mean;   ──reference forward──► KL per answer
         ──answers themselves──► length (mean, distribution), repetition (repeated n-grams), entropy
     held-out Step 1 text ──► perplexity per model;   held-out Step 2 pairs ──► the reward model's accuracy
     Step 3 metrics.jsonl (found beside a model, or `metrics=`) ──► reward / KL / length over training
@@ -121,16 +121,18 @@ def final_number(text: str) -> float | None:
 
 def gold_rewards(prompts: list[str], references: list[str | None], answers: list[str]) -> list[float] | None:
     """The gold reward of each answer where the task has one, else None: the built-in sorting task's
-    (jaxrlhf.data.synthetic.gold_reward), or 1.0 / 0.0 for a right / wrong final number where every
-    reference answer ends GSM8K-style with "#### N"."""
-    from jaxrlhf.data.synthetic import gold_reward, prompt_items
+    (jaxrlhf.data.synthetic.gold_reward) or the story task's (jaxrlhf.data.stories.gold_reward) when every
+    prompt is one of theirs, or 1.0 / 0.0 for a right / wrong final number where every reference answer ends
+    GSM8K-style with "#### N"."""
+    from jaxrlhf.data import stories, synthetic
 
-    try:
-        for p in prompts:
-            prompt_items(p)
-        return [gold_reward(p, a) for p, a in zip(prompts, answers)]
-    except ValueError:
-        pass
+    for task, parse in ((synthetic, synthetic.prompt_items), (stories, stories.prompt_word)):
+        try:
+            for p in prompts:
+                parse(p)
+        except ValueError:
+            continue
+        return [task.gold_reward(p, a) for p, a in zip(prompts, answers)]
     if references and all(r and _FINAL.search(r) for r in references):
         return [float(final_number(a) == final_number(r)) for r, a in zip(references, answers)]
     return None

@@ -108,13 +108,16 @@ def test_wilson_interval_and_ties():
     assert win_rate([1, 1, 0, 0], [1, 0, 1, 0])["win_rate"] == 0.5  # one win, two ties, one loss
 
 
-def test_gold_reward_of_gsm8k_style_references():
+def test_gold_reward_of_the_tasks_and_gsm8k_style_references():
     assert [final_number(t) for t in ("so 9 * 2 = 18.\n#### 1,018", "It is 42.", "-3.5 then 7", "none")] == [1018, 42, 7, None]
     refs = ["9 * 2 = 18\n#### 18", "#### 3"]
     assert gold_rewards(["Q1", "Q2"], refs, ["She makes $18 a day.", "#### 4"]) == [1.0, 0.0]
     assert gold_rewards(["Q1", "Q2"], ["18", None], ["18", "3"]) is None  # no "#### N" references: no gold
     sort = "\n\nHuman: Sort these letters: c a b\n\nAssistant:"
     assert gold_rewards([sort], [None], [" a b c"]) == [1.0]
+    story = ["\n\nHuman: Tell me a story about a dog.\n\nAssistant:", "\n\nHuman: Tell me a story about an apple.\n\nAssistant:"]
+    assert gold_rewards(story, [None, None], [" Max the dog ran.", " Tim ate a pineapple."]) == [1.0, 0.0]
+    assert gold_rewards([story[0], sort], [None, None], [" dogs", " a b c"]) is None  # one task per report
 
 
 def test_perplexity_and_reward_model_accuracy(report):
