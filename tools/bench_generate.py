@@ -1,20 +1,23 @@
 """Benchmark KV-cached generation on the GPU against Hugging Face generate (static and dynamic cache).
 
     PYTHONPATH=. python tools/bench_generate.py --model opt-1.3b --batch 16 64 256 --prompt 256 --new 256 [--tp 1]
+    PYTHONPATH=. python tools/bench_generate.py --model llama-7b-gqa --batch 16 64   # Llama-7B shape, 8 KV heads
 
 Random weights of the real shape (bf16), random prompt tokens, sampling at temperature 1, answers forced to
 full length (EOS off) so every system does the same work (BENCHMARKS.md item 1). Figures per batch: total
 seconds, prefill seconds (a one-token generate), ms per decode step = (total - prefill) / (new - 1),
 generated tokens/s, and the fraction of the memory roofline: the bytes one decode step must read (all
-weights once plus the KV cache so far, averaged over the steps) over the read bandwidth measured here (tools.common.read_bandwidth).
+weights once plus the KV cache so far, averaged over the steps) over the read bandwidth measured here
+(tools.common.read_bandwidth). Hugging Face runs first, in a child process that keeps JAX off the GPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import dataclasses
+import datetime
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -25,16 +28,20 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from jaxrlhf.generate import generate  # noqa: E402
-from jaxrlhf.models.opt import PRESETS, OPTConfig, init_params, param_shapes  # noqa: E402
+from jaxrlhf.models import init_params, llama, opt, param_shapes, preset  # noqa: E402
 from jaxrlhf.sharding import make_mesh, shardings_for  # noqa: E402
 from tools import common  # noqa: E402
 from tools.bench_reshard import device_bandwidth  # noqa: E402
 
 
-def step_bytes(config: OPTConfig, B: int, P: int, G: int) -> float:
+PRESETS = {**opt.PRESETS, **llama.PRESETS}
+
+
+def step_bytes(config, B: int, P: int, G: int) -> float:
     """Bytes one decode step reads on average: the bf16 weights once, and K and V of the cache so far."""
     weights = 2 * sum(x.size for x in jax.tree.leaves(param_shapes(config)))
-    kv_per_token = 2 * 2 * config.num_hidden_layers * config.hidden_size  # K and V, bf16, all layers
+    heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
+    kv_per_token = 2 * 2 * config.num_hidden_layers * heads * config.hidden_size // config.num_attention_heads
     return weights + kv_per_token * B * (P + G / 2)
 
 
@@ -51,10 +58,12 @@ def ours(config, params, mesh, B, Pn, G, repeats, decode):
 
 def theirs(name, B, Pn, G, cache, repeats):
     import torch
-    from transformers import OPTConfig as HFConfig, OPTForCausalLM
+    import transformers
 
-    model = OPTForCausalLM(HFConfig(**PRESETS[name], attn_implementation="sdpa")).to("cuda", torch.bfloat16).eval()
-    ids = torch.randint(3, 50272, (B, Pn), device="cuda")
+    family = "Llama" if name in llama.PRESETS else "OPT"
+    hf_config = getattr(transformers, f"{family}Config")(**PRESETS[name], attn_implementation="sdpa")
+    model = getattr(transformers, f"{family}ForCausalLM")(hf_config).to("cuda", torch.bfloat16).eval()
+    ids = torch.randint(3, hf_config.vocab_size, (B, Pn), device="cuda")
     kwargs = dict(max_new_tokens=G, min_new_tokens=G, do_sample=True, top_k=0, attention_mask=torch.ones_like(ids))
     if cache == "static":
         kwargs["cache_implementation"] = "static"
@@ -68,9 +77,16 @@ def theirs(name, B, Pn, G, cache, repeats):
     sync = lambda _: torch.cuda.synchronize()
     result = {"total": common.timeit(lambda: run(G), repeats, block=sync),
               "prefill": common.timeit(lambda: run(1), repeats, block=sync)}
-    del model
+    model = None  # free the weights and cache before the next configuration
     torch.cuda.empty_cache()
     return result
+
+
+def safely(fn, *args) -> dict:
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - e.g. out of memory at B=256: keep the rest
+        return {"error": str(e).splitlines()[0][:300]}
 
 
 def main():
@@ -86,8 +102,16 @@ def main():
                     help="our decode attention: the Pallas kernel and/or the plain-XLA path")
     ap.add_argument("--hf", nargs="*", default=["static", "dynamic"], choices=["static", "dynamic"])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--only-hf", action="store_true", help=argparse.SUPPRESS)  # the child process
     args = ap.parse_args()
-    config = OPTConfig(**PRESETS[args.model], dtype="bfloat16", scan_unroll=args.unroll)
+    if args.only_hf:
+        print(json.dumps({B: {f"hf_{cache}": safely(theirs, args.model, B, args.prompt, args.new, cache, args.repeats)
+                              for cache in args.hf} for B in args.batch}))
+        return
+    argv = [__file__, "--only-hf", "--model", args.model, "--batch", *map(str, args.batch), "--prompt", str(args.prompt),
+            "--new", str(args.new), "--repeats", str(args.repeats), "--hf", *args.hf]
+    hf_runs = common.torch_child(argv, args.batch) if args.hf else {}
+    config = preset(args.model, dtype="bfloat16", scan_unroll=args.unroll)
     mesh = make_mesh(args.tp)
     params = jax.jit(lambda k: init_params(config, k, dtype=jnp.bfloat16),
                      out_shardings=shardings_for(param_shapes(config), "tp", mesh))(jax.random.key(0))
@@ -100,11 +124,8 @@ def main():
         for decode in args.decode:
             name = "ours" if decode == "pallas" else f"ours_{decode}"
             run[name] = ours(config, params, mesh, B, args.prompt, args.new, args.repeats, decode)
-        for cache in args.hf:
-            try:
-                run[f"hf_{cache}"] = theirs(args.model, B, args.prompt, args.new, cache, args.repeats)
-            except Exception as e:  # noqa: BLE001 - e.g. out of memory at B=256: keep the rest
-                run[f"hf_{cache}"] = {"error": str(e).splitlines()[0][:300]}
+        hf = hf_runs.get(str(B), {})
+        run.update(hf if "error" not in hf else {f"hf_{cache}": hf for cache in args.hf})
         for impl, r in run.items():
             if not isinstance(r, dict) or "total" not in r:
                 continue

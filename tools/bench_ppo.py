@@ -15,12 +15,15 @@ Theirs (same process, same GPU): transformers' OPT in pure bf16: actor, critic (
 a frozen reference copy and a frozen reward copy; HF `generate` with its static cache (compiled by
 transformers); scoring and both updates micro-batched; torch AdamW (fused); the same PPO losses.
 `--find-max` instead tries growing actor sizes at batch 1 and reports the largest whose iteration runs.
+
+PyTorch runs first, in a child process that keeps JAX off the GPU, so that neither side's allocator holds
+memory the other needs (JAX preallocates 75% of the GPU when it starts).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import json
 import statistics
 import sys
 import time
@@ -65,7 +68,8 @@ def ours(args, actor: str, critic: str, B: int, precision: str, lora: int) -> di
     side = lambda lr: ModelSide(optim=OptimConfig(learning_rate=lr, warmup_steps=0), lora=LoRAConfig(dim=lora),
                                 remat=args.remat, dropout=0.0)
     cfg = EngineConfig(actor=side(9.65e-6), critic=side(5e-6), precision=precision, max_answer_len=args.new,
-                       inference_tp_size=args.tp, enable_ema=False)
+                       inference_tp_size=args.tp, enable_ema=False, train_micro_batch_size=min(B, args.micro_batch),
+                       old_logprobs_from_generation=args.old_from_generation)
     engine = HybridEngine(cfg, mesh, (configs[0], params[0]), (configs[1], params[1]), total_steps=1000,
                           eos_id=-1, pad_id=1)  # EOS never matches: every answer has its full length
     del params
@@ -159,9 +163,6 @@ def theirs(args, actor: str, critic: str, B: int) -> dict:
     sync = (lambda _: torch.cuda.synchronize()) if dev == "cuda" else (lambda _: None)
     t = common.timeit(iteration, args.repeats, warmup=1, block=sync)
     peak = torch.cuda.max_memory_allocated() if dev == "cuda" else None
-    del actor_m, ref_m, critic_m, reward_m, opt_a, opt_c
-    if dev == "cuda":
-        torch.cuda.empty_cache()
     return {"iteration_s": t["median_s"], "samples_per_s": B / t["median_s"], "spread_s": [t["min_s"], t["max_s"]],
             "peak_bytes": peak, "micro_batch": mb}
 
@@ -174,13 +175,21 @@ def find_max(args) -> dict:
         found[f"lora{lora}"] = None
         for actor in sizes:
             try:
-                ours(dataclasses.replace(args, repeats=1), actor, "opt-350m", 1, "bf16", lora)
+                ours(argparse.Namespace(**{**vars(args), "repeats": 1}), actor, "opt-350m", 1, "bf16", lora)
                 found[f"lora{lora}"] = actor
                 print(f"find-max lora={lora}: {actor} runs", flush=True)
             except Exception as e:  # noqa: BLE001 - out of memory: the previous size is the answer
                 print(f"find-max lora={lora}: {actor} fails: {str(e).splitlines()[0][:200]}", flush=True)
                 break
     return found
+
+
+def run_safely(fn, *args) -> dict:
+    """fn(*args), or the first line of its error (out of memory at a large batch: keep the other runs)."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001
+        return {"error": str(e).splitlines()[0][:300]}
 
 
 def main():
@@ -197,9 +206,19 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--torch-micro-batch", type=int, default=16)
+    ap.add_argument("--micro-batch", type=int, default=64, help="our train_micro_batch_size (rows per actor/critic micro-batch)")
+    ap.add_argument("--old-from-generation", action="store_true", help="old log-probs from generation (one actor forward less)")
+    ap.add_argument("--only-torch", action="store_true", help=argparse.SUPPRESS)  # the child process
     ap.add_argument("--find-max", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.only_torch:
+        print(json.dumps({B: run_safely(theirs, args, args.actor, args.critic, B) for B in args.batch}))
+        return
+    argv = [__file__, "--only-torch", "--actor", args.actor, "--critic", args.critic, "--batch", *map(str, args.batch),
+            "--prompt", str(args.prompt), "--new", str(args.new), "--repeats", str(args.repeats),
+            "--torch-micro-batch", str(args.torch_micro_batch)]
+    torch_runs = {} if args.no_torch or args.find_max else common.torch_child(argv, args.batch)
     result = {"benchmark": "ppo_step", **common.environment(), "args": vars(args), "runs": []}
     if args.find_max:
         result["largest_actor"] = find_max(args)
@@ -215,15 +234,9 @@ def main():
         runs = {f"ours_{p}" + (f"_lora{r}" if r else ""): (p, r) for p in args.precision for r in args.lora}
         row = {"batch": B, "effective_flops": flops}
         for key, (precision, lora) in runs.items():
-            try:
-                row[key] = ours(args, args.actor, args.critic, B, precision, lora)
-            except Exception as e:  # noqa: BLE001 - out of memory at a large batch: keep the others
-                row[key] = {"error": str(e).splitlines()[0][:300]}
-        if not args.no_torch:
-            try:
-                row["torch_hf_pure_bf16"] = theirs(args, args.actor, args.critic, B)
-            except Exception as e:  # noqa: BLE001
-                row["torch_hf_pure_bf16"] = {"error": str(e).splitlines()[0][:300]}
+            row[key] = run_safely(ours, args, args.actor, args.critic, B, precision, lora)
+        if str(B) in torch_runs:
+            row["torch_hf_pure_bf16"] = torch_runs[str(B)]
         for key, r in row.items():
             if isinstance(r, dict) and "iteration_s" in r:
                 r["tflops_per_gpu"] = flops / r["iteration_s"] / jax.device_count() / 1e12

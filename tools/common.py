@@ -8,6 +8,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from importlib import metadata
 from pathlib import Path
@@ -72,6 +73,17 @@ def peak_bytes() -> int | None:
     """Peak device memory of device 0 since the process started (None where not reported, e.g. CPU)."""
     stats = jax.devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
+
+
+def torch_child(argv: list[str], keys) -> dict:
+    """Run `python ARGV` (a benchmark's PyTorch side) in a child process whose JAX stays on the CPU, so that
+    it has the whole GPU (JAX preallocates 75% of it), and return the JSON dict of its last stdout line;
+    every key in `keys` gets the error where the child fails."""
+    child = subprocess.run([sys.executable, *argv], env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True)
+    if child.returncode:
+        lines = child.stderr.strip().splitlines() or ["no output"]
+        return {str(k): {"error": f"child process failed: {lines[-1][:300]}"} for k in keys}
+    return json.loads(child.stdout.strip().splitlines()[-1])
 
 
 def write(name: str, result: dict, out_dir: str | Path | None = None, stamp: str | None = None) -> Path:
