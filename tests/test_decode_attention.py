@@ -73,12 +73,15 @@ def test_split_kernel_matches_the_reference(case):
 
 def test_auto_splits_by_hand():
     auto = DecodeAttentionConfig()
-    assert auto.splits(programs=256, blocks=32, cores=132) == 4  # B=32, Hkv=8: 1024 programs >= 4 x 132
-    assert auto.splits(programs=512, blocks=32, cores=132) == 2
-    assert auto.splits(programs=1024, blocks=32, cores=132) == 1  # enough programs: as without splits
-    assert auto.splits(programs=32, blocks=4, cores=132) == 4  # at most one chunk per block
-    assert auto.splits(programs=32, blocks=32, cores=None) == 1  # CPU: SM count unknown
-    assert DecodeAttentionConfig(num_splits=8).splits(programs=4096, blocks=4, cores=132) == 4
+    assert auto.splits(programs=128, slots=2048, cores=132) == 2  # B=32, Hkv=4: 256 programs for 132 SMs
+    assert auto.splits(programs=64, slots=2048, cores=132) == 4
+    assert auto.splits(programs=16, slots=2048, cores=132) == 4  # chunks of at least 512 slots
+    assert auto.splits(programs=128, slots=512, cores=132) == 1
+    assert auto.splits(programs=256, slots=2048, cores=132) == 1  # every SM has a program: as without splits
+    assert auto.splits(programs=32, slots=2048, cores=None) == 1  # CPU: SM count unknown
+    assert DecodeAttentionConfig(num_splits=8).splits(programs=4096, slots=256, cores=132) == 4  # 4 blocks of 64
+    assert DecodeAttentionConfig(num_splits=3, block_s=16).splits(programs=4, slots=64, cores=None) == 2  # 32 + 32
+    assert DecodeAttentionConfig(num_splits=8, block_s=16).splits(programs=4096, slots=48, cores=132) == 3
 
 
 def test_reference_by_hand_and_slots_outside_the_range_are_ignored():

@@ -63,8 +63,7 @@ def time_call(config, q, k, v, start, end, calls=None) -> float:
 def auto_splits(config, B, Hkv, S) -> int:
     """The number of splits the kernel runs with (what num_splits=0 resolves to at this shape)."""
     cores = getattr(jax.devices()[0], "core_count", None) if jax.default_backend() == "gpu" else None
-    block_s = min(config.block_s, S & -S)
-    return config.splits(B * Hkv, S // block_s, cores)
+    return config.splits(B * Hkv, S, cores)
 
 
 def tune(bandwidth, result):
