@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.config import run_cli
-from jaxrlhf.data import DataError
+from jaxrlhf.data import DataConfig, DataError, Record, make_batch, tokenize
 from jaxrlhf.losses import end_scores, reward_loss
 from jaxrlhf.models import values
 from jaxrlhf.trainer import OptimConfig, RunConfig, load_model, train
@@ -54,22 +54,20 @@ def reward_loss_fn(config, kind: str):
 def summarise(sums) -> dict:
     pairs = max(float(sums["pairs"]), 1.0)
     return {"loss": float(sums["loss"]) / max(float(sums["count"]), 1.0), "accuracy": float(sums["accuracy"]) / pairs,
-            "chosen_score": float(sums["chosen_score"]) / pairs, "rejected_score": float(sums["rejected_score"]) / pairs}
+            "chosen_score": float(sums["chosen_score"]) / pairs, "rejected_score": float(sums["rejected_score"]) / pairs,
+            "pairs": int(sums["pairs"])}
 
 
 def score_texts(config, params, tokenizer, prompts: list[str], answers: list[str], max_len: int = 512, batch: int = 8):
-    """The reward model's score of each (prompt, answer): BOS + prompt + answer + EOS, value at the last token."""
-    scores = []
+    """The reward model's score of each (prompt, answer): BOS + prompt + answer + EOS, cut as in training
+    (the prompt's start first), value at the last token."""
+    data = DataConfig(max_seq_len=max_len)
+    arrays, _ = tokenize([Record(p, a) for p, a in zip(prompts, answers)], tokenizer, 1, data)
     score_fn = jax.jit(lambda p, i, m: end_scores(values(config, p, i, m), m))
+    scores = []
     for start in range(0, len(prompts), batch):
-        seqs = [[tokenizer.bos_token_id] + tokenizer(p + a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-                for p, a in zip(prompts[start : start + batch], answers[start : start + batch])]
-        seqs = [s[:max_len] for s in seqs]
-        ids = np.full((len(seqs), max_len), tokenizer.pad_token_id, np.int32)
-        mask = np.zeros_like(ids)
-        for b, s in enumerate(seqs):
-            ids[b, : len(s)], mask[b, : len(s)] = s, 1
-        scores += np.asarray(score_fn(params, ids, mask)).tolist()
+        b = make_batch(arrays, range(start, min(start + batch, len(prompts))), 1, data, tokenizer.pad_token_id)
+        scores += np.asarray(score_fn(params, b["input_ids"], b["attention_mask"])).tolist()
     return scores
 
 
