@@ -87,9 +87,6 @@ class EngineConfig:
     offload_reference_model: bool = False
     #: keep the reward model's own leaves in host memory, on the device only while scoring (--offload_reward_model)
     offload_reward_model: bool = False
-    #: rows per micro-batch in the actor and critic steps (0: the whole batch at once); the gradients of a batch's
-    #: micro-batches are accumulated into one optimizer step (DeepSpeed-Chat's per_device_training_batch_size)
-    train_micro_batch_size: int = 0
     #: use generation's own log-probs as the old log-probs (skips one actor forward; equal in fp32, tested)
     old_logprobs_from_generation: bool = False
     #: KL penalty coefficient beta in r_t = -beta * (log p - log p_ref)
@@ -126,7 +123,6 @@ class EngineConfig:
             (self.temperature >= 0 and self.top_k >= 0 and 0 < self.top_p <= 1, "sampling: expected temperature >= 0, "
              f"top_k >= 0, 0 < top_p <= 1; got {self.temperature}, {self.top_k}, {self.top_p}"),
             (self.inference_tp_size >= 1, f"inference_tp_size: expected >= 1, got {self.inference_tp_size}"),
-            (self.train_micro_batch_size >= 0, f"train_micro_batch_size: expected >= 0, got {self.train_micro_batch_size}"),
             (self.kl_coef >= 0, f"kl_coef: expected >= 0, got {self.kl_coef}"),
             (self.kl_target is None or self.kl_target > 0, f"kl_target: expected > 0 or null, got {self.kl_target}"),
             (self.kl_horizon > 0, f"kl_horizon: expected > 0, got {self.kl_horizon}"),
@@ -244,7 +240,8 @@ def _to_generation(s: Static, actor):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _score(s: Static, state, ref_own, reward_own, prompt_ids, prompt_mask, tokens, mask, gen_logprobs):
-    """The experience of one batch (see HybridEngine.generate_experience), rows over all devices."""
+    """The experience of one batch (see HybridEngine.generate_experience), rows over all devices. `state` holds the
+    actor's and critic's weights only (their optimizer states may be in host memory)."""
     cfg = s.cfg
     exp = _rows({"seq": jnp.concatenate([prompt_ids, tokens], 1), "seq_mask": jnp.concatenate([prompt_mask, mask], 1),
                  "mask": mask}, s.mesh)
@@ -276,20 +273,28 @@ def _advantages(s: Static, exp, kl_coef):
     return {**exp, "advantages": adv, "returns": ret}, stats
 
 
-def _micro_batches(s: Static, exp):
+def check_accumulation(cfg: EngineConfig, batch_size: int, n_devices: int):
+    """Each side's gradient_accumulation_steps must split the batch into micro-batches that split over the devices."""
+    for name in ("actor", "critic"):
+        n = getattr(cfg, name).optim.gradient_accumulation_steps
+        if batch_size % n or (batch_size // n) % n_devices:
+            raise ValueError(f"{name}.optim.gradient_accumulation_steps: {n} micro-batches of a batch of {batch_size} "
+                             f"rows must each hold a whole multiple of the {n_devices} devices' rows; choose a divisor of "
+                             f"{batch_size // n_devices}")
+
+
+def _micro_batches(s: Static, name: str, exp):
     """Every leaf [B, ...] as [n, B / n, ...]: micro-batch i holds rows i, i + n, ..., so no row leaves its device."""
-    B, size = exp["mask"].shape[0], s.cfg.train_micro_batch_size or exp["mask"].shape[0]
-    if B % size or size % s.mesh.size:
-        raise ValueError(f"train_micro_batch_size: expected a divisor of the batch ({B}) that the device count "
-                         f"({s.mesh.size}) divides, got {size}")
-    split = lambda x: jnp.swapaxes(x.reshape(x.shape[0] * size // B, B // size, *x.shape[1:]), 0, 1)
+    n = s.side(name).optim.gradient_accumulation_steps
+    check_accumulation(s.cfg, exp["mask"].shape[0], s.mesh.size)
+    split = lambda x: jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
     return jax.lax.with_sharding_constraint(jax.tree.map(split, exp), NamedSharding(s.mesh, P(None, AXES)))
 
 
 def _one_step(s: Static, name: str, loss_fn, state, exp):
     """One optimizer step of the actor or critic on the whole batch, accumulated over its micro-batches."""
     step = make_train_step(loss_fn, s.tx(name), s.side(name).lora)
-    state, metrics = step(state, _micro_batches(s, exp))
+    state, metrics = step(state, _micro_batches(s, name, exp))
     return jax.lax.with_sharding_constraint(state, state_shardings(state, s.mesh)), metrics
 
 
@@ -350,6 +355,9 @@ class HybridEngine:
         (self.actor_config, actor_params), (self.critic_config, critic_params) = actor, critic
         # Everything the compiled programs depend on besides array shapes: engines alike share their compilations.
         engine_cfg = EngineConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(EngineConfig)})
+        # Where arrays wait between uses changes no program: an offloaded engine shares the others' compilations.
+        engine_cfg = dataclasses.replace(engine_cfg, offload_reference_model=False, offload_reward_model=False,
+                                         **{n: dataclasses.replace(getattr(cfg, n), offload=False) for n in ("actor", "critic")})
         self.static = Static(engine_cfg, self.actor_config, self.critic_config, total_steps, mesh)
         check_tp(self.actor_config.num_attention_heads, mesh)
         self.eos_id = self.actor_config.eos_token_id if eos_id is None else eos_id
@@ -445,7 +453,8 @@ class HybridEngine:
         # Offloaded frozen models come to the device for scoring only; the host copy stays.
         frozen = [self._timed("offload", to_memory, own, "device") if on else own for own, on in
                   ((self.ref_own, cfg.offload_reference_model), (self.reward_own, cfg.offload_reward_model))]
-        exp = self._timed("score", _score, self.static, self.state, *frozen, ids, mask, tokens, answer_mask, gen_logprobs)
+        weights = {n: {k: v for k, v in self.state[n].items() if k in ("trainable", "frozen")} for n in ("actor", "critic")}
+        exp = self._timed("score", _score, self.static, weights, *frozen, ids, mask, tokens, answer_mask, gen_logprobs)
         for tree, on in zip(frozen, (cfg.offload_reference_model, cfg.offload_reward_model)):
             for leaf in jax.tree.leaves(tree) if on else ():
                 leaf.delete()
