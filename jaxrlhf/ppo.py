@@ -25,7 +25,7 @@ from jaxrlhf.config import ConfigError, run_cli
 from jaxrlhf.distributed import to_host
 from jaxrlhf.data import Batches, DataConfig, prepare
 from jaxrlhf import plan as memory_plan
-from jaxrlhf.engine import EngineConfig, HybridEngine, ModelSide
+from jaxrlhf.engine import EngineConfig, HybridEngine, ModelSide, check_accumulation
 from jaxrlhf.sharding import make_mesh
 from jaxrlhf.trainer import MetricsLog, RunConfig, checkpoint_manager, load_model, restore_state
 
@@ -83,6 +83,10 @@ def check(cfg: PPOConfig, mesh):
     for name, rows in (("batch_size", cfg.batch_size), ("unsup_batch_size", cfg.unsup_batch_size or cfg.batch_size)):
         if rows % mesh.size:
             raise ConfigError(f"{name} {rows} does not split over the {mesh.size} devices; use a multiple of {mesh.size}")
+        try:
+            check_accumulation(cfg, rows, mesh.size)
+        except ValueError as e:
+            raise ConfigError(f"{e} (with {name} {rows})") from None
     local = jax.local_device_count()
     if jax.process_count() > 1 and local % cfg.inference_tp_size:  # each process loads its own prompts
         raise ConfigError(f"inference_tp_size {cfg.inference_tp_size} would span processes ({local} devices each): "

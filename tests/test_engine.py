@@ -169,20 +169,22 @@ def test_lora_shares_the_base_weights_ema_mixture_and_adaptive_kl(models, prompt
     assert tree_bytes(full.ref_own) == tree_bytes(models[0]) and tree_bytes(full.reward_own) == tree_bytes(models[1])
 
 
-def test_micro_batches_accumulate_into_the_whole_batch_step(models, prompts):
-    """train_micro_batch_size splits the PPO steps; token-weighted accumulation makes them the whole-batch step."""
+def test_gradient_accumulation_gives_the_whole_batch_step(models, prompts):
+    """gradient_accumulation_steps splits the PPO steps; token-weighted sums make them the whole-batch step."""
     batch, eos = prompts
     one = make_mesh(1, jax.devices()[:1])
     runs = []
-    for size in (0, 2):
-        e = engine(models, one, eos, train_micro_batch_size=size, enable_ema=False)
+    for n in (1, 4):
+        side = ModelSide(optim=OptimConfig(learning_rate=1e-2, warmup_steps=0, schedule="constant", gradient_accumulation_steps=n))
+        e = engine(models, one, eos, actor=side, critic=side, enable_ema=False)
         exp = e.generate_experience(batch)
         runs.append((e.train_rlhf(exp), host(e.state)))
-    (stats0, state0), (stats2, state2) = runs
-    for k in stats0:
-        np.testing.assert_allclose(stats0[k], stats2[k], rtol=1e-5, atol=1e-6, err_msg=k)
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(state0)[0], jax.tree.leaves(state2)):
+    (stats1, state1), (stats4, state4) = runs
+    for k in stats1:
+        np.testing.assert_allclose(stats1[k], stats4[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(state1)[0], jax.tree.leaves(state4)):
         if "k_proj/bias" not in path_str(path):  # float noise through Adam (see the test above)
             np.testing.assert_allclose(a, b, atol=1e-4, err_msg=path_str(path))
-    with pytest.raises(ValueError, match=r"train_micro_batch_size: expected a divisor of the batch \(8\)"):
-        engine(models, one, eos, train_micro_batch_size=3, enable_ema=False).train_rlhf(exp)
+    side = ModelSide(optim=OptimConfig(learning_rate=1e-2, gradient_accumulation_steps=3))
+    with pytest.raises(ValueError, match=r"critic.optim.gradient_accumulation_steps: 3 micro-batches of a batch of 8"):
+        engine(models, one, eos, critic=side, enable_ema=False).train_rlhf(exp)

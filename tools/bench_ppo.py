@@ -65,11 +65,11 @@ def ours(args, actor: str, critic: str, B: int, precision: str, lora: int) -> di
         configs.append(config)
         params.append(jax.device_get(jax.jit(lambda k, c=config, h=head: init_params(c, k, value_head=h, dtype=dtype))(
             jax.random.key(len(params)))))
-    side = lambda lr: ModelSide(optim=OptimConfig(learning_rate=lr, warmup_steps=0), lora=LoRAConfig(dim=lora),
-                                remat=args.remat, dropout=0.0)
+    accumulation = max(1, B // args.micro_batch)
+    side = lambda lr: ModelSide(optim=OptimConfig(learning_rate=lr, warmup_steps=0, gradient_accumulation_steps=accumulation),
+                                lora=LoRAConfig(dim=lora), remat=args.remat, dropout=0.0)
     cfg = EngineConfig(actor=side(9.65e-6), critic=side(5e-6), precision=precision, max_answer_len=args.new,
-                       inference_tp_size=args.tp, enable_ema=False, train_micro_batch_size=min(B, args.micro_batch),
-                       old_logprobs_from_generation=args.old_from_generation)
+                       inference_tp_size=args.tp, enable_ema=False, old_logprobs_from_generation=args.old_from_generation)
     engine = HybridEngine(cfg, mesh, (configs[0], params[0]), (configs[1], params[1]), total_steps=1000,
                           eos_id=-1, pad_id=1)  # EOS never matches: every answer has its full length
     del params
@@ -206,7 +206,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--torch-micro-batch", type=int, default=16)
-    ap.add_argument("--micro-batch", type=int, default=64, help="our train_micro_batch_size (rows per actor/critic micro-batch)")
+    ap.add_argument("--micro-batch", type=int, default=64, help="rows per actor/critic micro-batch (gradient accumulation)")
     ap.add_argument("--old-from-generation", action="store_true", help="old log-probs from generation (one actor forward less)")
     ap.add_argument("--only-torch", action="store_true", help=argparse.SUPPRESS)  # the child process
     ap.add_argument("--find-max", action="store_true")
