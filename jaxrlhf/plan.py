@@ -20,6 +20,7 @@ are an estimate (see `activations`). The phase peak is the resident items plus t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 from typing import Any
@@ -68,7 +69,9 @@ def activations(config, rows: int, T: int, *, train: bool, remat: bool, value_he
     hidden before and after the activation (2 F; Llama's gated MLP 3 F); with XLA's attention (the CPU, fp32,
     attention dropout) also the [H, T, T] scores and probabilities in fp32. Remat keeps only each layer's
     input and recomputes one layer at a time. The head's fp32 output ([T, V] logits or [T] values) exists
-    with its log-softmax and, training, their gradient; a forward alone holds a few [T, D] hidden states.
+    with its log-softmax and, training, their gradient; a forward alone holds a few [T, D] hidden states and
+    either one layer's tensors or the head's. Calibrated against XLA's own figures on the CPU
+    (tests/test_plan.py); the GPU figures are tools/bench_memory.py's.
     """
     c = np.dtype(config.compute_dtype).itemsize
     D, L, H = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
@@ -78,10 +81,11 @@ def activations(config, rows: int, T: int, *, train: bool, remat: bool, value_he
     scores = H * T * T * 4 if xla_scores else 0  # one [H, T, T] fp32 array per sequence
     layer = T * (7 * D + gated * F) * c + 3.5 * scores  # one layer's saved tensors per sequence: scores, probs (2 dtypes)
     head = T * (1 if value_head else config.vocab_size) * 4
-    if not train:  # one layer at a time
-        return int(rows * (4 * T * D * c + T * (7 * D + gated * F) * c + 2 * scores + 2 * head))
-    # remat: each layer's input, and the one layer being recomputed (its scores and probabilities once)
-    kept = L * T * D * c + T * (7 * D + gated * F) * c + 2 * scores if remat else L * layer
+    if not train:  # one layer at a time, then the head; XLA's CPU backend computes bf16 in fp32
+        a = 4 if backend == "cpu" else c
+        return int(rows * (4 * T * D * a + max(T * (7 * D + gated * F) * a + 2 * scores, 2 * head)))
+    # remat: each layer's input and the recomputed layer's scores; the rest of that layer is `backward`'s
+    kept = L * T * D * c + 2 * scores if remat else L * layer
     backward = T * (2 * D + gated * F) * c + 2 * scores  # one layer's gradients in flight
     return int(rows * (kept + backward + 2 * head))
 
@@ -131,6 +135,7 @@ class Plan:
         return "\n".join(lines + self.notes)
 
 
+@functools.lru_cache(maxsize=64)  # the options of a refusal plan the same model many times
 def _model(config, side, precision: str, mesh, value_head: bool) -> dict[str, int]:
     """Bytes per device of one trainable model's state, its gradients, its fused LoRA kernels and the leaves
     its frozen twin (reference or reward model) holds itself."""
@@ -156,9 +161,10 @@ def _model(config, side, precision: str, mesh, value_head: bool) -> dict[str, in
 
 
 def plan(cfg, actor_config, critic_config, mesh, *, batch: int, prompt_len: int, capacity: int | None = None,
-         backend: str | None = None) -> Plan:
+         backend: str | None = None, experiences: int = 1, unsup_rows: int = 0, unsup_len: int = 0) -> Plan:
     """The memory plan of Step 3 (`cfg`: an EngineConfig, e.g. a PPOConfig) on `mesh` (a Mesh or AbstractMesh)
-    for generation batches of `batch` prompts of `prompt_len` tokens."""
+    for generation batches of `batch` prompts of `prompt_len` tokens, `experiences` of them kept per iteration
+    (generation_batches), and a mixture LM batch of `unsup_rows` x `unsup_len` tokens in the actor step."""
     backend = backend or jax.default_backend()
     G, N, tp = cfg.max_answer_len, mesh.size, mesh.shape["model"]
     T = prompt_len + G
@@ -183,10 +189,11 @@ def plan(cfg, actor_config, critic_config, mesh, *, batch: int, prompt_len: int,
         "scoring activations": max(act(actor_config, cfg.actor, False, False), act(critic_config, cfg.critic, True, False))
         + max(gather(a), gather_c),
         "actor gradients": a["gradients"], "actor fused LoRA": a["fused"],
-        "actor step activations": act(actor_config, cfg.actor, False, True) + gather(a),
+        "actor step activations": act(actor_config, cfg.actor, False, True) + gather(a) + (unsup_rows and activations(
+            actor_config, -(-unsup_rows // N), unsup_len, train=True, remat=cfg.actor.remat, value_head=False, backend=backend)),
         "critic gradients": c["gradients"], "critic fused LoRA": c["fused"],
         "critic step activations": act(critic_config, cfg.critic, True, True) + gather_c,
-        "experience": rows * T * 4 * 12,
+        "experience": experiences * rows * T * 4 * 12,
     }
     offloaded = {"actor optimizer": cfg.actor.offload, "critic optimizer": cfg.critic.offload,
                  "reference (own leaves)": cfg.offload_reference_model, "reward (own leaves)": cfg.offload_reward_model}
@@ -243,9 +250,11 @@ def capacity(gib: float = 0.0) -> int | None:
 
 def ppo_plan(cfg, mesh, actor_config=None, critic_config=None, backend=None) -> Plan:
     """The plan of a PPOConfig on `mesh`: its batch, prompt length and capacity (device_memory_gib)."""
+    unsup = bool(cfg.data.unsupervised_data_path) and cfg.unsup_coef > 0
     return plan(cfg, actor_config or model_config(cfg, cfg.actor), critic_config or model_config(cfg, cfg.critic), mesh,
                 batch=cfg.batch_size, prompt_len=cfg.data.max_prompt_len, capacity=capacity(cfg.device_memory_gib),
-                backend=backend)
+                backend=backend, experiences=cfg.generation_batches,
+                unsup_rows=(cfg.unsup_batch_size or cfg.batch_size) if unsup else 0, unsup_len=cfg.data.max_seq_len)
 
 
 def alternatives(cfg, mesh, actor_config, critic_config, backend=None) -> list[tuple[str, str, Plan]]:
@@ -275,8 +284,7 @@ def alternatives(cfg, mesh, actor_config, critic_config, backend=None) -> list[t
     options += [(f"inference_tp_size={t}", replace(cfg, inference_tp_size=t), abstract_mesh(N, t))
                 for t in (2 * tp, 4 * tp, 8 * tp) if N % t == 0 and heads % t == 0]
     kind = lambda name: "devices" if name[0].isdigit() else name.split("=")[0]
-    return [(kind(name), name, plan(c, actor_config, critic_config, m, batch=c.batch_size, prompt_len=c.data.max_prompt_len,
-                        capacity=capacity(cfg.device_memory_gib), backend=backend)) for name, c, m in options]
+    return [(kind(name), name, ppo_plan(c, m, actor_config, critic_config, backend)) for name, c, m in options]
 
 
 def check(cfg, mesh, actor_config=None, critic_config=None, backend=None) -> Plan:

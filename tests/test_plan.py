@@ -7,8 +7,6 @@ arrays on device 0 when each compiled program starts plus the program's temporar
 backward ("involuntary full rematerialization"), which a GPU run does not do.
 """
 
-import time
-
 import jax
 import numpy as np
 import pytest
@@ -47,10 +45,9 @@ def prompts(seed=0):
 
 
 @pytest.mark.slow
-def test_plan_within_15_percent_of_the_measured_peak_of_every_phase():
-    # bf16 without LoRA or remat. fp32 with LoRA 8 and remat measured -8, +4, +33, +24 % (reshard .. actor step):
-    # the plan overestimates scoring and the remat step there (the fused LoRA kernels and fp32 scores).
-    engine, cfg, actor, critic, mesh = build("bf16")
+@pytest.mark.parametrize("precision,remat,lora", [("bf16", False, 0), ("fp32", True, 8)])
+def test_plan_within_15_percent_of_the_measured_peak_of_every_phase(precision, remat, lora):
+    engine, cfg, actor, critic, mesh = build(precision, remat, lora)
     measured = memory_plan.measure(engine, prompts())
     p = memory_plan.plan(cfg, actor, critic, mesh, batch=B, prompt_len=PROMPT)
     errors = {ph: p.phase_bytes(ph) / measured[ph] - 1 for ph in p.phases}
@@ -61,7 +58,7 @@ def test_plan_within_15_percent_of_the_measured_peak_of_every_phase():
 
 @pytest.mark.slow
 def test_plan_counts_the_state_exactly_and_offload_moves_items_out_of_other_phases():
-    engine, cfg, actor, critic, mesh = build("fp32", lora=4)  # as the offload test below: compiled once
+    engine, cfg, actor, critic, mesh = build("fp32", True, 8)  # as above and below: compiled once
     p = memory_plan.plan(cfg, actor, critic, mesh, batch=B, prompt_len=PROMPT)
     state = engine.state
     live = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))  # one device: global bytes are per-device bytes
@@ -80,15 +77,19 @@ def test_plan_counts_the_state_exactly_and_offload_moves_items_out_of_other_phas
                                            - p.items["reference (own leaves)"])
 
 
-def test_an_impossible_config_is_refused_before_loading_or_compiling(tmp_path):
+def test_an_impossible_config_is_refused_before_loading_or_compiling(tmp_path, monkeypatch):
     from jaxrlhf import ppo
 
     cfg = load(ppo.PPOConfig, None, ["actor.model=random:opt-30b", "critic.model=random:opt-350m", "batch_size=8",
                                      "device_memory_gib=80", f"output_dir={tmp_path}", "tokenizer=nowhere"])
-    start = time.perf_counter()
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, seconds, **kw: compiles.append(kw.get("fun_name")) if "backend_compile" in event else None)
+    monkeypatch.setattr(ppo, "load_model", lambda *a, **k: pytest.fail("loaded a model before refusing"))
     with pytest.raises(ConfigError) as e:
         ppo.run(cfg, mesh=make_mesh(1, jax.devices()[:1]), log=lambda *_: None)
-    assert time.perf_counter() - start < 5  # 30B random weights were never made
+    # nothing but the two one-primitive programs of a jnp.zeros (param_shapes' dummy input); no model program
+    assert set(compiles) <= {"jit(convert_element_type)", "jit(broadcast_in_dim)"}, compiles
     message = str(e.value)
     # 30B parameters x (4 + 4) bytes of fp32 Adam moments = 223.5 GiB, the largest item
     assert "in actor_step, the device has 80.00 GiB" in message, message
@@ -106,7 +107,7 @@ def test_offloaded_runs_give_the_same_losses_as_device_resident_ones_and_phases_
     assert "pinned_host" in kinds  # the CPU backend of jax 0.11 has it too, so the code path runs here
     runs = {}
     for offload in (False, True):
-        engine = build("fp32", lora=4, offload=offload, offload_reference_model=offload, offload_reward_model=offload)[0]
+        engine = build("fp32", True, 8, offload=offload, offload_reference_model=offload, offload_reward_model=offload)[0]
         runs[offload] = []
         for i in range(2):  # release between phases: only the experience outlives generation, nothing the steps
             device, start = jax.devices()[0], memory_plan.device_bytes(jax.devices()[0])
