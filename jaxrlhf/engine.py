@@ -240,7 +240,8 @@ def _to_generation(s: Static, actor):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _score(s: Static, state, ref_own, reward_own, prompt_ids, prompt_mask, tokens, mask, gen_logprobs):
-    """The experience of one batch (see HybridEngine.generate_experience), rows over all devices."""
+    """The experience of one batch (see HybridEngine.generate_experience), rows over all devices. `state` holds the
+    actor's and critic's weights only (their optimizer states may be in host memory)."""
     cfg = s.cfg
     exp = _rows({"seq": jnp.concatenate([prompt_ids, tokens], 1), "seq_mask": jnp.concatenate([prompt_mask, mask], 1),
                  "mask": mask}, s.mesh)
@@ -354,6 +355,9 @@ class HybridEngine:
         (self.actor_config, actor_params), (self.critic_config, critic_params) = actor, critic
         # Everything the compiled programs depend on besides array shapes: engines alike share their compilations.
         engine_cfg = EngineConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(EngineConfig)})
+        # Where arrays wait between uses changes no program: an offloaded engine shares the others' compilations.
+        engine_cfg = dataclasses.replace(engine_cfg, offload_reference_model=False, offload_reward_model=False,
+                                         **{n: dataclasses.replace(getattr(cfg, n), offload=False) for n in ("actor", "critic")})
         self.static = Static(engine_cfg, self.actor_config, self.critic_config, total_steps, mesh)
         check_tp(self.actor_config.num_attention_heads, mesh)
         self.eos_id = self.actor_config.eos_token_id if eos_id is None else eos_id
@@ -449,7 +453,8 @@ class HybridEngine:
         # Offloaded frozen models come to the device for scoring only; the host copy stays.
         frozen = [self._timed("offload", to_memory, own, "device") if on else own for own, on in
                   ((self.ref_own, cfg.offload_reference_model), (self.reward_own, cfg.offload_reward_model))]
-        exp = self._timed("score", _score, self.static, self.state, *frozen, ids, mask, tokens, answer_mask, gen_logprobs)
+        weights = {n: {k: v for k, v in self.state[n].items() if k in ("trainable", "frozen")} for n in ("actor", "critic")}
+        exp = self._timed("score", _score, self.static, weights, *frozen, ids, mask, tokens, answer_mask, gen_logprobs)
         for tree, on in zip(frozen, (cfg.offload_reference_model, cfg.offload_reward_model)):
             for leaf in jax.tree.leaves(tree) if on else ():
                 leaf.delete()
