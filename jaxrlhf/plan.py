@@ -176,8 +176,11 @@ def plan(cfg, actor_config, critic_config, mesh, *, batch: int, prompt_len: int,
     gather = lambda x: 0 if N == 1 else 2 * x["master"] // actor_config.num_hidden_layers  # two layers in flight
     gather_c = 0 if N == 1 else 2 * c["master"] // critic_config.num_hidden_layers
     switch = 0 if N == 1 else a["fsdp_compute"]  # one device: both layouts are the same arrays
-    act = lambda config, side, value_head, train: activations(config, rows, T, train=train, remat=side.remat,
-                                                              value_head=value_head, backend=backend)
+    # a training step runs one micro-batch at a time (gradient_accumulation_steps), summing into a second gradient tree
+    micro = lambda side: -(-rows // side.optim.gradient_accumulation_steps)
+    act = lambda config, side, value_head, train: activations(config, micro(side) if train else rows, T, train=train,
+                                                              remat=side.remat, value_head=value_head, backend=backend)
+    grads = lambda x, side: x["gradients"] * (2 if side.optim.gradient_accumulation_steps > 1 else 1)
     items = {
         "actor weights": a["weights"], "actor optimizer": a["optimizer"],
         "critic weights": c["weights"], "critic optimizer": c["optimizer"],
@@ -188,10 +191,10 @@ def plan(cfg, actor_config, critic_config, mesh, *, batch: int, prompt_len: int,
         "fused LoRA kernels": a["fused"] + c["fused"],
         "scoring activations": max(act(actor_config, cfg.actor, False, False), act(critic_config, cfg.critic, True, False))
         + max(gather(a), gather_c),
-        "actor gradients": a["gradients"], "actor fused LoRA": a["fused"],
+        "actor gradients": grads(a, cfg.actor), "actor fused LoRA": a["fused"],
         "actor step activations": act(actor_config, cfg.actor, False, True) + gather(a) + (unsup_rows and activations(
             actor_config, -(-unsup_rows // N), unsup_len, train=True, remat=cfg.actor.remat, value_head=False, backend=backend)),
-        "critic gradients": c["gradients"], "critic fused LoRA": c["fused"],
+        "critic gradients": grads(c, cfg.critic), "critic fused LoRA": c["fused"],
         "critic step activations": act(critic_config, cfg.critic, True, True) + gather_c,
         "experience": experiences * rows * T * 4 * 12,
     }
@@ -275,6 +278,12 @@ def alternatives(cfg, mesh, actor_config, critic_config, backend=None) -> list[t
         options.append(("offload (actor.offload critic.offload offload_reference_model offload_reward_model =true)",
                         replace(cfg, **sides(offload=True), offload_reference_model=True, offload_reward_model=True), mesh))
     N, tp = mesh.size, mesh.shape["model"]
+    k = 2
+    while (cfg.batch_size // N) % k == 0:
+        optim = lambda n: replace(getattr(cfg, n).optim, gradient_accumulation_steps=k)
+        options.append((f"gradient_accumulation_steps={k} (actor.optim. and critic.optim.)",
+                        replace(cfg, **{n: replace(getattr(cfg, n), optim=optim(n)) for n in ("actor", "critic")}), mesh))
+        k *= 2
     batch = cfg.batch_size // 2
     while batch >= N and batch % N == 0:
         options.append((f"batch_size={batch}", replace(cfg, batch_size=batch), mesh))
