@@ -1,14 +1,14 @@
 """The memory plan of Step 3: bytes per device of every item in every phase, from the config and the mesh
 alone, before anything is loaded or compiled. `python -m jaxrlhf.plan CONFIG [key=value ...]` prints it.
 
-    item                 lives                            dtype
-    actor/critic weights  always (FSDP)                   master (fp32; pure_bf16: bf16) + LoRA adapters fp32
+    item                  lives                            what
+    actor/critic weights  always (FSDP)                    master dtype (fp32; pure_bf16: bf16) + LoRA adapters fp32
     actor/critic optim    always; offload: its step only   Adam moments of the leaves that train
     reference / reward    always; offload: scoring only    compute dtype, only the leaves not shared (engine.py)
-    ema                   always                           master, the fused actor
-    gradients             the model's step                 the whole trainable tree, master dtype
-    fused LoRA kernels    scoring and the model's step     master dtype, the adapted kernels (fuse)
-    FSDP → TP switch      reshard                          compute dtype, both layouts at once
+    ema                   always                           master dtype, the fused actor
+    gradients             the model's step                 the whole trainable tree (two with accumulation)
+    fused LoRA kernels    scoring and the model's step     master dtype, the adapted kernels (lora.fuse)
+    FSDP -> TP switch     reshard                          compute dtype, both layouts at once
     TP copy + KV cache    generation                       compute dtype; cache [L, B/data, Hkv/tp, S, K], S = P + G up to x64
     activations           every program                    see `activations` (with and without remat)
 
@@ -23,8 +23,6 @@ import dataclasses
 import functools
 import math
 import sys
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,11 +31,10 @@ from jax.sharding import AbstractMesh
 from jaxrlhf.config import ConfigError
 from jaxrlhf.lora import adapted_mask
 from jaxrlhf.models import param_shapes
-from jaxrlhf.sharding import AXES, FSDP_AXES, partition_spec, path_str
+from jaxrlhf.sharding import AXES, partition_spec, path_str
 from jaxrlhf.trainer import init_state, make_optimizer
 
 GiB = 2**30
-PHASES = ("reshard", "generate", "score", "actor_step", "critic_step")
 
 
 def abstract_mesh(devices: int, tp: int) -> AbstractMesh:
@@ -154,6 +151,7 @@ def _model(config, side, precision: str, mesh, value_head: bool) -> dict[str, in
         "twin": sum(_leaf_bytes(path_str(p), compute(x.shape, config.compute_dtype), "fsdp", mesh)
                     for (p, x), _, s in leaves if not s),
         "fused": sum(_leaf_bytes(path_str(p), x, "fsdp", mesh) for (p, x), a, _ in leaves if a),
+        "deltas": sum(_leaf_bytes(path_str(p), compute(x.shape, jnp.float32), "fsdp", mesh) for (p, x), a, _ in leaves if a),
         "master": shard_bytes(params, "fsdp", mesh),
         "fsdp_compute": shard_bytes(_cast(params, config.compute_dtype), "fsdp", mesh),
         "tp_compute": shard_bytes(_cast(params, config.compute_dtype), "tp", mesh),
@@ -173,13 +171,14 @@ def plan(cfg, actor_config, critic_config, mesh, *, batch: int, prompt_len: int,
     rows, gen_rows = -(-batch // N), -(-batch // (N // tp))
     cache = init_cache_bytes(actor_config, gen_rows, T, tp)
     head = gen_rows * prompt_len * -(-actor_config.vocab_size // tp) * 4  # the prefill's fp32 logits
-    gather = lambda x: 0 if N == 1 else 2 * x["master"] // actor_config.num_hidden_layers  # two layers in flight
+    # FSDP gathers each layer's weights as the scan reaches it: two layers in flight (none on one device)
+    gather_a = 0 if N == 1 else 2 * a["master"] // actor_config.num_hidden_layers
     gather_c = 0 if N == 1 else 2 * c["master"] // critic_config.num_hidden_layers
     switch = 0 if N == 1 else a["fsdp_compute"]  # one device: both layouts are the same arrays
     # a training step runs one micro-batch at a time (gradient_accumulation_steps), summing into a second gradient tree
-    micro = lambda side: -(-rows // side.optim.gradient_accumulation_steps)
-    act = lambda config, side, value_head, train: activations(config, micro(side) if train else rows, T, train=train,
-                                                              remat=side.remat, value_head=value_head, backend=backend)
+    micro = lambda n, side: -(-n // (N * side.optim.gradient_accumulation_steps))
+    act = lambda config, side, value_head, train, n=batch, length=T: activations(
+        config, micro(n, side) if train else rows, length, train=train, remat=side.remat, value_head=value_head, backend=backend)
     grads = lambda x, side: x["gradients"] * (2 if side.optim.gradient_accumulation_steps > 1 else 1)
     items = {
         "actor weights": a["weights"], "actor optimizer": a["optimizer"],
@@ -187,13 +186,15 @@ def plan(cfg, actor_config, critic_config, mesh, *, batch: int, prompt_len: int,
         "reference (own leaves)": a["twin"], "reward (own leaves)": c["twin"],
         "ema": a["master"] if cfg.enable_ema else 0,
         "switch: FSDP compute copy": switch, "TP generation copy": a["tp_compute"],
+        # measured on the CPU: the generation copy's program holds every adapted kernel's fp32 LoRA delta at once
+        "switch: fp32 LoRA deltas": a["deltas"],
         "KV cache": cache, "generation activations": head + gen_rows * T * actor_config.hidden_size * 4 * 4,
         "fused LoRA kernels": a["fused"] + c["fused"],
         "scoring activations": max(act(actor_config, cfg.actor, False, False), act(critic_config, cfg.critic, True, False))
-        + max(gather(a), gather_c),
+        + max(gather_a, gather_c),
         "actor gradients": grads(a, cfg.actor), "actor fused LoRA": a["fused"],
-        "actor step activations": act(actor_config, cfg.actor, False, True) + gather(a) + (unsup_rows and activations(
-            actor_config, -(-unsup_rows // N), unsup_len, train=True, remat=cfg.actor.remat, value_head=False, backend=backend)),
+        "actor step activations": act(actor_config, cfg.actor, False, True) + gather_a
+        + (unsup_rows and act(actor_config, cfg.actor, False, True, unsup_rows, unsup_len)),
         "critic gradients": grads(c, cfg.critic), "critic fused LoRA": c["fused"],
         "critic step activations": act(critic_config, cfg.critic, True, True) + gather_c,
         "experience": experiences * rows * T * 4 * 12,
@@ -204,7 +205,7 @@ def plan(cfg, actor_config, critic_config, mesh, *, batch: int, prompt_len: int,
             "reference (own leaves)": "score", "reward (own leaves)": "score"}
     resident = ["actor weights", "critic weights", "ema"] + [i for i in offloaded if not offloaded[i]]
     phases = {
-        "reshard": ["switch: FSDP compute copy", "TP generation copy"],
+        "reshard": ["switch: FSDP compute copy", "switch: fp32 LoRA deltas", "TP generation copy"],
         "generate": ["TP generation copy", "KV cache", "generation activations"],
         "score": ["fused LoRA kernels", "scoring activations", "experience"],
         "actor_step": ["actor gradients", "actor fused LoRA", "actor step activations", "experience"],
