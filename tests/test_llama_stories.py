@@ -1,9 +1,15 @@
 """The story task for stories260K (jaxrlhf.data.stories): prompts, the gold reward, records from a pool."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from jaxrlhf.data import stories
+
+PRESET = Path(__file__).resolve().parents[1] / "configs" / "stories.yaml"
+# How far above the Step 1 model the final actor's gold reward must be: what the seed runs in the README allow.
+MARGIN_SAMPLED, MARGIN_GREEDY = 0.15, 0.15
 
 
 def test_prompt_and_gold_reward():
@@ -31,3 +37,39 @@ def test_records_pair_a_story_with_the_word_against_one_without():
     assert rows == stories.records(pool, 2000, seed=0, label_noise=0.1, min_hits=1)  # seeded
     assert {stories.prompt_word(r["prompt"]) for r in stories.records(pool, 50, min_hits=2)} == {"dog", "cat"}
 
+
+
+def test_demonstrations_answer_some_prompts_on_request():
+    pool = [" There was a dog.", " A big dog ran.", " The cat slept.", " A bird sang.", " The sun was hot."]
+    rows = stories.records(pool, 2000, seed=3, min_hits=1)
+    # A random pooled story uses the requested word 1 time in 4 (dog: 2 of 5 stories; cat, bird, sun: 1 of 5).
+    for on_request, want in ((0.0, 0.25), (0.5, 0.625), (1.0, 1.0)):
+        demos = stories.demonstrations(pool, rows, seed=3, on_request=on_request)
+        assert [d["prompt"] for d in demos] == [r["prompt"] for r in rows] and all(d["chosen"] in pool for d in demos)
+        assert abs(np.mean([stories.gold_reward(d["prompt"], d["chosen"]) for d in demos]) - want) < 0.03, on_request
+
+
+@pytest.mark.slow
+def test_stories_preset_raises_the_gold_reward_over_the_step1_model(assets, tmp_path, monkeypatch, capsys):
+    """The whole stories preset (configs/stories.yaml, python -m jaxrlhf.data.stories' defaults) on stories260K: the
+    final actor uses the requested word more often than the Step 1 model, sampled and greedy (seed runs: README)."""
+    from jaxrlhf import train
+    from jaxrlhf.convert import llama2c_to_hf
+
+    src = assets / "models" / "stories260K"
+    model = llama2c_to_hf(src / "stories260K.bin", src / "tok512.bin", tmp_path / "stories260K")
+    task = stories.build(model, tmp_path / "task")
+    monkeypatch.setattr("jaxrlhf.eval.pipeline_report", lambda *a, **k: None)  # the report has tests of its own
+    cfg = train.parse([str(PRESET), f"actor_model={model}", f"reward_model={model}", f"output_dir={tmp_path / 'run'}",
+                       f"data.data_path=[{task / 'pairs.jsonl'}]", f"data.sft_only_data_path=[{task / 'demos.jsonl'}]",
+                       f"data.cache_dir={tmp_path / 'cache'}"])
+    train.run(cfg, log=lambda _: None)
+    words = stories.task_words(task / "pairs.jsonl")
+    r = stories.evaluate(tmp_path / "run/actor-models/model", tmp_path / "run/step3-models/actor", words)
+    with capsys.disabled():
+        print(f"\nstories: {len(words)} words; gold reward sampled / greedy: Step 1 {r['step1_gold_reward_sampled']:.3f} / "
+              f"{r['step1_gold_reward_greedy']:.3f}, actor {r['actor_gold_reward_sampled']:.3f} / "
+              f"{r['actor_gold_reward_greedy']:.3f}; KL {r['kl_actor_to_step1']:.2f} nats per answer")
+    assert r["actor_gold_reward_sampled"] >= r["step1_gold_reward_sampled"] + MARGIN_SAMPLED
+    assert r["actor_gold_reward_greedy"] >= r["step1_gold_reward_greedy"] + MARGIN_GREEDY
+    assert 0.0 < r["kl_actor_to_step1"] < 20.0

@@ -6,17 +6,19 @@
 
 The gold reward of an answer is 1.0 when the requested word (or its plural) appears in it as a word, else
 0.0. The data come from the pretrained model itself, so nothing here is hand-written text: `build` samples
-a pool of stories from the model ("Once upon a time," continued at temperature 1), then writes
+a pool of short stories from the model ("Once upon a time," continued at temperature 1, short enough to
+end, with EOS, inside Step 3's answer length), then writes two JSON-lines files:
 
-    a record                a prompt for a word; chosen: a pooled story with the word, rejected: one
-                            without, swapped for `label_noise` of the records (an imperfect annotator)
-    Step 1 demonstrations   prompt + chosen of its share of the records (so also imperfect)
-    Step 2 preferences      the pairs of its share
-    Step 3 prompts          the prompts of its share
+    pairs.jsonl   {prompt, chosen, rejected}: a prompt for a word; chosen a pooled story with the word,
+                  rejected one without (half of them using another task word, so the reward model must
+                  read the prompt); `label_noise` of them swapped (an imperfect annotator)
+                  -> data.data_path, shared by Steps 2 and 3 (data_split 0,1,1)
+    demos.jsonl   {prompt, chosen}: a prompt answered by a random pooled story, which uses the word only as
+                  often as the model's own stories do -> data.sft_only_data_path (Step 1)
 
-as one JSON-lines file of {prompt, chosen, rejected} records for `data.data_path`. The pretrained model
-knows the stories' world but not the Human/Assistant format: Step 1 teaches it, Steps 2 and 3 should make
-it use the requested word more often than the Step 1 model does.
+The pretrained model knows the stories' world but not the Human/Assistant format: Step 1 teaches it the
+format only (its demonstrations ignore the request), so the Step 1 model uses the word about as often as
+the pool does; Steps 2 and 3 must teach it to honour the request.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def sample_pool(model_dir: str | Path, n: int, max_new_tokens: int, seed: int = 
     return stories[:n]
 
 
-def records(stories: list[str], n: int, seed: int = 0, label_noise: float = 0.1, min_hits: int = 20,
+def records(stories: list[str], n: int, seed: int = 0, label_noise: float = 0.0, min_hits: int = 20,
             off_topic: float = 0.5) -> list[dict]:
     """`n` {prompt, chosen, rejected} records from a pool of stories (see the module docstring).
 
@@ -115,20 +117,32 @@ def task_words(path: str | Path) -> list[str]:
     return [w for w in WORDS if w in asked]
 
 
-def build(model_dir: str | Path, out_file: str | Path, *, n: int = 3000, pool: int = 2048,
-          max_new_tokens: int = 40, seed: int = 0, **kwargs) -> Path:
-    """Sample a pool from the model and write `n` task records as JSON lines to `out_file`."""
-    out_file = Path(out_file)
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    rows = records(sample_pool(model_dir, pool, max_new_tokens, seed), n, seed, **kwargs)
-    out_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return out_file
+def demonstrations(stories: list[str], rows: list[dict], seed: int = 0, on_request: float = 0.5) -> list[dict]:
+    """Step 1 demonstrations {prompt, chosen}: each record's prompt answered by its chosen story (one with the
+    requested word) for `on_request` of them, else by a random pooled story, which uses the word only as often
+    as the model's own stories do: an uneven demonstrator, so the Step 1 model honours the request sometimes."""
+    rng = np.random.default_rng([seed, 1])
+    return [{"prompt": r["prompt"], "chosen": r["chosen"] if rng.random() < on_request else stories[rng.integers(len(stories))]}
+            for r in rows]
+
+
+def build(model_dir: str | Path, out_dir: str | Path, *, n: int = 1500, demos: int = 500, pool: int = 1024,
+          max_new_tokens: int = 24, seed: int = 0, on_request: float = 0.5, **kwargs) -> Path:
+    """Sample a pool from the model; write `n` preference records to OUT_DIR/pairs.jsonl and `demos` Step 1
+    demonstrations to OUT_DIR/demos.jsonl (JSON lines)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stories = sample_pool(model_dir, pool, max_new_tokens, seed)
+    rows = records(stories, n + demos, seed, **kwargs)
+    for name, part in (("pairs", rows[:n]), ("demos", demonstrations(stories, rows[n:], seed, on_request))):
+        (out_dir / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    return out_dir
 
 
 def evaluate(step1_dir: str | Path, actor_dir: str | Path, words=WORDS, *, samples: int = 16,
              max_new_tokens: int = 32, seed: int = 7) -> dict:
-    """Gold reward of the Step 1 model and of the final actor (sampled at temperature 1, and greedy) on each
-    word's prompt `samples` times, and the KL from the actor to the Step 1 model (nats per sampled answer)."""
+    """Gold reward of the Step 1 model and of the final actor on each word's prompt: sampled (temperature 1)
+    `samples` times, and greedy once; and the KL from the actor to the Step 1 model (nats per sampled answer)."""
     import jax
     import jax.numpy as jnp
 
@@ -139,29 +153,31 @@ def evaluate(step1_dir: str | Path, actor_dir: str | Path, words=WORDS, *, sampl
     from jaxrlhf.tokenizer import load_tokenizer
 
     tok = load_tokenizer(actor_dir)
-    prompts = [make_prompt(w) for w in words] * samples
-    enc = [tok(p)["input_ids"] for p in prompts]
+    enc = [tok(make_prompt(w))["input_ids"] for w in words]
     width = max(map(len, enc))
     ids, mask = np.full((len(enc), width), tok.pad_token_id, np.int32), np.zeros((len(enc), width), np.int32)
     for i, e in enumerate(enc):  # left padding, as generation wants
         ids[i, width - len(e) :], mask[i, width - len(e) :] = e, 1
+    rows = {"sampled": (np.tile(ids, (samples, 1)), np.tile(mask, (samples, 1)), 1.0), "greedy": (ids, mask, 0.0)}
     models = {"step1": load_hf(step1_dir), "actor": load_hf(actor_dir)}
-    out, sampled = {}, None
+    out, examples, sampled = {}, {}, None
     for name, (config, params) in models.items():
-        for mode, temperature in (("sampled", 1.0), ("greedy", 0.0)):
-            gen = generate(config, params, ids, mask, jax.random.key(seed), max_new_tokens=max_new_tokens,
+        for mode, (ids_m, mask_m, temperature) in rows.items():
+            gen = generate(config, params, ids_m, mask_m, jax.random.key(seed), max_new_tokens=max_new_tokens,
                            temperature=temperature, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
             texts = [tok.decode([t for t, k in zip(row, m) if k and t != tok.eos_token_id])
                      for row, m in zip(np.asarray(gen.tokens), np.asarray(gen.mask))]
-            out[f"{name}_gold_reward_{mode}"] = float(np.mean([gold_reward(p, a) for p, a in zip(prompts, texts)]))
-            out.setdefault("examples", {})[f"{name}_{mode}"] = texts[: len(words) : 4]
+            prompt_words = list(words) * (len(texts) // len(words))
+            out[f"{name}_gold_reward_{mode}"] = float(np.mean([uses(a, w) for w, a in zip(prompt_words, texts)]))
+            examples[f"{name}_{mode}"] = dict(zip(words, texts))
             if (name, mode) == ("actor", "sampled"):
                 sampled = gen
-    seq = jnp.concatenate([ids, sampled.tokens], 1)
-    seq_mask = jnp.concatenate([mask, sampled.mask], 1)
+    ids, mask = rows["sampled"][:2]
+    seq, seq_mask = jnp.concatenate([ids, sampled.tokens], 1), jnp.concatenate([mask, sampled.mask], 1)
     logp = {name: token_logprobs(logits(c, p, seq, seq_mask), seq)[:, -max_new_tokens:] for name, (c, p) in models.items()}
-    out["kl_actor_to_step1"] = float(jnp.sum((logp["actor"] - logp["step1"]) * sampled.mask) / len(prompts))
-    out["answers"] = len(prompts)
+    out["kl_actor_to_step1"] = float(jnp.sum((logp["actor"] - logp["step1"]) * sampled.mask) / len(ids))
+    out["answers"] = {"sampled": len(ids), "greedy": len(words)}
+    out["examples"] = examples
     return out
 
 
@@ -169,18 +185,19 @@ def main(argv=None):
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m jaxrlhf.data.stories",
-                                 description="Write the story task's records (JSON lines) from a pretrained model's own samples.")
+                                 description="Write the story task (pairs.jsonl, demos.jsonl) from a pretrained model's own samples.")
     ap.add_argument("model", help="an HF Llama folder, e.g. from python -m jaxrlhf.convert llama2c ...")
-    ap.add_argument("out", help="the .jsonl file to write (then data.data_path=[OUT])")
-    ap.add_argument("--n", type=int, default=3000, help="records")
+    ap.add_argument("out", help="the folder to write (then data.data_path=[OUT/pairs.jsonl], data.sft_only_data_path=[OUT/demos.jsonl])")
+    ap.add_argument("--n", type=int, default=3000, help="preference records")
+    ap.add_argument("--demos", type=int, default=1000, help="Step 1 demonstrations")
     ap.add_argument("--pool", type=int, default=2048, help="stories sampled from the model")
-    ap.add_argument("--max-new-tokens", type=int, default=40, help="tokens per sampled story")
-    ap.add_argument("--label-noise", type=float, default=0.1, help="share of pairs with chosen and rejected swapped")
+    ap.add_argument("--max-new-tokens", type=int, default=24, help="tokens per sampled story")
+    ap.add_argument("--label-noise", type=float, default=0.0, help="share of pairs with chosen and rejected swapped")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    out = build(args.model, args.out, n=args.n, pool=args.pool, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                label_noise=args.label_noise)
-    print(f"wrote {args.n} records to {out}")
+    out = build(args.model, args.out, n=args.n, demos=args.demos, pool=args.pool, max_new_tokens=args.max_new_tokens,
+                seed=args.seed, label_noise=args.label_noise)
+    print(f"wrote {args.n} preference records and {args.demos} demonstrations to {out}")
 
 
 if __name__ == "__main__":
