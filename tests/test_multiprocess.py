@@ -58,8 +58,9 @@ def launch(args: dict, tmp_path, n: int = 2, timeout: float = 300) -> list[str]:
     """Run DRIVER in `n` processes of 4 CPU devices joined through a coordinator on 127.0.0.1; their outputs.
     One that fails ends the others (they would wait for it in a collective)."""
     # Unoptimised CPU code compiles in about 60 % of the time, and this run is mostly compilation.
-    flags = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    flags = ["--xla_force_host_platform_device_count=4", "--xla_backend_optimization_level=0",
+             "--xla_llvm_disable_expensive_passes=true"]
+    env = {**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
     port, logs = free_port(), [tmp_path / f"process{i}.log" for i in range(n)]
     procs = [subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps(args), f"--coordinator-address=127.0.0.1:{port}",
                                f"--num-processes={n}", f"--process-id={i}"],
