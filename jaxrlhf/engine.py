@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxrlhf import losses
 from jaxrlhf.data import place
 from jaxrlhf.generate import generate
-from jaxrlhf.lora import LoRAConfig, adapted_mask
+from jaxrlhf.lora import LoRAConfig, adapted_mask, fuse
 from jaxrlhf.models import OPTConfig, logits, values
 from jaxrlhf.sharding import AXES, batch_sharding, check_tp, reshard, shardings_for
 from jaxrlhf.trainer import OptimConfig, create_state, effective_params, make_optimizer, make_train_step, state_shardings
@@ -232,10 +232,33 @@ def _fused(s: Static, actor):
 
 
 @functools.partial(jax.jit, static_argnums=0)
+def _in_compute_dtype(s: Static, params, lora):
+    """`params` (a whole tree, or one adapted module's kernel with its `lora` pair) fused and cast to the compute dtype;
+    a stacked [L, in, out] kernel one layer at a time (one layer's fp32 delta exists at once)."""
+    run = lambda p, l: jax.tree.map(lambda x: x.astype(s.actor.compute_dtype), fuse(p, l, s.cfg.actor.lora))
+    if lora is not None and all(x.ndim == 3 for x in jax.tree.leaves(params)):
+        return _fsdp(jax.lax.map(lambda pl: run(*pl), (params, lora)), s.mesh)
+    return _fsdp(run(params, lora), s.mesh)
+
+
 def _to_generation(s: Static, actor):
-    """The copy that is resharded and generates: LoRA fused, in the compute dtype."""
-    dtype = s.actor.compute_dtype
-    return _fsdp(jax.tree.map(lambda x: x.astype(dtype), effective_params(actor, s.cfg.actor.lora)), s.mesh)
+    """The copy that is resharded and generates: LoRA fused, in the compute dtype, FSDP layout. With LoRA, one
+    program per adapted kernel: fused over the whole tree at once, XLA held every kernel's fp32 delta together
+    (110 GiB for OPT-30B)."""
+    merged = {**actor["frozen"], **actor["trainable"]}
+    params, lora = merged["params"], merged.get("lora")
+    if lora is None:
+        return _in_compute_dtype(s, params, None)
+    adapted = adapted_mask(params, s.cfg.actor.lora)
+    out = _in_compute_dtype(s, jax.tree.map(lambda x, m: None if m else x, params, adapted), None)
+    nest = lambda value, keys: {keys[0]: nest(value, keys[1:])} if keys else value
+    at = lambda tree, keys: functools.reduce(lambda t, k: t[k], keys, tree)
+    for (path, x), m in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(adapted)):
+        if m:
+            keys = [k.key for k in path]  # .../fc1/kernel; its adapters sit at .../fc1 in the lora tree
+            fused = _in_compute_dtype(s, nest(x, keys), nest(at(lora, keys[:-1]), keys[:-1]))
+            at(out, keys[:-1])[keys[-1]] = at(fused, keys)
+    return out
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -151,7 +151,8 @@ def _model(config, side, precision: str, mesh, value_head: bool) -> dict[str, in
         "twin": sum(_leaf_bytes(path_str(p), compute(x.shape, config.compute_dtype), "fsdp", mesh)
                     for (p, x), _, s in leaves if not s),
         "fused": sum(_leaf_bytes(path_str(p), x, "fsdp", mesh) for (p, x), a, _ in leaves if a),
-        "deltas": sum(_leaf_bytes(path_str(p), compute(x.shape, jnp.float32), "fsdp", mesh) for (p, x), a, _ in leaves if a),
+        "delta": max([_leaf_bytes(path_str(p), compute(x.shape, jnp.float32), "fsdp", mesh) // (x.shape[0] if x.ndim == 3 else 1)
+                      for (p, x), a, _ in leaves if a], default=0),  # one layer's (engine._to_generation)
         "master": shard_bytes(params, "fsdp", mesh),
         "fsdp_compute": shard_bytes(_cast(params, config.compute_dtype), "fsdp", mesh),
         "tp_compute": shard_bytes(_cast(params, config.compute_dtype), "tp", mesh),
@@ -186,8 +187,8 @@ def plan(cfg, actor_config, critic_config, mesh, *, batch: int, prompt_len: int,
         "reference (own leaves)": a["twin"], "reward (own leaves)": c["twin"],
         "ema": a["master"] if cfg.enable_ema else 0,
         "switch: FSDP compute copy": switch, "TP generation copy": a["tp_compute"],
-        # measured on the CPU: the generation copy's program holds every adapted kernel's fp32 LoRA delta at once
-        "switch: fp32 LoRA deltas": a["deltas"],
+        # the generation copy is fused one adapted kernel and layer at a time (engine._to_generation)
+        "switch: fp32 LoRA delta": a["delta"],
         "KV cache": cache, "generation activations": head + gen_rows * T * actor_config.hidden_size * 4 * 4,
         "fused LoRA kernels": a["fused"] + c["fused"],
         "scoring activations": max(act(actor_config, cfg.actor, False, False), act(critic_config, cfg.critic, True, False))
@@ -205,7 +206,7 @@ def plan(cfg, actor_config, critic_config, mesh, *, batch: int, prompt_len: int,
             "reference (own leaves)": "score", "reward (own leaves)": "score"}
     resident = ["actor weights", "critic weights", "ema"] + [i for i in offloaded if not offloaded[i]]
     phases = {
-        "reshard": ["switch: FSDP compute copy", "switch: fp32 LoRA deltas", "TP generation copy"],
+        "reshard": ["switch: FSDP compute copy", "switch: fp32 LoRA delta", "TP generation copy"],
         "generate": ["TP generation copy", "KV cache", "generation activations"],
         "score": ["fused LoRA kernels", "scoring activations", "experience"],
         "actor_step": ["actor gradients", "actor fused LoRA", "actor step activations", "experience"],
@@ -381,7 +382,7 @@ def measure(engine, prompt_batch: dict) -> dict[str, int]:
                mock.patch.object(sharding_mod, "_identity", lambda shardings: probe(identity(shardings))),
                mock.patch.object(generate_mod, "_generate", probe(generate_mod._generate))]
     patches += [mock.patch.object(engine_mod, n, probe(getattr(engine_mod, n)))
-                for n in ("_to_generation", "_score", "_advantages", "_actor_update", "_critic_update")]
+                for n in ("_in_compute_dtype", "_score", "_advantages", "_actor_update", "_critic_update")]
     for p in patches:
         p.start()
     try:
