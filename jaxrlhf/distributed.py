@@ -9,7 +9,7 @@ Every entry point calls `initialize` before JAX starts. It joins the other proce
 and otherwise does nothing. Then `jax.devices()` lists every process's devices, one mesh spans them all,
 each process loads its own rows of every batch (`data.Batches`), Orbax checkpoints are written by all
 processes together (and restore on any process count), and process 0 alone logs and writes HF folders.
-On the CPU the processes talk through gloo (the two-process test in tests/test_multiprocess.py).
+On the CPU the processes talk through gloo (tests/test_multiprocess.py runs Steps 1 and 3 as two processes).
 """
 
 from __future__ import annotations
