@@ -161,8 +161,11 @@ def test_tokenized_batches_for_each_step(hh, tok):
     assert b["rejected_ids"][0].tolist() == [2] + kept + rejected_ids + [2]
     n = 1 + len(kept) + len(chosen_ids) + 1
     assert b["chosen_ids"][0, :n].tolist() == [2] + kept + chosen_ids + [2] and b["chosen_mask"][0].sum() == n
-    answers = [len(tok(r.chosen, add_special_tokens=False)["input_ids"]) for r in records]
-    assert stats["chosen_truncated"] == sum(n + 2 > 128 for n in answers) and stats["prompts_cut"] > 0
+    # The prompt keeps what the longer answer leaves of the 126 tokens besides BOS and EOS, and at least 63.
+    lengths = [[len(tok(t, add_special_tokens=False)["input_ids"]) for t in (r.prompt, r.chosen, r.rejected)] for r in records]
+    kept = [min(p, max(126 - max(c, r), 63)) for p, c, r in lengths]
+    assert stats["prompts_cut"] == sum(k < p for k, (p, _, _) in zip(kept, lengths)) > 0
+    assert stats["chosen_truncated"] == sum(k + c > 126 for k, (_, c, _) in zip(kept, lengths)) > 0
 
     arrays, stats = tokenize(records, tok, 3, config)
     lengths = [len(tok(r.prompt, add_special_tokens=False)["input_ids"]) + 1 for r in records]

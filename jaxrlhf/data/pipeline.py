@@ -12,7 +12,7 @@ Tokenized sets are ragged (tokens + offsets), padded only when batched (batches.
     step 1   sequence = BOS + prompt + chosen + EOS; `prompt_len` for the loss mask
     step 2   chosen and rejected sequences as in step 1
              longer than max_seq_len: the prompt loses its oldest tokens after BOS (both halves of a pair
-             alike), then the answer its end
+             alike, down to half of max_seq_len at most), then the answer its end
     step 3   BOS + prompt; prompts longer than max_prompt_len are dropped (and counted), never cut
     "unsupervised"  texts joined with EOS between them and cut into blocks of unsupervised_block_size
              (DeepSpeed-Chat's group_texts), for the mixture LM loss of Step 3
@@ -48,7 +48,8 @@ class DataConfig:
     eval_fraction: float = 0.1
     #: seed of the splits and the shuffles
     seed: int = 1234
-    #: Steps 1 and 2: tokens per sequence (longer ones lose the start of the prompt, then the end of the answer)
+    #: Steps 1 and 2: tokens per sequence (longer ones lose the start of the prompt, down to half, then the end
+    #: of the answer)
     max_seq_len: int = 512
     #: Step 3: tokens per prompt (longer prompts are dropped, not cut)
     max_prompt_len: int = 256
@@ -159,11 +160,14 @@ def tokenize(records: list[Record], tokenizer, step: int, config: DataConfig) ->
     fields = ("chosen",) if step == 1 else ("chosen", "rejected")
     answers = {field: _encode(tokenizer, [getattr(r, field) for r in records]) for field in fields}
     # An over-long sequence loses the oldest prompt tokens after BOS first, the same number in both halves
-    # of a pair (so they still share the prompt and differ where the answers do), and only then the end of
-    # its answer. Cutting the end alone (DeepSpeed-Chat) drops the answer, which is what both steps learn
-    # from: a pair whose prompt fills max_seq_len becomes two identical sequences.
+    # of a pair (so they still share the prompt and differ where the answers do), but the prompt keeps at
+    # least half of the room; then the answer loses its end. Cutting the end alone (DeepSpeed-Chat) drops
+    # the answer, which is what both steps learn from: a pair whose prompt fills max_seq_len becomes two
+    # identical sequences. Cutting the prompt alone would leave a long answer without its question.
+    room = config.max_seq_len - 2  # BOS and EOS
     longest = [max(len(answers[f][i]) for f in fields) for i in range(len(records))]
-    cut = [max(0, len(p) + n + 1 - config.max_seq_len) for p, n in zip(prompts, longest)]
+    keep = [max(room - n, min(len(p) - 1, room // 2)) for p, n in zip(prompts, longest)]
+    cut = [max(0, len(p) - 1 - k) for p, k in zip(prompts, keep)]
     stats["prompts_cut"] = sum(c > 0 for c in cut)
     prompts = [p[:1] + p[1 + c :] for p, c in zip(prompts, cut)]
     for field in fields:
