@@ -29,7 +29,7 @@ def test_wilson_interval():
 
 def test_long_hh_pairs_keep_their_differing_answers(assets):
     """HH pairs share a long prompt and differ at the end: at 64 tokens a right cut would leave most pairs as two
-    identical sequences; the prompt's start goes instead, by the same count in both halves."""
+    identical sequences; the prompt's start goes instead, by the same count in both halves, down to half the room."""
     tok = opt_tokenizer(assets / "opt-tokenizer")
     records = read_source(str(assets / HH), on_bad_row="skip")["train"][0]
     config = DataConfig(max_seq_len=64)
@@ -37,8 +37,10 @@ def test_long_hh_pairs_keep_their_differing_answers(assets):
     b = make_batch(arrays, range(len(records)), 2, config, tok.pad_token_id)
     enc = lambda texts: [len(x) for x in tok(texts, add_special_tokens=False)["input_ids"]]
     p, c, r = (np.array(enc([getattr(x, f) for x in records])) for f in ("prompt", "chosen", "rejected"))
-    assert stats["prompts_cut"] == np.sum(1 + p + np.maximum(c, r) + 1 > 64) > 1400  # of 2,303 pairs
     assert np.mean(1 + p + 1 >= 64) > 0.6  # the share of pairs a right cut would have made identical
+    # 62 tokens besides BOS and EOS: the prompt keeps what the longer answer leaves, and at least 31.
+    kept = np.minimum(p, np.maximum(62 - np.maximum(c, r), 31))
+    assert (arrays["prompt_len"] == 1 + kept).all() and stats["prompts_cut"] == np.sum(kept < p) > 1400  # of 2,303
     differ = b["chosen_ids"] != b["rejected_ids"]
     assert differ.any(1).all()
     # Both halves keep the same prompt (BOS + its last tokens), and they part where the answers do.
@@ -46,7 +48,7 @@ def test_long_hh_pairs_keep_their_differing_answers(assets):
     # End scores are read at EOS wherever the answer fits whole.
     for field, n in (("chosen", c), ("rejected", r)):
         last = b[f"{field}_ids"][np.arange(len(records)), b[f"{field}_mask"].sum(1) - 1]
-        fits = n + 2 <= 64
+        fits = 1 + kept + n + 1 <= 64
         assert (last[fits] == tok.eos_token_id).all() and stats[f"{field}_truncated"] == np.sum(~fits)
 
 
