@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxrlhf.data.sources import DataError, Record, Report, fingerprint, read_source, read_texts
 
-CACHE_VERSION = 4  # bump when the tokenized format or any adapter's output changes
+CACHE_VERSION = 5  # bump when the tokenized format or any adapter's output changes
 
 
 @dataclasses.dataclass(frozen=True)
