@@ -4,7 +4,8 @@
         --prompt 256 --new 256 --full-actor opt-6.7b --full-batch 8
     PYTHONPATH=. python tools/bench_memory.py --tiny        # the CPU smoke test: tiny models, same code
 
-Two configurations, each in a try block of its own (an out-of-memory error is recorded, the next one runs):
+Two configurations, each in a process of its own (the peak counter cannot be reset; an out-of-memory error is
+recorded and the next one runs):
   lora      --actor with LoRA (--lora, only_optimize_lora, pure bf16 so the frozen base is 2 bytes a weight),
             --critic the same, remat on both
   full      --full-actor fully fine-tuned (bf16 mixed precision: fp32 master weights and Adam moments), with
@@ -20,10 +21,12 @@ on a GPU the running peak after a phase compares with the largest planned phase 
 from __future__ import annotations
 
 import argparse
-import gc
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -124,16 +127,30 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--tiny", action="store_true", help="tiny models, batch 8, 16 + 16 tokens: the CPU smoke test")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--only", default=None, help=argparse.SUPPRESS)  # the child process of one configuration
+    ap.add_argument("--row-file", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.tiny:
         args.actor, args.critic, args.full_actor, args.lora = "tiny-actor", "tiny-critic", "tiny-actor", 8
         args.batch, args.full_batch, args.prompt, args.new = 8, 8, 16, 16
-    result = {"benchmark": "memory", **common.environment(), "args": vars(args), "runs": []}
-    stamp = time.strftime("%Y%m%d-%H%M%S")
     runs = [("lora", args.actor, args.batch, args.lora, "pure_bf16", False)]
     if args.full_actor:
         runs.append(("full_offload", args.full_actor, args.full_batch, 0, "bf16", True))
-    for name, actor, batch, lora, precision, offload in runs:
+    if args.only is None:
+        # One process per configuration: the device's peak counter cannot be reset, and an out-of-memory error
+        # leaves nothing behind for the next configuration.
+        result = {"benchmark": "memory", **common.environment(), "args": vars(args), "runs": []}
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for name, actor, batch, *_ in runs:
+            with tempfile.NamedTemporaryFile(suffix=".json") as f:
+                proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--only", name, "--row-file", f.name])
+                text = Path(f.name).read_text()
+            row = json.loads(text) if text else {"name": name, "actor": actor, "batch": batch,
+                                                 "error": f"the process ended with code {proc.returncode}"}
+            result["runs"].append(row)
+            common.write("memory", result, args.out, stamp)
+        return
+    for name, actor, batch, lora, precision, offload in (r for r in runs if r[0] == args.only):
         try:
             row = {"name": name, **run_one(args, actor, batch, lora, precision, offload)}
             errors = " ".join(f"{ph} {e:+.1%}" for ph, e in row["plan_error"].items())
@@ -143,9 +160,7 @@ def main():
         except Exception as e:  # noqa: BLE001 - out of memory: record it, keep the other configuration
             row = {"name": name, "actor": actor, "batch": batch, "error": str(e).splitlines()[0][:300]}
             print(f"{name}: {actor} batch {batch}: {row['error']}", flush=True)
-        result["runs"].append(row)
-        gc.collect()
-        common.write("memory", result, args.out, stamp)
+        Path(args.row_file).write_text(json.dumps(row, default=str))
 
 
 if __name__ == "__main__":
