@@ -8,7 +8,8 @@ import pytest
 from jaxrlhf.data import stories
 
 PRESET = Path(__file__).resolve().parents[1] / "configs" / "stories.yaml"
-# How far above the Step 1 model the final actor's gold reward must be: what the seed runs in the README allow.
+# How far above the Step 1 model the final actor's gold reward must be; the seed runs in the README gained
+# 0.48-0.72 (sampled) and 0.25-0.75 (greedy, 4 prompts: one more word used is +0.25).
 MARGIN_SAMPLED, MARGIN_GREEDY = 0.15, 0.15
 
 
@@ -62,7 +63,7 @@ def test_stories_preset_raises_the_gold_reward_over_the_step1_model(assets, tmp_
     monkeypatch.setattr("jaxrlhf.eval.pipeline_report", lambda *a, **k: None)  # the report has tests of its own
     cfg = train.parse([str(PRESET), f"actor_model={model}", f"reward_model={model}", f"output_dir={tmp_path / 'run'}",
                        f"data.data_path=[{task / 'pairs.jsonl'}]", f"data.sft_only_data_path=[{task / 'demos.jsonl'}]",
-                       f"data.cache_dir={tmp_path / 'cache'}"])
+                       f"data.cache_dir={tmp_path / 'cache'}", *(f"{step}.seed=1" for step in ("sft", "reward", "ppo", "data"))])
     train.run(cfg, log=lambda _: None)
     words = stories.task_words(task / "pairs.jsonl")
     r = stories.evaluate(tmp_path / "run/actor-models/model", tmp_path / "run/step3-models/actor", words)
@@ -70,6 +71,6 @@ def test_stories_preset_raises_the_gold_reward_over_the_step1_model(assets, tmp_
         print(f"\nstories: {len(words)} words; gold reward sampled / greedy: Step 1 {r['step1_gold_reward_sampled']:.3f} / "
               f"{r['step1_gold_reward_greedy']:.3f}, actor {r['actor_gold_reward_sampled']:.3f} / "
               f"{r['actor_gold_reward_greedy']:.3f}; KL {r['kl_actor_to_step1']:.2f} nats per answer")
-    assert r["actor_gold_reward_sampled"] >= r["step1_gold_reward_sampled"] + MARGIN_SAMPLED
-    assert r["actor_gold_reward_greedy"] >= r["step1_gold_reward_greedy"] + MARGIN_GREEDY
+    for mode, margin in (("sampled", MARGIN_SAMPLED), ("greedy", MARGIN_GREEDY)):  # all of them, if fewer are left
+        assert r[f"actor_gold_reward_{mode}"] >= min(1.0, r[f"step1_gold_reward_{mode}"] + margin), mode
     assert 0.0 < r["kl_actor_to_step1"] < 20.0
