@@ -57,12 +57,12 @@ def test_reward_model_beats_chance_on_held_out_hh_pairs(assets, tmp_path):
     """A 2-layer, 32-wide OPT from random weights, 200 steps of 32 pairs at 64 tokens (4 epochs over 1,612 pairs):
     held-out accuracy on 672 other pairs with the lower end of its 95 % interval above 0.5.
 
-    Measured here: 0.610 (0.573-0.646); 0.586 (0.549-0.623) without weight decay. With 512 position embeddings
-    (other random weights), three weight seeds and three data seeds (so three different held-out sets of 672):
-    0.613, 0.597, 0.622; at lr 3e-3: 0.604, 0.570, 0.585. Before the prompt-start cut (data.pipeline.tokenize), a
-    right cut gave 0.31 at 128 tokens: most pairs became two identical sequences, which count as wrong. On these
-    pairs "the shorter answer wins" scores 0.547 and a bag-of-words logistic regression 0.60-0.62: the signal in
-    harmless-base is weak.
+    Measured here: 0.579 (0.541-0.616). Other random weights (512 position embeddings) with three data seeds, so
+    three different held-out sets of 672: 0.573, 0.560, 0.588; at 96 tokens 0.595 (this test), 0.565, 0.632. Had
+    the prompt alone been cut (answers whole): 0.610 here, 0.613, 0.597, 0.622; at lr 3e-3 0.604, 0.570, 0.585.
+    A right cut (DeepSpeed-Chat's) gave 0.31 at 128 tokens: most pairs became two identical sequences, which
+    count as wrong. On these pairs "the shorter answer wins" scores 0.547 and a bag-of-words logistic
+    regression 0.60-0.62: the signal in harmless-base is weak.
     """
     tok = opt_tokenizer(assets / "opt-tokenizer")
     config = OPTConfig(vocab_size=50272, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
