@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -93,9 +94,9 @@ def module_filter(params: Any, cfg: LoRAConfig) -> str:
     """`cfg.module_name`, or when it is None the decoder layers of the family whose tree `params` is."""
     if cfg.module_name is not None:
         return cfg.module_name
-    roots = [r for r in FAMILY_LAYERS if isinstance(params, dict) and r in params]
+    roots = [r for r in FAMILY_LAYERS if isinstance(params, Mapping) and r in params]
     if len(roots) != 1:
-        top = sorted(params) if isinstance(params, dict) else type(params).__name__
+        top = sorted(params) if isinstance(params, Mapping) else type(params).__name__
         raise ValueError(f"LoRA: cannot tell the model family from the parameter tree (top-level modules {top}; "
                          f"known: {', '.join(FAMILY_LAYERS)}); set lora.module_name")
     return FAMILY_LAYERS[roots[0]]
