@@ -190,7 +190,7 @@ def test_module_filter_selects_like_deepspeed_chat():
         pick("embed_tokens")
 
 
-@pytest.mark.slow  # four compiled training steps of a Llama
+@pytest.mark.slow  # compiles a Llama training step (10-50 s on 2 shared cores)
 def test_llama_default_filter_adapts_attention_and_mlp_and_only_optimize_lora_freezes_the_base():
     from jaxrlhf.sft import sft_loss
     from jaxrlhf.trainer import OptimConfig, create_state, effective_params, make_optimizer, make_train_step
