@@ -4,6 +4,7 @@ import jax
 import numpy as np
 
 from jaxrlhf import make_mesh, reshard
+from tools import common
 from tools.bench_reshard import bytes_per_device, received_bytes
 
 
@@ -20,3 +21,11 @@ def test_received_bytes_counts_what_device_0_lacks():
     fsdp = reshard(tree, "fsdp", two)
     assert received_bytes(fsdp, reshard(fsdp, "tp", two)) == 24 * 32 * 4
     assert jax.device_count() == 8
+
+
+def test_safely_and_the_child_process_report_errors_per_run():
+    assert common.safely(lambda a, b: {"sum": a + b}, 2, 3) == {"sum": 5}
+    assert common.safely(lambda: 1 / 0) == {"error": "division by zero"}
+    assert common.torch_child(["-c", "import os; print('noise'); print('{\"8\": ' + repr(os.environ['JAX_PLATFORMS']) .replace(\"'\", '\"') + '}')"], [8]) == {"8": "cpu"}
+    failed = common.torch_child(["-c", "raise SystemExit('out of memory')"], [16, 64])
+    assert failed == {k: {"error": "child process failed: out of memory"} for k in ("16", "64")}

@@ -82,13 +82,6 @@ def theirs(name, B, Pn, G, cache, repeats):
     return result
 
 
-def safely(fn, *args) -> dict:
-    try:
-        return fn(*args)
-    except Exception as e:  # noqa: BLE001 - e.g. out of memory at B=256: keep the rest
-        return {"error": str(e).splitlines()[0][:300]}
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="opt-1.3b", choices=sorted(PRESETS))
@@ -105,7 +98,7 @@ def main():
     ap.add_argument("--only-hf", action="store_true", help=argparse.SUPPRESS)  # the child process
     args = ap.parse_args()
     if args.only_hf:
-        print(json.dumps({B: {f"hf_{cache}": safely(theirs, args.model, B, args.prompt, args.new, cache, args.repeats)
+        print(json.dumps({B: {f"hf_{cache}": common.safely(theirs, args.model, B, args.prompt, args.new, cache, args.repeats)
                               for cache in args.hf} for B in args.batch}))
         return
     argv = [__file__, "--only-hf", "--model", args.model, "--batch", *map(str, args.batch), "--prompt", str(args.prompt),

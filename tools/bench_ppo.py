@@ -184,14 +184,6 @@ def find_max(args) -> dict:
     return found
 
 
-def run_safely(fn, *args) -> dict:
-    """fn(*args), or the first line of its error (out of memory at a large batch: keep the other runs)."""
-    try:
-        return fn(*args)
-    except Exception as e:  # noqa: BLE001
-        return {"error": str(e).splitlines()[0][:300]}
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--actor", default="opt-1.3b", choices=sorted(PRESETS))
@@ -213,7 +205,7 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.only_torch:
-        print(json.dumps({B: run_safely(theirs, args, args.actor, args.critic, B) for B in args.batch}))
+        print(json.dumps({B: common.safely(theirs, args, args.actor, args.critic, B) for B in args.batch}))
         return
     argv = [__file__, "--only-torch", "--actor", args.actor, "--critic", args.critic, "--batch", *map(str, args.batch),
             "--prompt", str(args.prompt), "--new", str(args.new), "--repeats", str(args.repeats),
@@ -234,7 +226,7 @@ def main():
         runs = {f"ours_{p}" + (f"_lora{r}" if r else ""): (p, r) for p in args.precision for r in args.lora}
         row = {"batch": B, "effective_flops": flops}
         for key, (precision, lora) in runs.items():
-            row[key] = run_safely(ours, args, args.actor, args.critic, B, precision, lora)
+            row[key] = common.safely(ours, args, args.actor, args.critic, B, precision, lora)
         if str(B) in torch_runs:
             row["torch_hf_pure_bf16"] = torch_runs[str(B)]
         for key, r in row.items():

@@ -75,6 +75,14 @@ def peak_bytes() -> int | None:
     return stats.get("peak_bytes_in_use")
 
 
+def safely(fn, *args) -> dict:
+    """fn(*args), or {"error": its first line} (out of memory at a large batch: the other runs go on)."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001
+        return {"error": str(e).splitlines()[0][:300]}
+
+
 def torch_child(argv: list[str], keys) -> dict:
     """Run `python ARGV` (a benchmark's PyTorch side) in a child process whose JAX stays on the CPU, so that
     it has the whole GPU (JAX preallocates 75% of it), and return the JSON dict of its last stdout line;
