@@ -42,7 +42,7 @@ from jaxrlhf.generate import generate
 from jaxrlhf.lora import LoRAConfig, adapted_mask, fuse
 from jaxrlhf.models import OPTConfig, logits, values
 from jaxrlhf.sharding import AXES, batch_sharding, check_tp, reshard, shardings_for
-from jaxrlhf.trainer import OptimConfig, create_state, effective_params, make_optimizer, make_train_step, state_shardings
+from jaxrlhf.trainer import OptimConfig, check_microbatches, create_state, effective_params, make_optimizer, make_train_step, state_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,11 +299,8 @@ def _advantages(s: Static, exp, kl_coef):
 def check_accumulation(cfg: EngineConfig, batch_size: int, n_devices: int):
     """Each side's gradient_accumulation_steps must split the batch into micro-batches that split over the devices."""
     for name in ("actor", "critic"):
-        n = getattr(cfg, name).optim.gradient_accumulation_steps
-        if batch_size % n or (batch_size // n) % n_devices:
-            raise ValueError(f"{name}.optim.gradient_accumulation_steps: {n} micro-batches of a batch of {batch_size} "
-                             f"rows must each hold a whole multiple of the {n_devices} devices' rows; choose a divisor of "
-                             f"{batch_size // n_devices}")
+        check_microbatches(batch_size, getattr(cfg, name).optim.gradient_accumulation_steps, n_devices,
+                           f"{name}.optim.gradient_accumulation_steps")
 
 
 def _micro_batches(s: Static, name: str, exp):

@@ -310,16 +310,18 @@ def place_microbatches(batch: dict, mesh) -> dict:
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
 
 
+def check_microbatches(batch_size: int, accumulation: int, n_devices: int, field: str = "gradient_accumulation_steps"):
+    """Refuse a batch that does not split into `accumulation` micro-batches that each split over the devices."""
+    if batch_size % accumulation:
+        raise ValueError(f"batch_size {batch_size} is not divisible by {field} {accumulation}")
+    if (batch_size // accumulation) % n_devices:
+        raise ValueError(f"micro-batch of {batch_size // accumulation} sequences (batch_size / {field}) does not "
+                         f"split over {n_devices} devices; use a multiple of {n_devices}")
+
+
 def check_run(run: RunConfig, n_devices: int):
     """Refuse configurations that cannot work, before anything is compiled."""
-    accum = run.optim.gradient_accumulation_steps
-    if run.batch_size % accum:
-        raise ValueError(f"batch_size {run.batch_size} is not divisible by gradient_accumulation_steps {accum}")
-    if (run.batch_size // accum) % n_devices:
-        raise ValueError(
-            f"micro-batch of {run.batch_size // accum} sequences (batch_size / gradient_accumulation_steps) does not "
-            f"split over {n_devices} devices; use a multiple of {n_devices}"
-        )
+    check_microbatches(run.batch_size, run.optim.gradient_accumulation_steps, n_devices)
     if run.dropout is not None and not 0 <= run.dropout < 1:
         raise ValueError(f"dropout: expected a probability in [0, 1), got {run.dropout}")
 

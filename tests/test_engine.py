@@ -189,5 +189,5 @@ def test_gradient_accumulation_gives_the_whole_batch_step(models, prompts):
         if "k_proj/bias" not in path_str(path):  # float noise through Adam (see the test above)
             np.testing.assert_allclose(a, b, atol=1e-4, err_msg=path_str(path))
     side = ModelSide(optim=OptimConfig(learning_rate=1e-2, gradient_accumulation_steps=3))
-    with pytest.raises(ValueError, match=r"critic.optim.gradient_accumulation_steps: 3 micro-batches of a batch of 8"):
+    with pytest.raises(ValueError, match="batch_size 8 is not divisible by critic.optim.gradient_accumulation_steps 3"):
         engine(models, one, eos, critic=side, enable_ema=False).train_rlhf(exp)

@@ -109,7 +109,7 @@ def test_bad_configs_are_refused_before_compiling(folders, tmp_path, capsys):
         (["actor.lora.only_optimize_lora=true"], "LoRAConfig.only_optimize_lora: needs LoRA on (dim > 0)"),
         ([*models, "batch_size=12"], "batch_size 12 does not split over the 8 devices; use a multiple of 8"),
         ([*models, "batch_size=16", "actor.optim.gradient_accumulation_steps=4"],
-         "actor.optim.gradient_accumulation_steps: 4 micro-batches of a batch of 16 rows must each hold a whole multiple"),
+         "micro-batch of 4 sequences (batch_size / actor.optim.gradient_accumulation_steps) does not split over 8 devices"),
         ([*models, "inference_tp_size=3"], "inference_tp_size 3 must be >= 1 and divide the number of devices (8)"),
         ([*models, "max_answer_len=48"], "data.max_prompt_len (24) + max_answer_len (48) exceeds the actor's 64 positions"),
         (["critic.model=x"], "actor.model: required"),
