@@ -45,15 +45,39 @@ def step_bytes(config, B: int, P: int, G: int) -> float:
     return weights + kv_per_token * B * (P + G / 2)
 
 
-def ours(config, params, mesh, B, Pn, G, repeats, decode):
+def ours(config, params, mesh, B, Pn, G, repeats, decode, profile_dir=None):
+    """Seconds for the whole generation and for its prefill alone; with `profile_dir`, also the kernels of one
+    whole generation by device time (common.kernel_profile)."""
     config = dataclasses.replace(config, decode_attention=decode)
     ids = jax.random.randint(jax.random.key(1), (B, Pn), 3, config.vocab_size)
     batch = jax.device_put((ids, jnp.ones_like(ids)), NamedSharding(mesh, P("data")))
     run = lambda n: (lambda: generate(config, params, *batch, jax.random.key(2), max_new_tokens=n, force_length=True,
                                       mesh=mesh if mesh.size > 1 else None).tokens)
-    total = common.timeit(run(G), repeats, warmup=1)
-    prefill = common.timeit(run(1), repeats, warmup=1)
-    return {"total": total, "prefill": prefill}
+    result = {"total": common.timeit(run(G), repeats, warmup=1), "prefill": common.timeit(run(1), repeats, warmup=1)}
+    if profile_dir:
+        result["profile"] = common.kernel_profile(run(G), profile_dir)
+    return result
+
+
+def tp_tokens_match(config, params, mesh, B, Pn, G) -> dict:
+    """Greedy tokens on the tensor-parallel mesh against one device, same weights and prompts, in bf16 and in
+    float32: the share of rows that agree over all G tokens and the first step where any row departs."""
+    ids = jax.random.randint(jax.random.key(3), (B, Pn), 3, config.vocab_size)
+    result = {}
+    for dtype in ("bfloat16", "float32"):
+        cfg = dataclasses.replace(config, dtype=dtype)
+        cast = jax.tree.map(lambda x: x.astype(dtype), params)
+        one = jax.device_put(cast, jax.devices()[0])
+        batch = jax.device_put((ids, jnp.ones_like(ids)), NamedSharding(mesh, P("data")))
+        tp = generate(cfg, cast, *batch, jax.random.key(2), max_new_tokens=G, temperature=0.0, force_length=True, mesh=mesh)
+        single = generate(cfg, one, ids, jnp.ones_like(ids), jax.random.key(2), max_new_tokens=G, temperature=0.0,
+                          force_length=True)
+        same = jax.device_get(tp.tokens) == jax.device_get(single.tokens)
+        departs = [int(i) for i in range(G) if not same[:, i].all()]
+        result[dtype] = {"rows_equal": float(same.all(axis=1).mean()), "first_step_differing": departs[0] if departs else None}
+        print(f"TP {mesh.shape['model']} vs 1 device, greedy {dtype}: {result[dtype]}", flush=True)
+        del cast, one
+    return result
 
 
 def theirs(name, B, Pn, G, cache, repeats):
@@ -94,6 +118,11 @@ def main():
     ap.add_argument("--decode", nargs="+", default=["pallas", "xla"], choices=["pallas", "xla"],
                     help="our decode attention: the Pallas kernel and/or the plain-XLA path")
     ap.add_argument("--hf", nargs="*", default=["static", "dynamic"], choices=["static", "dynamic"])
+    ap.add_argument("--profile", action="store_true",
+                    help="also trace one generation per batch (Pallas decode) and record its kernels by device time; "
+                         "the traces stay in OUT/trace-generate-B for Perfetto")
+    ap.add_argument("--check-tokens", action="store_true",
+                    help="with --tp > 1: greedy tokens of the TP mesh against one device (bf16 and float32)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--only-hf", action="store_true", help=argparse.SUPPRESS)  # the child process
     args = ap.parse_args()
@@ -116,7 +145,8 @@ def main():
         run = {"batch": B}
         for decode in args.decode:
             name = "ours" if decode == "pallas" else f"ours_{decode}"
-            run[name] = ours(config, params, mesh, B, args.prompt, args.new, args.repeats, decode)
+            trace = Path(args.out or "bench/results") / f"trace-generate-{B}" if args.profile and decode == "pallas" else None
+            run[name] = ours(config, params, mesh, B, args.prompt, args.new, args.repeats, decode, trace)
         hf = hf_runs.get(str(B), {})
         run.update(hf if "error" not in hf else {f"hf_{cache}": hf for cache in args.hf})
         for impl, r in run.items():
@@ -128,6 +158,8 @@ def main():
             r["roofline_fraction"] = step_bytes(config, B, args.prompt, args.new) / bandwidth / (r["ms_per_step"] / 1e3) / mesh.size
             print(f"B={B:4d} {impl:10s} total {total:7.3f} s  prefill {prefill:6.3f} s  {r['ms_per_step']:6.2f} ms/step  "
                   f"{r['tokens_per_s']:8.0f} tok/s  roofline {r['roofline_fraction']:.2f}", flush=True)
+        if args.check_tokens and mesh.shape["model"] > 1:
+            run["tp_tokens_match"] = tp_tokens_match(config, params, mesh, B, args.prompt, args.new)
         result["runs"].append(run)
         common.write(f"generate-{args.model}", result, args.out, stamp)  # what we have so far
 

@@ -58,6 +58,33 @@ def timeit(fn, repeats: int = 10, warmup: int = 2, block=jax.block_until_ready) 
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "repeats": repeats}
 
 
+def kernel_profile(fn, log_dir: str | Path, top: int = 40) -> dict:
+    """Where the device time of one `fn()` goes: a jax.profiler trace (kept in `log_dir` for Perfetto or
+    TensorBoard) summed per kernel name on each device line. Returns {line: {"busy_ms", "kernels": [{name,
+    count, total_ms}, ...the `top` largest]}}; on the CPU there are no device lines and it is empty."""
+    import collections
+    import gzip
+
+    jax.block_until_ready(fn())  # compile outside the trace
+    with jax.profiler.trace(str(log_dir), create_perfetto_trace=True):
+        jax.block_until_ready(fn())
+    trace = max(Path(log_dir).rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    events = json.load(gzip.open(trace))["traceEvents"]
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e["name"] in ("process_name", "thread_name")}
+    lines = collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0.0]))
+    for e in events:
+        process = names.get((e.get("pid"), None), "")
+        if e.get("ph") == "X" and process.startswith("/device:"):
+            total = lines[f"{process} {names.get((e['pid'], e.get('tid')), '')}"][e["name"]]
+            total[0] += 1
+            total[1] += e.get("dur", 0.0) / 1e3
+    return {line: {"busy_ms": sum(t for _, t in k.values()),
+                   "kernels": [{"name": n[:160], "count": c, "total_ms": t}
+                               for n, (c, t) in sorted(k.items(), key=lambda kv: -kv[1][1])[:top]]}
+            for line, k in lines.items()}
+
+
 def read_bandwidth() -> float:
     """Bytes read per second by a sum over 4 GiB of bf16: the roofline of a read-bound kernel (decode
     attention, a decode step). A copy (`a + 1`) reads and writes and runs well below it."""
