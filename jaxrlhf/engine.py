@@ -272,9 +272,9 @@ def _score(s: Static, state, ref_own, reward_own, prompt_ids, prompt_mask, token
     if cfg.old_logprobs_from_generation:
         exp["logprobs"] = gen_logprobs * mask
     else:
-        exp["logprobs"] = _answer_logprobs(s.actor, effective_params(actor, cfg.actor.lora), exp) * mask
+        exp["logprobs"] = _answer_logprobs(s.actor, effective_params(actor, cfg.actor.lora, fused=False), exp) * mask
     exp["ref_logprobs"] = _answer_logprobs(s.actor, with_shared(ref_own, actor), exp) * mask
-    exp["values"] = _answer_values(s.critic, effective_params(critic, cfg.critic.lora), exp) * mask
+    exp["values"] = _answer_values(s.critic, effective_params(critic, cfg.critic.lora, fused=False), exp) * mask
     reward = values(s.critic, with_shared(reward_own, critic), exp["seq"], exp["seq_mask"])
     last = prompt_ids.shape[1] + jnp.sum(mask, axis=1) - 1  # the answer's last real token (EOS if it ended)
     exp["scores"] = jnp.take_along_axis(reward, last[:, None], axis=1)[:, 0]

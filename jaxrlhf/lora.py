@@ -24,14 +24,15 @@ mlp/gate/up/down_proj; never the embedding, the untied lm_head or the value head
 lora_a is DeepSpeed-Chat's `lora_right_weight` (Kaiming-uniform, a = sqrt(5)), lora_b its
 `lora_left_weight` (zeros), so at initialisation the fused model is the base model exactly.
 
-The adapters are never folded into the base weights while training: the training step calls `fuse`
+The adapters are never folded into the base weights while training: the training step fuses them
 every step and differentiates through it, and the adapters keep their own gradients and optimizer
 state. Folding in place and unfolding later would round `kernel + delta` to bf16 each time, and
 subtracting `delta` again would not give the base weights back (the rounding error accumulates step
-by step, and the reference model, which is the frozen base, would drift). The price: inside the step
-each adapted kernel exists twice (base and fused, both sharded), and the backward pass forms its full
-gradient dW before reducing it to d lora_a = dW @ lora_b^T * s and d lora_b = lora_a^T @ dW * s.
-Generation and export fuse once.
+by step, and the reference model, which is the frozen base, would drift). The training steps and Step 3's scoring
+fuse one layer at a time (`attach`: the adapters ride in the parameter tree and models.common.Dense fuses
+its kernel as the layer runs), so a fused copy exists only for the layer in flight, and the backward pass
+forms one layer's full gradient dW at a time before reducing it to d lora_a = dW @ (s lora_b)^T and
+d lora_b = s lora_a^T @ dW. Generation, the EMA and export fuse the whole tree (`fuse`) once.
 """
 
 from __future__ import annotations
@@ -179,6 +180,20 @@ def fuse(params: Any, lora: Any, cfg: LoRAConfig) -> Any:
     """
     if lora is None or cfg.dim == 0:
         return params
+    adapters = _fitting_adapters(params, lora, cfg)
+    scale = cfg.scaling / cfg.dim
+
+    def one(path, x):
+        module, _, name = path_str(path).rpartition("/")
+        if name != "kernel" or module not in adapters:
+            return x
+        return fused_kernel(x, adapters[module]["lora_a"], adapters[module]["lora_b"].astype(jnp.float32) * scale)
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def _fitting_adapters(params: Any, lora: Any, cfg: LoRAConfig) -> dict[str, dict[str, Any]]:
+    """`_adapters(lora)`, each checked against its kernel in `params` (it exists; the shapes fit `cfg.dim`)."""
     adapters = _adapters(lora)
     kernels = _kernels(params)
     unknown = sorted(set(adapters) - set(kernels))
@@ -192,15 +207,32 @@ def fuse(params: Any, lora: Any, cfg: LoRAConfig) -> Any:
                 f"LoRA adapter {module}: lora_a {a} and lora_b {b} do not fit its kernel "
                 f"{kernels[module].shape} with dim {cfg.dim}"
             )
+    return adapters
+
+
+def fused_kernel(kernel, a, b_scaled):
+    """kernel + a @ b_scaled in float32, cast back to kernel's dtype ([..., in, out], batched over a leading L)."""
+    # HIGHEST: a true float32 product (not TF32) on GPUs; a rank-dim matmul, cheap next to the model.
+    delta = jnp.matmul(a.astype(jnp.float32), b_scaled.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return (kernel.astype(jnp.float32) + delta).astype(kernel.dtype)
+
+
+def attach(params: Any, lora: Any, cfg: LoRAConfig) -> Any:
+    """`params` with each adapted module's adapters placed beside its kernel (lora_a, and lora_b times
+    scaling / dim in float32): the tree the model runs with when the fusion should happen one layer at a time.
+
+    The models' Linear (models.common.Dense) fuses its kernel as it runs, so only the layer in flight has a
+    fused copy; `fuse` instead makes a whole second tree. Same arithmetic as `fuse` (fused_kernel). Pure and
+    differentiable (the train steps and Step 3 scoring use it). With `lora` None or dim == 0, `params` itself.
+    """
+    if lora is None or cfg.dim == 0:
+        return params
+    adapters = _fitting_adapters(params, lora, cfg)
+    out = jax.tree.map(lambda x: x, params)  # new dicts, same leaves
     scale = cfg.scaling / cfg.dim
-
-    def one(path, x):
-        module, _, name = path_str(path).rpartition("/")
-        if name != "kernel" or module not in adapters:
-            return x
-        a, b = (adapters[module][n].astype(jnp.float32) for n in _LEAVES)
-        # HIGHEST: a true float32 product (not TF32) on GPUs; a rank-dim matmul, cheap next to the model.
-        delta = jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)  # [..., in, out], batched over L
-        return (x.astype(jnp.float32) + delta * scale).astype(x.dtype)
-
-    return jax.tree_util.tree_map_with_path(one, params)
+    for module, pair in adapters.items():
+        node = out
+        for part in module.split("/"):
+            node = node[part]
+        node.update(lora_a=pair["lora_a"], lora_b=pair["lora_b"].astype(jnp.float32) * scale)
+    return out

@@ -7,7 +7,7 @@ alone, before anything is loaded or compiled. `python -m jaxrlhf.plan CONFIG [ke
     reference / reward    always; offload: scoring only    compute dtype, only the leaves not shared (engine.py)
     ema                   always                           master dtype, the fused actor
     gradients             the model's step                 the whole trainable tree (two with accumulation)
-    fused LoRA kernels    scoring and the model's step     master dtype, the adapted kernels (lora.fuse)
+    fused LoRA kernels    scoring and the model's step     one layer's adapted kernels fused (lora.attach), fp32
     FSDP -> TP switch     reshard                          compute dtype, both layouts at once
     TP copy + KV cache    generation                       compute dtype; cache [L, B/data, Hkv/tp, S, K], S = P + G up to x64
     activations           every program                    see `activations` (with and without remat)
@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import sys
 import jax
 import jax.numpy as jnp
@@ -95,6 +96,7 @@ class Plan:
     phases: dict[str, list[str]]
     capacity: int | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
+    host: int = 0  # bytes per device offloaded to pinned host memory
 
     def phase_bytes(self, phase: str) -> int:
         return sum(self.items[i] for i in self.phases[phase])
@@ -150,7 +152,9 @@ def _model(config, side, precision: str, mesh, value_head: bool) -> dict[str, in
         "gradients": shard_bytes(state["trainable"], "fsdp", mesh),
         "twin": sum(_leaf_bytes(path_str(p), compute(x.shape, config.compute_dtype), "fsdp", mesh)
                     for (p, x), _, s in leaves if not s),
-        "fused": sum(_leaf_bytes(path_str(p), x, "fsdp", mesh) for (p, x), a, _ in leaves if a),
+        # the steps and scoring fuse one layer at a time (lora.attach): one layer's fused kernels, float32
+        "fused": sum(_leaf_bytes(path_str(p), compute(x.shape, jnp.float32), "fsdp", mesh) // (x.shape[0] if x.ndim == 3 else 1)
+                         for (p, x), a, _ in leaves if a),
         "delta": max([_leaf_bytes(path_str(p), compute(x.shape, jnp.float32), "fsdp", mesh) // (x.shape[0] if x.ndim == 3 else 1)
                       for (p, x), a, _ in leaves if a], default=0),  # one layer's (engine._to_generation)
         "master": shard_bytes(params, "fsdp", mesh),
@@ -217,7 +221,7 @@ def plan(cfg, actor_config, critic_config, mesh, *, batch: int, prompt_len: int,
     notes = [f"{N} device(s), inference_tp_size {tp}, batch {batch}, {prompt_len} + {G} tokens, precision "
              f"{cfg.precision}, backend {backend}; offloaded to host: "
              + (", ".join(i for i, on in offloaded.items() if on) or "nothing")]
-    return Plan(items, phases, capacity, notes)
+    return Plan(items, phases, capacity, notes, host=sum(items[i] for i, on in offloaded.items() if on))
 
 
 def init_cache_bytes(config, rows: int, T: int, tp: int) -> int:
@@ -304,6 +308,14 @@ def check(cfg, mesh, actor_config=None, critic_config=None, backend=None) -> Pla
     actor_config = actor_config or model_config(cfg, cfg.actor)
     critic_config = critic_config or model_config(cfg, cfg.critic)
     p = ppo_plan(cfg, mesh, actor_config, critic_config, backend)
+    local = mesh.size if isinstance(mesh, AbstractMesh) else len(mesh.local_devices)
+    limit = float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", 64)) * 1e9  # XLA's pinned-host pool per process
+    if (backend or jax.default_backend()) == "gpu" and p.host * local > limit:
+        raise ConfigError(
+            f"out of host memory before starting: offload puts {p.host * local / 1e9:.1f} GB in pinned host memory "
+            f"({local} device(s) x {p.host / GiB:.2f} GiB), above XLA's pinned-host pool of {limit / 1e9:.0f} GB. "
+            f"Start with XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={math.ceil(p.host * local / 1e9 * 1.1)} (if the host has "
+            "that much memory) or offload less (actor/critic.offload, offload_reference_model, offload_reward_model)")
     if p.fits:
         return p
     item, size = p.largest()

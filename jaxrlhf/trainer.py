@@ -29,7 +29,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrlhf.data import DataConfig
-from jaxrlhf.lora import LoRAConfig, adapted_mask, fuse, init_lora
+from jaxrlhf.lora import LoRAConfig, adapted_mask, attach, fuse, init_lora
 from jaxrlhf.sharding import FSDP_AXES, make_mesh, path_str, shardings_for
 
 
@@ -179,10 +179,12 @@ def state_shardings(state, mesh):
             "step": replicated, "rng": replicated}
 
 
-def effective_params(state, lora_cfg: LoRAConfig):
-    """The weights the model runs with: the base (trainable or frozen) with LoRA fused in."""
+def effective_params(state, lora_cfg: LoRAConfig, fused: bool = True):
+    """The weights the model runs with: the base (trainable or frozen) with LoRA fused in, as a whole second
+    tree (`fused`: generation, EMA, export) or one layer at a time as the model runs (lora.attach: the
+    training steps and scoring, where a whole fused copy would double the adapted weights' memory)."""
     merged = {**state["frozen"], **state["trainable"]}
-    return fuse(merged["params"], merged.get("lora"), lora_cfg)
+    return (fuse if fused else attach)(merged["params"], merged.get("lora"), lora_cfg)
 
 
 _global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
@@ -198,7 +200,7 @@ def make_train_step(loss_fn: LossFn, tx, lora_cfg: LoRAConfig):
         micro = jax.tree.leaves(batch)[0].shape[0]
 
         def compute(trainable, mb, k):
-            total, count, sums = loss_fn(effective_params({**state, "trainable": trainable}, lora_cfg), mb, k)
+            total, count, sums = loss_fn(effective_params({**state, "trainable": trainable}, lora_cfg, fused=False), mb, k)
             return total, (count, sums)
 
         def body(acc, xs):
@@ -225,7 +227,7 @@ def make_train_step(loss_fn: LossFn, tx, lora_cfg: LoRAConfig):
 
 def make_eval_step(loss_fn: LossFn, lora_cfg: LoRAConfig):
     def eval_step(state, batch):
-        total, count, sums = loss_fn(effective_params(state, lora_cfg), batch, None)
+        total, count, sums = loss_fn(effective_params(state, lora_cfg, fused=False), batch, None)
         return {**sums, "count": count}
 
     return eval_step

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrlhf import LlamaConfig, OPTConfig, init_params, logits, make_mesh, reshard, shardings_for
 from jaxrlhf.config import ConfigError, field_help, load
-from jaxrlhf.lora import LoRAConfig, fuse, init_lora
+from jaxrlhf.lora import LoRAConfig, attach, fuse, init_lora
 from jaxrlhf.sharding import path_str
 
 ALL = ("model", "data")
@@ -282,3 +282,35 @@ def test_layouts_follow_the_kernels_and_fuse_runs_sharded():
     # The adapter optimizer state shards like the adapters (its paths end the same way).
     opt = shardings_for({"mu": lora, "count": jnp.zeros((), jnp.int32)}, "tp", mesh)
     assert opt["mu"]["decoder"]["layers"]["self_attn"]["q_proj"]["lora_b"].spec == P(None, None, "model")
+
+
+@pytest.mark.parametrize("family", ["opt", "llama"])
+def test_attach_fuses_one_layer_at_a_time_with_fuse_arithmetic_and_no_whole_fused_copy(family):
+    """lora.attach (adapters beside their kernels; models.common.Dense fuses as each layer runs) gives fuse's
+    logits and adapter gradients, and its compiled step holds no second copy of the adapted kernels."""
+    config = OPTConfig(**PRE_LN) if family == "opt" else LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64)
+    params = init_params(config, jax.random.key(0), std=0.2)
+    cfg = LoRAConfig(dim=4, scaling=2.0)
+    lora = randomize_b(init_lora(params, cfg, jax.random.key(1)))
+    ids, mask = left_padded_batch(config.vocab_size, [8, 6, 4, 8], T=8)
+    loss = lambda merge: jax.jit(jax.value_and_grad(lambda lo: logits(config, merge(params, lo, cfg), ids, mask).std()))
+    (l_fuse, g_fuse), (l_attach, g_attach) = loss(fuse)(lora), loss(attach)(lora)
+    np.testing.assert_allclose(l_attach, l_fuse, rtol=1e-6)
+    for path, g in leaves(g_fuse).items():
+        np.testing.assert_allclose(leaves(g_attach)[path], g, rtol=2e-5, atol=1e-7, err_msg=path)
+    assert np.abs(np.asarray(leaves(g_attach)[f"{next(iter(modules(lora)))}/lora_a"])).max() > 0
+
+    # Memory: on a model whose adapted kernels dominate, attach's step needs at least one whole fused copy of
+    # those kernels less than fuse's (XLA's compiled memory analysis of the temporaries).
+    big = (OPTConfig(**{**PRE_LN, "hidden_size": 256, "ffn_dim": 1024, "num_hidden_layers": 6})
+           if family == "opt" else LlamaConfig(**{**vars(config), "hidden_size": 256, "intermediate_size": 1024,
+                                                  "num_hidden_layers": 6, "num_attention_heads": 8}))
+    shapes = jax.eval_shape(lambda: init_params(big, jax.random.key(0)))
+    lora_shapes = jax.eval_shape(lambda: init_lora(shapes, cfg, jax.random.key(1)))
+    adapted = sum(x.size * 4 for p, x in leaves(shapes).items() if p.rpartition("/")[0] in modules(lora_shapes)
+                  and p.endswith("kernel"))
+    temp = {m.__name__: jax.jit(jax.grad(lambda lo, p: logits(big, m(p, lo, cfg), ids, mask).std())).lower(
+        lora_shapes, shapes).compile().memory_analysis().temp_size_in_bytes for m in (fuse, attach)}
+    assert temp["fuse"] - temp["attach"] > adapted, (temp, adapted)

@@ -7,6 +7,8 @@ arrays on device 0 when each compiled program starts plus the program's temporar
 backward ("involuntary full rematerialization"), which a GPU run does not do.
 """
 
+import math
+
 import jax
 import numpy as np
 import pytest
@@ -124,3 +126,23 @@ def test_offloaded_runs_give_the_same_losses_as_device_resident_ones_and_phases_
         for k in ("actor_loss", "critic_loss", "kl", "reward", "actor_grad_norm"):
             np.testing.assert_allclose(a[k], b[k], rtol=1e-6, err_msg=k)
         assert a["actor_loss"] != 0
+
+
+def test_offload_beyond_the_pinned_host_pool_is_refused_with_the_variable_to_set(monkeypatch):
+    """XLA's pinned-host pool on a GPU is 64 GB unless XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB says more: a plan that
+    offloads more is refused before loading, naming the variable and the value that fits."""
+    from jaxrlhf import ppo
+
+    cfg = load(ppo.PPOConfig, None, ["actor.model=random:opt-6.7b", "critic.model=random:opt-350m", "batch_size=8",
+                                     "actor.offload=true", "critic.offload=true", "offload_reference_model=true",
+                                     "device_memory_gib=1000", "tokenizer=nowhere"])
+    mesh = memory_plan.abstract_mesh(1, 1)
+    p = memory_plan.ppo_plan(cfg, mesh, backend="gpu")
+    # 6.7B fp32 Adam moments (8 bytes a weight) + critic's + the reference's own bf16 leaves: past 64 GB
+    assert p.host > 64e9
+    monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+    with pytest.raises(ConfigError, match=rf"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={math.ceil(p.host / 1e9 * 1.1)}"):
+        memory_plan.check(cfg, mesh, backend="gpu")
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(math.ceil(p.host / 1e9 * 1.1)))
+    assert memory_plan.check(cfg, mesh, backend="gpu").host == p.host
+    assert memory_plan.check(cfg, mesh, backend="cpu").host == p.host  # no pinned pool on the CPU

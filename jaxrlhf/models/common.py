@@ -18,8 +18,10 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxrlhf.kernels.decode_attention import DecodeAttentionConfig, decode_attention
+from jaxrlhf.lora import fused_kernel
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -258,4 +260,42 @@ def lm_head(h, embedding):
 
 def value_head(h, dtype):
     """The reward/critic head: `Linear(E, 1)`, no bias, on the last hidden state; [B, T] float32."""
-    return nn.Dense(1, use_bias=False, dtype=dtype, name="value_head")(h)[..., 0].astype(jnp.float32)
+    return Dense(1, use_bias=False, dtype=dtype, name="value_head")(h)[..., 0].astype(jnp.float32)
+
+
+def _dot(x, kernel, dtype):
+    return jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype), (((x.ndim - 1,), (0,)), ((), ())))
+
+
+def _lora_dot(x, kernel, a, b_scaled, dtype):
+    return checkpoint_name(_dot(x, fused_kernel(kernel, a, b_scaled), dtype), "lora_dot")
+
+
+# The fused kernel is recomputed in the backward pass (a rank-r product) instead of kept as a residual, which
+# under the scan over layers would stack every layer's fused kernel into a whole second copy; the product's
+# output is kept as usual.
+_lora_dot = jax.checkpoint(_lora_dot, policy=jax.checkpoint_policies.save_only_these_names("lora_dot"),
+                           static_argnums=(4,))
+
+
+class Dense(nn.Module):
+    """flax's nn.Dense (params kernel [in, out], bias [out]; inputs and weights cast to `dtype`), plus LoRA:
+    when the parameter tree carries lora_a and lora_b beside the kernel (lora.attach), the kernel is fused
+    here, for this layer only (lora.fused_kernel)."""
+
+    features: int
+    use_bias: bool = True
+    dtype: Any = None
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), jnp.float32)
+        dtype = self.dtype or jnp.result_type(x, kernel)
+        if self.has_variable("params", "lora_a"):
+            y = _lora_dot(x, kernel, self.get_variable("params", "lora_a"), self.get_variable("params", "lora_b"),
+                          jnp.dtype(dtype))
+        else:
+            y = _dot(x, kernel, dtype)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,), jnp.float32).astype(dtype)
+        return y

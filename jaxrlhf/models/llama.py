@@ -136,7 +136,7 @@ class LlamaAttention(nn.Module):
         c = self.config
         B, T, D = h.shape
         H, Hkv, K = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        proj = lambda n, name: nn.Dense(n, use_bias=c.attention_bias, dtype=c.compute_dtype, name=name)
+        proj = lambda n, name: common.Dense(n, use_bias=c.attention_bias, dtype=c.compute_dtype, name=name)
         q = apply_rope(proj(H * K, "q_proj")(h).reshape(B, T, H, K), *rope, c.rope_interleaved) * (K**-0.5)
         k = apply_rope(proj(Hkv * K, "k_proj")(h).reshape(B, T, Hkv, K), *rope, c.rope_interleaved)
         v = proj(Hkv * K, "v_proj")(h).reshape(B, T, Hkv, K)
@@ -152,7 +152,7 @@ class LlamaMLP(nn.Module):
     @nn.compact
     def __call__(self, h):
         c = self.config
-        dense = lambda n, name: nn.Dense(n, use_bias=c.mlp_bias, dtype=c.compute_dtype, name=name)
+        dense = lambda n, name: common.Dense(n, use_bias=c.mlp_bias, dtype=c.compute_dtype, name=name)
         return dense(c.hidden_size, "down_proj")(
             nn.silu(dense(c.intermediate_size, "gate_proj")(h)) * dense(c.intermediate_size, "up_proj")(h))
 

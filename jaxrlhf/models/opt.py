@@ -120,7 +120,7 @@ class OPTAttention(nn.Module):
         c = self.config
         B, T, D = h.shape
         H, K = c.num_attention_heads, c.head_dim
-        proj = lambda name: nn.Dense(D, use_bias=c.enable_bias, dtype=c.compute_dtype, name=name)
+        proj = lambda name: common.Dense(D, use_bias=c.enable_bias, dtype=c.compute_dtype, name=name)
         q = proj("q_proj")(h).reshape(B, T, H, K) * (K**-0.5)  # OPT scales q after its bias
         k = proj("k_proj")(h).reshape(B, T, H, K)
         v = proj("v_proj")(h).reshape(B, T, H, K)
@@ -162,7 +162,7 @@ class OPTLayer(nn.Module):
         h, kv = carry
         cache = common.layer_cache(kv, where, layer)
         c = self.config
-        dense = lambda n, name: nn.Dense(n, use_bias=c.enable_bias, dtype=c.compute_dtype, name=name)
+        dense = lambda n, name: common.Dense(n, use_bias=c.enable_bias, dtype=c.compute_dtype, name=name)
         norm = lambda name: nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=c.compute_dtype, name=name)
         drop = lambda x: nn.Dropout(c.dropout)(x, deterministic=self.deterministic)
 
@@ -202,7 +202,7 @@ class OPTDecoder(nn.Module):
         embed_tokens = nn.Embed(c.vocab_size, c.word_embed_proj_dim, name="embed_tokens")
         h = embed_tokens(input_ids).astype(c.compute_dtype)  # [B, T, E]
         if c.has_projection:
-            h = nn.Dense(c.hidden_size, use_bias=False, dtype=c.compute_dtype, name="project_in")(h)
+            h = common.Dense(c.hidden_size, use_bias=False, dtype=c.compute_dtype, name="project_in")(h)
         h = h + nn.Embed(c.max_position_embeddings + POSITION_OFFSET, c.hidden_size, name="embed_positions")(
             positions
         ).astype(c.compute_dtype)  # no dropout on the embeddings: Hugging Face's OPT has none
@@ -212,7 +212,7 @@ class OPTDecoder(nn.Module):
         if c.has_final_layer_norm:
             h = nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=c.compute_dtype, name="final_layer_norm")(h)
         if c.has_projection:
-            h = nn.Dense(c.word_embed_proj_dim, use_bias=False, dtype=c.compute_dtype, name="project_out")(h)
+            h = common.Dense(c.word_embed_proj_dim, use_bias=False, dtype=c.compute_dtype, name="project_out")(h)
         return (h, cache) if cache is not None else common.restore_layout(h, order)
 
 
