@@ -164,7 +164,14 @@ def restore_layout(h, order):
 # ------------------------------------------------------------------------------------ scan over layers
 
 
-def run_layers(layer_cls, config, deterministic: bool, h, cache, shared: dict | None = None, name: str = "layers"):
+def carries_adapters(module: nn.Module) -> bool:
+    """True when the parameters `module` runs with carry LoRA adapters beside their kernels (lora.attach)."""
+    leaves = jax.tree_util.tree_flatten_with_path(module.variables.get("params", {}))[0]
+    return any(getattr(path[-1], "key", None) == "lora_a" for path, _ in leaves)
+
+
+def run_layers(layer_cls, config, deterministic: bool, h, cache, shared: dict | None = None, name: str = "layers",
+               rolled: bool = False):
     """Run L copies of `layer_cls` under one `nn.scan` (optionally rematerialised per layer).
 
     The layer's call is `(carry, layer_index, where) -> (carry, None)` with carry (h [B, T, D], kv) where
@@ -180,7 +187,9 @@ def run_layers(layer_cls, config, deterministic: bool, h, cache, shared: dict | 
         split_rngs={"params": True, "dropout": True},
         in_axes=(0, nn.broadcast),
         length=L,
-        unroll=min(config.scan_unroll or (L if jax.default_backend() == "gpu" else 1), L),
+        # `rolled` (LoRA attached): one layer per iteration, so one layer's fused kernels exist at a time; unrolled,
+        # XLA computed them all up front (OPT-30B's scoring asked for 75 GiB on the H200)
+        unroll=1 if rolled else min(config.scan_unroll or (L if jax.default_backend() == "gpu" else 1), L),
     )(config, deterministic, name=name)
     kv = None if cache is None else {"k": cache["k"], "v": cache["v"]}
     where = {} if cache is None else {n: cache[n] for n in ("valid", "slot", "start")}

@@ -191,7 +191,8 @@ class LlamaModel(nn.Module):
         input_ids, positions, order = common.layout_inputs(input_ids, attention_mask, positions, cache)
         h = nn.Embed(c.vocab_size, c.hidden_size, name="embed_tokens")(input_ids).astype(c.compute_dtype)
         rope = rope_tables(positions, c.head_dim, c.rope_theta)  # computed once, shared by all layers
-        h, cache = common.run_layers(LlamaLayer, c, self.deterministic, h, cache, {"rope": rope})
+        h, cache = common.run_layers(LlamaLayer, c, self.deterministic, h, cache, {"rope": rope},
+                                       rolled=common.carries_adapters(self))
         h = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=c.compute_dtype, name="norm")(h)
         return (h, cache) if cache is not None else common.restore_layout(h, order)
 

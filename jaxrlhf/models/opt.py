@@ -207,7 +207,7 @@ class OPTDecoder(nn.Module):
             positions
         ).astype(c.compute_dtype)  # no dropout on the embeddings: Hugging Face's OPT has none
 
-        h, cache = common.run_layers(OPTLayer, c, self.deterministic, h, cache)
+        h, cache = common.run_layers(OPTLayer, c, self.deterministic, h, cache, rolled=common.carries_adapters(self))
 
         if c.has_final_layer_norm:
             h = nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=c.compute_dtype, name="final_layer_norm")(h)
