@@ -175,7 +175,10 @@ def test_sft_learns_the_builtin_task(assets, tmp_path):
     cfg = SFTConfig(model=str(model), output_dir=str(tmp_path / "out"), batch_size=16, max_steps=400, log_every=50,
                     precision="fp32", sample_prompts=0, data=data,
                     optim=OptimConfig(learning_rate=5e-3, schedule="constant", warmup_steps=10))
-    out = run_sft(cfg, log=lambda _: None)
+    # One device: on a 2-core CPU the 8 fake devices only add collectives (the meshes are compared by
+    # test_one_and_eight_devices_give_the_same_losses). Weights from key 0, 1, 2: final loss 1.15, 1.16, 1.18;
+    # gold reward after 0.44, 0.59, 0.39 (after 300 steps key 0 reached only 0.26).
+    out = run_sft(cfg, log=lambda _: None, mesh=make_mesh(1, jax.devices()[:1]))
     train = losses(out["records"])
     assert train[0] > 3.0 and train[-1] < 1.4, train
     prompts = [make_prompt(s.split()) for s in ("q c m", "t h a e", "w f l b r", "n u d", "y g k o")]
