@@ -383,8 +383,11 @@ class HybridEngine:
         self.eos_id = self.actor_config.eos_token_id if eos_id is None else eos_id
         self.pad_id = self.actor_config.pad_token_id if pad_id is None else pad_id
         key = jax.random.key(cfg.seed)
-        actor_state = create_state(actor_params, cfg.actor.lora, self.static.tx("actor"), jax.random.fold_in(key, 1), mesh)
-        critic_state = create_state(critic_params, cfg.critic.lora, self.static.tx("critic"), jax.random.fold_in(key, 2), mesh)
+        memory = lambda side: "pinned_host" if side.offload else "device"  # offloaded Adam moments are born on the host
+        actor_state = create_state(actor_params, cfg.actor.lora, self.static.tx("actor"), jax.random.fold_in(key, 1), mesh,
+                                   memory(cfg.actor))
+        critic_state = create_state(critic_params, cfg.critic.lora, self.static.tx("critic"), jax.random.fold_in(key, 2),
+                                    mesh, memory(cfg.critic))
         frozen_dtype = self.actor_config.compute_dtype  # what the forward casts to anyway
         self.ref_own = reshard(own_leaves(actor_params, never_moves(actor_state, cfg.actor.lora), frozen_dtype), "fsdp", mesh)
         self.reward_own = reshard(own_leaves(critic_params, never_moves(critic_state, cfg.critic.lora),
@@ -420,8 +423,8 @@ class HybridEngine:
             self._opt_to(name, "pinned_host")
 
     def _opt_to(self, name: str, kind: str):
-        if getattr(self.cfg, name).offload:
-            state = self.state[name]
+        state = self.state[name]
+        if getattr(self.cfg, name).offload and any(x.sharding.memory_kind != kind for x in jax.tree.leaves(state["opt"])):
             self.state[name] = {**state, "opt": self._timed("offload", to_memory, state["opt"], kind, True)}
 
     # ------------------------------------------------------------------------------------------------ verbs

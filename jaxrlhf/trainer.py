@@ -163,13 +163,15 @@ def init_state(params, lora_cfg: LoRAConfig, tx, key) -> dict:
             "rng": jax.random.key_data(key)}
 
 
-def create_state(params, lora_cfg: LoRAConfig, tx, key, mesh) -> dict:
-    """The training state built directly in the FSDP layout: no device ever holds the whole model."""
+def create_state(params, lora_cfg: LoRAConfig, tx, key, mesh, opt_memory: str = "device") -> dict:
+    """The training state built directly in the FSDP layout: no device ever holds the whole model. The
+    optimizer state is made in `opt_memory` ("pinned_host": offloaded, never on the device)."""
     from jaxrlhf.sharding import reshard
 
     params = reshard(params, "fsdp", mesh)
     init = lambda p, k: init_state(p, lora_cfg, tx, k)
     shardings = state_shardings(jax.eval_shape(init, params, key), mesh)
+    shardings["opt"] = jax.tree.map(lambda s: s.with_memory_kind(opt_memory), shardings["opt"])
     return jax.jit(init, out_shardings=shardings)(params, key)
 
 

@@ -110,6 +110,9 @@ def test_offloaded_runs_give_the_same_losses_as_device_resident_ones_and_phases_
     runs = {}
     for offload in (False, True):
         engine = build("fp32", True, 8, offload=offload, offload_reference_model=offload, offload_reward_model=offload)[0]
+        if offload:  # the offloaded Adam moments are made in host memory, never moved there from the device
+            assert {x.sharding.memory_kind for x in jax.tree.leaves(engine.state["actor"]["opt"])} == {"pinned_host"}
+            assert "offload" not in engine.timings
         runs[offload] = []
         for i in range(2):  # release between phases: only the experience outlives generation, nothing the steps
             device, start = jax.devices()[0], memory_plan.device_bytes(jax.devices()[0])
