@@ -12,6 +12,7 @@ touched the host, and the device bandwidth ceiling measured in the same run.
 from __future__ import annotations
 
 import argparse
+import datetime
 import re
 import sys
 from functools import partial
@@ -127,10 +128,11 @@ def main():
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
     args = ap.parse_args()
     result = {"benchmark": "reshard", **common.environment(), "device_bandwidth_Bps": device_bandwidth(), "runs": []}
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     for tp in args.tp or [jax.device_count()]:
         for name in args.models:
             result["runs"].append(bench_model(name, tp, args.repeats))
-    common.write("reshard", result, args.out)
+            common.write("reshard", result, args.out, stamp)  # what we have so far (a time limit may stop the rest)
 
 
 if __name__ == "__main__":
