@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gzip
 import json
 import os
 import sys
@@ -27,7 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jaxrlhf.generate import generate  # noqa: E402
+from jaxrlhf.generate import Sampling, _generate, generate  # noqa: E402
 from jaxrlhf.models import init_params, llama, opt, param_shapes, preset  # noqa: E402
 from jaxrlhf.sharding import make_mesh, shardings_for  # noqa: E402
 from tools import common  # noqa: E402
@@ -56,6 +57,12 @@ def ours(config, params, mesh, B, Pn, G, repeats, decode, profile_dir=None):
     result = {"total": common.timeit(run(G), repeats, warmup=1), "prefill": common.timeit(run(1), repeats, warmup=1)}
     if profile_dir:
         result["profile"] = common.kernel_profile(run(G), profile_dir)
+        # The optimized HLO of the same program, to tell which instruction each kernel of the profile is.
+        lowered = _generate.lower(config, params, *batch, jax.random.key(2), max_new_tokens=G, sampling=Sampling(),
+                                  eos_id=None, pad_id=config.pad_token_id, force_length=True,
+                                  mesh=mesh if mesh.size > 1 else None)
+        with gzip.open(Path(profile_dir) / "generate.hlo.txt.gz", "wt") as f:
+            f.write(lowered.compile().as_text())
     return result
 
 
