@@ -217,48 +217,50 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
     tracker = AlarmTracker(cfg.alarms, history=training_records(out / "metrics.jsonl", upto=start))  # resume: replay
     prompt_iter, unsup_iter = iter(prompts), iter(unsup) if unsup else None
     bar = tqdm(total=iterations, initial=start, desc="ppo", dynamic_ncols=True, disable=jax.process_index() != 0)
-    for it in range(start + 1, iterations + 1):
-        clock, engine.timings = time.perf_counter(), {}
-        experiences = [engine.generate_experience(next(prompt_iter)) for _ in range(cfg.generation_batches)]
-        stats = [engine.train_rlhf(exp, next(unsup_iter) if unsup_iter else None)
-                 for _ in range(cfg.ppo_epochs) for exp in experiences]
-        seconds = time.perf_counter() - clock
-        samples = cfg.batch_size * cfg.generation_batches
-        figures = {k: float(np.mean([s[k] for s in stats])) for k in stats[0]}
-        figures.update({f"{p}_s": engine.timings.get(p, 0.0) for p in PHASES}, iteration_s=seconds,
-                       samples_per_s=samples / seconds, reshard_bytes=engine.reshard_bytes,
-                       tflops=effective_tflops(engine, samples, experiences[0]["seq"].shape[1], seconds, cfg.ppo_epochs))
-        if peak_memory() is not None:
-            figures["peak_memory_bytes"] = peak_memory()
-        host = host_experiences(experiences) if synthetic or cfg.alarms.enabled or cfg.print_answers else None
-        if synthetic:
-            figures["gold_reward"] = float(np.mean([g for e in host for g in gold_rewards(tokenizer, e)]))
-        if cfg.alarms.enabled:  # signs of reward hacking: logged when they start, on the bar while they last
-            figures.update(experience_figures(host, tokenizer.eos_token_id, cfg.alarms.ngram))
-            alarms = tracker.update(figures)
-            for a in alarms:
-                if a.new:
-                    log(f"alarm at iteration {it}: {a.message}")
-            if alarms:
-                figures["alarms"] = ",".join(a.name for a in alarms)
-        if it % cfg.log_every == 0 or it == iterations:
-            metrics_log.write(it, "train", figures)
-            records.append({"step": it, "split": "train", **figures})
-            shown = ("reward", "gold_reward", "kl", "answer_len", "samples_per_s")
-            bar.set_postfix({**{k: f"{figures[k]:.3g}" for k in shown if k in figures},
-                             **({"ALARM": figures["alarms"]} if "alarms" in figures else {})})
-            if cfg.print_answers:
-                e = host[0]
-                G = e["mask"].shape[1]
-                prompt = decode_rows(tokenizer, e["seq"][:1, :-G], e["seq_mask"][:1, :-G], True)[0]
-                answer = decode_rows(tokenizer, e["seq"][:1, -G:], e["seq_mask"][:1, -G:])[0]
-                log(f"--- iteration {it}\nprompt: {prompt!r}\nanswer: {answer!r}")
-        bar.update(1)
-        if cfg.save_every and it % cfg.save_every == 0 and it != iterations:
-            save()
-    bar.close()
-    save()
-    manager.wait_until_finished()
+    try:  # a crash or Ctrl-C still finishes the checkpoint being written
+        for it in range(start + 1, iterations + 1):
+            clock, engine.timings = time.perf_counter(), {}
+            experiences = [engine.generate_experience(next(prompt_iter)) for _ in range(cfg.generation_batches)]
+            stats = [engine.train_rlhf(exp, next(unsup_iter) if unsup_iter else None)
+                     for _ in range(cfg.ppo_epochs) for exp in experiences]
+            seconds = time.perf_counter() - clock
+            samples = cfg.batch_size * cfg.generation_batches
+            figures = {k: float(np.mean([s[k] for s in stats])) for k in stats[0]}
+            figures.update({f"{p}_s": engine.timings.get(p, 0.0) for p in PHASES}, iteration_s=seconds,
+                           samples_per_s=samples / seconds, reshard_bytes=engine.reshard_bytes,
+                           tflops=effective_tflops(engine, samples, experiences[0]["seq"].shape[1], seconds, cfg.ppo_epochs))
+            if peak_memory() is not None:
+                figures["peak_memory_bytes"] = peak_memory()
+            host = host_experiences(experiences) if synthetic or cfg.alarms.enabled or cfg.print_answers else None
+            if synthetic:
+                figures["gold_reward"] = float(np.mean([g for e in host for g in gold_rewards(tokenizer, e)]))
+            if cfg.alarms.enabled:  # signs of reward hacking: logged when they start, on the bar while they last
+                figures.update(experience_figures(host, tokenizer.eos_token_id, cfg.alarms.ngram))
+                alarms = tracker.update(figures)
+                for a in alarms:
+                    if a.new:
+                        log(f"alarm at iteration {it}: {a.message}")
+                if alarms:
+                    figures["alarms"] = ",".join(a.name for a in alarms)
+            if it % cfg.log_every == 0 or it == iterations:
+                metrics_log.write(it, "train", figures)
+                records.append({"step": it, "split": "train", **figures})
+                shown = ("reward", "gold_reward", "kl", "answer_len", "samples_per_s")
+                bar.set_postfix({**{k: f"{figures[k]:.3g}" for k in shown if k in figures},
+                                 **({"ALARM": figures["alarms"]} if "alarms" in figures else {})})
+                if cfg.print_answers:
+                    e = host[0]
+                    G = e["mask"].shape[1]
+                    prompt = decode_rows(tokenizer, e["seq"][:1, :-G], e["seq_mask"][:1, :-G], True)[0]
+                    answer = decode_rows(tokenizer, e["seq"][:1, -G:], e["seq_mask"][:1, -G:])[0]
+                    log(f"--- iteration {it}\nprompt: {prompt!r}\nanswer: {answer!r}")
+            bar.update(1)
+            if cfg.save_every and it % cfg.save_every == 0 and it != iterations:
+                save()
+        bar.close()
+        save()
+    finally:
+        manager.wait_until_finished()
     metrics_log.close()
     folders = export(engine, out, tokenizer)
     log(f"Step 3 done: Hugging Face models in {', '.join(str(f) for f in folders.values())}")

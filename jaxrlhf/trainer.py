@@ -425,29 +425,31 @@ def fit(run: RunConfig, state, loss_fn: LossFn, tx, train_batches, eval_batches_
     batches = iter(train_batches)
     bar = tqdm(total=total_steps, initial=start, desc="train", dynamic_ncols=True, disable=jax.process_index() != 0)
     pending, tokens, clock = [], 0, time.perf_counter()
-    for step in range(start + 1, total_steps + 1):
-        host = next(batches)
-        tokens += int(sum(v.sum() for k, v in host.items() if k.endswith("mask") and "loss" not in k))
-        state, metrics = step_fn(state, place_microbatches(microbatches(host, accum), mesh))
-        pending.append(metrics)
-        if step % run.log_every == 0 or step == total_steps:
-            sums = jax.tree.map(lambda *xs: np.sum(xs), *jax.device_get(pending))
-            elapsed = time.perf_counter() - clock
-            figures = {**summarise(sums), "grad_norm": float(sums["grad_norm"]) / len(pending),
-                       "lr": float(lr_fn(step - 1)), "tokens_per_s": tokens * jax.process_count() / elapsed}
-            metrics_log.write(step, "train", figures)
-            records.append({"step": step, "split": "train", **figures})
-            bar.set_postfix({k: f"{v:.4g}" for k, v in figures.items() if k in ("loss", "accuracy", "lr", "tokens_per_s")})
-            pending, tokens, clock = [], 0, time.perf_counter()
-        bar.update(1)
-        if run.eval_every and step % run.eval_every == 0 and step != total_steps:
-            evaluate(step)
-        if run.save_every and step % run.save_every == 0 and step != total_steps:
-            save_state(manager, state, {"epoch": train_batches.epoch, "position": train_batches.position})
-    bar.close()
-    evaluate(total_steps)
-    save_state(manager, state, {"epoch": train_batches.epoch, "position": train_batches.position})
-    manager.wait_until_finished()
+    try:  # a crash or Ctrl-C still finishes the checkpoint being written
+        for step in range(start + 1, total_steps + 1):
+            host = next(batches)
+            tokens += int(sum(v.sum() for k, v in host.items() if k.endswith("mask") and "loss" not in k))
+            state, metrics = step_fn(state, place_microbatches(microbatches(host, accum), mesh))
+            pending.append(metrics)
+            if step % run.log_every == 0 or step == total_steps:
+                sums = jax.tree.map(lambda *xs: np.sum(xs), *jax.device_get(pending))
+                elapsed = time.perf_counter() - clock
+                figures = {**summarise(sums), "grad_norm": float(sums["grad_norm"]) / len(pending),
+                           "lr": float(lr_fn(step - 1)), "tokens_per_s": tokens * jax.process_count() / elapsed}
+                metrics_log.write(step, "train", figures)
+                records.append({"step": step, "split": "train", **figures})
+                bar.set_postfix({k: f"{v:.4g}" for k, v in figures.items() if k in ("loss", "accuracy", "lr", "tokens_per_s")})
+                pending, tokens, clock = [], 0, time.perf_counter()
+            bar.update(1)
+            if run.eval_every and step % run.eval_every == 0 and step != total_steps:
+                evaluate(step)
+            if run.save_every and step % run.save_every == 0 and step != total_steps:
+                save_state(manager, state, {"epoch": train_batches.epoch, "position": train_batches.position})
+        bar.close()
+        evaluate(total_steps)
+        save_state(manager, state, {"epoch": train_batches.epoch, "position": train_batches.position})
+    finally:
+        manager.wait_until_finished()
     metrics_log.close()
     return state, records
 
