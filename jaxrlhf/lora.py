@@ -181,19 +181,19 @@ def fuse(params: Any, lora: Any, cfg: LoRAConfig) -> Any:
     if lora is None or cfg.dim == 0:
         return params
     adapters = _fitting_adapters(params, lora, cfg)
-    scale = cfg.scaling / cfg.dim
 
     def one(path, x):
         module, _, name = path_str(path).rpartition("/")
         if name != "kernel" or module not in adapters:
             return x
-        return fused_kernel(x, adapters[module]["lora_a"], adapters[module]["lora_b"].astype(jnp.float32) * scale)
+        return fused_kernel(x, adapters[module]["lora_a"], adapters[module]["lora_b"])
 
     return jax.tree_util.tree_map_with_path(one, params)
 
 
 def _fitting_adapters(params: Any, lora: Any, cfg: LoRAConfig) -> dict[str, dict[str, Any]]:
-    """`_adapters(lora)`, each checked against its kernel in `params` (it exists; the shapes fit `cfg.dim`)."""
+    """`_adapters(lora)`, each checked against its kernel in `params` (it exists; the shapes fit `cfg.dim`),
+    with lora_b in float32 times scaling / dim: what `fused_kernel` takes."""
     adapters = _adapters(lora)
     kernels = _kernels(params)
     unknown = sorted(set(adapters) - set(kernels))
@@ -207,7 +207,8 @@ def _fitting_adapters(params: Any, lora: Any, cfg: LoRAConfig) -> dict[str, dict
                 f"LoRA adapter {module}: lora_a {a} and lora_b {b} do not fit its kernel "
                 f"{kernels[module].shape} with dim {cfg.dim}"
             )
-    return adapters
+    scale = cfg.scaling / cfg.dim
+    return {m: {"lora_a": p["lora_a"], "lora_b": p["lora_b"].astype(jnp.float32) * scale} for m, p in adapters.items()}
 
 
 def fused_kernel(kernel, a, b_scaled):
@@ -227,12 +228,10 @@ def attach(params: Any, lora: Any, cfg: LoRAConfig) -> Any:
     """
     if lora is None or cfg.dim == 0:
         return params
-    adapters = _fitting_adapters(params, lora, cfg)
     out = jax.tree.map(lambda x: x, params)  # new dicts, same leaves
-    scale = cfg.scaling / cfg.dim
-    for module, pair in adapters.items():
+    for module, pair in _fitting_adapters(params, lora, cfg).items():
         node = out
         for part in module.split("/"):
             node = node[part]
-        node.update(lora_a=pair["lora_a"], lora_b=pair["lora_b"].astype(jnp.float32) * scale)
+        node.update(pair)
     return out

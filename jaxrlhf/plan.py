@@ -146,17 +146,17 @@ def _model(config, side, precision: str, mesh, value_head: bool) -> dict[str, in
     shared = jax.tree.map(lambda _: True, params) if side.lora.only_optimize_lora else adapted  # engine.never_moves
     leaves = list(zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(adapted), jax.tree.leaves(shared)))
     compute = jax.ShapeDtypeStruct
+    # one layer's float32 copy of each adapted kernel
+    layer_fp32 = [_leaf_bytes(path_str(p), compute(x.shape, jnp.float32), "fsdp", mesh) // (x.shape[0] if x.ndim == 3 else 1)
+                  for (p, x), a, _ in leaves if a]
     return {
         "weights": shard_bytes({k: state[k] for k in ("trainable", "frozen")}, "fsdp", mesh),
         "optimizer": shard_bytes(state["opt"], "fsdp", mesh),
         "gradients": shard_bytes(state["trainable"], "fsdp", mesh),
         "twin": sum(_leaf_bytes(path_str(p), compute(x.shape, config.compute_dtype), "fsdp", mesh)
                     for (p, x), _, s in leaves if not s),
-        # the steps and scoring fuse one layer at a time (lora.attach): one layer's fused kernels, float32
-        "fused": sum(_leaf_bytes(path_str(p), compute(x.shape, jnp.float32), "fsdp", mesh) // (x.shape[0] if x.ndim == 3 else 1)
-                         for (p, x), a, _ in leaves if a),
-        "delta": max([_leaf_bytes(path_str(p), compute(x.shape, jnp.float32), "fsdp", mesh) // (x.shape[0] if x.ndim == 3 else 1)
-                      for (p, x), a, _ in leaves if a], default=0),  # one layer's (engine._to_generation)
+        "fused": sum(layer_fp32),  # the steps and scoring fuse one layer at a time (lora.attach)
+        "delta": max(layer_fp32, default=0),  # the generation copy, one kernel and layer at a time (engine._to_generation)
         "master": shard_bytes(params, "fsdp", mesh),
         "fsdp_compute": shard_bytes(_cast(params, config.compute_dtype), "fsdp", mesh),
         "tp_compute": shard_bytes(_cast(params, config.compute_dtype), "tp", mesh),
