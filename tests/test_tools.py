@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 
 from jaxrlhf import make_mesh, reshard
 from tools import common
@@ -29,3 +30,30 @@ def test_safely_and_the_child_process_report_errors_per_run():
     assert common.torch_child(["-c", "import os; print('noise'); print('{\"8\": ' + repr(os.environ['JAX_PLATFORMS']) .replace(\"'\", '\"') + '}')"], [8]) == {"8": "cpu"}
     failed = common.torch_child(["-c", "raise SystemExit('out of memory')"], [16, 64])
     assert failed == {k: {"error": "child process failed: out of memory"} for k in ("16", "64")}
+
+
+def test_kernel_totals_sum_device_kernels_per_line_and_skip_the_host():
+    meta = lambda pid, name, tid=None: {"ph": "M", "pid": pid, **({"tid": tid} if tid else {}),
+                                        "name": "thread_name" if tid else "process_name", "args": {"name": name}}
+    kernel = lambda pid, tid, name, dur: {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": 0, "dur": dur}
+    events = [meta(1, "/host:CPU"), meta(2, "/device:GPU:0"), meta(2, "Stream #14", tid=7),
+              kernel(1, 3, "PjitFunction", 900.0), kernel(2, 7, "memcpy128", 12.5), kernel(2, 7, "gemm", 40.0),
+              kernel(2, 7, "memcpy128", 13.5), kernel(2, 7, "tiny", 1.0)]
+    got = common.kernel_totals(events, top=2)
+    assert got == {"/device:GPU:0 Stream #14": {"busy_ms": pytest.approx(0.067), "kernels": [
+        {"name": "gemm", "count": 1, "total_ms": pytest.approx(0.04)},
+        {"name": "memcpy128", "count": 2, "total_ms": pytest.approx(0.026)}]}}
+
+
+def test_tp_tokens_match_on_the_cpu_mesh():
+    """bench_generate --check-tokens: TP 2 greedy tokens against one device, exact in float32 on the CPU."""
+    from jaxrlhf import OPTConfig, init_params
+    from tools.bench_generate import tp_tokens_match
+
+    config = OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
+                       max_position_embeddings=64, word_embed_proj_dim=32, dtype="bfloat16", decode_attention="xla")
+    mesh = make_mesh(2, jax.devices()[:2])
+    params = reshard(init_params(config, jax.random.key(0), std=0.5), "tp", mesh)
+    result = tp_tokens_match(config, params, mesh, 4, 6, 8)
+    assert result["float32"] == {"rows_equal": 1.0, "first_step_differing": None}
+    assert set(result) == {"bfloat16", "float32"} and 0 <= result["bfloat16"]["rows_equal"] <= 1

@@ -62,14 +62,19 @@ def kernel_profile(fn, log_dir: str | Path, top: int = 40) -> dict:
     """Where the device time of one `fn()` goes: a jax.profiler trace (kept in `log_dir` for Perfetto or
     TensorBoard) summed per kernel name on each device line. Returns {line: {"busy_ms", "kernels": [{name,
     count, total_ms}, ...the `top` largest]}}; on the CPU there are no device lines and it is empty."""
-    import collections
     import gzip
 
     jax.block_until_ready(fn())  # compile outside the trace
     with jax.profiler.trace(str(log_dir), create_perfetto_trace=True):
         jax.block_until_ready(fn())
     trace = max(Path(log_dir).rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
-    events = json.load(gzip.open(trace))["traceEvents"]
+    return kernel_totals(json.load(gzip.open(trace))["traceEvents"], top)
+
+
+def kernel_totals(events: list[dict], top: int = 40) -> dict:
+    """Perfetto trace events summed per kernel name on each device line (see kernel_profile)."""
+    import collections
+
     names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
              if e.get("ph") == "M" and e["name"] in ("process_name", "thread_name")}
     lines = collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0.0]))
