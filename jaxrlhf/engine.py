@@ -9,7 +9,8 @@
     ema        optional    fused actor weights; ema = decay * ema + (1 - decay) * actor after each actor step
 
     generate_experience(prompts [B, P] left-padded):
-        fuse LoRA, cast to the compute dtype ──reshard──► "tp" layout ──generate──► answers [B, G]
+        one layer at a time: fuse LoRA, cast to the compute dtype, reshard to the "tp" layout, give each layer its
+        own arrays (generate.decode_params) ──generate──► answers [B, G]
         ──drop the generation copy (the KV cache lives only inside the compiled generate call)──►
         score in the FSDP layout, no gradients: old log-probs, reference log-probs, critic values, reward score
     train_rlhf(experience[, unsupervised batch]):
@@ -38,8 +39,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrlhf import losses
 from jaxrlhf.data import place
-from jaxrlhf.generate import generate
-from jaxrlhf.lora import LoRAConfig, adapted_mask, fuse
+from jaxrlhf.generate import decode_params, generate
+from jaxrlhf.lora import LoRAConfig, adapted_mask
 from jaxrlhf.models import OPTConfig, logits, values
 from jaxrlhf.sharding import AXES, batch_sharding, check_tp, reshard, shardings_for
 from jaxrlhf.trainer import OptimConfig, check_microbatches, create_state, effective_params, make_optimizer, make_train_step, state_shardings
@@ -229,36 +230,6 @@ def _answer_values(config, params, exp, key=None):
 def _fused(s: Static, actor):
     """The actor's weights as it runs (LoRA fused), in the FSDP layout: the EMA's starting point."""
     return _fsdp(effective_params(actor, s.cfg.actor.lora), s.mesh)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _in_compute_dtype(s: Static, params, lora):
-    """`params` (a whole tree, or one adapted module's kernel with its `lora` pair) fused and cast to the compute dtype;
-    a stacked [L, in, out] kernel one layer at a time (one layer's fp32 delta exists at once)."""
-    run = lambda p, l: jax.tree.map(lambda x: x.astype(s.actor.compute_dtype), fuse(p, l, s.cfg.actor.lora))
-    if lora is not None and all(x.ndim == 3 for x in jax.tree.leaves(params)):
-        return _fsdp(jax.lax.map(lambda pl: run(*pl), (params, lora)), s.mesh)
-    return _fsdp(run(params, lora), s.mesh)
-
-
-def _to_generation(s: Static, actor):
-    """The copy that is resharded and generates: LoRA fused, in the compute dtype, FSDP layout. With LoRA, one
-    program per adapted kernel: fused over the whole tree at once, XLA held every kernel's fp32 delta together
-    (110 GiB for OPT-30B)."""
-    merged = {**actor["frozen"], **actor["trainable"]}
-    params, lora = merged["params"], merged.get("lora")
-    if lora is None:
-        return _in_compute_dtype(s, params, None)
-    adapted = adapted_mask(params, s.cfg.actor.lora)
-    out = _in_compute_dtype(s, jax.tree.map(lambda x, m: None if m else x, params, adapted), None)
-    nest = lambda value, keys: {keys[0]: nest(value, keys[1:])} if keys else value
-    at = lambda tree, keys: functools.reduce(lambda t, k: t[k], keys, tree)
-    for (path, x), m in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(adapted)):
-        if m:
-            keys = [k.key for k in path]  # .../fc1/kernel; its adapters sit at .../fc1 in the lora tree
-            fused = _in_compute_dtype(s, nest(x, keys), nest(at(lora, keys[:-1]), keys[:-1]))
-            at(out, keys[:-1])[keys[-1]] = at(fused, keys)
-    return out
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -452,12 +423,9 @@ class HybridEngine:
         own = {id(x) for x in jax.tree.leaves(self.state["actor"])}
         fresh = lambda tree, keep=(): [x for x in jax.tree.leaves(tree) if id(x) not in own and id(x) not in keep]
 
-        def to_tp():
-            fsdp = _to_generation(self.static, self.state["actor"])
-            tp = jax.block_until_ready(reshard(fsdp, "tp", mesh))
-            for x in fresh(fsdp, keep={id(y) for y in jax.tree.leaves(tp)}):  # the FSDP-layout temporary
-                x.delete()
-            return tp
+        def to_tp():  # LoRA fused, compute dtype, "tp" layout, each layer its own arrays: built one layer at a time
+            actor = effective_params(self.state["actor"], cfg.actor.lora, fused=False)
+            return jax.block_until_ready(decode_params(self.actor_config, actor, mesh))
 
         params = self._timed("reshard", to_tp)
         self.reshard_bytes = tree_bytes(params)

@@ -11,6 +11,10 @@ answer mask is 0 there (1 up to and including the EOS). Sampling: greedy (temper
 top-k and top-p, from an explicit PRNG key: the same key gives the same tokens. Prompts are left-aligned
 first (any padding pattern works), so each row's valid slots are one range and a decode step's attention
 (our Pallas kernel on a GPU, `kernels/decode_attention.py`) reads only that range of the cache.
+
+`generate` runs the model's own parameters, or, faster, the decode layout that `decode_params` builds from
+them once (each layer its own arrays, shared-input products stacked; models/common.py says why): the Step 3
+engine generates with it, and so should any caller that generates more than once with the same weights.
 """
 
 from __future__ import annotations
@@ -23,7 +27,66 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxrlhf.models import init_cache, logits_with_cache, positions_from_mask
+from jaxrlhf.lora import fuse_attached
+from jaxrlhf.models import decode_layer, init_cache, logits_with_cache, positions_from_mask
+from jaxrlhf.sharding import shardings_for
+
+
+def _layers_key(params: dict):
+    """Where "layers" sits: None at the top of `params`, else the key of the dict holding it (OPT: decoder,
+    Llama: model)."""
+    if "layers" in params:
+        return None
+    for k, v in params.items():
+        if isinstance(v, dict) and "layers" in v:
+            return k
+    raise ValueError(f"no 'layers' in the parameter tree (top level: {sorted(params)})")
+
+
+def _in_decode_layout(tree, config, mesh, layer: bool):
+    """`tree` (one layer's parameters, or all but the layers) fused, cast and laid out for generation."""
+    dtype = config.compute_dtype
+    tree = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, fuse_attached(tree))
+    if layer:
+        tree = decode_layer(config, tree)
+    if mesh is not None:
+        wrapped = {"layers": (tree,)} if layer else tree  # per-layer paths read layers/0/... (sharding.logical_axes)
+        specs = shardings_for(wrapped, "tp", mesh)
+        tree = jax.lax.with_sharding_constraint(tree, specs["layers"][0] if layer else specs)
+    return tree
+
+
+@partial(jax.jit, static_argnames=("config", "mesh"))
+def _decode_one_layer(config, layers, i, mesh):
+    return _in_decode_layout(jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False), layers),
+                             config, mesh, layer=True)
+
+
+@partial(jax.jit, static_argnames=("config", "mesh"))
+def _decode_rest(config, rest, mesh):
+    return _in_decode_layout(rest, config, mesh, layer=False)
+
+
+def decode_params(config, params: Any, mesh=None) -> Any:
+    """`params` (the model's tree, LoRA adapters attached or not: lora.attach) as generation runs them fastest:
+    LoRA fused, in the compute dtype, each layer its own arrays (the "layers" entry becomes a tuple of L
+    per-layer trees, with `decode_layer`'s stacked kernels), in the generation ("tp") layout of `mesh` if given.
+
+    Built by one compiled program per layer, so besides the result only one layer's temporaries (its fp32
+    LoRA products, its gathered FSDP shards) exist at a time. The result is a new copy of the weights in the
+    compute dtype; leaves that need no change may be `params`' own arrays. Pass it to `generate`.
+    """
+    key = _layers_key(params)
+    parent = params if key is None else params[key]
+    layers = parent["layers"]
+    if isinstance(layers, (tuple, list)):
+        return params  # already in the decode layout
+    per_layer = tuple(_decode_one_layer(config, layers, jnp.int32(i), mesh)
+                      for i in range(jax.tree.leaves(layers)[0].shape[0]))
+    rest = {k: v for k, v in parent.items() if k != "layers"}
+    out = _decode_rest(config, rest if key is None else {**params, key: rest}, mesh)
+    (out if key is None else out[key])["layers"] = per_layer  # out's dicts are new (jit builds them)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -235,3 +235,15 @@ def attach(params: Any, lora: Any, cfg: LoRAConfig) -> Any:
             node = node[part]
         node.update(pair)
     return out
+
+
+def fuse_attached(params: Any) -> Any:
+    """A tree as `attach` makes it (or any tree) with each kernel that has adapters beside it fused
+    (fused_kernel) and the adapters dropped: what `fuse` gives, from the attached form. Jittable; the decode
+    layout (generate.decode_params) runs it one layer at a time."""
+    if not isinstance(params, dict):
+        return params
+    if "lora_a" in params:
+        out = {k: v for k, v in params.items() if k not in ("lora_a", "lora_b")}
+        return {**out, "kernel": fused_kernel(params["kernel"], params["lora_a"], params["lora_b"])}
+    return {k: fuse_attached(v) for k, v in params.items()}

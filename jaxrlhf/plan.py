@@ -156,9 +156,8 @@ def _model(config, side, precision: str, mesh, value_head: bool) -> dict[str, in
         "twin": sum(_leaf_bytes(path_str(p), compute(x.shape, config.compute_dtype), "fsdp", mesh)
                     for (p, x), _, s in leaves if not s),
         "fused": sum(layer_fp32),  # the steps and scoring fuse one layer at a time (lora.attach)
-        "delta": max(layer_fp32, default=0),  # the generation copy, one kernel and layer at a time (engine._to_generation)
+        "delta": max(layer_fp32, default=0),  # the generation copy is built one layer at a time (generate.decode_params)
         "master": shard_bytes(params, "fsdp", mesh),
-        "fsdp_compute": shard_bytes(_cast(params, config.compute_dtype), "fsdp", mesh),
         "tp_compute": shard_bytes(_cast(params, config.compute_dtype), "tp", mesh),
     }
 
@@ -179,7 +178,8 @@ def plan(cfg, actor_config, critic_config, mesh, *, batch: int, prompt_len: int,
     # FSDP gathers each layer's weights as the scan reaches it: two layers in flight (none on one device)
     gather_a = 0 if N == 1 else 2 * a["master"] // actor_config.num_hidden_layers
     gather_c = 0 if N == 1 else 2 * c["master"] // critic_config.num_hidden_layers
-    switch = 0 if N == 1 else a["fsdp_compute"]  # one device: both layouts are the same arrays
+    # the generation copy is built one layer at a time (generate.decode_params): one layer's FSDP shards gathered
+    switch = 0 if N == 1 else a["master"] * N // actor_config.num_hidden_layers
     # a training step runs one micro-batch at a time (gradient_accumulation_steps), summing into a second gradient tree
     micro = lambda n, side: -(-n // (N * side.optim.gradient_accumulation_steps))
     act = lambda config, side, value_head, train, n=batch, length=T: activations(
@@ -190,8 +190,7 @@ def plan(cfg, actor_config, critic_config, mesh, *, batch: int, prompt_len: int,
         "critic weights": c["weights"], "critic optimizer": c["optimizer"],
         "reference (own leaves)": a["twin"], "reward (own leaves)": c["twin"],
         "ema": a["master"] if cfg.enable_ema else 0,
-        "switch: FSDP compute copy": switch, "TP generation copy": a["tp_compute"],
-        # the generation copy is fused one adapted kernel and layer at a time (engine._to_generation)
+        "switch: one layer gathered": switch, "TP generation copy": a["tp_compute"],
         "switch: fp32 LoRA delta": a["delta"],
         "KV cache": cache, "generation activations": head + gen_rows * T * actor_config.hidden_size * 4 * 4,
         "fused LoRA kernels": a["fused"] + c["fused"],
@@ -210,7 +209,7 @@ def plan(cfg, actor_config, critic_config, mesh, *, batch: int, prompt_len: int,
             "reference (own leaves)": "score", "reward (own leaves)": "score"}
     resident = ["actor weights", "critic weights", "ema"] + [i for i in offloaded if not offloaded[i]]
     phases = {
-        "reshard": ["switch: FSDP compute copy", "switch: fp32 LoRA delta", "TP generation copy"],
+        "reshard": ["switch: one layer gathered", "switch: fp32 LoRA delta", "TP generation copy"],
         "generate": ["TP generation copy", "KV cache", "generation activations"],
         "score": ["fused LoRA kernels", "scoring activations", "experience"],
         "actor_step": ["actor gradients", "actor fused LoRA", "actor step activations", "experience"],
@@ -393,8 +392,9 @@ def measure(engine, prompt_batch: dict) -> dict[str, int]:
     patches = [mock.patch.object(engine, "_timed", in_phase),
                mock.patch.object(sharding_mod, "_identity", lambda shardings: probe(identity(shardings))),
                mock.patch.object(generate_mod, "_generate", probe(generate_mod._generate))]
+    patches += [mock.patch.object(generate_mod, n, probe(getattr(generate_mod, n))) for n in ("_decode_one_layer", "_decode_rest")]
     patches += [mock.patch.object(engine_mod, n, probe(getattr(engine_mod, n)))
-                for n in ("_in_compute_dtype", "_score", "_advantages", "_actor_update", "_critic_update")]
+                for n in ("_score", "_advantages", "_actor_update", "_critic_update")]
     for p in patches:
         p.start()
     try:

@@ -63,6 +63,11 @@ PARAM_AXES: list[tuple[str, tuple[str | None, ...]]] = [
     (r"layers/(input|post_attention)_layernorm/scale", ("layers", "embed")),
     (r"model/norm/scale", ("embed",)),
     (r"lm_head/kernel", ("embed", "vocab")),
+    # The decode layout (models.common.stack_qkv, llama.decode_layer): q/k/v stacked per KV head, gate/up stacked.
+    (r"layers/self_attn/qkv_proj/kernel", ("layers", "embed", "heads", None)),
+    (r"layers/self_attn/qkv_proj/bias", ("layers", "heads", None)),
+    (r"layers/mlp/gate_up_proj/kernel", ("layers", "embed", None, "mlp")),
+    (r"layers/mlp/gate_up_proj/bias", ("layers", None, "mlp")),
 ]
 
 # Generation layout: logical axis -> mesh axis. Logical axes not listed are replicated.
@@ -94,6 +99,9 @@ def logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
     """The logical axis of each dimension of the leaf at `path` (a '/'-joined parameter path)."""
     if ndim == 0:  # scalars (optimizer step counts) are replicated everywhere
         return ()
+    one_layer = re.search(r"(^|/)layers/\d+/", path)
+    if one_layer:  # one layer of the decode layout (layers/3/...): the stacked leaf's axes but the layer axis
+        return logical_axes(path[: one_layer.end() - 1].rpartition("/")[0] + path[one_layer.end() - 1:], ndim + 1)[1:]
     leaf = path.rpartition("/")[2]
     if leaf in ("lora_a", "lora_b"):  # LoRA factors (jaxrlhf.lora): their kernel's axes, None on the rank
         axes = list(logical_axes(path[: -len(leaf)] + "kernel", ndim))

@@ -1,13 +1,14 @@
 """KV-cached generation against the cache-free reference and transformers' own generate."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import POST_LN_PROJ, PRE_LN, left_padded_batch, make_hf_opt
 
 from jaxrlhf import load_hf, logits, make_mesh, reshard
-from jaxrlhf.generate import Sampling, generate, sample
+from jaxrlhf.generate import Sampling, decode_params, generate, sample
 from jaxrlhf.inspect import greedy_reference
 
 
@@ -88,10 +89,12 @@ def test_generation_in_the_tensor_parallel_layout(model):
     mesh = make_mesh(tp=4)
     ids, mask = left_padded_batch(config.vocab_size, [6, 6, 3, 5], T=6, seed=4)
     want = generate(config, params, ids, mask, jax.random.key(1), max_new_tokens=4, temperature=0.0)
-    tp_params = reshard(reshard(params, "fsdp", mesh), "tp", mesh)
+    fsdp = reshard(params, "fsdp", mesh)
     batch = jax.device_put((ids, mask), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
-    got = generate(config, tp_params, *batch, jax.random.key(1), max_new_tokens=4, temperature=0.0, mesh=mesh)
-    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    # the model's own tree resharded, and the decode layout the engine builds from the FSDP layout
+    for tp_params in (reshard(fsdp, "tp", mesh), decode_params(config, fsdp, mesh)):
+        got = generate(config, tp_params, *batch, jax.random.key(1), max_new_tokens=4, temperature=0.0, mesh=mesh)
+        np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
 
 
 def test_too_long_is_refused(model):
@@ -129,3 +132,50 @@ def test_any_padding_pattern_gives_the_left_padded_answer(model):
     want = generate(config, params, real, np.ones_like(real), jax.random.key(0), max_new_tokens=4, temperature=0.0)
     got = generate(config, params, *holes, jax.random.key(0), max_new_tokens=4, temperature=0.0)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+
+
+def test_the_decode_layout(model):
+    """decode_params: each layer its own arrays, q/k/v stacked per head (values checked), LoRA fused from the
+    attached form exactly as `fuse` fuses it, greedy tokens unchanged, and no stacked [L, ...] weight left in
+    the generation program (on the GPU each layer's slice of one was a copy before every step's matmul)."""
+    from jaxrlhf.lora import LoRAConfig, attach, fuse, init_lora
+
+    _, config, params = model
+    L, H, K = config.num_hidden_layers, config.num_attention_heads, config.head_dim
+    fast = decode_params(config, params)
+    layers = fast["decoder"]["layers"]
+    assert isinstance(layers, tuple) and len(layers) == L
+    qkv = np.asarray(layers[1]["self_attn"]["qkv_proj"]["kernel"])  # [D, H, 3K]
+    stacked = params["decoder"]["layers"]["self_attn"]
+    for j, name in enumerate(("q_proj", "k_proj", "v_proj")):
+        want = np.asarray(stacked[name]["kernel"][1]).reshape(-1, H, K)
+        np.testing.assert_array_equal(qkv[:, :, j * K : (j + 1) * K], want)
+    np.testing.assert_array_equal(np.asarray(layers[-1]["fc1"]["kernel"]), np.asarray(params["decoder"]["layers"]["fc1"]["kernel"][-1]))
+
+    lora_cfg = LoRAConfig(dim=4, module_name="decoder.layers.")
+    lora = jax.tree.map(lambda x: x + 0.05, init_lora(params, lora_cfg, jax.random.key(3)))  # lora_b nonzero
+    from_attached = decode_params(config, attach(params, lora, lora_cfg))
+    from_fused = decode_params(config, fuse(params, lora, lora_cfg))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), from_attached, from_fused)
+    assert not np.array_equal(np.asarray(from_fused["decoder"]["layers"][0]["fc1"]["kernel"]),
+                              np.asarray(layers[0]["fc1"]["kernel"]))
+
+    ids, mask = left_padded_batch(config.vocab_size, [6, 3, 5], T=6, seed=6)
+    want = generate(config, params, ids, mask, jax.random.key(4), max_new_tokens=5, temperature=0.0)
+    got = generate(config, fast, ids, mask, jax.random.key(4), max_new_tokens=5, temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
+
+    def uses_of_stacked_weights(p):  # operations (the scan over layers, slices) that read a stacked kernel
+        kernel_shapes = {x.shape for x in jax.tree.leaves(params["decoder"]["layers"]) if x.ndim == 3}
+        jaxpr = jax.make_jaxpr(lambda p: generate(config, p, ids, mask, jax.random.key(4), max_new_tokens=5).tokens)(p)
+        found, todo = 0, [jaxpr.jaxpr]
+        while todo:
+            j = todo.pop()
+            for eqn in j.eqns:
+                found += any(getattr(v.aval, "shape", None) in kernel_shapes for v in eqn.invars)
+                todo += [sub.jaxpr if hasattr(sub, "jaxpr") else sub for sub in jax.extend.core.jaxprs_in_params(eqn.params)]
+        return found
+
+    assert uses_of_stacked_weights(params) > 0  # the check sees them in the model's own layout
+    assert uses_of_stacked_weights(fast) == 0

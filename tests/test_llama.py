@@ -12,7 +12,7 @@ from helpers import hf_logits, left_padded_batch
 from safetensors.numpy import load_file
 
 from jaxrlhf import LlamaConfig, load_hf, logits, make_mesh, reshard, save_hf, shardings_for, values
-from jaxrlhf.generate import generate
+from jaxrlhf.generate import decode_params, generate
 from jaxrlhf.models import llama, param_shapes
 
 # Grouped-query attention (4 query heads over 2 KV heads), untied head, a non-default rope_theta; and
@@ -109,12 +109,16 @@ def test_greedy_generation_equals_transformers(model):
     lengths = [7, 3, 5, 1]
     ids, mask = left_padded_batch(config.vocab_size, lengths, T=7, seed=1)
     out = generate(config, params, ids, mask, jax.random.key(0), max_new_tokens=8, temperature=0.0)
+    fast = generate(config, decode_params(config, params), ids, mask, jax.random.key(0), max_new_tokens=8,
+                    temperature=0.0)  # the decode layout: q/k/v (and gate/up) stacked, each layer its own arrays
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     for b, n in enumerate(lengths):  # transformers row by row, unpadded
         row = torch.tensor(ids[b : b + 1, 7 - n :], dtype=torch.long)
         want = hf.generate(row, attention_mask=torch.ones_like(row), max_new_tokens=8, min_new_tokens=8,
                            do_sample=False)
         assert np.asarray(out.tokens)[b].tolist() == want[0, n:].tolist()
+        assert np.asarray(fast.tokens)[b].tolist() == want[0, n:].tolist()
+    np.testing.assert_allclose(np.asarray(fast.logprobs), np.asarray(out.logprobs), atol=1e-5)
 
 
 def test_tensor_parallel_generation_with_the_decode_kernel_gives_the_same_tokens(model):
@@ -130,6 +134,14 @@ def test_tensor_parallel_generation_with_the_decode_kernel_gives_the_same_tokens
     # The GPU's path: the Pallas decode kernel (interpreted on the CPU) per shard, 1 query-head pair per KV head.
     kernel = dataclasses.replace(config, decode_attention="pallas")
     out = generate(kernel, tp, ids, mask, jax.random.key(0), max_new_tokens=6, temperature=0.0, mesh=mesh)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(one.tokens))
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(one.logprobs), atol=1e-5)
+    # The engine's path: the decode layout built from the FSDP layout, split by KV heads (q/k/v) and by F (gate/up).
+    fast = decode_params(config, reshard(jax.tree.map(jnp.asarray, params), "fsdp", mesh), mesh)
+    layer = fast["model"]["layers"][1]
+    assert tuple(layer["self_attn"]["qkv_proj"]["kernel"].sharding.spec)[:2] == (None, "model")
+    assert tuple(layer["mlp"]["gate_up_proj"]["kernel"].sharding.spec) == (None, None, "model")
+    out = generate(kernel, fast, ids, mask, jax.random.key(0), max_new_tokens=6, temperature=0.0, mesh=mesh)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(one.tokens))
     np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(one.logprobs), atol=1e-5)
 

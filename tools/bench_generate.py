@@ -9,6 +9,8 @@ seconds, prefill seconds (a one-token generate), ms per decode step = (total - p
 generated tokens/s, and the fraction of the memory roofline: the bytes one decode step must read (all
 weights once plus the KV cache so far, averaged over the steps) over the read bandwidth measured here
 (tools.common.read_bandwidth). Hugging Face runs first, in a child process that keeps JAX off the GPU.
+"ours" generates with the decode layout that Step 3 uses (generate.decode_params, its build time reported as
+decode_params_s); `--layout model` adds the model's own stacked tree ("ours_model_layout") for comparison.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jaxrlhf.generate import Sampling, _generate, generate  # noqa: E402
+from jaxrlhf.generate import Sampling, _generate, decode_params, generate  # noqa: E402
 from jaxrlhf.models import init_params, llama, opt, param_shapes, preset  # noqa: E402
 from jaxrlhf.sharding import make_mesh, shardings_for  # noqa: E402
 from tools import common  # noqa: E402
@@ -48,7 +50,7 @@ def step_bytes(config, B: int, P: int, G: int) -> float:
 
 def ours(config, params, mesh, B, Pn, G, repeats, decode, profile_dir=None):
     """Seconds for the whole generation and for its prefill alone; with `profile_dir`, also the kernels of one
-    whole generation by device time (common.kernel_profile)."""
+    whole generation by device time (common.kernel_profile). `params`: the model's tree or the decode layout."""
     config = dataclasses.replace(config, decode_attention=decode)
     ids = jax.random.randint(jax.random.key(1), (B, Pn), 3, config.vocab_size)
     batch = jax.device_put((ids, jnp.ones_like(ids)), NamedSharding(mesh, P("data")))
@@ -80,7 +82,7 @@ def tp_tokens_match(config, params, mesh, B, Pn, G) -> dict:
         with jax.default_matmul_precision(precision):
             cfg = dataclasses.replace(config, dtype=dtype)
             cast = jax.tree.map(lambda x: x.astype(dtype), params)
-            tp = greedy(cfg, cast, *batch, mesh=mesh)
+            tp = greedy(cfg, decode_params(cfg, cast, mesh), *batch, mesh=mesh)
             single = greedy(cfg, jax.device_put(cast, jax.devices()[0]), ids, jnp.ones_like(ids))
         same = jax.device_get(tp) == jax.device_get(single)
         departs = [int(i) for i in range(G) if not same[:, i].all()]
@@ -126,6 +128,9 @@ def main():
     ap.add_argument("--unroll", type=int, default=0, help="OPTConfig.scan_unroll (0: auto, no loop on a GPU)")
     ap.add_argument("--decode", nargs="+", default=["pallas", "xla"], choices=["pallas", "xla"],
                     help="our decode attention: the Pallas kernel and/or the plain-XLA path")
+    ap.add_argument("--layout", nargs="+", default=["decode"], choices=["decode", "model"],
+                    help="the weights as generation takes them: the decode layout (generate.decode_params, what "
+                         "Step 3 runs) and/or the model's own tree (each step slices the stacked layers)")
     ap.add_argument("--hf", nargs="*", default=["static", "dynamic"], choices=["static", "dynamic"])
     ap.add_argument("--profile", action="store_true",
                     help="also trace one generation per batch (Pallas decode) and record its kernels by device time; "
@@ -146,16 +151,20 @@ def main():
     mesh = make_mesh(args.tp)
     params = jax.jit(lambda k: init_params(config, k, dtype=jnp.bfloat16),
                      out_shardings=shardings_for(param_shapes(config), "tp", mesh))(jax.random.key(0))
+    layout_s = common.timeit(lambda: decode_params(config, params, mesh if mesh.size > 1 else None), args.repeats)
+    layouts = {"decode": decode_params(config, params, mesh if mesh.size > 1 else None), "model": params}
     bandwidth = common.read_bandwidth()
     result = {"benchmark": "generate", **common.environment(), "model": args.model, "prompt": args.prompt, "new": args.new,
-              "mesh": dict(mesh.shape), "scan_unroll": args.unroll, "xla_flags": os.environ.get("XLA_FLAGS", ""), "read_bandwidth_Bps": bandwidth, "copy_bandwidth_Bps": device_bandwidth(), "runs": []}
+              "mesh": dict(mesh.shape), "scan_unroll": args.unroll, "xla_flags": os.environ.get("XLA_FLAGS", ""), "read_bandwidth_Bps": bandwidth, "decode_params_s": layout_s, "copy_bandwidth_Bps": device_bandwidth(), "runs": []}
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     for B in args.batch:
         run = {"batch": B}
-        for decode in args.decode:
-            name = "ours" if decode == "pallas" else f"ours_{decode}"
-            trace = Path(args.out or "bench/results") / f"trace-generate-{B}" if args.profile and decode == "pallas" else None
-            run[name] = ours(config, params, mesh, B, args.prompt, args.new, args.repeats, decode, trace)
+        for layout in args.layout:
+            for decode in args.decode:
+                name = "ours" + ("" if decode == "pallas" else f"_{decode}") + ("" if layout == "decode" else "_model_layout")
+                trace = (Path(args.out or "bench/results") / (f"trace-generate-{B}" + ("" if name == "ours" else f"-{name}"))
+                         if args.profile and decode == "pallas" else None)
+                run[name] = ours(config, layouts[layout], mesh, B, args.prompt, args.new, args.repeats, decode, trace)
         hf = hf_runs.get(str(B), {})
         run.update(hf if "error" not in hf else {f"hf_{cache}": hf for cache in args.hf})
         for impl, r in run.items():

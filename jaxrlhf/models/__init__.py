@@ -47,6 +47,11 @@ def logits_with_cache(config, params, input_ids, positions, cache):
     return family(config).logits_with_cache(config, params, input_ids, positions, cache)
 
 
+def decode_layer(config, layer: dict) -> dict:
+    """One layer's parameters in the decode layout (each family's products that share an input stacked)."""
+    return family(config).decode_layer(config, layer)
+
+
 def init_params(config, key, **kwargs):
     """Random parameters of `config`'s family (value_head=, dtype=, std=)."""
     return family(config).init_params(config, key, **kwargs)

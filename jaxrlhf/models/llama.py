@@ -136,12 +136,12 @@ class LlamaAttention(nn.Module):
         c = self.config
         B, T, D = h.shape
         H, Hkv, K = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        proj = lambda n, name: common.Dense(n, use_bias=c.attention_bias, dtype=c.compute_dtype, name=name)
-        q = apply_rope(proj(H * K, "q_proj")(h).reshape(B, T, H, K), *rope, c.rope_interleaved) * (K**-0.5)
-        k = apply_rope(proj(Hkv * K, "k_proj")(h).reshape(B, T, Hkv, K), *rope, c.rope_interleaved)
-        v = proj(Hkv * K, "v_proj")(h).reshape(B, T, Hkv, K)
+        q, k, v = common.project_qkv(self, h, H, Hkv, K, c.attention_bias, c.compute_dtype)
+        q = apply_rope(q, *rope, c.rope_interleaved) * (K**-0.5)
+        k = apply_rope(k, *rope, c.rope_interleaved)
         out, cache = common.attention(q, k, v, cache, c, self.deterministic)  # [B, T, H, K]
-        return proj(D, "o_proj")(out.reshape(B, T, H * K)), cache
+        o_proj = common.Dense(D, use_bias=c.attention_bias, dtype=c.compute_dtype, name="o_proj")
+        return o_proj(out.reshape(B, T, H * K)), cache
 
 
 class LlamaMLP(nn.Module):
@@ -153,8 +153,12 @@ class LlamaMLP(nn.Module):
     def __call__(self, h):
         c = self.config
         dense = lambda n, name: common.Dense(n, use_bias=c.mlp_bias, dtype=c.compute_dtype, name=name)
-        return dense(c.hidden_size, "down_proj")(
-            nn.silu(dense(c.intermediate_size, "gate_proj")(h)) * dense(c.intermediate_size, "up_proj")(h))
+        if self.has_variable("params", "gate_up_proj"):  # the decode layout: [D, 2, F] (decode_layer)
+            gate_up = common.stacked_dense(self, "gate_up_proj", h, c.compute_dtype)
+            gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
+        else:
+            gate, up = dense(c.intermediate_size, "gate_proj")(h), dense(c.intermediate_size, "up_proj")(h)
+        return dense(c.hidden_size, "down_proj")(nn.silu(gate) * up)
 
 
 class LlamaLayer(nn.Module):
@@ -191,8 +195,7 @@ class LlamaModel(nn.Module):
         input_ids, positions, order = common.layout_inputs(input_ids, attention_mask, positions, cache)
         h = nn.Embed(c.vocab_size, c.hidden_size, name="embed_tokens")(input_ids).astype(c.compute_dtype)
         rope = rope_tables(positions, c.head_dim, c.rope_theta)  # computed once, shared by all layers
-        h, cache = common.run_layers(LlamaLayer, c, self.deterministic, h, cache, {"rope": rope},
-                                       rolled=common.carries_adapters(self))
+        h, cache = common.run_layers(self, LlamaLayer, c, self.deterministic, h, cache, {"rope": rope})
         h = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=c.compute_dtype, name="norm")(h)
         return (h, cache) if cache is not None else common.restore_layout(h, order)
 
@@ -250,6 +253,15 @@ init_cache = common.init_cache  # [L, B, Hkv, S, K] zeros and the slot bookkeepi
 def logits_with_cache(config: LlamaConfig, params: Any, input_ids, positions, cache):
     """Logits [B, T, V] of T new tokens at cache["slot"] .. + T - 1 (rotary `positions` [B, T]), and the cache."""
     return common.apply_with_cache(Llama, config, params, input_ids, positions, cache)
+
+
+def decode_layer(config: LlamaConfig, layer: dict) -> dict:
+    """One layer's parameters (no leading L axis) in the decode layout: q/k/v stacked per KV head
+    (common.stack_qkv), gate and up stacked as "gate_up_proj" [D, 2, F] (bias [2, F])."""
+    mlp = layer["mlp"]
+    gate_up = {leaf: jnp.stack([mlp["gate_proj"][leaf], mlp["up_proj"][leaf]], axis=-2) for leaf in mlp["gate_proj"]}
+    mlp = {**{n: x for n, x in mlp.items() if n not in ("gate_proj", "up_proj")}, "gate_up_proj": gate_up}
+    return {**layer, "self_attn": common.stack_qkv(layer["self_attn"], config.num_key_value_heads), "mlp": mlp}
 
 
 def init_params(config: LlamaConfig, key, *, value_head: bool = False, dtype=jnp.float32, std: float = 0.02):

@@ -120,12 +120,11 @@ class OPTAttention(nn.Module):
         c = self.config
         B, T, D = h.shape
         H, K = c.num_attention_heads, c.head_dim
-        proj = lambda name: common.Dense(D, use_bias=c.enable_bias, dtype=c.compute_dtype, name=name)
-        q = proj("q_proj")(h).reshape(B, T, H, K) * (K**-0.5)  # OPT scales q after its bias
-        k = proj("k_proj")(h).reshape(B, T, H, K)
-        v = proj("v_proj")(h).reshape(B, T, H, K)
+        q, k, v = common.project_qkv(self, h, H, H, K, c.enable_bias, c.compute_dtype)
+        q = q * (K**-0.5)  # OPT scales q after its bias
         out, cache = common.attention(q, k, v, cache, c, self.deterministic)
-        return proj("out_proj")(out.reshape(B, T, D)), cache
+        out_proj = common.Dense(D, use_bias=c.enable_bias, dtype=c.compute_dtype, name="out_proj")
+        return out_proj(out.reshape(B, T, D)), cache
 
 
 # The released OPT architectures (vocab 50272, 2048 positions, FFN = 4 x hidden), for random-weight
@@ -207,7 +206,7 @@ class OPTDecoder(nn.Module):
             positions
         ).astype(c.compute_dtype)  # no dropout on the embeddings: Hugging Face's OPT has none
 
-        h, cache = common.run_layers(OPTLayer, c, self.deterministic, h, cache, rolled=common.carries_adapters(self))
+        h, cache = common.run_layers(self, OPTLayer, c, self.deterministic, h, cache)
 
         if c.has_final_layer_norm:
             h = nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=c.compute_dtype, name="final_layer_norm")(h)
@@ -255,6 +254,11 @@ def logits_with_cache(config: OPTConfig, params: Any, input_ids, positions, cach
 
     `positions` [B, T] are OPT position ids without the offset (0 for a row's first real token)."""
     return common.apply_with_cache(OPT, config, params, input_ids, positions, cache)
+
+
+def decode_layer(config: OPTConfig, layer: dict) -> dict:
+    """One layer's parameters (no leading L axis) in the decode layout (see common.stack_qkv)."""
+    return {**layer, "self_attn": common.stack_qkv(layer["self_attn"], config.num_attention_heads)}
 
 
 def init_params(config: OPTConfig, key, *, value_head: bool = False, dtype=jnp.float32, std: float = 0.02):
