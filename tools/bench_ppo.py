@@ -37,6 +37,7 @@ import numpy as np  # noqa: E402
 
 from jaxrlhf.engine import EngineConfig, HybridEngine, ModelSide  # noqa: E402
 from jaxrlhf.lora import LoRAConfig  # noqa: E402
+from jaxrlhf.plan import capacity, plan  # noqa: E402
 from jaxrlhf.models.opt import PRESETS, OPTConfig, init_params, param_shapes  # noqa: E402
 from jaxrlhf.sharding import make_mesh  # noqa: E402
 from jaxrlhf.trainer import OptimConfig  # noqa: E402
@@ -70,6 +71,10 @@ def ours(args, actor: str, critic: str, B: int, precision: str, lora: int) -> di
                                 lora=LoRAConfig(dim=lora), remat=args.remat, dropout=0.0)
     cfg = EngineConfig(actor=side(9.65e-6), critic=side(5e-6), precision=precision, max_answer_len=args.new,
                        inference_tp_size=args.tp, enable_ema=False, old_logprobs_from_generation=args.old_from_generation)
+    need = plan(cfg, configs[0], configs[1], mesh, batch=B, prompt_len=args.prompt, capacity=capacity())
+    if not need.fits:  # what `python -m jaxrlhf.ppo` refuses before loading anything; no device time spent on it
+        return {"error": f"does not fit (jaxrlhf.plan): {need.peak / 2**30:.1f} GiB in {need.peak_phase}, "
+                         f"the device has {need.capacity / 2**30:.1f} GiB", "plan_peak_bytes": need.peak}
     engine = HybridEngine(cfg, mesh, (configs[0], params[0]), (configs[1], params[1]), total_steps=1000,
                           eos_id=-1, pad_id=1)  # EOS never matches: every answer has its full length
     del params
@@ -88,7 +93,8 @@ def ours(args, actor: str, critic: str, B: int, precision: str, lora: int) -> di
     t = statistics.median(times)
     return {"iteration_s": t, "samples_per_s": B / t, "phases_s": {p: statistics.median(x.get(p, 0.0) for x in phases)
                                                                   for p in PHASES},
-            "reshard_bytes": engine.reshard_bytes, "peak_bytes": common.peak_bytes(), "last_stats": stats}
+            "reshard_bytes": engine.reshard_bytes, "peak_bytes": common.peak_bytes(), "plan_peak_bytes": need.peak,
+            "last_stats": stats}
 
 
 def theirs(args, actor: str, critic: str, B: int) -> dict:
