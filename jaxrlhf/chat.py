@@ -46,13 +46,15 @@ class Chatbot:
 
     def __init__(self, cfg: ChatConfig):
         from jaxrlhf.checkpoint import load_hf
+        from jaxrlhf.generate import decode_params
         from jaxrlhf.tokenizer import load_tokenizer
 
         if not cfg.path:
             raise ValueError("path: required, a Hugging Face OPT folder (e.g. --path runs/train/step3-models/actor)")
         self.cfg = cfg
         self.config, self.params = load_hf(cfg.path, dtype=np.dtype(cfg.dtype) if cfg.dtype == "float32" else jax.numpy.bfloat16)
-        self.params = {k: v for k, v in self.params.items() if k != "value_head"}
+        # the decode layout, built once: every answer's decode steps read each layer's own arrays
+        self.params = decode_params(self.config, {k: v for k, v in self.params.items() if k != "value_head"})
         self.tokenizer = load_tokenizer(cfg.path)
         self.max_new = min(cfg.max_new_tokens, self.config.max_position_embeddings // 2)
         self.turns = 0

@@ -81,6 +81,8 @@ def decode_params(config, params: Any, mesh=None) -> Any:
     layers = parent["layers"]
     if isinstance(layers, (tuple, list)):
         return params  # already in the decode layout
+    # host (NumPy) leaves go to the device once, not once per layer's program
+    layers = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jnp.asarray(x), layers)
     per_layer = tuple(_decode_one_layer(config, layers, jnp.int32(i), mesh)
                       for i in range(jax.tree.leaves(layers)[0].shape[0]))
     rest = {k: v for k, v in parent.items() if k != "layers"}
