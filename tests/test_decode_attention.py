@@ -28,6 +28,7 @@ CASES = [  # (L, B, H, Hkv, S, K, dtype): multi-head and grouped-query, head dim
     (3, 3, 8, 2, 48, 128, jnp.bfloat16),
     (2, 5, 4, 1, 80, 64, jnp.float32),
     (4, 2, 16, 4, 32, 64, jnp.bfloat16),
+    (2, 3, 32, 2, 48, 64, jnp.float32),  # 16 queries per KV head: no repeats for the products
 ]
 
 

@@ -14,9 +14,11 @@ all S slots of every row every step). With one split (the default when B x Hkv a
 program covers all S and writes the normalised output. With N > 1 splits (flash-decoding: for small B x Hkv,
 where B x Hkv programs leave SMs idle) each program covers S / N slots and writes its partial sums (the
 unnormalised output, the running max and the normaliser), and a few jnp ops merge the N partials. It reads the layer straight out of the whole cache, so generation never copies a
-layer's cache out of the carried [L, ...] buffer. The G = H / Hkv queries of a KV head, padded to 16 rows,
-go through tensor-core matrix products: measured on the H200 this beats elementwise products summed over K
-(the `use_dot=False` form) by 2x even when G = 1.
+layer's cache out of the carried [L, ...] buffer. The G = H / Hkv queries of a KV head go through
+tensor-core matrix products, which need 16 rows: the kernel repeats its G queries 16 / G times in registers
+(padding them in memory cost a kernel per layer writing 16 / G times the queries: 0.26 ms of a 7.5 ms step at
+B = 256, H = 32) and keeps one copy of the result. Measured on the H200 the products beat elementwise
+products summed over K (the `use_dot=False` form) by 2x even when G = 1.
 
 Under tensor parallelism (`decode_attention(..., mesh=mesh)` with a "model" axis) the kernel runs per shard
 with `shard_map`: each device holds its heads' queries and cache, and its rows if "data" splits the batch.
@@ -43,7 +45,7 @@ class DecodeAttentionConfig:
     implementation: str = "auto"  # "auto" (the kernel on a GPU, XLA elsewhere), "pallas" or "xla"
     # Defaults: the best of the sweep in tools/bench_decode_attention.py --tune on the H200.
     block_s: int = 64  # cache slots per inner step; a power of two (smaller when S has fewer factors of 2)
-    use_dot: bool = True  # scores by tensor-core products (queries padded to 16 rows), else elementwise
+    use_dot: bool = True  # scores by tensor-core products (queries repeated to 16 rows), else elementwise
     num_warps: int = 2
     num_stages: int = 3
     # Chunks of the cache per (row, KV head), each its own program (flash-decoding); 0: auto (`splits`).
@@ -132,16 +134,20 @@ def xla_decode_attention(q, k, v, start, end, layer=0):
 
 def _kernel(layer_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *out_refs, block_s: int, chunk: int,
             use_dot: bool):
-    # layer_ref [1]; start_ref, end_ref [1] (this row's valid range); q_ref [G, K] (the queries of one KV head,
-    # padded to 16 rows for the dot path); k_ref, v_ref: the whole cache [L, B, Hkv, S, K]. This program reads
-    # the chunk of slots [j * chunk, (j + 1) * chunk). out_refs: o_ref [G, K] (one split: the output), or
-    # acc_ref [G, K], m_ref [G], l_ref [G] (the partial sums of this chunk, float32).
+    # layer_ref [1]; start_ref, end_ref [1] (this row's valid range); q_ref [G, K] (the queries of one KV head);
+    # k_ref, v_ref: the whole cache [L, B, Hkv, S, K]. This program reads the chunk of slots
+    # [j * chunk, (j + 1) * chunk). out_refs: o_ref [G, K] (one split: the output), or acc_ref [G, K],
+    # m_ref [G], l_ref [G] (the partial sums of this chunk, float32).
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     start = jnp.maximum(start_ref[0], j * chunk)  # start >= end: a chunk with no valid slot reads nothing
     end = jnp.minimum(end_ref[0], (j + 1) * chunk)
     G, K = q_ref.shape
+    copies = max(16 // G, 1) if use_dot else 1  # tensor-core products need 16 rows: rows r * G + g hold query g
     q = q_ref[...] if use_dot else q_ref[...].astype(jnp.float32)
+    if copies > 1:
+        q = jnp.broadcast_to(q[None], (copies, G, K)).reshape(copies * G, K)
+    G = copies * G
 
     def body(i, carry):
         m, l, acc = carry  # running max [G], normaliser [G], weighted sum of values [G, K]
@@ -168,6 +174,9 @@ def _kernel(layer_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *out_refs, block
     # first rescale exp(m - m_new) is 0, not NaN, and a chunk with no valid slot leaves m = -1e30, l = acc = 0.
     init = (jnp.full((G,), -1e30, jnp.float32), jnp.zeros((G,), jnp.float32), jnp.zeros((G, K), jnp.float32))
     m, l, acc = jax.lax.fori_loop(start // block_s, pl.cdiv(end, block_s), body, init)
+    if copies > 1:  # the copies are identical: the max picks one exactly
+        one = lambda x: jnp.max(x.reshape(copies, G // copies, *x.shape[1:]), axis=0)
+        m, l, acc = one(m), one(l), one(acc)
     if len(out_refs) == 1:
         out_refs[0][...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(out_refs[0].dtype)
     else:
@@ -194,11 +203,7 @@ def _pallas(q, k, v, layer, start, end, *, config):
     if block_s < 16:
         raise ValueError(f"cache length {S} must be a multiple of 16 for the kernel; allocate the cache rounded up")
     G = H // Hkv
-    use_dot = config.use_dot
     qg = q.reshape(B, Hkv, G, K)
-    Gp = max(G, 16) if use_dot else G  # tensor-core products need 16 rows
-    if Gp > G:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
     interpret = config.interpret if config.interpret is not None else jax.default_backend() != "gpu"
     params = None if interpret else pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
     cores = None if interpret else getattr(jax.devices()[0], "core_count", None)
@@ -207,18 +212,18 @@ def _pallas(q, k, v, layer, start, end, *, config):
     row = pl.BlockSpec((1,), lambda b, h, j: (b,))
     part = lambda *shape: pl.BlockSpec((None, None, None, *shape), lambda b, h, j: (b, h, j) + (0,) * len(shape))
     if splits == 1:
-        out_specs, out_shape = part(Gp, K), jax.ShapeDtypeStruct((B, Hkv, 1, Gp, K), q.dtype)
+        out_specs, out_shape = part(G, K), jax.ShapeDtypeStruct((B, Hkv, 1, G, K), q.dtype)
     else:  # the partial sums: acc, m, l
-        out_specs = [part(Gp, K), part(Gp), part(Gp)]
-        out_shape = [jax.ShapeDtypeStruct((B, Hkv, splits, *shape), jnp.float32) for shape in ((Gp, K), (Gp,), (Gp,))]
+        out_specs = [part(G, K), part(G), part(G)]
+        out_shape = [jax.ShapeDtypeStruct((B, Hkv, splits, *shape), jnp.float32) for shape in ((G, K), (G,), (G,))]
     out = pl.pallas_call(
-        functools.partial(_kernel, block_s=block_s, chunk=chunk, use_dot=use_dot),
+        functools.partial(_kernel, block_s=block_s, chunk=chunk, use_dot=config.use_dot),
         grid=(B, Hkv, splits),
         in_specs=[
             pl.BlockSpec((1,), lambda b, h, j: (0,)),
             row,
             row,
-            pl.BlockSpec((None, None, Gp, K), lambda b, h, j: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, G, K), lambda b, h, j: (b, h, 0, 0)),
             pl.no_block_spec,
             pl.no_block_spec,
         ],
@@ -229,10 +234,9 @@ def _pallas(q, k, v, layer, start, end, *, config):
         name="jaxrlhf_decode_attention",
     )(layer.reshape(1), start, end, qg, k, v)
     if splits == 1:
-        out = out[:, :, 0, :G]
+        out = out[:, :, 0]
     else:
-        acc, m, l = out
-        out = _combine(acc[..., :G, :], m[..., :G], l[..., :G]).astype(q.dtype)
+        out = _combine(*out).astype(q.dtype)
     return out.reshape(B, H, K)
 
 
