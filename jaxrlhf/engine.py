@@ -214,10 +214,11 @@ def _rows(tree, mesh):
 
 
 def _answer_logprobs(config, params, exp, key=None):
-    """[B, G]: log p of each answer token, from the logits one position earlier."""
+    """[B, G]: log p of each answer token, from the logits one position earlier (the LM head runs on the
+    G + 1 last positions only)."""
     G = exp["mask"].shape[1]
-    out = logits(config, params, exp["seq"], exp["seq_mask"], dropout_rng=key)
-    return losses.token_logprobs(out, exp["seq"])[:, -G:]
+    out = logits(config, params, exp["seq"], exp["seq_mask"], dropout_rng=key, last=G + 1)
+    return losses.token_logprobs(out, exp["seq"][:, -G - 1:])
 
 
 def _answer_values(config, params, exp, key=None):
@@ -235,20 +236,34 @@ def _fused(s: Static, actor):
 @functools.partial(jax.jit, static_argnums=0)
 def _score(s: Static, state, ref_own, reward_own, prompt_ids, prompt_mask, tokens, mask, gen_logprobs):
     """The experience of one batch (see HybridEngine.generate_experience), rows over all devices. `state` holds the
-    actor's and critic's weights only (their optimizer states may be in host memory)."""
+    actor's and critic's weights only (their optimizer states may be in host memory). Scored in the actor's
+    micro-batches (its gradient_accumulation_steps), one after the other, as the training steps run: the
+    activations (the LM head's [rows, G + 1, V] float32 logits above all) are one micro-batch's."""
     cfg = s.cfg
     exp = _rows({"seq": jnp.concatenate([prompt_ids, tokens], 1), "seq_mask": jnp.concatenate([prompt_mask, mask], 1),
                  "mask": mask}, s.mesh)
     actor, critic = state["actor"], state["critic"]
+    P = prompt_ids.shape[1]
+
+    def score(e):
+        m = e["mask"]
+        out = {}
+        if not cfg.old_logprobs_from_generation:
+            out["logprobs"] = _answer_logprobs(s.actor, effective_params(actor, cfg.actor.lora, fused=False), e) * m
+        out["ref_logprobs"] = _answer_logprobs(s.actor, with_shared(ref_own, actor), e) * m
+        out["values"] = _answer_values(s.critic, effective_params(critic, cfg.critic.lora, fused=False), e) * m
+        reward = values(s.critic, with_shared(reward_own, critic), e["seq"], e["seq_mask"])
+        last = P + jnp.sum(m, axis=1) - 1  # the answer's last real token (EOS if it ended)
+        out["scores"] = jnp.take_along_axis(reward, last[:, None], axis=1)[:, 0]
+        return out
+
+    if s.side("actor").optim.gradient_accumulation_steps > 1:
+        whole = lambda x: jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])  # _micro_batches' inverse
+        exp.update(jax.tree.map(whole, jax.lax.map(score, _micro_batches(s, "actor", exp))))
+    else:
+        exp.update(score(exp))
     if cfg.old_logprobs_from_generation:
         exp["logprobs"] = gen_logprobs * mask
-    else:
-        exp["logprobs"] = _answer_logprobs(s.actor, effective_params(actor, cfg.actor.lora, fused=False), exp) * mask
-    exp["ref_logprobs"] = _answer_logprobs(s.actor, with_shared(ref_own, actor), exp) * mask
-    exp["values"] = _answer_values(s.critic, effective_params(critic, cfg.critic.lora, fused=False), exp) * mask
-    reward = values(s.critic, with_shared(reward_own, critic), exp["seq"], exp["seq_mask"])
-    last = prompt_ids.shape[1] + jnp.sum(mask, axis=1) - 1  # the answer's last real token (EOS if it ended)
-    exp["scores"] = jnp.take_along_axis(reward, last[:, None], axis=1)[:, 0]
     return _rows(exp, s.mesh)
 
 

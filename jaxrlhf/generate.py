@@ -46,9 +46,10 @@ def _layers_key(params: dict):
 def _in_decode_layout(tree, config, mesh, layer: bool):
     """`tree` (one layer's parameters, or all but the layers) fused, cast and laid out for generation."""
     dtype = config.compute_dtype
-    tree = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, fuse_attached(tree))
-    if layer:
+    tree = fuse_attached(tree)
+    if layer:  # stacked (and the query scale folded in) before the cast: one rounding
         tree = decode_layer(config, tree)
+    tree = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
     if mesh is not None:
         wrapped = {"layers": (tree,)} if layer else tree  # per-layer paths read layers/0/... (sharding.logical_axes)
         specs = shardings_for(wrapped, "tp", mesh)

@@ -59,14 +59,16 @@ def _cast(tree, dtype):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), tree)
 
 
-def activations(config, rows: int, T: int, *, train: bool, remat: bool, value_head: bool, backend: str) -> int:
+def activations(config, rows: int, T: int, *, train: bool, remat: bool, value_head: bool, backend: str,
+                head_len: int | None = None) -> int:
     """Bytes per device of one forward (and backward with `train`) over `rows` sequences of T tokens.
 
     An estimate from the layer's tensors, per token of compute dtype c: a layer keeps for its backward its
     input, the two LayerNorm outputs, q, k, v, the attention output and the residual (7 D) and the FFN's
     hidden before and after the activation (2 F; Llama's gated MLP 3 F); with XLA's attention (the CPU, fp32,
     attention dropout) also the [H, T, T] scores and probabilities in fp32. Remat keeps only each layer's
-    input and recomputes one layer at a time. The head's fp32 output ([T, V] logits or [T] values) exists
+    input and recomputes one layer at a time. The head's fp32 output ([T, V] logits, [head_len, V] when the
+    LM head runs on the last head_len positions only, or [T] values) exists
     with its log-softmax and, training, their gradient; a forward alone holds a few [T, D] hidden states and
     either one layer's tensors or the head's. Calibrated against XLA's own figures on the CPU
     (tests/test_plan.py); the GPU figures are tools/bench_memory.py's.
@@ -78,10 +80,10 @@ def activations(config, rows: int, T: int, *, train: bool, remat: bool, value_he
     xla_scores = config.attention == "xla" or backend != "gpu" or c == 4 or (train and config.attention_dropout > 0)
     scores = H * T * T * 4 if xla_scores else 0  # one [H, T, T] fp32 array per sequence
     layer = T * (7 * D + gated * F) * c + 3.5 * scores  # one layer's saved tensors per sequence: scores, probs (2 dtypes)
-    head = T * (1 if value_head else config.vocab_size) * 4
-    if not train:  # one layer at a time, then the head; XLA's CPU backend computes bf16 in fp32
-        a = 4 if backend == "cpu" else c
-        return int(rows * (4 * T * D * a + max(T * (7 * D + gated * F) * a + 2 * scores, 2 * head)))
+    head = (T if value_head else head_len or T) * (1 if value_head else config.vocab_size) * 4
+    if not train:  # one layer at a time (fewer of its tensors live at once than a backward keeps), then the head;
+        a = 4 if backend == "cpu" else c  # XLA's CPU backend computes bf16 in fp32
+        return int(rows * (4 * T * D * a + max(T * (5 * D + (gated - 1) * F) * a + scores, 2 * head)))
     # remat: each layer's input and the recomputed layer's scores; the rest of that layer is `backward`'s
     kept = L * T * D * c + 2 * scores if remat else L * layer
     backward = T * (2 * D + gated * F) * c + 2 * scores  # one layer's gradients in flight
@@ -182,8 +184,11 @@ def plan(cfg, actor_config, critic_config, mesh, *, batch: int, prompt_len: int,
     switch = 0 if N == 1 else a["master"] * N // actor_config.num_hidden_layers
     # a training step runs one micro-batch at a time (gradient_accumulation_steps), summing into a second gradient tree
     micro = lambda n, side: -(-n // (N * side.optim.gradient_accumulation_steps))
-    act = lambda config, side, value_head, train, n=batch, length=T: activations(
-        config, micro(n, side) if train else rows, length, train=train, remat=side.remat, value_head=value_head, backend=backend)
+    # the actor's log-probs take the LM head on the answer's positions only (engine._answer_logprobs); scoring runs
+    # in the actor's micro-batches (engine._score)
+    act = lambda config, side, value_head, train, n=batch, length=T, head_len=G + 1: activations(
+        config, micro(n, side if train else cfg.actor), length, train=train, remat=side.remat, value_head=value_head,
+        backend=backend, head_len=head_len)
     grads = lambda x, side: x["gradients"] * (2 if side.optim.gradient_accumulation_steps > 1 else 1)
     items = {
         "actor weights": a["weights"], "actor optimizer": a["optimizer"],
@@ -198,7 +203,7 @@ def plan(cfg, actor_config, critic_config, mesh, *, batch: int, prompt_len: int,
         + max(gather_a, gather_c),
         "actor gradients": grads(a, cfg.actor), "actor fused LoRA": a["fused"],
         "actor step activations": act(actor_config, cfg.actor, False, True) + gather_a
-        + (unsup_rows and act(actor_config, cfg.actor, False, True, unsup_rows, unsup_len)),
+        + (unsup_rows and act(actor_config, cfg.actor, False, True, unsup_rows, unsup_len, unsup_len)),
         "critic gradients": grads(c, cfg.critic), "critic fused LoRA": c["fused"],
         "critic step activations": act(critic_config, cfg.critic, True, True) + gather_c,
         "experience": experiences * rows * T * 4 * 12,

@@ -172,16 +172,21 @@ def test_lora_shares_the_base_weights_ema_mixture_and_adaptive_kl(models, prompt
 
 
 def test_gradient_accumulation_gives_the_whole_batch_step(models, prompts):
-    """gradient_accumulation_steps splits the PPO steps; token-weighted sums make them the whole-batch step."""
+    """gradient_accumulation_steps splits the PPO steps (token-weighted sums make them the whole-batch step) and
+    the scoring (the same experience, micro-batch by micro-batch)."""
     batch, eos = prompts
     one = make_mesh(1, jax.devices()[:1])
-    runs = []
+    runs, exps = [], []
     for n in (1, 4):
         side = ModelSide(optim=OptimConfig(learning_rate=1e-2, warmup_steps=0, schedule="constant", eps=1e-4,
                                            gradient_accumulation_steps=n))
         e = engine(models, one, eos, actor=side, critic=side, enable_ema=False)
         exp = e.generate_experience(batch)
+        exps.append(host(exp))
         runs.append((e.train_rlhf(exp), host(e.state)))
+    for k in ("seq", "mask", "logprobs", "ref_logprobs", "values", "scores"):
+        np.testing.assert_allclose(exps[0][k], exps[1][k], rtol=1e-5, atol=1e-5, err_msg=k)  # fp32 sums in another order
+    assert np.abs(exps[0]["scores"]).max() > 0.1 and np.abs(exps[0]["ref_logprobs"]).max() > 0.1  # not all zeros
     (stats1, state1), (stats4, state4) = runs
     for k in stats1:
         np.testing.assert_allclose(stats1[k], stats4[k], rtol=1e-5, atol=1e-6, err_msg=k)

@@ -147,9 +147,9 @@ def test_the_decode_layout(model):
     assert isinstance(layers, tuple) and len(layers) == L
     qkv = np.asarray(layers[1]["self_attn"]["qkv_proj"]["kernel"])  # [D, H, 3K]
     stacked = params["decoder"]["layers"]["self_attn"]
-    for j, name in enumerate(("q_proj", "k_proj", "v_proj")):
-        want = np.asarray(stacked[name]["kernel"][1]).reshape(-1, H, K)
-        np.testing.assert_array_equal(qkv[:, :, j * K : (j + 1) * K], want)
+    for j, name in enumerate(("q_proj", "k_proj", "v_proj")):  # the query part carries the attention's scale
+        want = np.asarray(stacked[name]["kernel"][1]).reshape(-1, H, K) * (K**-0.5 if j == 0 else 1.0)
+        np.testing.assert_allclose(qkv[:, :, j * K : (j + 1) * K], want, rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(layers[-1]["fc1"]["kernel"]), np.asarray(params["decoder"]["layers"]["fc1"]["kernel"][-1]))
 
     lora_cfg = LoRAConfig(dim=4, module_name="decoder.layers.")

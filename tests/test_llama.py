@@ -66,6 +66,8 @@ def test_logits_match_transformers_fp32_left_padded(model):
     print(f"max |ours - HF| over real tokens: {diff:.2e} (logit scale {np.abs(ref[real]).max():.2f})")
     assert np.abs(ref[real]).max() > 1.0
     assert diff <= 1e-4
+    # the head on the last 5 positions only (the engine's answer log-probs) gives those positions' logits
+    np.testing.assert_allclose(np.asarray(logits(config, params, ids, mask, last=5)), ours[:, -5:], atol=1e-5)
 
 
 def test_round_trip_is_bit_identical_and_transformers_loads_it(model, tmp_path):

@@ -219,9 +219,10 @@ def carry_out(h, cache):
 # ------------------------------------------------------------------------------------ functional API
 
 
-def apply(model_cls, config, params, input_ids, attention_mask, *, value_head: bool, dropout_rng=None):
-    """Logits [B, T, V] (or values [B, T] with value_head) in float32; dropout only with `dropout_rng`."""
-    model = model_cls(config, value_head=value_head, deterministic=dropout_rng is None)
+def apply(model_cls, config, params, input_ids, attention_mask, *, value_head: bool, dropout_rng=None, last: int = 0):
+    """Logits [B, T, V] (or values [B, T] with value_head) in float32; dropout only with `dropout_rng`; `last` > 0:
+    the head runs on the last `last` positions only (logits [B, last, V])."""
+    model = model_cls(config, value_head=value_head, deterministic=dropout_rng is None, last=last)
     rngs = None if dropout_rng is None else {"dropout": dropout_rng}
     return model.apply({"params": params}, input_ids, attention_mask, rngs=rngs)
 
@@ -327,16 +328,23 @@ class Dense(nn.Module):
 
 
 def stacked_dense(module: nn.Module, name: str, h, dtype):
-    """h [B, T, D] times the decode layout's stacked kernel `name` [D, *out] (plus its bias [*out]): [B, T, *out]."""
+    """h [B, T, D] times the decode layout's stacked kernel `name` [D, *out] (plus its bias [*out]): [B, T, *out].
+    One product with a [D, prod(out)] kernel and a flat bias: cuBLAS adds a vector bias in the product's epilogue,
+    where a [*out] one took a broadcast kernel and a C-matrix read per layer and step."""
     p = module.get_variable("params", name)
-    y = jax.lax.dot_general(h.astype(dtype), p["kernel"].astype(dtype), (((h.ndim - 1,), (0,)), ((), ())))
-    return y + p["bias"].astype(dtype) if "bias" in p else y
+    out = p["kernel"].shape[1:]
+    y = jax.lax.dot_general(h.astype(dtype), p["kernel"].reshape(p["kernel"].shape[0], -1).astype(dtype),
+                            (((h.ndim - 1,), (0,)), ((), ())))
+    if "bias" in p:
+        y = y + p["bias"].reshape(-1).astype(dtype)
+    return y.reshape(*y.shape[:-1], *out)
 
 
 def project_qkv(module: nn.Module, h, heads: int, kv_heads: int, head_dim: int, use_bias: bool, dtype,
                 names=("q_proj", "k_proj", "v_proj")):
-    """q [B, T, H, K], k, v [B, T, Hkv, K] of h [B, T, D]: three Linear layers, or in the decode layout one
-    product with "qkv_proj" [D, Hkv, (G + 2) K] (per KV head: its G query heads, its key, its value)."""
+    """q [B, T, H, K] (times the attention's scale K^-1/2), k, v [B, T, Hkv, K] of h [B, T, D]: three Linear
+    layers, or in the decode layout one product with "qkv_proj" [D, Hkv, (G + 2) K] (per KV head: its G query
+    heads, its key, its value), whose query part carries the scale (stack_qkv: no multiply per step)."""
     B, T, _ = h.shape
     H, Hkv, K = heads, kv_heads, head_dim
     if module.has_variable("params", "qkv_proj"):
@@ -344,15 +352,18 @@ def project_qkv(module: nn.Module, h, heads: int, kv_heads: int, head_dim: int, 
         y = stacked_dense(module, "qkv_proj", h, dtype)  # [B, T, Hkv, (G + 2) K]
         return y[..., : G * K].reshape(B, T, H, K), y[..., G * K : (G + 1) * K], y[..., (G + 1) * K :]
     dense = lambda n, name: Dense(n, use_bias=use_bias, dtype=dtype, name=name)
-    return (dense(H * K, names[0])(h).reshape(B, T, H, K), dense(Hkv * K, names[1])(h).reshape(B, T, Hkv, K),
+    return (dense(H * K, names[0])(h).reshape(B, T, H, K) * K**-0.5, dense(Hkv * K, names[1])(h).reshape(B, T, Hkv, K),
             dense(Hkv * K, names[2])(h).reshape(B, T, Hkv, K))
 
 
 def stack_qkv(attn: dict, kv_heads: int, names=("q_proj", "k_proj", "v_proj")) -> dict:
     """One layer's attention parameters in the decode layout: the q/k/v kernels [D, n K] (biases [n K]) as
     "qkv_proj" [D, Hkv, (G + 2) K] ([Hkv, (G + 2) K]): query head h = j G + g sits with KV head j, so tensor
-    parallelism splits the stacked kernel by KV heads as it splits the three."""
+    parallelism splits the stacked kernel by KV heads as it splits the three. The query part is multiplied by
+    the attention's scale K^-1/2 (rotary embeddings are linear, so scaling before them is the same)."""
     parts = [attn[n] for n in names]
+    K = parts[1]["kernel"].shape[-1] // kv_heads
+    parts[0] = jax.tree.map(lambda x: x * K**-0.5, parts[0])
     per_head = lambda x: x.reshape(*x.shape[:-1], kv_heads, -1)
     fused = {leaf: jnp.concatenate([per_head(p[leaf]) for p in parts], axis=-1) for leaf in parts[0]}
     return {**{n: x for n, x in attn.items() if n not in names}, "qkv_proj": fused}

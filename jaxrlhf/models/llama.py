@@ -137,7 +137,7 @@ class LlamaAttention(nn.Module):
         B, T, D = h.shape
         H, Hkv, K = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         q, k, v = common.project_qkv(self, h, H, Hkv, K, c.attention_bias, c.compute_dtype)
-        q = apply_rope(q, *rope, c.rope_interleaved) * (K**-0.5)
+        q = apply_rope(q, *rope, c.rope_interleaved)  # project_qkv scaled q: the rotation is linear
         k = apply_rope(k, *rope, c.rope_interleaved)
         out, cache = common.attention(q, k, v, cache, c, self.deterministic)  # [B, T, H, K]
         o_proj = common.Dense(D, use_bias=c.attention_bias, dtype=c.compute_dtype, name="o_proj")
@@ -217,6 +217,7 @@ class Llama(nn.Module):
     config: LlamaConfig
     value_head: bool = False
     deterministic: bool = True
+    last: int = 0  # > 0: the head runs on the last `last` positions only
 
     @nn.compact
     def __call__(self, input_ids, attention_mask, cache=None, positions=None):
@@ -225,6 +226,8 @@ class Llama(nn.Module):
         h = model(input_ids, attention_mask, cache, positions)
         if cache is not None:
             h, cache = h
+        if self.last:
+            h = h[:, -self.last:]
         head = None if c.tie_word_embeddings else LMHead(c.vocab_size, name="lm_head")
         if self.value_head:
             out = common.value_head(h, c.compute_dtype)
@@ -237,9 +240,11 @@ class Llama(nn.Module):
         return out if cache is None else (out, cache)
 
 
-def logits(config: LlamaConfig, params: Any, input_ids, attention_mask, *, dropout_rng=None):
-    """Next-token logits [B, T, V] in float32. Dropout runs only when `dropout_rng` is given."""
-    return common.apply(Llama, config, params, input_ids, attention_mask, value_head=False, dropout_rng=dropout_rng)
+def logits(config: LlamaConfig, params: Any, input_ids, attention_mask, *, dropout_rng=None, last: int = 0):
+    """Next-token logits [B, T, V] in float32 (of the last `last` positions if > 0). Dropout runs only when
+    `dropout_rng` is given."""
+    return common.apply(Llama, config, params, input_ids, attention_mask, value_head=False, dropout_rng=dropout_rng,
+                        last=last)
 
 
 def values(config: LlamaConfig, params: Any, input_ids, attention_mask, *, dropout_rng=None):

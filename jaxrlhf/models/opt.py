@@ -120,8 +120,7 @@ class OPTAttention(nn.Module):
         c = self.config
         B, T, D = h.shape
         H, K = c.num_attention_heads, c.head_dim
-        q, k, v = common.project_qkv(self, h, H, H, K, c.enable_bias, c.compute_dtype)
-        q = q * (K**-0.5)  # OPT scales q after its bias
+        q, k, v = common.project_qkv(self, h, H, H, K, c.enable_bias, c.compute_dtype)  # q scaled after its bias, as OPT does
         out, cache = common.attention(q, k, v, cache, c, self.deterministic)
         out_proj = common.Dense(D, use_bias=c.enable_bias, dtype=c.compute_dtype, name="out_proj")
         return out_proj(out.reshape(B, T, D)), cache
@@ -222,6 +221,7 @@ class OPT(nn.Module):
     config: OPTConfig
     value_head: bool = False
     deterministic: bool = True
+    last: int = 0  # > 0: the head runs on the last `last` positions only
 
     @nn.compact
     def __call__(self, input_ids, attention_mask, cache=None, positions=None):
@@ -229,6 +229,8 @@ class OPT(nn.Module):
         h = decoder(input_ids, attention_mask, cache, positions)  # [B, T, E] (and the cache)
         if cache is not None:
             h, cache = h
+        if self.last:
+            h = h[:, -self.last:]
         if self.value_head:
             out = common.value_head(h, self.config.compute_dtype)
         else:  # the tied LM head: the embedding [V, E]
@@ -236,9 +238,11 @@ class OPT(nn.Module):
         return out if cache is None else (out, cache)
 
 
-def logits(config: OPTConfig, params: Any, input_ids, attention_mask, *, dropout_rng=None):
-    """Next-token logits [B, T, V] in float32. Dropout runs only when `dropout_rng` is given."""
-    return common.apply(OPT, config, params, input_ids, attention_mask, value_head=False, dropout_rng=dropout_rng)
+def logits(config: OPTConfig, params: Any, input_ids, attention_mask, *, dropout_rng=None, last: int = 0):
+    """Next-token logits [B, T, V] in float32 (of the last `last` positions if > 0). Dropout runs only when
+    `dropout_rng` is given."""
+    return common.apply(OPT, config, params, input_ids, attention_mask, value_head=False, dropout_rng=dropout_rng,
+                        last=last)
 
 
 def values(config: OPTConfig, params: Any, input_ids, attention_mask, *, dropout_rng=None):
