@@ -60,10 +60,10 @@ def time_call(config, q, k, v, start, end, calls=None) -> float:
     return common.timeit(lambda: loop(q, k, v, start, end), repeats=5, warmup=1)["median_s"] / calls
 
 
-def auto_splits(config, B, Hkv, S) -> int:
+def auto_splits(config, B, Hkv, S, K) -> int:
     """The number of splits the kernel runs with (what num_splits=0 resolves to at this shape)."""
     cores = getattr(jax.devices()[0], "core_count", None) if jax.default_backend() == "gpu" else None
-    return config.splits(B * Hkv, S, cores)
+    return config.splits(B * Hkv, S, cores, K)
 
 
 def tune(bandwidth, result):
@@ -141,7 +141,7 @@ def main():
                                 f"xla {1e6 * t_x:7.1f} us" + (f" ({ratio(t_x, need):.2f}x roofline)" if gpu else "")]
                         for n in args.splits:
                             cfg = dataclasses.replace(kernel, num_splits=n)
-                            used = auto_splits(cfg, B, Hkv, S)
+                            used = auto_splits(cfg, B, Hkv, S, K)
                             err = float(jnp.max(jnp.abs(decode_attention(*x, config=cfg).astype(jnp.float32) - ref)))
                             t_k = time_call(cfg, *x)
                             run["kernel"].append({"num_splits": n, "splits_used": used, "us": 1e6 * t_k,
