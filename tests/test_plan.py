@@ -149,3 +149,28 @@ def test_offload_beyond_the_pinned_host_pool_is_refused_with_the_variable_to_set
     monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(math.ceil(p.host / 1e9 * 1.1)))
     assert memory_plan.check(cfg, mesh, backend="gpu").host == p.host
     assert memory_plan.check(cfg, mesh, backend="cpu").host == p.host  # no pinned pool on the CPU
+
+
+def test_the_eight_gpu_configurations_of_the_node_benchmark():
+    """The plans behind README's eight-GPU commands, on an abstract 8-device mesh (nothing allocated): OPT-13B
+    full fine-tuning at batch 512 with tp 2 and OPT-66B with LoRA at batch 128 with tp 8 fit JAX's default pool
+    on an H200 (104.9 GiB); OPT-13B does not fit one. The KV cache and the weights by hand."""
+    from jaxrlhf import ppo
+    from jaxrlhf.models import param_shapes, preset
+
+    def plan(devices, tp, *extra):
+        cfg = load(ppo.PPOConfig, None, ["critic.model=random:opt-350m", "precision=pure_bf16", "data.max_prompt_len=256",
+                                         "max_answer_len=256", "device_memory_gib=104.9", *extra])
+        return memory_plan.ppo_plan(cfg, memory_plan.abstract_mesh(devices, tp), backend="gpu")
+
+    steps = ["actor.optim.gradient_accumulation_steps=8", "critic.optim.gradient_accumulation_steps=8"]
+    p = plan(8, 2, "actor.model=random:opt-13b", "batch_size=512", "inference_tp_size=2", *steps)
+    assert p.fits, p.table()
+    # 40 layers x 128 rows per data group x 20 of 40 heads x 512 slots x 128 x (K, V) x 2 bytes
+    assert p.items["KV cache"] == 40 * 128 * 20 * 512 * 128 * 2 * 2
+    n = sum(x.size for x in jax.tree.leaves(param_shapes(preset("opt-13b"))))
+    assert abs(p.items["actor weights"] - 2 * n / 8) < 2 * n / 8 * 0.01  # bf16, split over 8 (up to rounding)
+    assert 50 * 2**30 < p.peak < 70 * 2**30
+    assert plan(8, 8, "actor.model=random:opt-66b", "batch_size=128", "inference_tp_size=8", "actor.lora.dim=128",
+                "actor.lora.only_optimize_lora=true", *steps).fits
+    assert not plan(1, 1, "actor.model=random:opt-13b", "batch_size=64", "inference_tp_size=1", *steps).fits
