@@ -112,7 +112,7 @@ def test_bad_shapes_and_knobs():
     q, k, v, start, end = inputs(1, 1, 3, 2, 32, 64, jnp.float32, seed=0)
     with pytest.raises(ValueError, match="multiple of KV heads"):
         decode_attention(q, k, v, start, end, config=KERNEL)
-    with pytest.raises(ValueError, match="block_s: expected 0 \(auto\) or a power of two"):
+    with pytest.raises(ValueError, match=r"block_s: expected 0 \(auto\) or a power of two"):
         DecodeAttentionConfig(block_s=48)
     assert DecodeAttentionConfig().slots_per_block(64, 2048) == 64  # auto: 4096 / head dim
     assert DecodeAttentionConfig().slots_per_block(128, 512) == 32
