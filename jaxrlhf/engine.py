@@ -258,8 +258,7 @@ def _score(s: Static, state, ref_own, reward_own, prompt_ids, prompt_mask, token
         return out
 
     if s.side("actor").optim.gradient_accumulation_steps > 1:
-        whole = lambda x: jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])  # _micro_batches' inverse
-        exp.update(jax.tree.map(whole, jax.lax.map(score, _micro_batches(s, "actor", exp))))
+        exp.update(_whole_batch(jax.lax.map(score, _micro_batches(s, "actor", exp))))
     else:
         exp.update(score(exp))
     if cfg.old_logprobs_from_generation:
@@ -295,6 +294,11 @@ def _micro_batches(s: Static, name: str, exp):
     check_accumulation(s.cfg, exp["mask"].shape[0], s.mesh.size)
     split = lambda x: jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
     return jax.lax.with_sharding_constraint(jax.tree.map(split, exp), NamedSharding(s.mesh, P(None, AXES)))
+
+
+def _whole_batch(parts):
+    """_micro_batches' inverse: every leaf [n, B / n, ...] back to [B, ...] in the original row order."""
+    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:]), parts)
 
 
 def _one_step(s: Static, name: str, loss_fn, state, exp):

@@ -80,7 +80,7 @@ def activations(config, rows: int, T: int, *, train: bool, remat: bool, value_he
     xla_scores = config.attention == "xla" or backend != "gpu" or c == 4 or (train and config.attention_dropout > 0)
     scores = H * T * T * 4 if xla_scores else 0  # one [H, T, T] fp32 array per sequence
     layer = T * (7 * D + gated * F) * c + 3.5 * scores  # one layer's saved tensors per sequence: scores, probs (2 dtypes)
-    head = (T if value_head else head_len or T) * (1 if value_head else config.vocab_size) * 4
+    head = T * 4 if value_head else (head_len or T) * config.vocab_size * 4
     if not train:  # one layer at a time (fewer of its tensors live at once than a backward keeps), then the head;
         a = 4 if backend == "cpu" else c  # XLA's CPU backend computes bf16 in fp32
         return int(rows * (4 * T * D * a + max(T * (5 * D + (gated - 1) * F) * a + scores, 2 * head)))

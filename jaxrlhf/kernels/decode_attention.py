@@ -151,18 +151,18 @@ def _kernel(layer_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *out_refs, block
     end = jnp.minimum(end_ref[0], (j + 1) * chunk)
     G, K = q_ref.shape
     copies = max(16 // G, 1) if use_dot else 1  # tensor-core products need 16 rows: rows r * G + g hold query g
+    rows = copies * G
     q = q_ref[...] if use_dot else q_ref[...].astype(jnp.float32)
     if copies > 1:
-        q = jnp.broadcast_to(q[None], (copies, G, K)).reshape(copies * G, K)
-    G = copies * G
+        q = jnp.broadcast_to(q[None], (copies, G, K)).reshape(rows, K)
 
     def body(i, carry):
-        m, l, acc = carry  # running max [G], normaliser [G], weighted sum of values [G, K]
+        m, l, acc = carry  # running max [rows], normaliser [rows], weighted sum of values [rows, K]
         s0 = pl.multiple_of(i * block_s, block_s)
         kb = k_ref[layer, b, h, pl.ds(s0, block_s), :]  # [block_s, K]
         vb = v_ref[layer, b, h, pl.ds(s0, block_s), :]
         if use_dot:
-            scores = jnp.dot(q, kb.T, preferred_element_type=jnp.float32)  # [G, block_s]
+            scores = jnp.dot(q, kb.T, preferred_element_type=jnp.float32)  # [rows, block_s]
         else:
             scores = jnp.sum(q[:, None, :] * kb.astype(jnp.float32)[None, :, :], axis=-1)
         pos = s0 + jax.lax.broadcasted_iota(jnp.int32, (1, block_s), 1)
@@ -179,10 +179,10 @@ def _kernel(layer_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *out_refs, block
 
     # Only the blocks that hold valid slots are read. The running max starts at -1e30, our finite -inf: the
     # first rescale exp(m - m_new) is 0, not NaN, and a chunk with no valid slot leaves m = -1e30, l = acc = 0.
-    init = (jnp.full((G,), -1e30, jnp.float32), jnp.zeros((G,), jnp.float32), jnp.zeros((G, K), jnp.float32))
+    init = (jnp.full((rows,), -1e30, jnp.float32), jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, K), jnp.float32))
     m, l, acc = jax.lax.fori_loop(start // block_s, pl.cdiv(end, block_s), body, init)
     if copies > 1:  # the copies are identical: the max picks one exactly
-        one = lambda x: jnp.max(x.reshape(copies, G // copies, *x.shape[1:]), axis=0)
+        one = lambda x: jnp.max(x.reshape(copies, G, *x.shape[1:]), axis=0)
         m, l, acc = one(m), one(l), one(acc)
     if len(out_refs) == 1:
         out_refs[0][...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(out_refs[0].dtype)
