@@ -144,7 +144,7 @@ def _generate(config, params, input_ids, attention_mask, key, *, max_new_tokens,
         cache = {**cache, "k": jax.lax.with_sharding_constraint(cache["k"], cache_spec),
                  "v": jax.lax.with_sharding_constraint(cache["v"], cache_spec)}
     positions = jnp.maximum(positions_from_mask(attention_mask), 0)
-    logits, cache = logits_with_cache(config, params, input_ids, positions, cache)
+    logits, cache = logits_with_cache(config, params, input_ids, positions, cache, last=1)  # the LM head on the last only
     next_pos = jnp.sum(attention_mask, axis=1).astype(jnp.int32)  # [B]: the first answer token's position
     stop = eos_id is not None and not force_length
 

@@ -176,7 +176,7 @@ def plan(cfg, actor_config, critic_config, mesh, *, batch: int, prompt_len: int,
     c = _model(critic_config, cfg.critic, cfg.precision, mesh, value_head=True)
     rows, gen_rows = -(-batch // N), -(-batch // (N // tp))
     cache = init_cache_bytes(actor_config, gen_rows, T, tp)
-    head = gen_rows * prompt_len * -(-actor_config.vocab_size // tp) * 4  # the prefill's fp32 logits
+    head = gen_rows * -(-actor_config.vocab_size // tp) * 4  # the prefill's fp32 logits (the last position only)
     # FSDP gathers each layer's weights as the scan reaches it: two layers in flight (none on one device)
     gather_a = 0 if N == 1 else 2 * a["master"] // actor_config.num_hidden_layers
     gather_c = 0 if N == 1 else 2 * c["master"] // critic_config.num_hidden_layers

@@ -44,9 +44,10 @@ def init_cache(config, valid, dtype=None, multiple: int = 64) -> dict:
     return family(config).init_cache(config, valid, dtype, multiple)
 
 
-def logits_with_cache(config, params, input_ids, positions, cache):
-    """Logits [B, T, V] of T new tokens written into the cache at cache["slot"], and the updated cache."""
-    return family(config).logits_with_cache(config, params, input_ids, positions, cache)
+def logits_with_cache(config, params, input_ids, positions, cache, last: int = 0):
+    """Logits [B, T, V] of T new tokens written into the cache at cache["slot"] (of the last `last` positions
+    if > 0), and the updated cache."""
+    return family(config).logits_with_cache(config, params, input_ids, positions, cache, last)
 
 
 def decode_layer(config, layer: dict) -> dict:

@@ -75,17 +75,21 @@ def dropout_attention(q, k, v, dropout: nn.Dropout):
     return jnp.einsum("bhgqs,bshk->bqhgk", probs.astype(v.dtype), v).reshape(B, T, H, K)
 
 
-def cached_attention(q, k, v, cache, decode: str = "auto"):
+def cached_attention(q, k, v, cache, decode: str = "auto", prefill: str = "auto"):
     """Attention over a KV cache, writing this call's keys and values into it first (generation).
 
     q [B, T, H, K], k, v [B, T, Hkv, K] for T new tokens (the prompt at prefill, 1 when decoding); cache:
     "k", "v" [L, B, Hkv, S, K] (each row's and head's slots contiguous, as the decode kernel streams them),
     "layer" (this layer's index), "slot" (where the T tokens go: slots slot .. slot+T-1, the same for every
-    row), "valid" [B, S] (False at left padding), "start" [B] (each row's first valid slot). The write is
-    one dynamic_update_slice into the cache carried through the loops, so XLA updates it in place. Query t
-    attends valid slots <= slot + t. A decode step (T = 1) runs the decode-attention kernel (`decode`: see
-    kernels.decode_attention; grouped-query heads included), which reads only the slots start .. slot of
-    the layer, straight from the whole cache; the prefill runs plain XLA over the whole cache.
+    row), "start" [B] (each row's first valid slot: the slots before it are left padding). The write is one
+    dynamic_update_slice into the cache carried through the loops, so XLA updates it in place.
+
+    A decode step (T = 1) runs the decode-attention kernel (`decode`: see kernels.decode_attention;
+    grouped-query heads included), which reads only the slots start .. slot of the layer, straight from the
+    whole cache. The prefill (T > 1) fills an empty cache (slot 0) with left-padded prompts: each row rolled
+    by its padding so that its real tokens come first is plain causal attention over the T tokens
+    (`causal_attention` with `prefill`: cuDNN's flash attention on a GPU, never a [B, H, T, S] score tensor;
+    the padding, rolled to the end, computes outputs nobody reads), rolled back after.
     Returns (out [B, T, H, K], cache with k and v updated).
     """
     layer, slot = cache["layer"], cache["slot"]
@@ -94,28 +98,24 @@ def cached_attention(q, k, v, cache, decode: str = "auto"):
     ck, cv = write(cache["k"], k), write(cache["v"], v)
     cache = {**cache, "k": ck, "v": cv}
     B, T, H, K = q.shape
-    Hkv, S = ck.shape[2], ck.shape[3]
     if T == 1:
         mesh = jax.sharding.get_abstract_mesh()  # generate() sets the generation mesh around its program
         mesh = None if mesh.empty or "model" not in mesh.axis_names else mesh
         config = DecodeAttentionConfig(implementation=decode)
         out = decode_attention(q[:, 0], ck, cv, cache["start"], slot + 1, layer, config=config, mesh=mesh)
         return out[:, None], cache
-    kl = jax.lax.dynamic_index_in_dim(ck, layer, 0, keepdims=False).astype(q.dtype)  # [B, Hkv, S, K]
-    vl = jax.lax.dynamic_index_in_dim(cv, layer, 0, keepdims=False).astype(v.dtype)
-    qg = q.reshape(B, T, Hkv, H // Hkv, K)
-    visible = jnp.arange(S)[None, :] <= slot + jnp.arange(T)[:, None]  # [T, S]
-    allowed = cache["valid"][:, None, None, None, :] & visible[None, None, None]  # [B, 1, 1, T, S]
-    scores = jnp.einsum("bthgk,bhsk->bhgts", qg, kl, preferred_element_type=jnp.float32)
-    probs = jax.nn.softmax(jnp.where(allowed, scores, -1e9), axis=-1)  # finite: a fully masked row stays NaN-free
-    out = jnp.einsum("bhgts,bhsk->bthgk", probs.astype(vl.dtype), vl)
-    return out.reshape(B, T, H, K), cache
+    t = jnp.arange(T)[None, :]
+    roll = lambda x, by: jnp.take_along_axis(x, ((t + by[:, None]) % T)[:, :, None, None], axis=1)
+    # k and v as the decode steps will read them back (the cache's dtype)
+    k, v = (x.astype(ck.dtype).astype(q.dtype) for x in (k, v))
+    out = causal_attention(*(roll(x, cache["start"]) for x in (q, k, v)), prefill)
+    return roll(out, -cache["start"]), cache
 
 
 def attention(q, k, v, cache, config, deterministic: bool):
     """The attention a layer runs: cached (generation), plain causal, or with dropout (training). Returns (out, cache)."""
     if cache is not None:
-        return cached_attention(q, k, v, cache, config.decode_attention)
+        return cached_attention(q, k, v, cache, config.decode_attention, config.attention)
     if deterministic or config.attention_dropout == 0.0:
         return causal_attention(q, k, v, config.attention), None
     return dropout_attention(q, k, v, nn.Dropout(config.attention_dropout, deterministic=False)), None
@@ -178,11 +178,11 @@ def run_layers(parent: nn.Module, layer_cls, config, deterministic: bool, h, cac
 
     The layer's call is `(carry, layer_index, where) -> (carry, None)` with carry (h [B, T, D], kv) where
     kv is None or {"k", "v"} [L, B, Hkv, S, K] (carried, updated in place), and `where` what all layers
-    share: the cache fields ("valid", "slot", "start") when generating, plus `shared` (e.g. Llama's
+    share: the cache fields ("slot", "start") when generating, plus `shared` (e.g. Llama's
     rotary tables). Returns (h, cache with the new k and v, or None).
     """
     kv = None if cache is None else {"k": cache["k"], "v": cache["v"]}
-    where = {} if cache is None else {n: cache[n] for n in ("valid", "slot", "start")}
+    where = {} if cache is None else {n: cache[n] for n in ("slot", "start")}
     where.update(shared or {})
     per_layer = parent.variables.get("params", {}).get(name)
     if isinstance(per_layer, (tuple, list)):  # each layer its own arrays: no slice of a stacked [L, ...] leaf
@@ -227,25 +227,27 @@ def apply(model_cls, config, params, input_ids, attention_mask, *, value_head: b
     return model.apply({"params": params}, input_ids, attention_mask, rngs=rngs)
 
 
-def apply_with_cache(model_cls, config, params, input_ids, positions, cache):
-    """Logits [B, T, V] of T new tokens at cache["slot"] .. + T - 1, and the cache holding their K/V."""
-    out, cache = model_cls(config).apply({"params": params}, input_ids, None, cache, positions)
+def apply_with_cache(model_cls, config, params, input_ids, positions, cache, last: int = 0):
+    """Logits [B, T, V] (or [B, last, V]: see `apply`) of T new tokens at cache["slot"] .. + T - 1, and the cache
+    holding their K/V."""
+    out, cache = model_cls(config, last=last).apply({"params": params}, input_ids, None, cache, positions)
     return out, {**cache, "slot": cache["slot"] + input_ids.shape[1]}
 
 
 def init_cache(config, valid, dtype=None, multiple: int = 64) -> dict:
-    """An empty KV cache for generation: "k", "v" [L, B, Hkv, S, K] zeros, "valid" [B, S] (which slots hold
-    real tokens: False at left padding), "start" [B] (each row's first valid slot), "slot" 0.
+    """An empty KV cache for generation: "k", "v" [L, B, Hkv, S, K] zeros, "start" [B] (each row's first valid
+    slot), "slot" 0. `valid` [B, S] says which slots will hold real tokens: each row False (left padding),
+    then True.
 
     S is valid.shape[1] (prompt + answer length) rounded up to `multiple` (the decode kernel reads the
-    cache in blocks); the extra slots are never valid.
+    cache in blocks); the extra slots are never read.
     """
     B, S = valid.shape
     valid = jnp.pad(valid.astype(bool), ((0, 0), (0, -S % multiple)))
     shape = (config.num_hidden_layers, B, config.num_key_value_heads, valid.shape[1], config.head_dim)
     zeros = jnp.zeros(shape, dtype or config.compute_dtype)
     start = jnp.argmax(valid, axis=1).astype(jnp.int32)
-    return {"k": zeros, "v": zeros, "valid": valid, "start": start, "slot": jnp.zeros((), jnp.int32)}
+    return {"k": zeros, "v": zeros, "start": start, "slot": jnp.zeros((), jnp.int32)}
 
 
 def param_shapes(model_cls, config, *, value_head: bool = False):

@@ -190,7 +190,7 @@ class LlamaModel(nn.Module):
     @nn.compact
     def __call__(self, input_ids, attention_mask, cache=None, positions=None):
         # Without a cache: any padding (positions come from the mask). With one (generation): `positions`
-        # [B, T] are given and attention_mask is unused (cache["valid"] says which slots are real).
+        # [B, T] are given and attention_mask is unused (cache["start"] says where each row's real tokens begin).
         c = self.config
         input_ids, positions, order = common.layout_inputs(input_ids, attention_mask, positions, cache)
         h = nn.Embed(c.vocab_size, c.hidden_size, name="embed_tokens")(input_ids).astype(c.compute_dtype)
@@ -255,9 +255,10 @@ def values(config: LlamaConfig, params: Any, input_ids, attention_mask, *, dropo
 init_cache = common.init_cache  # [L, B, Hkv, S, K] zeros and the slot bookkeeping; see common.init_cache
 
 
-def logits_with_cache(config: LlamaConfig, params: Any, input_ids, positions, cache):
-    """Logits [B, T, V] of T new tokens at cache["slot"] .. + T - 1 (rotary `positions` [B, T]), and the cache."""
-    return common.apply_with_cache(Llama, config, params, input_ids, positions, cache)
+def logits_with_cache(config: LlamaConfig, params: Any, input_ids, positions, cache, last: int = 0):
+    """Logits [B, T, V] of T new tokens at cache["slot"] .. + T - 1 (rotary `positions` [B, T]; `last`: see
+    common.apply), and the cache."""
+    return common.apply_with_cache(Llama, config, params, input_ids, positions, cache, last)
 
 
 def decode_layer(config: LlamaConfig, layer: dict) -> dict:

@@ -155,7 +155,7 @@ class OPTLayer(nn.Module):
     @nn.compact
     def __call__(self, carry, layer, where):
         # carry: (h [B, T, D], kv) with kv None, or {"k", "v"} caches [L, B, H, S, K] when generating;
-        # layer: this layer's index (scanned); where: None, or "valid", "slot", "start" (see
+        # layer: this layer's index (scanned); where: None, or "slot", "start" (see
         # cached_attention; broadcast to all layers).
         h, kv = carry
         cache = common.layer_cache(kv, where, layer)
@@ -193,7 +193,7 @@ class OPTDecoder(nn.Module):
     @nn.compact
     def __call__(self, input_ids, attention_mask, cache=None, positions=None):
         # Without a cache: any padding; returns h. With one (generation): `positions` [B, T] are given,
-        # attention_mask is unused (cache["valid"] says which slots are real); returns (h, cache).
+        # attention_mask is unused (cache["start"] says where each row's real tokens begin); returns (h, cache).
         c = self.config
         input_ids, positions, order = common.layout_inputs(input_ids, attention_mask, positions, cache)
         positions = positions + POSITION_OFFSET
@@ -253,11 +253,12 @@ def values(config: OPTConfig, params: Any, input_ids, attention_mask, *, dropout
 init_cache = common.init_cache  # [L, B, H, S, K] zeros and the slot bookkeeping; see common.init_cache
 
 
-def logits_with_cache(config: OPTConfig, params: Any, input_ids, positions, cache):
-    """Logits [B, T, V] of T new tokens at cache["slot"] .. + T - 1, and the cache holding their K/V.
+def logits_with_cache(config: OPTConfig, params: Any, input_ids, positions, cache, last: int = 0):
+    """Logits [B, T, V] of T new tokens at cache["slot"] .. + T - 1 (`last`: see common.apply), and the cache
+    holding their K/V.
 
     `positions` [B, T] are OPT position ids without the offset (0 for a row's first real token)."""
-    return common.apply_with_cache(OPT, config, params, input_ids, positions, cache)
+    return common.apply_with_cache(OPT, config, params, input_ids, positions, cache, last)
 
 
 def decode_layer(config: OPTConfig, layer: dict) -> dict:
