@@ -89,7 +89,8 @@ def cached_attention(q, k, v, cache, decode: str = "auto", prefill: str = "auto"
     whole cache. The prefill (T > 1) fills an empty cache (slot 0) with left-padded prompts: each row rolled
     by its padding so that its real tokens come first is plain causal attention over the T tokens
     (`causal_attention` with `prefill`: cuDNN's flash attention on a GPU, never a [B, H, T, S] score tensor;
-    the padding, rolled to the end, computes outputs nobody reads), rolled back after.
+    the padding, rolled to the end, computes outputs nobody reads), rolled back after; under tensor parallelism
+    per shard (`shard_map`), like the decode kernel.
     Returns (out [B, T, H, K], cache with k and v updated).
     """
     layer, slot = cache["layer"], cache["slot"]
@@ -98,9 +99,9 @@ def cached_attention(q, k, v, cache, decode: str = "auto", prefill: str = "auto"
     ck, cv = write(cache["k"], k), write(cache["v"], v)
     cache = {**cache, "k": ck, "v": cv}
     B, T, H, K = q.shape
+    mesh = jax.sharding.get_abstract_mesh()  # generate() sets the generation mesh around its program
+    mesh = None if mesh.empty or "model" not in mesh.axis_names else mesh
     if T == 1:
-        mesh = jax.sharding.get_abstract_mesh()  # generate() sets the generation mesh around its program
-        mesh = None if mesh.empty or "model" not in mesh.axis_names else mesh
         config = DecodeAttentionConfig(implementation=decode)
         out = decode_attention(q[:, 0], ck, cv, cache["start"], slot + 1, layer, config=config, mesh=mesh)
         return out[:, None], cache
@@ -108,7 +109,11 @@ def cached_attention(q, k, v, cache, decode: str = "auto", prefill: str = "auto"
     roll = lambda x, by: jnp.take_along_axis(x, ((t + by[:, None]) % T)[:, :, None, None], axis=1)
     # k and v as the decode steps will read them back (the cache's dtype)
     k, v = (x.astype(ck.dtype).astype(q.dtype) for x in (k, v))
-    out = roll(causal_attention(*(roll(x, cache["start"]) for x in (q, k, v)), prefill), -cache["start"])
+    attend = lambda q, k, v: causal_attention(q, k, v, prefill)
+    if mesh is not None and mesh.size > 1:  # per shard, as the decode kernel: each device its heads (and rows)
+        spec = jax.sharding.PartitionSpec("data" if B % mesh.shape["data"] == 0 else None, None, "model", None)
+        attend = jax.shard_map(attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+    out = roll(attend(*(roll(x, cache["start"]) for x in (q, k, v))), -cache["start"])
     # The next layer waits for this layer's cache write: nothing else reads it here, and XLA deferred all the writes
     # to the end of the prefill, holding every layer's K/V meanwhile (OPT-1.3B at batch 512: 106 GiB, not 76).
     ck, cv, out = jax.lax.optimization_barrier((ck, cv, out))
