@@ -421,7 +421,8 @@ class HybridEngine:
 
     def _timed(self, phase: str, fn, *args):
         start = time.perf_counter()
-        out = jax.block_until_ready(fn(*args))
+        with jax.profiler.TraceAnnotation(f"jaxrlhf.{phase}"):  # a profile splits its kernels by phase (tools/common.py)
+            out = jax.block_until_ready(fn(*args))
         self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - start
         return out
 

@@ -196,3 +196,24 @@ def test_gradient_accumulation_gives_the_whole_batch_step(models, prompts):
     side = ModelSide(optim=OptimConfig(learning_rate=1e-2, gradient_accumulation_steps=3))
     with pytest.raises(ValueError, match="batch_size 8 is not divisible by critic.optim.gradient_accumulation_steps 3"):
         engine(models, one, eos, critic=side, enable_ema=False).train_rlhf(exp)
+
+
+def test_each_phase_is_marked_in_a_profile_with_its_measured_time(models, prompts, tmp_path):
+    """HybridEngine marks every phase in a jax.profiler trace (what splits tools/bench_ppo.py --profile by phase),
+    each mark as long as the phase's own timing."""
+    import gzip
+    import json
+
+    batch, eos = prompts
+    e = engine(models, make_mesh(1, jax.devices()[:1]), eos)
+    e.train_rlhf(e.generate_experience(batch))  # compiled outside the trace
+    e.timings.clear()
+    with jax.profiler.trace(str(tmp_path), create_perfetto_trace=True):
+        e.train_rlhf(e.generate_experience(batch))
+    events = json.load(gzip.open(next(tmp_path.rglob("perfetto_trace.json.gz"))))["traceEvents"]
+    marks = sorted((ev["ts"], ev["name"].removeprefix("jaxrlhf."), ev["dur"] / 1e6) for ev in events
+                   if ev.get("ph") == "X" and ev.get("name", "").startswith("jaxrlhf."))
+    assert [name for _, name, _ in marks] == list(e.timings)  # every phase once, in the order it ran
+    assert list(e.timings)[:3] == ["reshard", "generate", "score"]
+    for _, name, seconds in marks:
+        assert seconds == pytest.approx(e.timings[name], rel=0.2, abs=0.01)

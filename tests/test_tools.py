@@ -45,6 +45,24 @@ def test_kernel_totals_sum_device_kernels_per_line_and_skip_the_host():
         {"name": "memcpy128", "count": 2, "total_ms": pytest.approx(0.026)}]}}
 
 
+def test_kernel_totals_split_by_the_engines_phase_annotations():
+    meta = lambda pid, name, tid=None: {"ph": "M", "pid": pid, **({"tid": tid} if tid else {}),
+                                        "name": "thread_name" if tid else "process_name", "args": {"name": name}}
+    event = lambda pid, tid, name, ts, dur: {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
+    events = [meta(1, "/host:CPU"), meta(2, "/device:GPU:0"), meta(2, "Stream #14", tid=7),
+              event(1, 3, "jaxrlhf.generate", 0.0, 100.0), event(1, 3, "jaxrlhf.actor_step", 200.0, 100.0),
+              event(2, 7, "decode", 10.0, 30.0), event(2, 7, "decode", 50.0, 30.0), event(2, 7, "gemm", 210.0, 50.0),
+              event(2, 7, "copy", 150.0, 5.0)]
+    got = common.kernel_totals(events)
+    line = "/device:GPU:0 Stream #14"
+    assert got == {f"{line} [generate]": {"busy_ms": pytest.approx(0.06), "kernels": [
+                       {"name": "decode", "count": 2, "total_ms": pytest.approx(0.06)}]},
+                   f"{line} [actor_step]": {"busy_ms": pytest.approx(0.05), "kernels": [
+                       {"name": "gemm", "count": 1, "total_ms": pytest.approx(0.05)}]},
+                   f"{line} [other]": {"busy_ms": pytest.approx(0.005), "kernels": [
+                       {"name": "copy", "count": 1, "total_ms": pytest.approx(0.005)}]}}
+
+
 def test_tp_tokens_match_on_the_cpu_mesh():
     """bench_generate --check-tokens: TP 2 greedy tokens against one device, exact in float32 on the CPU."""
     from jaxrlhf import OPTConfig, init_params

@@ -15,6 +15,8 @@ Theirs (same process, same GPU): transformers' OPT in pure bf16: actor, critic (
 a frozen reference copy and a frozen reward copy; HF `generate` with its static cache (compiled by
 transformers); scoring and both updates micro-batched; torch AdamW (fused); the same PPO losses.
 `--find-max` instead tries growing actor sizes at batch 1 and reports the largest whose iteration runs.
+`--profile` adds, per run, the device time of one more iteration by kernel, on a line per phase (generate, score,
+actor step, ...: common.kernel_totals splits them by the engine's marks).
 On several GPUs the mesh spans every visible device (pick them with CUDA_VISIBLE_DEVICES for a scaling curve);
 the JSON holds samples/s per GPU and the hours DeepSpeed-Chat's 264,292-sample Step 3 benchmark would take.
 
@@ -96,7 +98,12 @@ def ours(args, actor: str, critic: str, B: int, precision: str, lora: int) -> di
             times.append(elapsed)
             phases.append(dict(engine.timings))
     t = statistics.median(times)
-    return {"iteration_s": t, "samples_per_s": B / t, "samples_per_s_per_gpu": B / t / mesh.size,
+    profile = {}
+    if args.profile:  # the kernels of one more iteration by device time, per phase (HybridEngine marks them)
+        trace = Path(args.out or "bench/results") / f"trace-ppo-{actor}-{B}-{precision}"
+        profile = {"profile": common.kernel_profile(lambda: engine.train_rlhf(engine.generate_experience(batch)), trace,
+                                                    top=25)}
+    return {**profile, "iteration_s": t, "samples_per_s": B / t, "samples_per_s_per_gpu": B / t / mesh.size,
             # DeepSpeed-Chat's Step 3 benchmark: 264,292 samples (9 hours for OPT-13B on 8 A100-80G)
             "deepspeed_chat_benchmark_hours": 264292 / (B / t) / 3600, "phases_s": {p: statistics.median(x.get(p, 0.0) for x in phases)
                                                                   for p in PHASES},
@@ -217,6 +224,8 @@ def main():
     ap.add_argument("--old-from-generation", action="store_true", help="old log-probs from generation (one actor forward less)")
     ap.add_argument("--only-torch", action="store_true", help=argparse.SUPPRESS)  # the child process
     ap.add_argument("--find-max", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="also profile one iteration: device time per kernel and phase "
+                    "(the trace stays in OUT/trace-ppo-*)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.only_torch:

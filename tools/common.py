@@ -71,17 +71,27 @@ def kernel_profile(fn, log_dir: str | Path, top: int = 40) -> dict:
     return kernel_totals(json.load(gzip.open(trace))["traceEvents"], top)
 
 
-def kernel_totals(events: list[dict], top: int = 40) -> dict:
-    """Perfetto trace events summed per kernel name on each device line (see kernel_profile)."""
+def kernel_totals(events: list[dict], top: int = 40, phase_prefix: str = "jaxrlhf.") -> dict:
+    """Perfetto trace events summed per kernel name on each device line (see kernel_profile). When the host
+    timeline holds phase annotations (`jax.profiler.TraceAnnotation(phase_prefix + name)`: HybridEngine marks each
+    Step 3 phase, which blocks until its device work is done), a kernel counts on "LINE [name]" of the phase
+    whose interval holds its start ("LINE [other]" outside every phase)."""
     import collections
 
     names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
              if e.get("ph") == "M" and e["name"] in ("process_name", "thread_name")}
+    process = lambda e: names.get((e.get("pid"), None), "")
+    phases = sorted((e["ts"], e["ts"] + e.get("dur", 0.0), e["name"][len(phase_prefix):]) for e in events
+                    if e.get("ph") == "X" and e.get("name", "").startswith(phase_prefix) and not process(e).startswith("/device:"))
+
+    def phase(ts):
+        return next((f" [{name}]" for start, end, name in phases if start <= ts <= end), " [other]")
+
     lines = collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0.0]))
     for e in events:
-        process = names.get((e.get("pid"), None), "")
-        if e.get("ph") == "X" and process.startswith("/device:"):
-            total = lines[f"{process} {names.get((e['pid'], e.get('tid')), '')}"][e["name"]]
+        if e.get("ph") == "X" and process(e).startswith("/device:"):
+            line = f"{process(e)} {names.get((e['pid'], e.get('tid')), '')}" + (phase(e.get("ts", 0.0)) if phases else "")
+            total = lines[line][e["name"]]
             total[0] += 1
             total[1] += e.get("dur", 0.0) / 1e3
     return {line: {"busy_ms": sum(t for _, t in k.values()),
