@@ -115,7 +115,8 @@ def cached_attention(q, k, v, cache, decode: str = "auto", prefill: str = "auto"
         attend = jax.shard_map(attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
     out = roll(attend(*(roll(x, cache["start"]) for x in (q, k, v))), -cache["start"])
     # The next layer waits for this layer's cache write: nothing else reads it here, and XLA deferred all the writes
-    # to the end of the prefill, holding every layer's K/V meanwhile (OPT-1.3B Step 3 at batch 512: a 98.9 GiB peak, 72.5 with the barrier).
+    # to the end of the prefill, holding every layer's K/V meanwhile (OPT-1.3B Step 3 at batch 512: a 98.9 GiB
+    # peak, 72.5 GiB with the barrier).
     ck, cv, out = jax.lax.optimization_barrier((ck, cv, out))
     return out, {**cache, "k": ck, "v": cv}
 
