@@ -82,7 +82,8 @@ def kernel_totals(events: list[dict], top: int = 40, phase_prefix: str = "jaxrlh
              if e.get("ph") == "M" and e["name"] in ("process_name", "thread_name")}
     process = lambda e: names.get((e.get("pid"), None), "")
     phases = sorted((e["ts"], e["ts"] + e.get("dur", 0.0), e["name"][len(phase_prefix):]) for e in events
-                    if e.get("ph") == "X" and e.get("name", "").startswith(phase_prefix) and not process(e).startswith("/device:"))
+                    if e.get("ph") == "X" and e.get("name", "").startswith(phase_prefix)
+                    and not process(e).startswith("/device:"))
 
     def phase(ts):
         return next((f" [{name}]" for start, end, name in phases if start <= ts <= end), " [other]")
@@ -90,7 +91,8 @@ def kernel_totals(events: list[dict], top: int = 40, phase_prefix: str = "jaxrlh
     lines = collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0.0]))
     for e in events:
         if e.get("ph") == "X" and process(e).startswith("/device:"):
-            line = f"{process(e)} {names.get((e['pid'], e.get('tid')), '')}" + (phase(e.get("ts", 0.0)) if phases else "")
+            line = f"{process(e)} {names.get((e['pid'], e.get('tid')), '')}"
+            line += phase(e.get("ts", 0.0)) if phases else ""
             total = lines[line][e["name"]]
             total[0] += 1
             total[1] += e.get("dur", 0.0) / 1e3

@@ -247,6 +247,12 @@ def _pallas(q, k, v, layer, start, end, *, config):
     return out.reshape(B, H, K)
 
 
+def rows_axis(mesh, batch: int):
+    """The mesh axis that generation's rows are split over per shard: "data" when it divides the batch, else none
+    (every shard then holds all rows of its heads)."""
+    return "data" if batch % mesh.shape["data"] == 0 else None
+
+
 def decode_attention(q, k, v, start, end, layer=0, *, config: DecodeAttentionConfig = DecodeAttentionConfig(),
                      mesh=None):
     """Attention of one query per row over its valid cache slots (shapes in the module docstring).
@@ -264,7 +270,7 @@ def decode_attention(q, k, v, start, end, layer=0, *, config: DecodeAttentionCon
         return xla_decode_attention(q, k, v, start, end, layer)
     fn = functools.partial(_pallas, config=config)
     if mesh is not None and mesh.size > 1:
-        rows = "data" if B % mesh.shape["data"] == 0 else None
+        rows = rows_axis(mesh, B)
         fn = jax.shard_map(
             fn, mesh=mesh,
             in_specs=(P(rows, "model", None), P(None, rows, "model", None, None), P(None, rows, "model", None, None),

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxrlhf.kernels.decode_attention import DecodeAttentionConfig, decode_attention
+from jaxrlhf.kernels.decode_attention import DecodeAttentionConfig, decode_attention, rows_axis
 from jaxrlhf.lora import fused_kernel
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -111,7 +111,7 @@ def cached_attention(q, k, v, cache, decode: str = "auto", prefill: str = "auto"
     k, v = (x.astype(ck.dtype).astype(q.dtype) for x in (k, v))
     attend = lambda q, k, v: causal_attention(q, k, v, prefill)
     if mesh is not None and mesh.size > 1:  # per shard, as the decode kernel: each device its heads (and rows)
-        spec = jax.sharding.PartitionSpec("data" if B % mesh.shape["data"] == 0 else None, None, "model", None)
+        spec = jax.sharding.PartitionSpec(rows_axis(mesh, B), None, "model", None)
         attend = jax.shard_map(attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
     out = roll(attend(*(roll(x, cache["start"]) for x in (q, k, v))), -cache["start"])
     # The next layer waits for this layer's cache write: nothing else reads it here, and XLA deferred all the writes
@@ -252,10 +252,9 @@ def init_cache(config, valid, dtype=None, multiple: int = 64) -> dict:
     cache in blocks); the extra slots are never read.
     """
     B, S = valid.shape
-    valid = jnp.pad(valid.astype(bool), ((0, 0), (0, -S % multiple)))
-    shape = (config.num_hidden_layers, B, config.num_key_value_heads, valid.shape[1], config.head_dim)
+    shape = (config.num_hidden_layers, B, config.num_key_value_heads, S + -S % multiple, config.head_dim)
     zeros = jnp.zeros(shape, dtype or config.compute_dtype)
-    start = jnp.argmax(valid, axis=1).astype(jnp.int32)
+    start = jnp.argmax(valid.astype(bool), axis=1).astype(jnp.int32)
     return {"k": zeros, "v": zeros, "start": start, "slot": jnp.zeros((), jnp.int32)}
 
 
