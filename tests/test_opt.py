@@ -131,3 +131,40 @@ def test_config_rejects_bad_values():
         OPTConfig(dtype="float64")
     with pytest.raises(ValueError, match="not divisible"):
         OPTConfig(hidden_size=30, num_attention_heads=4)
+
+
+def test_float32_logits_and_relu_have_the_plain_gradients_and_a_bf16_backward():
+    from jaxrlhf.models.common import float32_logits, relu
+
+    kh, kw, kg = jax.random.split(jax.random.key(3), 3)
+    h = jax.random.normal(kh, (2, 5, 16), jnp.float32)
+    w = jax.random.normal(kw, (40, 16), jnp.float32)
+    g = jax.random.normal(kg, (2, 5, 40), jnp.float32)
+    x = jnp.array([-2.0, -0.5, 0.0, 0.25, 3.0])
+
+    def vjp(f, *args):
+        out, back = jax.vjp(f, *args)
+        return out, back(g if out.ndim == 3 else jnp.arange(1.0, 6.0))
+
+    ours = vjp(lambda h, w: float32_logits("bte,ve->btv", h, w), h, w)
+    plain = vjp(lambda h, w: jnp.einsum("bte,ve->btv", h, w), h, w)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(plain)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-5)
+    # ReLU's gradient from its output: 0 at and below zero, the cotangent above.
+    np.testing.assert_array_equal(vjp(relu, x)[1][0], [0.0, 0.0, 0.0, 4.0, 5.0])
+    np.testing.assert_array_equal(vjp(relu, x)[1][0], vjp(jax.nn.relu, x)[1][0])
+
+    # In bf16 the backward's products take bf16 operands (a float32 operand makes XLA run float32 GEMMs), and
+    # the gradients track the float32 ones.
+    hb, wb = h.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    loss = lambda h, w: jnp.sum(jax.nn.log_softmax(float32_logits("bte,ve->btv", h, w)) * g)
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(hb, wb)
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]  # the forward's is nested
+    assert len(dots) == 2
+    assert all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+    fast = jax.grad(loss, argnums=(0, 1))(hb, wb)
+    exact = jax.grad(loss, argnums=(0, 1))(h, w)
+    for a, b in zip(fast, exact):
+        assert a.dtype == jnp.bfloat16
+        err = np.abs(np.asarray(a, np.float32) - b).max() / np.abs(b).max()
+        assert err < 0.02, err

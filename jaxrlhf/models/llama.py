@@ -208,7 +208,7 @@ class LMHead(nn.Module):
     @nn.compact
     def __call__(self, h):
         kernel = self.param("kernel", nn.initializers.normal(0.02), (h.shape[-1], self.vocab_size))
-        return jnp.einsum("btd,dv->btv", h, kernel.astype(h.dtype), preferred_element_type=jnp.float32)
+        return common.float32_logits("btd,dv->btv", h, kernel.astype(h.dtype))
 
 
 class Llama(nn.Module):
