@@ -133,26 +133,22 @@ def test_config_rejects_bad_values():
         OPTConfig(hidden_size=30, num_attention_heads=4)
 
 
-def test_float32_logits_and_relu_have_the_plain_gradients_and_a_bf16_backward():
-    from jaxrlhf.models.common import float32_logits, relu
+def test_float32_logits_has_the_plain_gradients_and_a_bf16_backward():
+    from jaxrlhf.models.common import float32_logits
 
     kh, kw, kg = jax.random.split(jax.random.key(3), 3)
     h = jax.random.normal(kh, (2, 5, 16), jnp.float32)
     w = jax.random.normal(kw, (40, 16), jnp.float32)
     g = jax.random.normal(kg, (2, 5, 40), jnp.float32)
-    x = jnp.array([-2.0, -0.5, 0.0, 0.25, 3.0])
 
     def vjp(f, *args):
         out, back = jax.vjp(f, *args)
-        return out, back(g if out.ndim == 3 else jnp.arange(1.0, 6.0))
+        return out, back(g)
 
     ours = vjp(lambda h, w: float32_logits("bte,ve->btv", h, w), h, w)
     plain = vjp(lambda h, w: jnp.einsum("bte,ve->btv", h, w), h, w)
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(plain)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-5)
-    # ReLU's gradient from its output: 0 at and below zero, the cotangent above.
-    np.testing.assert_array_equal(vjp(relu, x)[1][0], [0.0, 0.0, 0.0, 4.0, 5.0])
-    np.testing.assert_array_equal(vjp(relu, x)[1][0], vjp(jax.nn.relu, x)[1][0])
 
     # In bf16 the backward's products take bf16 operands (a float32 operand makes XLA run float32 GEMMs), and
     # the gradients track the float32 ones.

@@ -315,26 +315,6 @@ def _float32_logits_bwd(equation, residuals, g):
 float32_logits.defvjp(_float32_logits_fwd, _float32_logits_bwd)
 
 
-@jax.custom_vjp
-def relu(x):
-    """max(x, 0) whose backward keeps the output, not the input: the forward then fuses into its product's
-    epilogue (cuBLAS bias + ReLU) instead of writing both tensors (jax.nn.relu's rule needs x, so XLA wrote
-    x for the backward and ran ReLU as a kernel of its own: 0.06 s of OPT-1.3B's actor step at 512 x 512)."""
-    return jnp.maximum(x, 0)
-
-
-def _relu_fwd(x):
-    y = jnp.maximum(x, 0)
-    return y, y
-
-
-def _relu_bwd(y, g):
-    return (jnp.where(y > 0, g, jnp.zeros_like(g)),)
-
-
-relu.defvjp(_relu_fwd, _relu_bwd)
-
-
 def value_head(h, dtype):
     """The reward/critic head: `Linear(E, 1)`, no bias, on the last hidden state; [B, T] float32."""
     return Dense(1, use_bias=False, dtype=dtype, name="value_head")(h)[..., 0].astype(jnp.float32)

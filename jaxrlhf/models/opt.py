@@ -177,7 +177,7 @@ class OPTLayer(nn.Module):
         residual = h
         if c.do_layer_norm_before:
             h = norm("final_layer_norm")(h)
-        h = dense(c.hidden_size, "fc2")(common.relu(dense(c.ffn_dim, "fc1")(h)))
+        h = dense(c.hidden_size, "fc2")(nn.relu(dense(c.ffn_dim, "fc1")(h)))
         h = residual + drop(h)
         if not c.do_layer_norm_before:
             h = norm("final_layer_norm")(h)
