@@ -124,3 +124,25 @@ def test_bad_shapes_and_knobs():
     q, k, v, start, end = inputs(1, 1, 2, 2, 40, 64, jnp.float32, seed=0)
     with pytest.raises(ValueError, match="cache length 40 must be a multiple of 16"):
         decode_attention(q, k, v, start, end, config=KERNEL)
+
+
+@pytest.mark.parametrize("mask_loads", [True, False], ids=["masked_loads", "whole_blocks"])
+def test_kernel_lowers_to_triton_for_an_h200(mask_loads):
+    """Interpret mode (the other tests) checks the kernel's arithmetic, not what Triton accepts: lower it for an
+    abstract H200 (no GPU needed), multi-head at head dim 64 and grouped-query at 128, one split and four."""
+    from jax import export
+    from jax._src.mesh import AbstractDevice, AbstractMesh
+
+    h200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", 132, "gpu"))
+    bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((4,), jnp.int32)
+    for H, Hkv, K, splits in [(32, 32, 64, 1), (32, 8, 128, 4)]:
+        config = DecodeAttentionConfig("pallas", interpret=False, mask_loads=mask_loads, num_splits=splits)
+        fn = jax.jit(lambda q, k, v, s, e: decode_attention(q, k, v, s, e, 1, config=config))
+        with jax.sharding.use_abstract_mesh(h200):
+            exported = export.export(fn, platforms=["cuda"], disabled_checks=[
+                export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+                bf16(4, H, K), bf16(2, 4, Hkv, 2048, K), bf16(2, 4, Hkv, 2048, K), rows, rows)
+        module = exported.mlir_module()
+        assert module.count('name = "jaxrlhf_decode_attention"') == 1
+        assert ("masked_load" in module) == mask_loads  # the Triton IR's debug names

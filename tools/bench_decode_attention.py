@@ -1,6 +1,6 @@
 """Benchmark the decode-attention kernel against the plain-XLA path (BENCHMARKS.md item 2).
 
-    PYTHONPATH=. python tools/bench_decode_attention.py [--tune] [--splits 1 2 4 8 0]
+    PYTHONPATH=. python tools/bench_decode_attention.py [--tune] [--splits 1 2 4 8 0] [--mask-loads 1 0]
     PYTHONPATH=. python tools/bench_decode_attention.py --batch 2 --seq 64 --head-dim 64 --heads 4 --calls 2  # CPU
 
 Shapes: batch 32-256, 32 query heads with 32 or 8 KV heads, head dim 64 and 128, cache length 512 and 2048,
@@ -9,7 +9,8 @@ bf16. Each row's valid range is ragged: left padding up to S/8 and a current len
 loop (each call's output is the next call's query), so Python dispatch stays out of the microseconds.
 Roofline: the K and V bytes of the valid slots, read once, over the read bandwidth measured in this run (a
 sum over 4 GiB; not measured on the CPU, where the kernel runs in interpret mode). `--splits` times the kernel
-once per value of DecodeAttentionConfig.num_splits (0: auto, the default; the JSON records what auto chose).
+once per value of DecodeAttentionConfig.num_splits (0: auto, the default; the JSON records what auto chose),
+`--mask-loads 1 0` with and without masked loads (whole blocks: a row's first and last block read in full).
 `--tune` first sweeps block_s, num_warps, num_stages and the product form at two shapes and uses the best of
 each kind (multi-head, grouped-query) in the table.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import sys
 from pathlib import Path
 
@@ -103,6 +105,9 @@ def main():
                     "as many (multi-head) and a quarter (grouped-query)")
     ap.add_argument("--splits", type=int, nargs="+", default=[0],
                     help="DecodeAttentionConfig.num_splits values to time the kernel with (0: auto)")
+    ap.add_argument("--mask-loads", type=int, nargs="+", default=[1], choices=[0, 1],
+                    help="DecodeAttentionConfig.mask_loads values to time the kernel with (1: only the valid slots "
+                         "of a block are fetched, the default; 0: whole blocks)")
     ap.add_argument("--calls", type=int, default=CALLS, help="chained calls per timing")
     ap.add_argument("--tune", action="store_true", help="sweep the knobs first and use the best in the table")
     ap.add_argument("--out", default=None)
@@ -113,7 +118,7 @@ def main():
     default, xla = DecodeAttentionConfig(implementation="pallas"), DecodeAttentionConfig(implementation="xla")
     result = {"benchmark": "decode_attention", **common.environment(), "read_bandwidth_Bps": bandwidth,
               "copy_bandwidth_Bps": device_bandwidth() if gpu else None, "calls_per_timing": CALLS,
-              "splits": args.splits, "runs": [], "tuning": []}
+              "splits": args.splits, "mask_loads": args.mask_loads, "runs": [], "tuning": []}
     if gpu:
         print(f"read bandwidth {bandwidth / 1e12:.2f} TB/s, copy {result['copy_bandwidth_Bps'] / 1e12:.2f} TB/s",
               flush=True)
@@ -139,15 +144,17 @@ def main():
                                "xla_roofline_ratio": ratio(t_x, need), "kernel": []}
                         line = [f"B={B:3d} H={H} Hkv={Hkv:2d} K={K:3d} S={S:4d} {'ragged' if ragged else 'full  '} "
                                 f"xla {1e6 * t_x:7.1f} us" + (f" ({ratio(t_x, need):.2f}x roofline)" if gpu else "")]
-                        for n in args.splits:
-                            cfg = dataclasses.replace(kernel, num_splits=n)
+                        for n, masked in itertools.product(args.splits, args.mask_loads):
+                            cfg = dataclasses.replace(kernel, num_splits=n, mask_loads=bool(masked))
                             used = auto_splits(cfg, B, Hkv, S, K)
                             err = float(jnp.max(jnp.abs(decode_attention(*x, config=cfg).astype(jnp.float32) - ref)))
                             t_k = time_call(cfg, *x)
-                            run["kernel"].append({"num_splits": n, "splits_used": used, "us": 1e6 * t_k,
+                            run["kernel"].append({"num_splits": n, "splits_used": used, "mask_loads": bool(masked),
+                                                  "us": 1e6 * t_k,
                                                   "speedup": t_x / t_k, "roofline_ratio": ratio(t_k, need),
                                                   "max_abs_err": err})
-                            line.append(f"splits {n or 'auto'}{f'={used}' if not n else ''} {1e6 * t_k:7.1f} us "
+                            line.append(f"splits {n or 'auto'}{f'={used}' if not n else ''}"
+                                        f"{'' if masked else ' whole blocks'} {1e6 * t_k:7.1f} us "
                                         f"({t_x / t_k:.2f}x xla" + (f", {ratio(t_k, need):.2f}x roofline" if gpu else "")
                                         + f", err {err:.0e})")
                         result["runs"].append(run)

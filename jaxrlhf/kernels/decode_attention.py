@@ -52,6 +52,10 @@ class DecodeAttentionConfig:
     num_stages: int = 3
     # Chunks of the cache per (row, KV head), each its own program (flash-decoding); 0: auto (`splits`).
     num_splits: int = 0
+    # Load only the valid slots of a block (masked loads fetch nothing for the others); else whole blocks. A row's
+    # first and last blocks are partly outside its range: at block_s = 64 and ~384 valid slots, whole blocks read
+    # ~8 % more than the valid slots.
+    mask_loads: bool = True
     interpret: bool | None = None  # None: interpret mode when not on a GPU (CPU tests)
 
     def __post_init__(self):
@@ -140,7 +144,7 @@ def xla_decode_attention(q, k, v, start, end, layer=0):
 
 
 def _kernel(layer_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *out_refs, block_s: int, chunk: int,
-            use_dot: bool):
+            use_dot: bool, mask_loads: bool):
     # layer_ref [1]; start_ref, end_ref [1] (this row's valid range); q_ref [G, K] (the queries of one KV head);
     # k_ref, v_ref: the whole cache [L, B, Hkv, S, K]. This program reads the chunk of slots
     # [j * chunk, (j + 1) * chunk). out_refs: o_ref [G, K] (one split: the output), or acc_ref [G, K],
@@ -159,14 +163,19 @@ def _kernel(layer_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *out_refs, block
     def body(i, carry):
         m, l, acc = carry  # running max [rows], normaliser [rows], weighted sum of values [rows, K]
         s0 = pl.multiple_of(i * block_s, block_s)
-        kb = k_ref[layer, b, h, pl.ds(s0, block_s), :]  # [block_s, K]
-        vb = v_ref[layer, b, h, pl.ds(s0, block_s), :]
+        pos = s0 + jax.lax.broadcasted_iota(jnp.int32, (block_s, 1), 0)
+        valid = (pos >= start) & (pos < end)  # [block_s, 1]
+        if mask_loads:
+            load = lambda ref: pltriton.load(ref.at[layer, b, h, pl.ds(s0, block_s), :],
+                                             mask=jnp.broadcast_to(valid, (block_s, K)), other=0)
+        else:
+            load = lambda ref: ref[layer, b, h, pl.ds(s0, block_s), :]
+        kb, vb = load(k_ref), load(v_ref)  # [block_s, K]
         if use_dot:
             scores = jnp.dot(q, kb.T, preferred_element_type=jnp.float32)  # [rows, block_s]
         else:
             scores = jnp.sum(q[:, None, :] * kb.astype(jnp.float32)[None, :, :], axis=-1)
-        pos = s0 + jax.lax.broadcasted_iota(jnp.int32, (1, block_s), 1)
-        scores = jnp.where((pos >= start) & (pos < end), scores, -jnp.inf)
+        scores = jnp.where(valid.T, scores, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
         p = jnp.exp(scores - m_new[:, None])
         alpha = jnp.exp(m - m_new)
@@ -224,7 +233,8 @@ def _pallas(q, k, v, layer, start, end, *, config):
         out_specs = [part(G, K), part(G), part(G)]
         out_shape = [jax.ShapeDtypeStruct((B, Hkv, splits, *shape), jnp.float32) for shape in ((G, K), (G,), (G,))]
     out = pl.pallas_call(
-        functools.partial(_kernel, block_s=block_s, chunk=chunk, use_dot=config.use_dot),
+        functools.partial(_kernel, block_s=block_s, chunk=chunk, use_dot=config.use_dot,
+                          mask_loads=config.mask_loads),
         grid=(B, Hkv, splits),
         in_specs=[
             pl.BlockSpec((1,), lambda b, h, j: (0,)),
