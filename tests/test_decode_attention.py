@@ -146,3 +146,19 @@ def test_kernel_lowers_to_triton_for_an_h200(mask_loads):
         module = exported.mlir_module()
         assert module.count('name = "jaxrlhf_decode_attention"') == 1
         assert ("masked_load" in module) == mask_loads  # the Triton IR's debug names
+
+
+def test_masked_loads_read_nothing_outside_the_valid_range():
+    """With masked loads the slots outside a row's range are never read: NaN there leaves the output equal to
+    the reference on a clean cache. Whole blocks read them (their scores are masked, but NaN values times a
+    zero probability are NaN), so the cache must be clean there, as generation's zero-initialised cache is."""
+    L, B, H, Hkv, S, K = 2, 3, 4, 2, 64, 64
+    q, k, v, start, end = inputs(L, B, H, Hkv, S, K, jnp.float32, seed=7)
+    start, end = jnp.array([3, 0, 17]), jnp.array([40, 21, 64])  # ranges that start and end inside blocks of 16
+    inside = ((jnp.arange(S) >= start[:, None]) & (jnp.arange(S) < end[:, None]))[None, :, None, :, None]
+    dirty = lambda x: jnp.where(inside, x, jnp.nan)
+    want = decode_attention_reference(q, jnp.where(inside, k, 0), jnp.where(inside, v, 0), start, end, 1)
+    got = decode_attention(q, dirty(k), dirty(v), start, end, 1, config=KERNEL)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    whole = decode_attention(q, dirty(k), dirty(v), start, end, 1, config=dataclasses.replace(KERNEL, mask_loads=False))
+    assert np.isnan(np.asarray(whole)).any(axis=(1, 2)).all()  # every row has a partial block
