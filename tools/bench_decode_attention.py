@@ -150,9 +150,8 @@ def main():
                             err = float(jnp.max(jnp.abs(decode_attention(*x, config=cfg).astype(jnp.float32) - ref)))
                             t_k = time_call(cfg, *x)
                             run["kernel"].append({"num_splits": n, "splits_used": used, "mask_loads": bool(masked),
-                                                  "us": 1e6 * t_k,
-                                                  "speedup": t_x / t_k, "roofline_ratio": ratio(t_k, need),
-                                                  "max_abs_err": err})
+                                                  "us": 1e6 * t_k, "speedup": t_x / t_k,
+                                                  "roofline_ratio": ratio(t_k, need), "max_abs_err": err})
                             line.append(f"splits {n or 'auto'}{f'={used}' if not n else ''}"
                                         f"{'' if masked else ' whole blocks'} {1e6 * t_k:7.1f} us "
                                         f"({t_x / t_k:.2f}x xla" + (f", {ratio(t_k, need):.2f}x roofline" if gpu else "")
