@@ -11,8 +11,8 @@ Roofline: the K and V bytes of the valid slots, read once, over the read bandwid
 sum over 4 GiB; not measured on the CPU, where the kernel runs in interpret mode). `--splits` times the kernel
 once per value of DecodeAttentionConfig.num_splits (0: auto, the default; the JSON records what auto chose),
 `--mask-loads 1 0` with and without masked loads (whole blocks: a row's first and last block read in full).
-`--tune` first sweeps block_s, num_warps, num_stages and the product form at two shapes and uses the best of
-each kind (multi-head, grouped-query) in the table.
+`--tune` first sweeps block_s, num_warps, num_stages and the product form at two shapes (`--tune-shapes`,
+`--tune-ragged`) and uses the best of each kind (multi-head, grouped-query) in the table; `--tune-only` stops there.
 """
 
 from __future__ import annotations
@@ -68,30 +68,38 @@ def auto_splits(config, B, Hkv, S, K) -> int:
     return config.splits(B * Hkv, S, cores, K)
 
 
-def tune(bandwidth, result):
-    """Sweep the knobs at one multi-head and one grouped-query shape; return the best config of each."""
+def tune(bandwidth, result, shapes, ragged=False):
+    """Sweep the knobs at each shape (B, H, Hkv, S, K); return the best config of each kind (multi-head,
+    grouped-query). Then time the best with 1, 2 and 4 splits (recorded, not chosen: auto decides splits)."""
     best = {}
-    for B, H, Hkv, S, K in ((64, 32, 32, 2048, 64), (64, 32, 8, 2048, 128)):
-        x = make_inputs(B, H, Hkv, S, K, False)
-        dots = (False, True) if H == Hkv else (True,)
-        for use_dot in dots:
-            for block_s in (32, 64, 128):
-                for warps in (2, 4, 8):
-                    for stages in (2, 3):
-                        cfg = DecodeAttentionConfig("pallas", block_s=block_s, num_warps=warps, num_stages=stages,
-                                                    use_dot=use_dot)
-                        try:
-                            t = time_call(cfg, *x)
-                        except Exception as e:  # noqa: BLE001 - a knob setting that does not compile
-                            print(f"tune {cfg}: {str(e)[:160]}", flush=True)
-                            continue
-                        result["tuning"].append({"B": B, "H": H, "Hkv": Hkv, "S": S, "K": K,
-                                                 **dataclasses.asdict(cfg), "us": 1e6 * t})
-                        print(f"tune B={B} S={S} K={K} Hkv={Hkv} dot={use_dot} block_s={block_s:3d} warps={warps} "
-                              f"stages={stages}: {1e6 * t:7.1f} us", flush=True)
-                        key = "mha" if H == Hkv else "gqa"
-                        if key not in best or t < best[key][0]:
-                            best[key] = (t, cfg)
+    for B, H, Hkv, S, K in shapes:
+        x = make_inputs(B, H, Hkv, S, K, ragged)
+        key = "mha" if H == Hkv else "gqa"
+        here = None
+        for use_dot in (False, True) if H == Hkv else (True,):
+            for block_s, warps, stages in itertools.product((16, 32, 64, 128), (2, 4, 8), (2, 3, 4)):
+                cfg = DecodeAttentionConfig("pallas", block_s=block_s, num_warps=warps, num_stages=stages,
+                                            use_dot=use_dot, num_splits=1)
+                try:
+                    t = time_call(cfg, *x)
+                except Exception as e:  # noqa: BLE001 - a knob setting that does not compile
+                    print(f"tune {cfg}: {str(e)[:160]}", flush=True)
+                    continue
+                result["tuning"].append({"B": B, "H": H, "Hkv": Hkv, "S": S, "K": K, "ragged": ragged,
+                                         **dataclasses.asdict(cfg), "us": 1e6 * t})
+                print(f"tune B={B} S={S} K={K} Hkv={Hkv} dot={int(use_dot)} bs={block_s:3d} w={warps} "
+                      f"st={stages}: {1e6 * t:6.1f} us", flush=True)
+                if here is None or t < here[0]:
+                    here = (t, cfg)
+                if key not in best or t < best[key][0]:
+                    best[key] = (t, cfg)
+        for n in (2, 4) if here else ():
+            cfg = dataclasses.replace(here[1], num_splits=n)
+            t = time_call(cfg, *x)
+            result["tuning"].append({"B": B, "H": H, "Hkv": Hkv, "S": S, "K": K, "ragged": ragged,
+                                     **dataclasses.asdict(cfg), "us": 1e6 * t})
+            print(f"tune B={B} S={S} K={K} Hkv={Hkv} best {here[1].block_s}/{here[1].num_warps}/"
+                  f"{here[1].num_stages}: {1e6 * here[0]:6.1f} us, {n} splits {1e6 * t:6.1f} us", flush=True)
     return {key: cfg for key, (t, cfg) in best.items()}
 
 
@@ -110,6 +118,10 @@ def main():
                          "of a block are fetched, the default; 0: whole blocks)")
     ap.add_argument("--calls", type=int, default=CALLS, help="chained calls per timing")
     ap.add_argument("--tune", action="store_true", help="sweep the knobs first and use the best in the table")
+    ap.add_argument("--tune-shapes", nargs="+", default=["64,32,32,2048,64", "64,32,8,2048,128"], metavar="B,H,Hkv,S,K",
+                    help="the shapes --tune sweeps at (default: OPT-1.3B's heads and a grouped-query one, S = 2048)")
+    ap.add_argument("--tune-ragged", action="store_true", help="sweep with ragged valid ranges (as in generation)")
+    ap.add_argument("--tune-only", action="store_true", help="stop after the sweep (no table)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     CALLS = args.calls
@@ -122,7 +134,12 @@ def main():
     if gpu:
         print(f"read bandwidth {bandwidth / 1e12:.2f} TB/s, copy {result['copy_bandwidth_Bps'] / 1e12:.2f} TB/s",
               flush=True)
-    chosen = tune(bandwidth, result) if args.tune else {}
+    shapes = [tuple(int(n) for n in shape.split(",")) for shape in args.tune_shapes]
+    if any(len(shape) != 5 for shape in shapes):
+        ap.error(f"--tune-shapes: expected B,H,Hkv,S,K for each shape, got {args.tune_shapes}")
+    chosen = tune(bandwidth, result, shapes, args.tune_ragged) if args.tune else {}
+    if args.tune_only:
+        args.batch = []
     result["kernel_config"] = {key: dataclasses.asdict(chosen.get(key, default)) for key in ("mha", "gqa")}
     ratio = lambda t, need: t * bandwidth / need if bandwidth else None
     for K in args.head_dim:
