@@ -117,11 +117,6 @@ def test_bad_shapes_and_knobs():
     assert DecodeAttentionConfig().slots_per_block(64, 2048) == 64  # auto: 4096 / head dim
     assert DecodeAttentionConfig().slots_per_block(128, 512) == 32
     assert DecodeAttentionConfig().slots_per_block(128, 48) == 16  # at most the power of two dividing S
-    assert DecodeAttentionConfig().slots_per_block(128, 512, groups=4) == 64  # grouped-query: 64 slots
-    assert DecodeAttentionConfig().compiler_knobs(1) == (2, 3) and DecodeAttentionConfig().compiler_knobs(4) == (4, 2)
-    assert DecodeAttentionConfig(num_warps=8, num_stages=1).compiler_knobs(4) == (8, 1)
-    with pytest.raises(ValueError, match=r"num_warps: expected 0 \(auto\) or a power of two"):
-        DecodeAttentionConfig(num_warps=3)
     with pytest.raises(ValueError, match="num_splits: expected an int >= 0"):
         DecodeAttentionConfig(num_splits=-1)
     with pytest.raises(ValueError, match="implementation: expected"):

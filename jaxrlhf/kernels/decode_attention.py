@@ -43,14 +43,13 @@ class DecodeAttentionConfig:
     """Which implementation runs, and the kernel's tuning knobs."""
 
     implementation: str = "auto"  # "auto" (the kernel on a GPU, XLA elsewhere), "pallas" or "xla"
-    # 0 is auto: the best of the sweeps in tools/bench_decode_attention.py --tune on the H200. Multi-head: 4096 / head
-    # dim slots per block (64 of 64, 32 of 128), 2 warps, 3 stages. Grouped-query: 64 slots, 4 warps, 2 stages (at
-    # B = 64, S = 512, 8 KV heads of 128, ragged: 36.1 us, 7 % less than the multi-head choice; at S = 2048 within 1 %).
-    # block_s: cache slots per inner step, a power of two (smaller when S has fewer factors of 2)
+    # Defaults: the best of the sweep in tools/bench_decode_attention.py --tune on the H200.
+    # cache slots per inner step, a power of two (smaller when S has fewer factors of 2); 0: auto, 4096 / head dim
+    # (64 slots of 64, 32 of 128: the sweep's best at each)
     block_s: int = 0
     use_dot: bool = True  # scores by tensor-core products (queries repeated to 16 rows), else elementwise
-    num_warps: int = 0
-    num_stages: int = 0
+    num_warps: int = 2
+    num_stages: int = 3
     # Chunks of the cache per (row, KV head), each its own program (flash-decoding); 0: auto (`splits`).
     num_splits: int = 0
     # Load only the valid slots of a block (masked loads fetch nothing for the others); else whole blocks. A row's
@@ -64,10 +63,10 @@ class DecodeAttentionConfig:
             raise ValueError(f"implementation: expected 'auto', 'pallas' or 'xla', got {self.implementation!r}")
         if self.block_s and (self.block_s < 16 or self.block_s & (self.block_s - 1)):
             raise ValueError(f"block_s: expected 0 (auto) or a power of two >= 16, got {self.block_s}")
-        if self.num_warps < 0 or self.num_warps & (self.num_warps - 1):
-            raise ValueError(f"num_warps: expected 0 (auto) or a power of two, got {self.num_warps}")
-        if self.num_stages < 0:
-            raise ValueError(f"num_stages: expected 0 (auto) or >= 1, got {self.num_stages}")
+        if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"num_warps: expected a power of two, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages: expected >= 1, got {self.num_stages}")
         if not isinstance(self.num_splits, int) or self.num_splits < 0:
             raise ValueError(f"num_splits: expected an int >= 0 (0: auto), got {self.num_splits!r}")
 
@@ -77,17 +76,12 @@ class DecodeAttentionConfig:
             return jax.default_backend() == "gpu" and pow2(head_dim) and head_dim >= 16 and pow2(groups)
         return self.implementation == "pallas"
 
-    def slots_per_block(self, head_dim: int, slots: int, groups: int = 1) -> int:
-        """block_s (auto: 64 for `groups` > 1 query heads per KV head, else 4096 / head_dim within 16..128), at
-        most the largest power of two dividing S `slots`."""
-        block = self.block_s or (64 if groups > 1 else max(16, min(128, 4096 // head_dim)))
+    def slots_per_block(self, head_dim: int, slots: int) -> int:
+        """block_s (auto: 4096 / head_dim within 16..128), at most the largest power of two dividing S `slots`."""
+        block = self.block_s or max(16, min(128, 4096 // head_dim))
         return min(block, slots & -slots)
 
-    def compiler_knobs(self, groups: int = 1) -> tuple[int, int]:
-        """(num_warps, num_stages), auto resolved for `groups` query heads per KV head."""
-        return self.num_warps or (4 if groups > 1 else 2), self.num_stages or (2 if groups > 1 else 3)
-
-    def splits(self, programs: int, slots: int, cores: int | None, head_dim: int = 64, groups: int = 1) -> int:
+    def splits(self, programs: int, slots: int, cores: int | None, head_dim: int = 64) -> int:
         """How many chunks of whole blocks each (row, KV head) is split into, given B x Hkv `programs`, S `slots`
         and the GPU's SM count `cores` (None: unknown, e.g. on the CPU): num_splits if set (fewer where chunks
         of whole blocks need fewer). Auto (0): double the splits while B x Hkv x splits is at most the SM
@@ -95,7 +89,7 @@ class DecodeAttentionConfig:
         (tools/bench_decode_attention.py --splits): at B x Hkv = 64-128 and S = 2048 this took 5-50 % off; at
         S = 512, where a call is ~20 us of fixed costs, and at >= 256 programs, splitting gained no more than
         it lost elsewhere (8 splits at 2048 programs: +36 %)."""
-        block_s = self.slots_per_block(head_dim, slots, groups)
+        block_s = self.slots_per_block(head_dim, slots)
         splits = self.num_splits
         if not splits:
             splits = 1
@@ -221,16 +215,15 @@ def _combine(acc, m, l):
 def _pallas(q, k, v, layer, start, end, *, config):
     B, H, K = q.shape
     Hkv, S = k.shape[2], k.shape[3]
-    G = H // Hkv
-    block_s = config.slots_per_block(K, S, G)
+    block_s = config.slots_per_block(K, S)
     if block_s < 16:
         raise ValueError(f"cache length {S} must be a multiple of 16 for the kernel; allocate the cache rounded up")
+    G = H // Hkv
     qg = q.reshape(B, Hkv, G, K)
     interpret = config.interpret if config.interpret is not None else jax.default_backend() != "gpu"
-    warps, stages = config.compiler_knobs(G)
-    params = None if interpret else pltriton.CompilerParams(num_warps=warps, num_stages=stages)
+    params = None if interpret else pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
     cores = None if interpret else getattr(jax.devices()[0], "core_count", None)
-    splits = config.splits(B * Hkv, S, cores, K, G)
+    splits = config.splits(B * Hkv, S, cores, K)
     chunk = _chunk(S, splits, block_s)
     row = pl.BlockSpec((1,), lambda b, h, j: (b,))
     part = lambda *shape: pl.BlockSpec((None, None, None, *shape), lambda b, h, j: (b, h, j) + (0,) * len(shape))
