@@ -27,7 +27,7 @@ from jaxrlhf.data import Batches, DataConfig, prepare
 from jaxrlhf import plan as memory_plan
 from jaxrlhf.engine import EngineConfig, HybridEngine, ModelSide, check_accumulation
 from jaxrlhf.sharding import make_mesh
-from jaxrlhf.trainer import MetricsLog, RunConfig, checkpoint_manager, load_model, restore_state
+from jaxrlhf.trainer import MetricsLog, RunConfig, checkpoint_manager, load_model, precision_warning, restore_state
 
 PHASES = ("reshard", "generate", "score", "advantages", "actor_step", "critic_step", "offload")
 
@@ -170,6 +170,9 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
     if jax.process_index() != 0:  # the others run silently (errors still reach their stderr)
         log = lambda _: None  # noqa: E731
     check(cfg, mesh)
+    for who, side in (("actor ", cfg.actor), ("critic ", cfg.critic)):
+        if warning := precision_warning(cfg.precision, side.optim, side.lora, who):
+            log(warning)
     log(memory_plan.check(cfg, mesh).table())  # refuses a config that cannot fit, before loading or compiling
     actor_config, actor_params, tokenizer = load_model(side_run(cfg, cfg.actor), value_head=False)
     critic_config, critic_params, _ = load_model(side_run(cfg, cfg.critic), value_head=True)

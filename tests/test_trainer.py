@@ -8,7 +8,8 @@ from jaxrlhf.lora import LoRAConfig
 from jaxrlhf.models.opt import OPTConfig, init_params
 from jaxrlhf.sft import sft_loss
 from jaxrlhf.sharding import make_mesh
-from jaxrlhf.trainer import OptimConfig, create_state, make_optimizer, make_train_step, state_shardings
+from jaxrlhf.trainer import (OptimConfig, create_state, make_optimizer, make_train_step, precision_warning,
+                             state_shardings)
 
 TINY = OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
                  word_embed_proj_dim=32, max_position_embeddings=64, dtype="bfloat16", dropout=0.0)
@@ -33,3 +34,26 @@ def test_state_dtypes_are_invariant_and_the_step_compiles_once(param_dtype):
     assert losses[-1] < losses[0]
     moments = [x for x in jax.tree.leaves(state["opt"]) if x.ndim >= 2]
     assert moments and all(x.dtype == param_dtype for x in moments)
+
+
+def test_pure_bf16_rounds_away_small_updates_and_the_run_warns():
+    """One step at DeepSpeed-Chat's actor rate: fp32 master weights move by the whole Adam step, bf16 weights keep
+    a fraction of it (what precision_warning says before such a run starts)."""
+    optim = OptimConfig(learning_rate=1e-5, weight_decay=0.0, warmup_steps=0, schedule="constant")
+    tx = make_optimizer(optim, 10, LoRAConfig())
+    mesh = make_mesh(1, jax.devices()[:1])
+    ids = jax.random.randint(jax.random.key(2), (1, 4, 16), 3, 64)
+    batch = {"input_ids": ids, "attention_mask": jnp.ones_like(ids), "loss_mask": jnp.ones_like(ids)}
+    moved = {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        state = create_state(init_params(TINY, jax.random.key(0), dtype=dtype), LoRAConfig(), tx, jax.random.key(1), mesh)
+        before = jax.tree.map(lambda x: x.astype(jnp.float32), state["trainable"]["params"])
+        state, _ = jax.jit(make_train_step(sft_loss(TINY), tx, LoRAConfig()))(state, batch)
+        kernels = [(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state["trainable"]["params"])) if a.ndim == 3]
+        moved[dtype] = sum(float(jnp.abs(b.astype(jnp.float32) - a).sum()) for a, b in kernels) / sum(a.size for a, _ in kernels)
+    assert 0.9e-5 < moved[jnp.float32] < 1.01e-5  # Adam's first step: lr times ~sign(g) for every weight
+    assert moved[jnp.bfloat16] < 0.4 * moved[jnp.float32], moved
+    assert "pure_bf16 at learning_rate 1e-05" in precision_warning("pure_bf16", optim, LoRAConfig())
+    assert precision_warning("bf16", optim, LoRAConfig()) is None
+    assert precision_warning("pure_bf16", optim, LoRAConfig(dim=8, only_optimize_lora=True)) is None
+    assert precision_warning("pure_bf16", OptimConfig(learning_rate=1e-3), LoRAConfig()) is None
