@@ -102,6 +102,13 @@ def test_only_optimize_lora_leaves_the_base_bit_identical(tiny_model, tmp_path):
     assert losses(out["records"])[-1] < losses(out["records"])[0]
 
 
+def test_a_pure_bf16_run_at_a_small_learning_rate_warns(tiny_model, tmp_path):
+    lines = []
+    run_sft(sft_config(tiny_model, tmp_path, precision="pure_bf16", max_steps=1, optim=OptimConfig(learning_rate=1e-5)),
+            log=lines.append, mesh=make_mesh(1, jax.devices()[:1]))
+    assert any(line.startswith("warning: precision=pure_bf16 at learning_rate 1e-05") for line in lines), lines
+
+
 def test_one_and_eight_devices_give_the_same_losses(tiny_model, tmp_path):
     one = run_sft(sft_config(tiny_model, tmp_path / "one"), log=lambda _: None, mesh=make_mesh(1, jax.devices()[:1]))
     eight = run_sft(sft_config(tiny_model, tmp_path / "eight"), log=lambda _: None)
