@@ -75,3 +75,20 @@ def test_tp_tokens_match_on_the_cpu_mesh():
     result = tp_tokens_match(config, params, mesh, 4, 6, 8)
     assert result["float32"] == {"rows_equal": 1.0, "first_step_differing": None}
     assert set(result) == {"bfloat16", "float32"} and 0 <= result["bfloat16"]["rows_equal"] <= 1
+
+
+def test_tune_keeps_the_best_knobs_of_each_kinds_first_shape(monkeypatch):
+    """Times at different shapes do not compare: the second multi-head shape's faster calls must not win."""
+    from tools import bench_decode_attention as bench
+
+    def fake(cfg, q, *rest):  # microseconds by shape (batch) and knobs: 32/4/2 best at batch 2, 64/2/3 at batch 1
+        fast = (cfg.block_s, cfg.num_warps, cfg.num_stages) == ((32, 4, 2) if q.shape[0] == 2 else (64, 2, 3))
+        return (1e-6 if fast else 2e-6) * (10 if q.shape[0] == 2 else 1) * (1 + cfg.num_splits) / 2
+
+    monkeypatch.setattr(bench, "time_call", fake)
+    result = {"tuning": []}
+    best = bench.tune(None, result, [(2, 4, 4, 32, 16), (1, 4, 4, 32, 16), (2, 4, 2, 32, 16)], ragged=True)
+    assert (best["mha"].block_s, best["mha"].num_warps, best["mha"].num_stages) == (32, 4, 2)
+    assert (best["gqa"].block_s, best["gqa"].num_warps, best["gqa"].num_stages) == (32, 4, 2)
+    # the sweep (product forms x 36 knob settings for multi-head, 36 for grouped-query) plus 2 and 4 splits per shape
+    assert len(result["tuning"]) == 2 * 72 + 36 + 3 * 2

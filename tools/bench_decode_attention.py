@@ -69,13 +69,14 @@ def auto_splits(config, B, Hkv, S, K) -> int:
 
 
 def tune(bandwidth, result, shapes, ragged=False):
-    """Sweep the knobs at each shape (B, H, Hkv, S, K); return the best config of each kind (multi-head,
-    grouped-query). Then time the best with 1, 2 and 4 splits (recorded, not chosen: auto decides splits)."""
+    """Sweep the knobs at each shape (B, H, Hkv, S, K) and time the best there with 2 and 4 splits too (recorded,
+    not chosen: auto decides splits). Returns the best config of each kind (multi-head, grouped-query) at the
+    first shape of that kind (times at different shapes do not compare)."""
     best = {}
     for B, H, Hkv, S, K in shapes:
         x = make_inputs(B, H, Hkv, S, K, ragged)
         key = "mha" if H == Hkv else "gqa"
-        here = None
+        first, here = key not in best, None
         for use_dot in (False, True) if H == Hkv else (True,):
             for block_s, warps, stages in itertools.product((16, 32, 64, 128), (2, 4, 8), (2, 3, 4)):
                 cfg = DecodeAttentionConfig("pallas", block_s=block_s, num_warps=warps, num_stages=stages,
@@ -91,8 +92,8 @@ def tune(bandwidth, result, shapes, ragged=False):
                       f"st={stages}: {1e6 * t:6.1f} us", flush=True)
                 if here is None or t < here[0]:
                     here = (t, cfg)
-                if key not in best or t < best[key][0]:
-                    best[key] = (t, cfg)
+                    if first:
+                        best[key] = here
         for n in (2, 4) if here else ():
             cfg = dataclasses.replace(here[1], num_splits=n)
             t = time_call(cfg, *x)
