@@ -87,6 +87,8 @@ def make_mesh(tp: int = 1, devices=None) -> Mesh:
     try:  # topology-aware order (the "model" axis on the closest devices) where JAX knows the topology
         grid = mesh_utils.create_device_mesh((n // tp, tp), devices)
     except (AssertionError, NotImplementedError, ValueError):
+        # JAX has no topology for these devices (CPU, a subset of a host's GPUs, an unknown kind) or cannot fit the
+        # shape to it: the devices in their given order, which is what the mesh needs to be correct, only slower
         grid = np.asarray(devices).reshape(n // tp, tp)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 

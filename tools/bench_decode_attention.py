@@ -77,6 +77,8 @@ def tune(bandwidth, result, shapes, ragged=False):
         x = make_inputs(B, H, Hkv, S, K, ragged)
         key = "mha" if H == Hkv else "gqa"
         first, here = key not in best, None
+        record = lambda cfg, t: result["tuning"].append({"B": B, "H": H, "Hkv": Hkv, "S": S, "K": K, "ragged": ragged,
+                                                         **dataclasses.asdict(cfg), "us": 1e6 * t})
         for use_dot in (False, True) if H == Hkv else (True,):
             for block_s, warps, stages in itertools.product((16, 32, 64, 128), (2, 4, 8), (2, 3, 4)):
                 cfg = DecodeAttentionConfig("pallas", block_s=block_s, num_warps=warps, num_stages=stages,
@@ -86,8 +88,7 @@ def tune(bandwidth, result, shapes, ragged=False):
                 except Exception as e:  # noqa: BLE001 - a knob setting that does not compile
                     print(f"tune {cfg}: {str(e)[:160]}", flush=True)
                     continue
-                result["tuning"].append({"B": B, "H": H, "Hkv": Hkv, "S": S, "K": K, "ragged": ragged,
-                                         **dataclasses.asdict(cfg), "us": 1e6 * t})
+                record(cfg, t)
                 print(f"tune B={B} S={S} K={K} Hkv={Hkv} dot={int(use_dot)} bs={block_s:3d} w={warps} "
                       f"st={stages}: {1e6 * t:6.1f} us", flush=True)
                 if here is None or t < here[0]:
@@ -97,8 +98,7 @@ def tune(bandwidth, result, shapes, ragged=False):
         for n in (2, 4) if here else ():
             cfg = dataclasses.replace(here[1], num_splits=n)
             t = time_call(cfg, *x)
-            result["tuning"].append({"B": B, "H": H, "Hkv": Hkv, "S": S, "K": K, "ragged": ragged,
-                                     **dataclasses.asdict(cfg), "us": 1e6 * t})
+            record(cfg, t)
             print(f"tune B={B} S={S} K={K} Hkv={Hkv} best {here[1].block_s}/{here[1].num_warps}/"
                   f"{here[1].num_stages}: {1e6 * here[0]:6.1f} us, {n} splits {1e6 * t:6.1f} us", flush=True)
     return {key: cfg for key, (t, cfg) in best.items()}
