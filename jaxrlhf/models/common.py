@@ -366,21 +366,37 @@ class Dense(nn.Module):
 # (another 0.3 ms).
 
 
-def stacked_dense(module: nn.Module, name: str, h, dtype):
+def stacked_dense(module: nn.Module, name: str, h, dtype, row_scale=None):
     """h [B, T, D] times the decode layout's stacked kernel `name` [D, *out] (plus its bias [*out]): [B, T, *out].
     One product with a [D, prod(out)] kernel and a flat bias: cuBLAS adds a vector bias in the product's epilogue,
-    where a [*out] one took a broadcast kernel and a C-matrix read per layer and step."""
+    where a [*out] one took a broadcast kernel and a C-matrix read per layer and step. `row_scale` [B, T, 1]: the
+    product's rows are scaled before the bias (a norm folded into the kernel: fold_scale)."""
     p = module.get_variable("params", name)
     out = p["kernel"].shape[1:]
     y = jax.lax.dot_general(h.astype(dtype), p["kernel"].reshape(p["kernel"].shape[0], -1).astype(dtype),
                             (((h.ndim - 1,), (0,)), ((), ())))
+    if row_scale is not None:
+        y = (y.astype(jnp.float32) * row_scale).astype(dtype)
     if "bias" in p:
         y = y + p["bias"].reshape(-1).astype(dtype)
     return y.reshape(*y.shape[:-1], *out)
 
 
+def fold_scale(dense: dict, scale) -> dict:
+    """A product's parameters {"kernel" [D, ...], "bias"} with a norm's scale [D] folded into the kernel's rows:
+    (x * scale) @ W = x @ (scale[:, None] W)."""
+    kernel = dense["kernel"]
+    return {**dense, "kernel": kernel * scale.reshape(-1, *(1,) * (kernel.ndim - 1)).astype(kernel.dtype)}
+
+
+def rms_row_scale(h, eps: float):
+    """1 / rms(h) [..., 1] in float32: RMSNorm(h) = h * rms_row_scale(h) * scale."""
+    x = h.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
 def project_qkv(module: nn.Module, h, heads: int, kv_heads: int, head_dim: int, use_bias: bool, dtype,
-                names=("q_proj", "k_proj", "v_proj")):
+                names=("q_proj", "k_proj", "v_proj"), row_scale=None):
     """q [B, T, H, K] (times the attention's scale K^-1/2), k, v [B, T, Hkv, K] of h [B, T, D]: three Linear
     layers, or in the decode layout one product with "qkv_proj" [D, Hkv, (G + 2) K] (per KV head: its G query
     heads, its key, its value), whose query part carries the scale (stack_qkv: no multiply per step)."""
@@ -388,7 +404,7 @@ def project_qkv(module: nn.Module, h, heads: int, kv_heads: int, head_dim: int, 
     H, Hkv, K = heads, kv_heads, head_dim
     if module.has_variable("params", "qkv_proj"):
         G = H // Hkv
-        y = stacked_dense(module, "qkv_proj", h, dtype)  # [B, T, Hkv, (G + 2) K]
+        y = stacked_dense(module, "qkv_proj", h, dtype, row_scale)  # [B, T, Hkv, (G + 2) K]
         return y[..., : G * K].reshape(B, T, H, K), y[..., G * K : (G + 1) * K], y[..., (G + 1) * K :]
     dense = lambda n, name: Dense(n, use_bias=use_bias, dtype=dtype, name=name)
     return (dense(H * K, names[0])(h).reshape(B, T, H, K) * K**-0.5, dense(Hkv * K, names[1])(h).reshape(B, T, Hkv, K),

@@ -131,12 +131,12 @@ class LlamaAttention(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, h, rope, cache=None):
-        # h: [B, T, D]; rope: (cos, sin) [B, T, 1, K/2]
+    def __call__(self, h, rope, cache=None, row_scale=None):
+        # h: [B, T, D]; rope: (cos, sin) [B, T, 1, K/2]; row_scale: see LlamaLayer
         c = self.config
         B, T, D = h.shape
         H, Hkv, K = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        q, k, v = common.project_qkv(self, h, H, Hkv, K, c.attention_bias, c.compute_dtype)
+        q, k, v = common.project_qkv(self, h, H, Hkv, K, c.attention_bias, c.compute_dtype, row_scale=row_scale)
         q = apply_rope(q, *rope, c.rope_interleaved)  # project_qkv scaled q: the rotation is linear
         k = apply_rope(k, *rope, c.rope_interleaved)
         out, cache = common.attention(q, k, v, cache, c, self.deterministic)  # [B, T, H, K]
@@ -150,11 +150,11 @@ class LlamaMLP(nn.Module):
     config: LlamaConfig
 
     @nn.compact
-    def __call__(self, h):
+    def __call__(self, h, row_scale=None):
         c = self.config
         dense = lambda n, name: common.Dense(n, use_bias=c.mlp_bias, dtype=c.compute_dtype, name=name)
         if self.has_variable("params", "gate_up_proj"):  # the decode layout: [D, 2, F] (decode_layer)
-            gate_up = common.stacked_dense(self, "gate_up_proj", h, c.compute_dtype)
+            gate_up = common.stacked_dense(self, "gate_up_proj", h, c.compute_dtype, row_scale)
             gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
         else:
             gate, up = dense(c.intermediate_size, "gate_proj")(h), dense(c.intermediate_size, "up_proj")(h)
@@ -173,11 +173,20 @@ class LlamaLayer(nn.Module):
         rope = where["rope"]
         cache = common.layer_cache(kv, {n: x for n, x in where.items() if n != "rope"}, layer)
         c = self.config
-        norm = lambda name: nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=c.compute_dtype, name=name)
         drop = lambda x: nn.Dropout(c.dropout)(x, deterministic=self.deterministic)
-        a, cache = LlamaAttention(c, self.deterministic, name="self_attn")(norm("input_layernorm")(h), rope, cache)
+
+        def norm(name, h):  # (the product's input, the rows' scale to apply after it, or None)
+            if self.is_initializing() or self.has_variable("params", name):
+                return nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=c.compute_dtype, name=name)(h), None
+            # The decode layout (decode_layer) folded this norm's scale into the next product's kernel: the
+            # product reads h itself and its output rows are scaled by 1 / rms(h) in the consumer's fusion, one
+            # kernel per norm less on the GPU (the normalised copy of h is never written).
+            return h, common.rms_row_scale(h, c.rms_norm_eps)
+
+        x, r = norm("input_layernorm", h)
+        a, cache = LlamaAttention(c, self.deterministic, name="self_attn")(x, rope, cache, r)
         h = h + drop(a)
-        h = h + drop(LlamaMLP(c, name="mlp")(norm("post_attention_layernorm")(h)))
+        h = h + drop(LlamaMLP(c, name="mlp")(*norm("post_attention_layernorm", h)))
         return common.carry_out(h, cache)
 
 
@@ -263,11 +272,16 @@ def logits_with_cache(config: LlamaConfig, params: Any, input_ids, positions, ca
 
 def decode_layer(config: LlamaConfig, layer: dict) -> dict:
     """One layer's parameters (no leading L axis) in the decode layout: q/k/v stacked per KV head
-    (common.stack_qkv), gate and up stacked as "gate_up_proj" [D, 2, F] (bias [2, F])."""
+    (common.stack_qkv), gate and up stacked as "gate_up_proj" [D, 2, F] (bias [2, F]), and each RMSNorm's scale
+    folded into the rows of the kernel it feeds (the norms' entries go: see LlamaLayer)."""
     mlp = layer["mlp"]
     gate_up = {leaf: jnp.stack([mlp["gate_proj"][leaf], mlp["up_proj"][leaf]], axis=-2) for leaf in mlp["gate_proj"]}
-    mlp = {**{n: x for n, x in mlp.items() if n not in ("gate_proj", "up_proj")}, "gate_up_proj": gate_up}
-    return {**layer, "self_attn": common.stack_qkv(layer["self_attn"], config.num_key_value_heads), "mlp": mlp}
+    mlp = {**{n: x for n, x in mlp.items() if n not in ("gate_proj", "up_proj")},
+           "gate_up_proj": common.fold_scale(gate_up, layer["post_attention_layernorm"]["scale"])}
+    attn = common.stack_qkv(layer["self_attn"], config.num_key_value_heads)
+    attn["qkv_proj"] = common.fold_scale(attn["qkv_proj"], layer["input_layernorm"]["scale"])
+    rest = {n: x for n, x in layer.items() if n not in ("input_layernorm", "post_attention_layernorm")}
+    return {**rest, "self_attn": attn, "mlp": mlp}
 
 
 def init_params(config: LlamaConfig, key, *, value_head: bool = False, dtype=jnp.float32, std: float = 0.02):
