@@ -392,7 +392,6 @@ def fold_scale(dense: dict, scale) -> dict:
 def rms_row_scale(h, eps: float):
     """1 / rms(h) [..., 1] in float32: RMSNorm(h) = h * rms_row_scale(h) * scale."""
     x = h.astype(jnp.float32)
-    # the rsqrt on the reduction's own shape (the axis added after): XLA computes it in the reduction's kernel
     return jax.lax.rsqrt(jnp.mean(x * x, axis=-1) + eps)[..., None]
 
 
