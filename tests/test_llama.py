@@ -190,3 +190,27 @@ def test_config_rejects_bad_values():
         LlamaConfig(num_attention_heads=8, num_key_value_heads=3)
     with pytest.raises(ValueError, match="dtype"):
         LlamaConfig(dtype="float64")
+
+
+def test_the_decode_layout_folds_each_norm_into_its_product(model):
+    """llama.decode_layer: q/k/v and gate/up stacked with the RMSNorm scale that feeds them multiplied into their
+    rows (values checked), the norms' entries gone; the layer then scales the product's rows by 1 / rms(h)."""
+    _, config, params = model
+    H, Hkv, K = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    G = H // Hkv
+    layer = jax.tree.map(lambda x: np.asarray(x[1]), params["model"]["layers"])
+    fast = llama.decode_layer(config, layer)
+    assert "input_layernorm" not in fast and "post_attention_layernorm" not in fast
+    g1, g2 = layer["input_layernorm"]["scale"], layer["post_attention_layernorm"]["scale"]
+    assert np.abs(g1 - 1).max() > 0.01  # the fixture's norms are not ones: a missing fold shows
+    qkv = np.asarray(fast["self_attn"]["qkv_proj"]["kernel"])  # [D, Hkv, (G + 2) K]
+    attn = layer["self_attn"]
+    np.testing.assert_allclose(qkv[:, :, : G * K], (g1[:, None] * attn["q_proj"]["kernel"] * K**-0.5).reshape(-1, Hkv, G * K),
+                               rtol=1e-6)
+    np.testing.assert_allclose(qkv[:, :, G * K : (G + 1) * K], (g1[:, None] * attn["k_proj"]["kernel"]).reshape(-1, Hkv, K),
+                               rtol=1e-6)
+    gate_up = np.asarray(fast["mlp"]["gate_up_proj"]["kernel"])  # [D, 2, F]
+    np.testing.assert_allclose(gate_up[:, 1], g2[:, None] * layer["mlp"]["up_proj"]["kernel"], rtol=1e-6)
+    if config.attention_bias:  # biases are added after the rows' scale: not folded
+        np.testing.assert_array_equal(np.asarray(fast["self_attn"]["qkv_proj"]["bias"])[:, G * K : (G + 1) * K],
+                                      attn["k_proj"]["bias"].reshape(Hkv, K))
