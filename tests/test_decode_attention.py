@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from jaxrlhf import make_mesh
-from jaxrlhf.kernels.decode_attention import DecodeAttentionConfig, decode_attention, decode_attention_reference
+from jaxrlhf.kernels.decode_attention import (DecodeAttentionConfig, decode_attention, decode_attention_reference,
+                                             decode_step, fuses_step)
 
 KERNEL = DecodeAttentionConfig(implementation="pallas", block_s=16)
 
@@ -146,6 +147,17 @@ def test_kernel_lowers_to_triton_for_an_h200(mask_loads):
         module = exported.mlir_module()
         assert module.count('name = "jaxrlhf_decode_attention"') == 1
         assert ("masked_load" in module) == mask_loads  # the Triton IR's debug names
+        # the fused step (rotary and row scale with grouped-query heads), its caches aliased to its outputs
+        f32 = jax.ShapeDtypeStruct((4, K // 2), jnp.float32)
+        step = jax.jit(lambda qkv, k, v, s, c, n, r: decode_step(qkv, k, v, s, 300, 1, rope=(c, n), row_scale=r,
+                                                                 config=config))
+        with jax.sharding.use_abstract_mesh(h200):
+            exported = export.export(step, platforms=["cuda"], disabled_checks=[
+                export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+                bf16(4, Hkv, H // Hkv + 2, K), bf16(2, 4, Hkv, 512, K), bf16(2, 4, Hkv, 512, K), rows, f32, f32,
+                jax.ShapeDtypeStruct((4,), jnp.float32))
+        module = exported.mlir_module()
+        assert module.count('name = "jaxrlhf_decode_attention_step"') == 1 and "output_operand_alias" in module
 
 
 def test_masked_loads_read_nothing_outside_the_valid_range():
@@ -162,3 +174,69 @@ def test_masked_loads_read_nothing_outside_the_valid_range():
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     whole = decode_attention(q, dirty(k), dirty(v), start, end, 1, config=dataclasses.replace(KERNEL, mask_loads=False))
     assert np.isnan(np.asarray(whole)).any(axis=(1, 2)).all()  # every row has a partial block
+
+
+def step_reference(qkv, k, v, start, slot, layer, rope, row_scale):
+    """decode_step unfused, in float32: scale the rows, rotate q and k (pairs (i, i + K/2)), write k and v at
+    `slot`, attend over start .. slot."""
+    B, Hkv, G2, K = qkv.shape
+    x = qkv.astype(jnp.float32) * (1.0 if row_scale is None else row_scale[:, None, None, None])
+    q, k_new, v_new = x[:, :, : G2 - 2], x[:, :, G2 - 2], x[:, :, G2 - 1]
+    if rope is not None:
+        cos, sin = rope[0][:, None, None, :], rope[1][:, None, None, :]
+        turn = lambda t: jnp.concatenate([t[..., : K // 2] * cos - t[..., K // 2 :] * sin,
+                                          t[..., K // 2 :] * cos + t[..., : K // 2] * sin], axis=-1)
+        q, k_new = turn(q), turn(k_new[:, :, None])[:, :, 0]
+    k = k.at[layer, :, :, slot].set(k_new.astype(k.dtype))
+    v = v.at[layer, :, :, slot].set(v_new.astype(v.dtype))
+    out = decode_attention_reference(q.reshape(B, -1, K).astype(qkv.dtype), k, v, start, jnp.full((B,), slot + 1), layer)
+    return out, k, v
+
+
+STEP_CASES = [  # (L, B, Hkv, G, S, K, dtype, rope, row scale)
+    (2, 3, 2, 2, 48, 64, jnp.float32, True, True),  # Llama: grouped-query, rotary, a folded RMSNorm
+    (1, 4, 4, 1, 64, 64, jnp.float32, False, False),  # OPT: multi-head, neither
+    (3, 2, 2, 4, 32, 128, jnp.bfloat16, True, True),
+]
+
+
+@pytest.mark.parametrize("case", range(len(STEP_CASES)))
+def test_the_fused_step_equals_scale_rotate_write_attend(case):
+    L, B, Hkv, G, S, K, dtype, rope, scaled = STEP_CASES[case]
+    ks = jax.random.split(jax.random.key(200 + case), 6)  # fresh inputs per case
+    qkv = jax.random.normal(ks[0], (B, Hkv, G + 2, K), dtype)
+    k, v = (jax.random.normal(key, (L, B, Hkv, S, K), dtype) for key in ks[1:3])
+    start, slot, layer = jax.random.randint(ks[3], (B,), 0, S // 4), S // 2 + 3, L - 1
+    angle = jax.random.uniform(ks[4], (B, K // 2), maxval=6.0)
+    rope = (jnp.cos(angle), jnp.sin(angle)) if rope else None
+    row_scale = jax.random.uniform(ks[5], (B,), minval=0.5, maxval=2.0) if scaled else None
+    got = decode_step(qkv, k, v, start, slot, layer, rope=rope, row_scale=row_scale, config=KERNEL)
+    want = step_reference(qkv, k, v, start, slot, layer, rope, row_scale)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), atol=tol, rtol=tol)
+    for name, g, w in (("k", got[1], want[1]), ("v", got[2], want[2])):  # the write, and every other slot untouched
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), atol=1e-6, err_msg=name)
+    assert not np.allclose(np.asarray(want[1][layer, :, :, slot], np.float32), np.asarray(k[layer, :, :, slot], np.float32))
+    if rope is not None:  # the rotation matters: without it the answer differs
+        plain = step_reference(qkv, k, v, start, slot, layer, None, row_scale)
+        assert np.abs(np.asarray(plain[0], np.float32) - np.asarray(want[0], np.float32)).max() > 0.05
+
+
+def test_the_fused_step_per_shard_and_when_it_applies():
+    mesh = make_mesh(tp=2)  # 8 CPU devices: data 4 x model 2
+    L, B, Hkv, G, S, K = 2, 4, 2, 2, 32, 64
+    ks = jax.random.split(jax.random.key(9), 5)
+    qkv = jax.random.normal(ks[0], (B, Hkv, G + 2, K))
+    k, v = (jax.random.normal(key, (L, B, Hkv, S, K)) for key in ks[1:3])
+    start, angle = jax.random.randint(ks[3], (B,), 0, 8), jax.random.uniform(ks[4], (B, K // 2), maxval=6.0)
+    rope, row_scale = (jnp.cos(angle), jnp.sin(angle)), jnp.linspace(0.5, 2.0, B)
+    want = step_reference(qkv, k, v, start, 20, 1, rope, row_scale)
+    got = jax.jit(lambda *a: decode_step(*a, 20, 1, rope=rope, row_scale=row_scale, config=KERNEL, mesh=mesh))(
+        qkv, k, v, start)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-5)
+    # Only the kernel, only with tensor-core products, only unsplit: elsewhere the model runs the unfused path.
+    assert fuses_step(KERNEL, 64, 8, 512, 128, 4)
+    assert not fuses_step(dataclasses.replace(KERNEL, implementation="xla"), 64, 8, 512, 128, 4)
+    assert not fuses_step(dataclasses.replace(KERNEL, use_dot=False), 64, 8, 512, 128, 4)
+    assert not fuses_step(dataclasses.replace(KERNEL, num_splits=2), 64, 8, 512, 128, 4)

@@ -118,6 +118,11 @@ def test_the_decode_kernel_gives_the_xla_tokens(model, tp):
     got = generate(kernel, tp_params, ids, mask, jax.random.key(2), max_new_tokens=5, temperature=1.0, mesh=mesh)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
+    # The decode layout: each step's cache write and attention in one kernel (decode_step), straight from q/k/v.
+    fast = decode_params(kernel, reshard(params, "fsdp", mesh) if mesh else params, mesh)
+    got = generate(kernel, fast, ids, mask, jax.random.key(2), max_new_tokens=5, temperature=1.0, mesh=mesh)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
 
 
 def test_any_padding_pattern_gives_the_left_padded_answer(model):

@@ -143,25 +143,18 @@ def xla_decode_attention(q, k, v, start, end, layer=0):
     return out.reshape(B, H, K).astype(q.dtype)
 
 
-def _kernel(layer_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *out_refs, block_s: int, chunk: int,
-            use_dot: bool, mask_loads: bool):
-    # layer_ref [1]; start_ref, end_ref [1] (this row's valid range); q_ref [G, K] (the queries of one KV head);
-    # k_ref, v_ref: the whole cache [L, B, Hkv, S, K]. This program reads the chunk of slots
-    # [j * chunk, (j + 1) * chunk). out_refs: o_ref [G, K] (one split: the output), or acc_ref [G, K],
-    # m_ref [G], l_ref [G] (the partial sums of this chunk, float32).
-    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    layer = layer_ref[0]
-    start = jnp.maximum(start_ref[0], j * chunk)  # start >= end: a chunk with no valid slot reads nothing
-    end = jnp.minimum(end_ref[0], (j + 1) * chunk)
-    G, K = q_ref.shape
-    copies = max(16 // G, 1) if use_dot else 1  # tensor-core products need 16 rows: rows r * G + g hold query g
-    rows = copies * G
-    q = q_ref[...] if use_dot else q_ref[...].astype(jnp.float32)
-    if copies > 1:
-        q = jnp.broadcast_to(q[None], (copies, G, K)).reshape(rows, K)
+def _repeat_rows(x, copies: int):
+    """x [G, ...] as [copies * G, ...]: row r * G + g holds x[g] (tensor-core products need 16 rows)."""
+    return x if copies == 1 else jnp.broadcast_to(x[None], (copies, *x.shape)).reshape(copies * x.shape[0], *x.shape[1:])
+
+
+def _attend(q, k_ref, v_ref, layer, b, h, start, end, init, *, block_s: int, use_dot: bool, mask_loads: bool):
+    """Online softmax of the queries q [rows, K] over the slots start <= s < end of cache (layer, b, h), from the
+    running state `init` (max [rows], normaliser [rows], weighted sum of values [rows, K], float32)."""
+    K = q.shape[-1]
 
     def body(i, carry):
-        m, l, acc = carry  # running max [rows], normaliser [rows], weighted sum of values [rows, K]
+        m, l, acc = carry
         s0 = pl.multiple_of(i * block_s, block_s)
         pos = s0 + jax.lax.broadcasted_iota(jnp.int32, (block_s, 1), 0)
         valid = (pos >= start) & (pos < end)  # [block_s, 1]
@@ -186,18 +179,86 @@ def _kernel(layer_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *out_refs, block
             pv = jnp.sum(p[:, :, None] * vb.astype(jnp.float32)[None, :, :], axis=1)
         return m_new, l, acc * alpha[:, None] + pv
 
-    # Only the blocks that hold valid slots are read. The running max starts at -1e30, our finite -inf: the
-    # first rescale exp(m - m_new) is 0, not NaN, and a chunk with no valid slot leaves m = -1e30, l = acc = 0.
+    # Only the blocks that hold valid slots are read.
+    return jax.lax.fori_loop(start // block_s, pl.cdiv(end, block_s), body, init)
+
+
+def _one_copy(x, copies: int):
+    """The first of `copies` identical groups of rows (x [copies * G, ...] -> [G, ...]): their max, exactly."""
+    return x if copies == 1 else jnp.max(x.reshape(copies, -1, *x.shape[1:]), axis=0)
+
+
+def _kernel(layer_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *out_refs, block_s: int, chunk: int,
+            use_dot: bool, mask_loads: bool):
+    # layer_ref [1]; start_ref, end_ref [1] (this row's valid range); q_ref [G, K] (the queries of one KV head);
+    # k_ref, v_ref: the whole cache [L, B, Hkv, S, K]. This program reads the chunk of slots
+    # [j * chunk, (j + 1) * chunk). out_refs: o_ref [G, K] (one split: the output), or acc_ref [G, K],
+    # m_ref [G], l_ref [G] (the partial sums of this chunk, float32).
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    start = jnp.maximum(start_ref[0], j * chunk)  # start >= end: a chunk with no valid slot reads nothing
+    end = jnp.minimum(end_ref[0], (j + 1) * chunk)
+    G, K = q_ref.shape
+    copies = max(16 // G, 1) if use_dot else 1  # tensor-core products need 16 rows: rows r * G + g hold query g
+    rows = copies * G
+    q = _repeat_rows(q_ref[...] if use_dot else q_ref[...].astype(jnp.float32), copies)
+    # The running max starts at -1e30, our finite -inf: the first rescale exp(m - m_new) is 0, not NaN, and a
+    # chunk with no valid slot leaves m = -1e30, l = acc = 0.
     init = (jnp.full((rows,), -1e30, jnp.float32), jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, K), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(start // block_s, pl.cdiv(end, block_s), body, init)
-    if copies > 1:  # the copies are identical: the max picks one exactly
-        one = lambda x: jnp.max(x.reshape(copies, G, *x.shape[1:]), axis=0)
-        m, l, acc = one(m), one(l), one(acc)
+    m, l, acc = _attend(q, k_ref, v_ref, layer_ref[0], b, h, start, end, init, block_s=block_s, use_dot=use_dot,
+                        mask_loads=mask_loads)
+    m, l, acc = (_one_copy(x, copies) for x in (m, l, acc))
     if len(out_refs) == 1:
         out_refs[0][...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(out_refs[0].dtype)
     else:
         acc_ref, m_ref, l_ref = out_refs
         acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
+
+
+def _step_kernel(layer_ref, start_ref, slot_ref, qkv_ref, cos_ref, sin_ref, scale_ref, k_ref, v_ref, o_ref, ko_ref,
+                 vo_ref, *, block_s: int, mask_loads: bool, rope: bool, scaled: bool):
+    # qkv_ref: the whole [B, Hkv, G + 2, K] (per KV head its G queries, key, value); cos_ref, sin_ref [K / 2], scale_ref
+    # [1] (this row's); k_ref, v_ref / ko_ref, vo_ref: the cache [L, B, Hkv, S, K], read / written (one buffer);
+    # o_ref [G, K].
+    b, h = pl.program_id(0), pl.program_id(1)
+    layer, slot = layer_ref[0], slot_ref[0]
+    G, K = o_ref.shape
+    copies = max(16 // G, 1)
+    half = K // 2
+    r = scale_ref[0] if scaled else 1.0
+    part = lambda row, n, col, width: qkv_ref[b, h, pl.ds(row, n), pl.ds(col, width)].astype(jnp.float32) * r
+    v_new = part(G + 1, 1, 0, K)  # [1, K]
+    if rope:  # rotate-half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) for each pair (i, i + K / 2)
+        cos, sin = cos_ref[...][None, :], sin_ref[...][None, :]
+        turn = lambda x1, x2: (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+        q1, q2 = turn(part(0, G, 0, half), part(0, G, half, half))  # [G, K / 2]
+        k1, k2 = turn(part(G, 1, 0, half), part(G, 1, half, half))  # [1, K / 2]
+        ko_ref[layer, b, h, pl.ds(slot, 1), pl.ds(0, half)] = k1.astype(ko_ref.dtype)
+        ko_ref[layer, b, h, pl.ds(slot, 1), pl.ds(half, half)] = k2.astype(ko_ref.dtype)
+        k1, k2 = (x.astype(ko_ref.dtype).astype(jnp.float32) for x in (k1, k2))  # as the cache holds it
+        q1, q2 = (x.astype(o_ref.dtype) for x in (q1, q2))
+        s_new = jnp.sum(q1.astype(jnp.float32) * k1 + q2.astype(jnp.float32) * k2, axis=-1)  # [G]
+        # The halves back side by side for the tensor-core products: q1 E1 + q2 E2 with E1 = [I 0], E2 = [0 I]
+        # (exact: one nonzero term per output).
+        i = jax.lax.broadcasted_iota(jnp.int32, (half, K), 0)
+        j = jax.lax.broadcasted_iota(jnp.int32, (half, K), 1)
+        place = lambda x, at: jnp.dot(_repeat_rows(x, copies), (j == i + at).astype(x.dtype),
+                                      precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        q = (place(q1, 0) + place(q2, half)).astype(o_ref.dtype)  # [rows, K]
+    else:
+        k_new = part(G, 1, 0, K)
+        ko_ref[layer, b, h, pl.ds(slot, 1), :] = k_new.astype(ko_ref.dtype)
+        q = part(0, G, 0, K).astype(o_ref.dtype)
+        s_new = jnp.sum(q.astype(jnp.float32) * k_new.astype(ko_ref.dtype).astype(jnp.float32), axis=-1)
+        q = _repeat_rows(q, copies)
+    vo_ref[layer, b, h, pl.ds(slot, 1), :] = v_new.astype(vo_ref.dtype)
+    v_new = v_new.astype(vo_ref.dtype).astype(jnp.float32)
+    # This token's own slot starts the online softmax (weight 1 at its score); the loop reads the cached slots before it.
+    rows = copies * G
+    init = (_repeat_rows(s_new, copies), jnp.ones((rows,), jnp.float32), jnp.broadcast_to(v_new, (rows, K)))
+    m, l, acc = _attend(q, k_ref, v_ref, layer, b, h, start_ref[0], slot, init, block_s=block_s, use_dot=True,
+                        mask_loads=mask_loads)
+    l, acc = _one_copy(l, copies), _one_copy(acc, copies)
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
 
 
 def _combine(acc, m, l):
@@ -255,6 +316,74 @@ def _pallas(q, k, v, layer, start, end, *, config):
     else:
         out = _combine(*out).astype(q.dtype)
     return out.reshape(B, H, K)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "rope", "scaled"))
+def _pallas_step(qkv, k, v, layer, start, slot, cos, sin, scale, *, config, rope: bool, scaled: bool):
+    B, Hkv, G2, K = qkv.shape
+    G, S = G2 - 2, k.shape[3]
+    block_s = config.slots_per_block(K, S)
+    interpret = config.interpret if config.interpret is not None else jax.default_backend() != "gpu"
+    params = None if interpret else pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+    row = pl.BlockSpec((1,), lambda b, h: (b,))
+    table = pl.BlockSpec((None, K // 2), lambda b, h: (b, 0))
+    out, k, v = pl.pallas_call(
+        functools.partial(_step_kernel, block_s=block_s, mask_loads=config.mask_loads, rope=rope, scaled=scaled),
+        grid=(B, Hkv),
+        in_specs=[pl.BlockSpec((1,), lambda b, h: (0,)), row, pl.BlockSpec((1,), lambda b, h: (0,)), pl.no_block_spec,
+                  table, table, row, pl.no_block_spec, pl.no_block_spec],
+        out_specs=[pl.BlockSpec((None, None, G, K), lambda b, h: (b, h, 0, 0)), pl.no_block_spec, pl.no_block_spec],
+        out_shape=[jax.ShapeDtypeStruct((B, Hkv, G, K), qkv.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+                   jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        input_output_aliases={7: 1, 8: 2},
+        compiler_params=params,
+        interpret=interpret,
+        name="jaxrlhf_decode_attention_step",
+    )(layer.reshape(1), start, slot.reshape(1), qkv, cos, sin, scale, k, v)
+    return out.reshape(B, Hkv * G, K), k, v
+
+
+def fuses_step(config: DecodeAttentionConfig, batch: int, kv_heads: int, slots: int, head_dim: int, groups: int,
+               mesh=None) -> bool:
+    """Whether `decode_step` runs as one kernel for these shapes (per shard under `mesh`): the kernel is in use
+    (`use_kernel`), with tensor-core products, and one program per (row, KV head) covers all slots (no splits)."""
+    if not (config.use_kernel(head_dim, groups) and config.use_dot):
+        return False
+    if mesh is not None and mesh.size > 1:
+        rows = rows_axis(mesh, batch)
+        batch //= mesh.shape[rows] if rows else 1
+        kv_heads //= mesh.shape["model"]
+    interpret = config.interpret if config.interpret is not None else jax.default_backend() != "gpu"
+    cores = None if interpret else getattr(jax.devices()[0], "core_count", None)
+    return config.splits(batch * kv_heads, slots, cores, head_dim) == 1
+
+
+def decode_step(qkv, k, v, start, slot, layer=0, *, rope=None, row_scale=None,
+                config: DecodeAttentionConfig = DecodeAttentionConfig(), mesh=None):
+    """One decode step's attention straight from the stacked q/k/v product, in one kernel (see `fuses_step`).
+
+    qkv [B, Hkv, G + 2, K]: per KV head its G queries (pre-scaled), its key and its value, this step's token (the
+    decode layout's qkv_proj output). row_scale [B] (optional): each row's q, k, v times it (a norm folded into
+    the product). rope (optional): (cos, sin) [B, K / 2], the rotary embedding of this token's position (rotate-half
+    pairs (i, i + K / 2)), applied to q and k. The new key and value are written into the cache (k, v [L, B, Hkv, S,
+    K], updated in place) at `slot`, and the queries attend over slots start <= s <= slot of `layer`.
+    Returns (out [B, H, K], k, v). The unfused equivalent: scale, rotate, write with dynamic_update_slice, then
+    `decode_attention(q, k, v, start, slot + 1, layer)`; tests/test_decode_attention.py checks one against the other.
+    """
+    B, Hkv, _, K = qkv.shape
+    start = jnp.broadcast_to(start, (B,)).astype(jnp.int32)
+    cos, sin = rope if rope is not None else (jnp.zeros((B, K // 2), jnp.float32),) * 2  # unread without rope
+    scale = jnp.ones((B,), jnp.float32) if row_scale is None else row_scale
+    fn = functools.partial(_pallas_step, config=config, rope=rope is not None, scaled=row_scale is not None)
+    if mesh is not None and mesh.size > 1:
+        rows = rows_axis(mesh, B)
+        cache = P(None, rows, "model", None, None)
+        specs = (P(rows, "model", None, None), cache, cache, P(), P(rows), P(), P(rows, None), P(rows, None), P(rows))
+        fn = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=(P(rows, "model", None), cache, cache),
+                           check_vma=False)
+    f32 = lambda x: x.astype(jnp.float32)
+    return fn(qkv, k, v, jnp.asarray(layer, jnp.int32), start, jnp.asarray(slot, jnp.int32), f32(cos), f32(sin),
+              f32(scale))
 
 
 def rows_axis(mesh, batch: int):

@@ -136,10 +136,15 @@ class LlamaAttention(nn.Module):
         c = self.config
         B, T, D = h.shape
         H, Hkv, K = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        q, k, v = common.project_qkv(self, h, H, Hkv, K, c.attention_bias, c.compute_dtype, row_scale=row_scale)
-        q = apply_rope(q, *rope, c.rope_interleaved)  # project_qkv scaled q: the rotation is linear
-        k = apply_rope(k, *rope, c.rope_interleaved)
-        out, cache = common.attention(q, k, v, cache, c, self.deterministic)  # [B, T, H, K]
+        step = None if c.rope_interleaved else common.fused_decode_step(
+            self, h, cache, c, H, Hkv, c.attention_bias, row_scale, tuple(x[:, 0, 0] for x in rope))
+        if step is not None:  # a decode step: rotary embedding, cache write and attention in one kernel
+            out, cache = step
+        else:
+            q, k, v = common.project_qkv(self, h, H, Hkv, K, c.attention_bias, c.compute_dtype, row_scale=row_scale)
+            q = apply_rope(q, *rope, c.rope_interleaved)  # project_qkv scaled q: the rotation is linear
+            k = apply_rope(k, *rope, c.rope_interleaved)
+            out, cache = common.attention(q, k, v, cache, c, self.deterministic)  # [B, T, H, K]
         o_proj = common.Dense(D, use_bias=c.attention_bias, dtype=c.compute_dtype, name="o_proj")
         return o_proj(out.reshape(B, T, H * K)), cache
 

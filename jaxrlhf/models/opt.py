@@ -120,8 +120,12 @@ class OPTAttention(nn.Module):
         c = self.config
         B, T, D = h.shape
         H, K = c.num_attention_heads, c.head_dim
-        q, k, v = common.project_qkv(self, h, H, H, K, c.enable_bias, c.compute_dtype)  # q scaled after its bias, as OPT does
-        out, cache = common.attention(q, k, v, cache, c, self.deterministic)
+        step = common.fused_decode_step(self, h, cache, c, H, H, c.enable_bias)  # a decode step: one kernel
+        if step is not None:
+            out, cache = step
+        else:
+            q, k, v = common.project_qkv(self, h, H, H, K, c.enable_bias, c.compute_dtype)  # q scaled after its bias, as OPT does
+            out, cache = common.attention(q, k, v, cache, c, self.deterministic)
         out_proj = common.Dense(D, use_bias=c.enable_bias, dtype=c.compute_dtype, name="out_proj")
         return out_proj(out.reshape(B, T, D)), cache
 
