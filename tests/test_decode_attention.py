@@ -149,7 +149,7 @@ def test_kernel_lowers_to_triton_for_an_h200(mask_loads):
         assert ("masked_load" in module) == mask_loads  # the Triton IR's debug names
         # the fused step (rotary and row scale with grouped-query heads), its caches aliased to its outputs
         f32 = jax.ShapeDtypeStruct((4, K // 2), jnp.float32)
-        step = jax.jit(lambda qkv, k, v, s, c, n, r: decode_step(qkv, k, v, s, 300, 1, rope=(c, n), row_scale=r,
+        step = jax.jit(lambda qkv, k, v, s, c, n, r: decode_step(qkv, k, v, s, 300, 1, rope=(c, n), rms=(r, 1e-5),
                                                                  config=config))
         with jax.sharding.use_abstract_mesh(h200):
             exported = export.export(step, platforms=["cuda"], disabled_checks=[
@@ -176,11 +176,11 @@ def test_masked_loads_read_nothing_outside_the_valid_range():
     assert np.isnan(np.asarray(whole)).any(axis=(1, 2)).all()  # every row has a partial block
 
 
-def step_reference(qkv, k, v, start, slot, layer, rope, row_scale):
-    """decode_step unfused, in float32: scale the rows, rotate q and k (pairs (i, i + K/2)), write k and v at
-    `slot`, attend over start .. slot."""
+def step_reference(qkv, k, v, start, slot, layer, rope, rms):
+    """decode_step unfused, in float32: scale the rows by 1 / sqrt(mean square + eps), rotate q and k (pairs
+    (i, i + K/2)), write k and v at `slot`, attend over start .. slot."""
     B, Hkv, G2, K = qkv.shape
-    x = qkv.astype(jnp.float32) * (1.0 if row_scale is None else row_scale[:, None, None, None])
+    x = qkv.astype(jnp.float32) * (1.0 if rms is None else (1 / jnp.sqrt(rms[0] + rms[1]))[:, None, None, None])
     q, k_new, v_new = x[:, :, : G2 - 2], x[:, :, G2 - 2], x[:, :, G2 - 1]
     if rope is not None:
         cos, sin = rope[0][:, None, None, :], rope[1][:, None, None, :]
@@ -209,16 +209,16 @@ def test_the_fused_step_equals_scale_rotate_write_attend(case):
     start, slot, layer = jax.random.randint(ks[3], (B,), 0, S // 4), S // 2 + 3, L - 1
     angle = jax.random.uniform(ks[4], (B, K // 2), maxval=6.0)
     rope = (jnp.cos(angle), jnp.sin(angle)) if rope else None
-    row_scale = jax.random.uniform(ks[5], (B,), minval=0.5, maxval=2.0) if scaled else None
-    got = decode_step(qkv, k, v, start, slot, layer, rope=rope, row_scale=row_scale, config=KERNEL)
-    want = step_reference(qkv, k, v, start, slot, layer, rope, row_scale)
+    rms = (jax.random.uniform(ks[5], (B,), minval=0.25, maxval=4.0), 0.5) if scaled else None
+    got = decode_step(qkv, k, v, start, slot, layer, rope=rope, rms=rms, config=KERNEL)
+    want = step_reference(qkv, k, v, start, slot, layer, rope, rms)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), atol=tol, rtol=tol)
     for name, g, w in (("k", got[1], want[1]), ("v", got[2], want[2])):  # the write, and every other slot untouched
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), atol=1e-6, err_msg=name)
     assert not np.allclose(np.asarray(want[1][layer, :, :, slot], np.float32), np.asarray(k[layer, :, :, slot], np.float32))
     if rope is not None:  # the rotation matters: without it the answer differs
-        plain = step_reference(qkv, k, v, start, slot, layer, None, row_scale)
+        plain = step_reference(qkv, k, v, start, slot, layer, None, rms)
         assert np.abs(np.asarray(plain[0], np.float32) - np.asarray(want[0], np.float32)).max() > 0.05
 
 
@@ -229,9 +229,9 @@ def test_the_fused_step_per_shard_and_when_it_applies():
     qkv = jax.random.normal(ks[0], (B, Hkv, G + 2, K))
     k, v = (jax.random.normal(key, (L, B, Hkv, S, K)) for key in ks[1:3])
     start, angle = jax.random.randint(ks[3], (B,), 0, 8), jax.random.uniform(ks[4], (B, K // 2), maxval=6.0)
-    rope, row_scale = (jnp.cos(angle), jnp.sin(angle)), jnp.linspace(0.5, 2.0, B)
-    want = step_reference(qkv, k, v, start, 20, 1, rope, row_scale)
-    got = jax.jit(lambda *a: decode_step(*a, 20, 1, rope=rope, row_scale=row_scale, config=KERNEL, mesh=mesh))(
+    rope, rms = (jnp.cos(angle), jnp.sin(angle)), (jnp.linspace(0.5, 2.0, B), 1e-5)
+    want = step_reference(qkv, k, v, start, 20, 1, rope, rms)
+    got = jax.jit(lambda *a: decode_step(*a, 20, 1, rope=rope, rms=rms, config=KERNEL, mesh=mesh))(
         qkv, k, v, start)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-5)

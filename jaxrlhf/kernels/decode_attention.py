@@ -214,9 +214,9 @@ def _kernel(layer_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *out_refs, block
         acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
 
 
-def _step_kernel(layer_ref, start_ref, slot_ref, qkv_ref, cos_ref, sin_ref, scale_ref, k_ref, v_ref, o_ref, ko_ref,
-                 vo_ref, *, block_s: int, mask_loads: bool, rope: bool, scaled: bool):
-    # qkv_ref: the whole [B, Hkv, G + 2, K] (per KV head its G queries, key, value); cos_ref, sin_ref [K / 2], scale_ref
+def _step_kernel(layer_ref, start_ref, slot_ref, qkv_ref, cos_ref, sin_ref, ms_ref, k_ref, v_ref, o_ref, ko_ref,
+                 vo_ref, *, block_s: int, mask_loads: bool, rope: bool, eps: float | None):
+    # qkv_ref: the whole [B, Hkv, G + 2, K] (per KV head its G queries, key, value); cos_ref, sin_ref [K / 2], ms_ref
     # [1] (this row's); k_ref, v_ref / ko_ref, vo_ref: the cache [L, B, Hkv, S, K], read / written (one buffer);
     # o_ref [G, K].
     b, h = pl.program_id(0), pl.program_id(1)
@@ -224,7 +224,7 @@ def _step_kernel(layer_ref, start_ref, slot_ref, qkv_ref, cos_ref, sin_ref, scal
     G, K = o_ref.shape
     copies = max(16 // G, 1)
     half = K // 2
-    r = scale_ref[0] if scaled else 1.0
+    r = 1.0 if eps is None else jax.lax.rsqrt(ms_ref[0] + eps)
     part = lambda row, n, col, width: qkv_ref[b, h, pl.ds(row, n), pl.ds(col, width)].astype(jnp.float32) * r
     v_new = part(G + 1, 1, 0, K)  # [1, K]
     if rope:  # rotate-half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) for each pair (i, i + K / 2)
@@ -318,8 +318,8 @@ def _pallas(q, k, v, layer, start, end, *, config):
     return out.reshape(B, H, K)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "rope", "scaled"))
-def _pallas_step(qkv, k, v, layer, start, slot, cos, sin, scale, *, config, rope: bool, scaled: bool):
+@functools.partial(jax.jit, static_argnames=("config", "rope", "eps"))
+def _pallas_step(qkv, k, v, layer, start, slot, cos, sin, mean_square, *, config, rope: bool, eps: float | None):
     B, Hkv, G2, K = qkv.shape
     G, S = G2 - 2, k.shape[3]
     block_s = config.slots_per_block(K, S)
@@ -328,7 +328,7 @@ def _pallas_step(qkv, k, v, layer, start, slot, cos, sin, scale, *, config, rope
     row = pl.BlockSpec((1,), lambda b, h: (b,))
     table = pl.BlockSpec((None, K // 2), lambda b, h: (b, 0))
     out, k, v = pl.pallas_call(
-        functools.partial(_step_kernel, block_s=block_s, mask_loads=config.mask_loads, rope=rope, scaled=scaled),
+        functools.partial(_step_kernel, block_s=block_s, mask_loads=config.mask_loads, rope=rope, eps=eps),
         grid=(B, Hkv),
         in_specs=[pl.BlockSpec((1,), lambda b, h: (0,)), row, pl.BlockSpec((1,), lambda b, h: (0,)), pl.no_block_spec,
                   table, table, row, pl.no_block_spec, pl.no_block_spec],
@@ -339,7 +339,7 @@ def _pallas_step(qkv, k, v, layer, start, slot, cos, sin, scale, *, config, rope
         compiler_params=params,
         interpret=interpret,
         name="jaxrlhf_decode_attention_step",
-    )(layer.reshape(1), start, slot.reshape(1), qkv, cos, sin, scale, k, v)
+    )(layer.reshape(1), start, slot.reshape(1), qkv, cos, sin, mean_square, k, v)
     return out.reshape(B, Hkv * G, K), k, v
 
 
@@ -358,13 +358,13 @@ def fuses_step(config: DecodeAttentionConfig, batch: int, kv_heads: int, slots: 
     return config.splits(batch * kv_heads, slots, cores, head_dim) == 1
 
 
-def decode_step(qkv, k, v, start, slot, layer=0, *, rope=None, row_scale=None,
+def decode_step(qkv, k, v, start, slot, layer=0, *, rope=None, rms=None,
                 config: DecodeAttentionConfig = DecodeAttentionConfig(), mesh=None):
     """One decode step's attention straight from the stacked q/k/v product, in one kernel (see `fuses_step`).
 
     qkv [B, Hkv, G + 2, K]: per KV head its G queries (pre-scaled), its key and its value, this step's token (the
-    decode layout's qkv_proj output). row_scale [B] (optional): each row's q, k, v times it (a norm folded into
-    the product). rope (optional): (cos, sin) [B, K / 2], the rotary embedding of this token's position (rotate-half
+    decode layout's qkv_proj output). rms (optional): (mean_square [B], eps), each row's q, k, v times
+    rsqrt(mean_square + eps) (an RMSNorm folded into the product: see llama.decode_layer). rope (optional): (cos, sin) [B, K / 2], the rotary embedding of this token's position (rotate-half
     pairs (i, i + K / 2)), applied to q and k. The new key and value are written into the cache (k, v [L, B, Hkv, S,
     K], updated in place) at `slot`, and the queries attend over slots start <= s <= slot of `layer`.
     Returns (out [B, H, K], k, v). The unfused equivalent: scale, rotate, write with dynamic_update_slice, then
@@ -373,8 +373,8 @@ def decode_step(qkv, k, v, start, slot, layer=0, *, rope=None, row_scale=None,
     B, Hkv, _, K = qkv.shape
     start = jnp.broadcast_to(start, (B,)).astype(jnp.int32)
     cos, sin = rope if rope is not None else (jnp.zeros((B, K // 2), jnp.float32),) * 2  # unread without rope
-    scale = jnp.ones((B,), jnp.float32) if row_scale is None else row_scale
-    fn = functools.partial(_pallas_step, config=config, rope=rope is not None, scaled=row_scale is not None)
+    mean_square, eps = rms if rms is not None else (jnp.zeros((B,), jnp.float32), None)
+    fn = functools.partial(_pallas_step, config=config, rope=rope is not None, eps=eps)
     if mesh is not None and mesh.size > 1:
         rows = rows_axis(mesh, B)
         cache = P(None, rows, "model", None, None)
@@ -383,7 +383,7 @@ def decode_step(qkv, k, v, start, slot, layer=0, *, rope=None, row_scale=None,
                            check_vma=False)
     f32 = lambda x: x.astype(jnp.float32)
     return fn(qkv, k, v, jnp.asarray(layer, jnp.int32), start, jnp.asarray(slot, jnp.int32), f32(cos), f32(sin),
-              f32(scale))
+              f32(mean_square))
 
 
 def rows_axis(mesh, batch: int):

@@ -128,24 +128,27 @@ def _generation_mesh():
     return None if mesh.empty or "model" not in mesh.axis_names else mesh
 
 
-def fused_decode_step(module: nn.Module, h, cache, config, heads: int, kv_heads: int, use_bias: bool, row_scale=None,
-                      rope=None):
+def fused_decode_step(module: nn.Module, h, cache, config, heads: int, kv_heads: int, use_bias: bool,
+                      rms_eps: float | None = None, rope=None):
     """A decode step's q/k/v product and attention, the rest in one kernel (kernels.decode_attention.decode_step:
     the rows' scale, the rotary embedding, the cache write and the attention). Returns (out [B, 1, H, K], cache), or
     None where it does not apply: not a decode step in the decode layout, the kernel not in use or split
     (`fuses_step`), or a bias that must come after the rows' scale. The caller then runs the unfused path, which
     on the GPU is one kernel each for the rotary embedding and the two cache writes (0.17 ms of Llama-7B's step at
-    batch 64). row_scale [B, 1, 1] (a folded norm, see llama.decode_layer); rope (cos, sin) [B, K / 2] rotate-half."""
+    batch 64). rms_eps: h is RMS-normalised (its norm's scale folded into qkv_proj: llama.decode_layer) with this
+    epsilon, in the kernel; rope (cos, sin) [B, K / 2], rotate-half."""
     B, T, _ = h.shape
-    if cache is None or T != 1 or not module.has_variable("params", "qkv_proj") or (use_bias and row_scale is not None):
+    if cache is None or T != 1 or not module.has_variable("params", "qkv_proj") or (use_bias and rms_eps is not None):
         return None
     K, mesh = config.head_dim, _generation_mesh()
     kernel = DecodeAttentionConfig(implementation=config.decode_attention)
     if not fuses_step(kernel, B, kv_heads, cache["k"].shape[3], K, heads // kv_heads, mesh):
         return None
     qkv = stacked_dense(module, "qkv_proj", h, config.compute_dtype).reshape(B, kv_heads, -1, K)
+    # the mean square (the same reduction as rms_row_scale's, which XLA merges with it); its rsqrt in the kernel
+    rms = None if rms_eps is None else (jnp.mean(jnp.square(h.astype(jnp.float32)), axis=-1).reshape(B), rms_eps)
     out, k, v = decode_step(qkv, cache["k"], cache["v"], cache["start"], cache["slot"], cache["layer"], rope=rope,
-                            row_scale=None if row_scale is None else row_scale.reshape(B), config=kernel, mesh=mesh)
+                            rms=rms, config=kernel, mesh=mesh)
     return out[:, None], {**cache, "k": k, "v": v}
 
 
@@ -418,8 +421,7 @@ def fold_scale(dense: dict, scale) -> dict:
 
 def rms_row_scale(h, eps: float):
     """1 / rms(h) [..., 1] in float32: RMSNorm(h) = h * rms_row_scale(h) * scale."""
-    x = h.astype(jnp.float32)
-    return jax.lax.rsqrt(jnp.mean(x * x, axis=-1) + eps)[..., None]
+    return jax.lax.rsqrt(jnp.mean(jnp.square(h.astype(jnp.float32)), axis=-1) + eps)[..., None]
 
 
 def project_qkv(module: nn.Module, h, heads: int, kv_heads: int, head_dim: int, use_bias: bool, dtype,

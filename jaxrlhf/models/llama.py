@@ -137,7 +137,8 @@ class LlamaAttention(nn.Module):
         B, T, D = h.shape
         H, Hkv, K = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         step = None if c.rope_interleaved else common.fused_decode_step(
-            self, h, cache, c, H, Hkv, c.attention_bias, row_scale, tuple(x[:, 0, 0] for x in rope))
+            self, h, cache, c, H, Hkv, c.attention_bias, None if row_scale is None else c.rms_norm_eps,
+            tuple(x[:, 0, 0] for x in rope))
         if step is not None:  # a decode step: rotary embedding, cache write and attention in one kernel
             out, cache = step
         else:
