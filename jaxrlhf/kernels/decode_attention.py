@@ -24,6 +24,11 @@ Under tensor parallelism (`decode_attention(..., mesh=mesh)` with a "model" axis
 with `shard_map`: each device holds its heads' queries and cache, and its rows if "data" splits the batch.
 `decode_attention_reference` is the plain-jnp definition; `xla_decode_attention` is what XLA does well
 without the kernel (the switch `DecodeAttentionConfig(implementation="xla")`).
+
+`decode_step` is the same attention one step earlier in the layer: it takes the stacked q/k/v product itself
+(the decode layout's), scales its rows by a folded RMSNorm's 1 / rms, applies the rotary embedding, writes the new
+key and value into the cache in place and attends, in one kernel. Unfused, those are three or four small XLA
+kernels per layer around this one (on the H200, OPT-1.3B at batch 64: 2.67 -> 2.59 ms per decode step).
 """
 
 from __future__ import annotations
