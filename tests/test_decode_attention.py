@@ -125,6 +125,8 @@ def test_bad_shapes_and_knobs():
     q, k, v, start, end = inputs(1, 1, 2, 2, 40, 64, jnp.float32, seed=0)
     with pytest.raises(ValueError, match="cache length 40 must be a multiple of 16"):
         decode_attention(q, k, v, start, end, config=KERNEL)
+    with pytest.raises(ValueError, match="cache length 40 must be a multiple of 16"):  # the fused step too
+        decode_step(jnp.zeros((1, 2, 3, 64)), k, v, start, 5, config=KERNEL)
 
 
 @pytest.mark.parametrize("mask_loads", [True, False], ids=["masked_loads", "whole_blocks"])

@@ -276,19 +276,26 @@ def _combine(acc, m, l):
     return jnp.sum(w[..., None] * acc, axis=-3) / jnp.maximum(total, 1e-30)[..., None]
 
 
+def _launch(config: DecodeAttentionConfig, head_dim: int, slots: int):
+    """(interpret, Triton compiler params or None, the GPU's SM count or None, slots per block) for a kernel call;
+    refuses a cache length the kernel's blocks cannot tile."""
+    block_s = config.slots_per_block(head_dim, slots)
+    if block_s < 16:
+        raise ValueError(f"cache length {slots} must be a multiple of 16 for the kernel; allocate the cache rounded up")
+    interpret = config.interpret if config.interpret is not None else jax.default_backend() != "gpu"
+    params = None if interpret else pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+    cores = None if interpret else getattr(jax.devices()[0], "core_count", None)
+    return interpret, params, cores, block_s
+
+
 # jit makes the call removable by dead-code elimination (flax's scan over layers traces the body twice).
 @functools.partial(jax.jit, static_argnames="config")
 def _pallas(q, k, v, layer, start, end, *, config):
     B, H, K = q.shape
     Hkv, S = k.shape[2], k.shape[3]
-    block_s = config.slots_per_block(K, S)
-    if block_s < 16:
-        raise ValueError(f"cache length {S} must be a multiple of 16 for the kernel; allocate the cache rounded up")
+    interpret, params, cores, block_s = _launch(config, K, S)
     G = H // Hkv
     qg = q.reshape(B, Hkv, G, K)
-    interpret = config.interpret if config.interpret is not None else jax.default_backend() != "gpu"
-    params = None if interpret else pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
-    cores = None if interpret else getattr(jax.devices()[0], "core_count", None)
     splits = config.splits(B * Hkv, S, cores, K)
     chunk = _chunk(S, splits, block_s)
     row = pl.BlockSpec((1,), lambda b, h, j: (b,))
@@ -327,9 +334,7 @@ def _pallas(q, k, v, layer, start, end, *, config):
 def _pallas_step(qkv, k, v, layer, start, slot, cos, sin, mean_square, *, config, rope: bool, eps: float | None):
     B, Hkv, G2, K = qkv.shape
     G, S = G2 - 2, k.shape[3]
-    block_s = config.slots_per_block(K, S)
-    interpret = config.interpret if config.interpret is not None else jax.default_backend() != "gpu"
-    params = None if interpret else pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+    interpret, params, _, block_s = _launch(config, K, S)
     row = pl.BlockSpec((1,), lambda b, h: (b,))
     table = pl.BlockSpec((None, K // 2), lambda b, h: (b, 0))
     out, k, v = pl.pallas_call(
@@ -358,9 +363,7 @@ def fuses_step(config: DecodeAttentionConfig, batch: int, kv_heads: int, slots: 
         rows = rows_axis(mesh, batch)
         batch //= mesh.shape[rows] if rows else 1
         kv_heads //= mesh.shape["model"]
-    interpret = config.interpret if config.interpret is not None else jax.default_backend() != "gpu"
-    cores = None if interpret else getattr(jax.devices()[0], "core_count", None)
-    return config.splits(batch * kv_heads, slots, cores, head_dim) == 1
+    return config.splits(batch * kv_heads, slots, _launch(config, head_dim, slots)[2], head_dim) == 1
 
 
 def decode_step(qkv, k, v, start, slot, layer=0, *, rope=None, rms=None,

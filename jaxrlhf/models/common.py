@@ -145,8 +145,8 @@ def fused_decode_step(module: nn.Module, h, cache, config, heads: int, kv_heads:
     if not fuses_step(kernel, B, kv_heads, cache["k"].shape[3], K, heads // kv_heads, mesh):
         return None
     qkv = stacked_dense(module, "qkv_proj", h, config.compute_dtype).reshape(B, kv_heads, -1, K)
-    # the mean square (the same reduction as rms_row_scale's, which XLA merges with it); its rsqrt in the kernel
-    rms = None if rms_eps is None else (jnp.mean(jnp.square(h.astype(jnp.float32)), axis=-1).reshape(B), rms_eps)
+    # the mean square (rms_row_scale's reduction, which XLA merges with it); its rsqrt in the kernel
+    rms = None if rms_eps is None else (mean_square(h).reshape(B), rms_eps)
     out, k, v = decode_step(qkv, cache["k"], cache["v"], cache["start"], cache["slot"], cache["layer"], rope=rope,
                             rms=rms, config=kernel, mesh=mesh)
     return out[:, None], {**cache, "k": k, "v": v}
@@ -419,9 +419,14 @@ def fold_scale(dense: dict, scale) -> dict:
     return {**dense, "kernel": kernel * scale.reshape(-1, *(1,) * (kernel.ndim - 1)).astype(kernel.dtype)}
 
 
+def mean_square(h):
+    """mean(h^2) over the last axis, in float32 [...]."""
+    return jnp.mean(jnp.square(h.astype(jnp.float32)), axis=-1)
+
+
 def rms_row_scale(h, eps: float):
     """1 / rms(h) [..., 1] in float32: RMSNorm(h) = h * rms_row_scale(h) * scale."""
-    return jax.lax.rsqrt(jnp.mean(jnp.square(h.astype(jnp.float32)), axis=-1) + eps)[..., None]
+    return jax.lax.rsqrt(mean_square(h) + eps)[..., None]
 
 
 def project_qkv(module: nn.Module, h, heads: int, kv_heads: int, head_dim: int, use_bias: bool, dtype,
