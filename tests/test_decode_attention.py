@@ -151,13 +151,13 @@ def test_kernel_lowers_to_triton_for_an_h200(mask_loads):
         assert ("masked_load" in module) == mask_loads  # the Triton IR's debug names
         # the fused step (rotary and row scale with grouped-query heads), its caches aliased to its outputs
         f32 = jax.ShapeDtypeStruct((4, K // 2), jnp.float32)
-        step = jax.jit(lambda qkv, k, v, s, c, n, r: decode_step(qkv, k, v, s, 300, 1, rope=(c, n), rms=(r, 1e-5),
+        step = jax.jit(lambda qkv, k, v, s, c, n, x: decode_step(qkv, k, v, s, 300, 1, rope=(c, n), rms=(x, 1e-5),
                                                                  config=config))
         with jax.sharding.use_abstract_mesh(h200):
             exported = export.export(step, platforms=["cuda"], disabled_checks=[
                 export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
                 bf16(4, Hkv, H // Hkv + 2, K), bf16(2, 4, Hkv, 512, K), bf16(2, 4, Hkv, 512, K), rows, f32, f32,
-                jax.ShapeDtypeStruct((4,), jnp.float32))
+                bf16(4, 5120))  # Llama-13B's width: the norm's input read in 5 pieces
         module = exported.mlir_module()
         assert module.count('name = "jaxrlhf_decode_attention_step"') == 1 and "output_operand_alias" in module
 
@@ -179,10 +179,12 @@ def test_masked_loads_read_nothing_outside_the_valid_range():
 
 
 def step_reference(qkv, k, v, start, slot, layer, rope, rms):
-    """decode_step unfused, in float32: scale the rows by 1 / sqrt(mean square + eps), rotate q and k (pairs
-    (i, i + K/2)), write k and v at `slot`, attend over start .. slot."""
+    """decode_step unfused, in float32: scale the rows by 1 / sqrt(mean(h^2) + eps) (rms = (h, eps)), rotate q and
+    k (pairs (i, i + K/2)), write k and v at `slot`, attend over start .. slot."""
     B, Hkv, G2, K = qkv.shape
-    x = qkv.astype(jnp.float32) * (1.0 if rms is None else (1 / jnp.sqrt(rms[0] + rms[1]))[:, None, None, None])
+    if rms is not None:
+        ms = jnp.mean(jnp.square(rms[0].astype(jnp.float32)), axis=-1)
+    x = qkv.astype(jnp.float32) * (1.0 if rms is None else (1 / jnp.sqrt(ms + rms[1]))[:, None, None, None])
     q, k_new, v_new = x[:, :, : G2 - 2], x[:, :, G2 - 2], x[:, :, G2 - 1]
     if rope is not None:
         cos, sin = rope[0][:, None, None, :], rope[1][:, None, None, :]
@@ -195,23 +197,28 @@ def step_reference(qkv, k, v, start, slot, layer, rope, rms):
     return out, k, v
 
 
-STEP_CASES = [  # (L, B, Hkv, G, S, K, dtype, rope, row scale)
-    (2, 3, 2, 2, 48, 64, jnp.float32, True, True),  # Llama: grouped-query, rotary, a folded RMSNorm
-    (1, 4, 4, 1, 64, 64, jnp.float32, False, False),  # OPT: multi-head, neither
-    (3, 2, 2, 4, 32, 128, jnp.bfloat16, True, True),
+STEP_CASES = [  # (L, B, Hkv, G, S, K, dtype, rope, the folded norm's width D or 0 for none)
+    (2, 3, 2, 2, 48, 64, jnp.float32, True, 96),  # Llama: grouped-query, rotary, a folded RMSNorm (D in 3 pieces)
+    (1, 4, 4, 1, 64, 64, jnp.float32, False, 0),  # OPT: multi-head, neither
+    (3, 2, 2, 4, 32, 128, jnp.bfloat16, True, 256),
 ]
+
+
+def norm_input(key, B, D, dtype=jnp.float32):
+    """Rows [B, D] of different RMS (0.5 to 2): each row's scale differs."""
+    return (jax.random.normal(key, (B, D)) * jnp.linspace(0.5, 2.0, B)[:, None]).astype(dtype)
 
 
 @pytest.mark.parametrize("case", range(len(STEP_CASES)))
 def test_the_fused_step_equals_scale_rotate_write_attend(case):
-    L, B, Hkv, G, S, K, dtype, rope, scaled = STEP_CASES[case]
+    L, B, Hkv, G, S, K, dtype, rope, D = STEP_CASES[case]
     ks = jax.random.split(jax.random.key(200 + case), 6)  # fresh inputs per case
     qkv = jax.random.normal(ks[0], (B, Hkv, G + 2, K), dtype)
     k, v = (jax.random.normal(key, (L, B, Hkv, S, K), dtype) for key in ks[1:3])
     start, slot, layer = jax.random.randint(ks[3], (B,), 0, S // 4), S // 2 + 3, L - 1
     angle = jax.random.uniform(ks[4], (B, K // 2), maxval=6.0)
     rope = (jnp.cos(angle), jnp.sin(angle)) if rope else None
-    rms = (jax.random.uniform(ks[5], (B,), minval=0.25, maxval=4.0), 0.5) if scaled else None
+    rms = (norm_input(ks[5], B, D, dtype), 0.5) if D else None
     got = decode_step(qkv, k, v, start, slot, layer, rope=rope, rms=rms, config=KERNEL)
     want = step_reference(qkv, k, v, start, slot, layer, rope, rms)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
@@ -227,11 +234,11 @@ def test_the_fused_step_equals_scale_rotate_write_attend(case):
 def test_the_fused_step_per_shard_and_when_it_applies():
     mesh = make_mesh(tp=2)  # 8 CPU devices: data 4 x model 2
     L, B, Hkv, G, S, K = 2, 4, 2, 2, 32, 64
-    ks = jax.random.split(jax.random.key(9), 5)
+    ks = jax.random.split(jax.random.key(9), 6)
     qkv = jax.random.normal(ks[0], (B, Hkv, G + 2, K))
     k, v = (jax.random.normal(key, (L, B, Hkv, S, K)) for key in ks[1:3])
     start, angle = jax.random.randint(ks[3], (B,), 0, 8), jax.random.uniform(ks[4], (B, K // 2), maxval=6.0)
-    rope, rms = (jnp.cos(angle), jnp.sin(angle)), (jnp.linspace(0.5, 2.0, B), 1e-5)
+    rope, rms = (jnp.cos(angle), jnp.sin(angle)), (norm_input(ks[5], B, 128), 1e-5)
     want = step_reference(qkv, k, v, start, 20, 1, rope, rms)
     got = jax.jit(lambda *a: decode_step(*a, 20, 1, rope=rope, rms=rms, config=KERNEL, mesh=mesh))(
         qkv, k, v, start)

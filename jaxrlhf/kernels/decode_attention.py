@@ -219,17 +219,26 @@ def _kernel(layer_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *out_refs, block
         acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
 
 
-def _step_kernel(layer_ref, start_ref, slot_ref, qkv_ref, cos_ref, sin_ref, ms_ref, k_ref, v_ref, o_ref, ko_ref,
+def row_mean_square(x_ref, row):
+    """mean(x^2) of row `row` of x_ref [B, D] in float32, read in pieces of the largest power of two dividing D (at
+    most 4096): Triton loads power-of-two shapes only."""
+    D = x_ref.shape[-1]
+    piece = min(D & -D, 4096)
+    add = lambda i, total: total + jnp.sum(jnp.square(x_ref[row, pl.ds(i * piece, piece)].astype(jnp.float32)))
+    return jax.lax.fori_loop(0, D // piece, add, jnp.zeros((), jnp.float32)) / D
+
+
+def _step_kernel(layer_ref, start_ref, slot_ref, qkv_ref, cos_ref, sin_ref, x_ref, k_ref, v_ref, o_ref, ko_ref,
                  vo_ref, *, block_s: int, mask_loads: bool, rope: bool, eps: float | None):
-    # qkv_ref: the whole [B, Hkv, G + 2, K] (per KV head its G queries, key, value); cos_ref, sin_ref [K / 2], ms_ref
-    # [1] (this row's); k_ref, v_ref / ko_ref, vo_ref: the cache [L, B, Hkv, S, K], read / written (one buffer);
-    # o_ref [G, K].
+    # qkv_ref: the whole [B, Hkv, G + 2, K] (per KV head its G queries, key, value); cos_ref, sin_ref [K / 2]; x_ref
+    # [B, D] (the folded norm's input); k_ref, v_ref / ko_ref, vo_ref: the cache [L, B, Hkv, S, K], read / written
+    # (one buffer); o_ref [G, K].
     b, h = pl.program_id(0), pl.program_id(1)
     layer, slot = layer_ref[0], slot_ref[0]
     G, K = o_ref.shape
     copies = max(16 // G, 1)
     half = K // 2
-    r = 1.0 if eps is None else jax.lax.rsqrt(ms_ref[0] + eps)
+    r = 1.0 if eps is None else jax.lax.rsqrt(row_mean_square(x_ref, b) + eps)
     part = lambda row, n, col, width: qkv_ref[b, h, pl.ds(row, n), pl.ds(col, width)].astype(jnp.float32) * r
     v_new = part(G + 1, 1, 0, K)  # [1, K]
     if rope:  # rotate-half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) for each pair (i, i + K / 2)
@@ -331,7 +340,7 @@ def _pallas(q, k, v, layer, start, end, *, config):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "rope", "eps"))
-def _pallas_step(qkv, k, v, layer, start, slot, cos, sin, mean_square, *, config, rope: bool, eps: float | None):
+def _pallas_step(qkv, k, v, layer, start, slot, cos, sin, x, *, config, rope: bool, eps: float | None):
     B, Hkv, G2, K = qkv.shape
     G, S = G2 - 2, k.shape[3]
     interpret, params, _, block_s = _launch(config, K, S)
@@ -341,7 +350,7 @@ def _pallas_step(qkv, k, v, layer, start, slot, cos, sin, mean_square, *, config
         functools.partial(_step_kernel, block_s=block_s, mask_loads=config.mask_loads, rope=rope, eps=eps),
         grid=(B, Hkv),
         in_specs=[pl.BlockSpec((1,), lambda b, h: (0,)), row, pl.BlockSpec((1,), lambda b, h: (0,)), pl.no_block_spec,
-                  table, table, row, pl.no_block_spec, pl.no_block_spec],
+                  table, table, pl.no_block_spec, pl.no_block_spec, pl.no_block_spec],
         out_specs=[pl.BlockSpec((None, None, G, K), lambda b, h: (b, h, 0, 0)), pl.no_block_spec, pl.no_block_spec],
         out_shape=[jax.ShapeDtypeStruct((B, Hkv, G, K), qkv.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                    jax.ShapeDtypeStruct(v.shape, v.dtype)],
@@ -349,7 +358,7 @@ def _pallas_step(qkv, k, v, layer, start, slot, cos, sin, mean_square, *, config
         compiler_params=params,
         interpret=interpret,
         name="jaxrlhf_decode_attention_step",
-    )(layer.reshape(1), start, slot.reshape(1), qkv, cos, sin, mean_square, k, v)
+    )(layer.reshape(1), start, slot.reshape(1), qkv, cos, sin, x, k, v)
     return out.reshape(B, Hkv * G, K), k, v
 
 
@@ -371,9 +380,11 @@ def decode_step(qkv, k, v, start, slot, layer=0, *, rope=None, rms=None,
     """One decode step's attention straight from the stacked q/k/v product, in one kernel (see `fuses_step`).
 
     qkv [B, Hkv, G + 2, K]: per KV head its G queries (pre-scaled), its key and its value, this step's token (the
-    decode layout's qkv_proj output). rms (optional): (mean_square [B], eps), each row's q, k, v times
-    rsqrt(mean_square + eps) (an RMSNorm folded into the product: see llama.decode_layer). rope (optional): (cos, sin) [B, K / 2], the rotary embedding of this token's position (rotate-half
-    pairs (i, i + K / 2)), applied to q and k. The new key and value are written into the cache (k, v [L, B, Hkv, S,
+    decode layout's qkv_proj output). rms (optional): (x [B, D], eps), each row's q, k, v times
+    rsqrt(mean(x^2) + eps), x being the product's input (an RMSNorm folded into the product: see
+    llama.decode_layer; the kernel reduces x itself, no reduction kernel before it). rope (optional): (cos, sin)
+    [B, K / 2], the rotary embedding of this token's position (rotate-half pairs (i, i + K / 2)), applied to q
+    and k. The new key and value are written into the cache (k, v [L, B, Hkv, S,
     K], updated in place) at `slot`, and the queries attend over slots start <= s <= slot of `layer`.
     Returns (out [B, H, K], k, v). The unfused equivalent: scale, rotate, write with dynamic_update_slice, then
     `decode_attention(q, k, v, start, slot + 1, layer)`; tests/test_decode_attention.py checks one against the other.
@@ -381,17 +392,17 @@ def decode_step(qkv, k, v, start, slot, layer=0, *, rope=None, rms=None,
     B, Hkv, _, K = qkv.shape
     start = jnp.broadcast_to(start, (B,)).astype(jnp.int32)
     cos, sin = rope if rope is not None else (jnp.zeros((B, K // 2), jnp.float32),) * 2  # unread without rope
-    mean_square, eps = rms if rms is not None else (jnp.zeros((B,), jnp.float32), None)
+    x, eps = rms if rms is not None else (jnp.zeros((B, 1), jnp.float32), None)  # unread without rms
     fn = functools.partial(_pallas_step, config=config, rope=rope is not None, eps=eps)
     if mesh is not None and mesh.size > 1:
         rows = rows_axis(mesh, B)
         cache = P(None, rows, "model", None, None)
-        specs = (P(rows, "model", None, None), cache, cache, P(), P(rows), P(), P(rows, None), P(rows, None), P(rows))
+        specs = (P(rows, "model", None, None), cache, cache, P(), P(rows), P(), P(rows, None), P(rows, None),
+                 P(rows, None))
         fn = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=(P(rows, "model", None), cache, cache),
                            check_vma=False)
     f32 = lambda x: x.astype(jnp.float32)
-    return fn(qkv, k, v, jnp.asarray(layer, jnp.int32), start, jnp.asarray(slot, jnp.int32), f32(cos), f32(sin),
-              f32(mean_square))
+    return fn(qkv, k, v, jnp.asarray(layer, jnp.int32), start, jnp.asarray(slot, jnp.int32), f32(cos), f32(sin), x)
 
 
 def rows_axis(mesh, batch: int):

@@ -101,7 +101,7 @@ def cached_attention(q, k, v, cache, decode: str = "auto", prefill: str = "auto"
     ck, cv = write(cache["k"], k), write(cache["v"], v)
     cache = {**cache, "k": ck, "v": cv}
     B, T, H, K = q.shape
-    mesh = _generation_mesh()
+    mesh = generation_mesh()
     if T == 1:
         config = DecodeAttentionConfig(implementation=decode)
         out = decode_attention(q[:, 0], ck, cv, cache["start"], slot + 1, layer, config=config, mesh=mesh)
@@ -122,10 +122,15 @@ def cached_attention(q, k, v, cache, decode: str = "auto", prefill: str = "auto"
     return out, {**cache, "k": ck, "v": cv}
 
 
-def _generation_mesh():
+def generation_mesh():
     """The mesh generate() sets around its program (None without one): the kernels run per shard of it."""
     mesh = jax.sharding.get_abstract_mesh()
     return None if mesh.empty or "model" not in mesh.axis_names else mesh
+
+
+def uses_kernels(config) -> bool:
+    """Whether generation runs our Pallas kernels (config.decode_attention: "pallas", or "auto" on a GPU)."""
+    return config.decode_attention == "pallas" or (config.decode_attention == "auto" and jax.default_backend() == "gpu")
 
 
 def fused_decode_step(module: nn.Module, h, cache, config, heads: int, kv_heads: int, use_bias: bool,
@@ -140,13 +145,12 @@ def fused_decode_step(module: nn.Module, h, cache, config, heads: int, kv_heads:
     B, T, _ = h.shape
     if cache is None or T != 1 or not module.has_variable("params", "qkv_proj") or (use_bias and rms_eps is not None):
         return None
-    K, mesh = config.head_dim, _generation_mesh()
+    K, mesh = config.head_dim, generation_mesh()
     kernel = DecodeAttentionConfig(implementation=config.decode_attention)
     if not fuses_step(kernel, B, kv_heads, cache["k"].shape[3], K, heads // kv_heads, mesh):
         return None
     qkv = stacked_dense(module, "qkv_proj", h, config.compute_dtype).reshape(B, kv_heads, -1, K)
-    # the mean square (rms_row_scale's reduction, which XLA merges with it); its rsqrt in the kernel
-    rms = None if rms_eps is None else (mean_square(h).reshape(B), rms_eps)
+    rms = None if rms_eps is None else (h.reshape(B, -1), rms_eps)  # the kernel reduces h itself
     out, k, v = decode_step(qkv, cache["k"], cache["v"], cache["start"], cache["slot"], cache["layer"], rope=rope,
                             rms=rms, config=kernel, mesh=mesh)
     return out[:, None], {**cache, "k": k, "v": v}

@@ -35,6 +35,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from jaxrlhf.kernels.swiglu import rms_swiglu
 from jaxrlhf.models import common
 
 
@@ -160,6 +161,12 @@ class LlamaMLP(nn.Module):
         c = self.config
         dense = lambda n, name: common.Dense(n, use_bias=c.mlp_bias, dtype=c.compute_dtype, name=name)
         if self.has_variable("params", "gate_up_proj"):  # the decode layout: [D, 2, F] (decode_layer)
+            B, T, D = h.shape
+            if row_scale is not None and T == 1 and not c.mlp_bias and common.uses_kernels(c):
+                # A decode step: the folded norm's 1 / rms(h), silu and the product in one kernel (3 kernels unfused)
+                gate_up = common.stacked_dense(self, "gate_up_proj", h, c.compute_dtype).reshape(B, 2, -1)
+                act = rms_swiglu(gate_up, h.reshape(B, D), c.rms_norm_eps, mesh=common.generation_mesh())
+                return dense(c.hidden_size, "down_proj")(act[:, None])
             gate_up = common.stacked_dense(self, "gate_up_proj", h, c.compute_dtype, row_scale)
             gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
         else:
