@@ -24,8 +24,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrlhf.kernels.decode_attention import row_mean_square, rows_axis
 
-BLOCK_F = 1024  # output columns per program (Triton blocks are powers of two; the last block is masked)
-NUM_WARPS = 4
+BLOCK_F = 2048  # output columns per program (a power of two for Triton; the last block masked). On the H200 at
+# Llama-7B's 64 x 11008: 2.89 µs a call, against 3.18 with 1024 and 4 warps (profiles of the decode step)
+NUM_WARPS = 8
 
 
 def rms_swiglu_reference(gate_up, h, eps: float):
