@@ -423,14 +423,9 @@ def fold_scale(dense: dict, scale) -> dict:
     return {**dense, "kernel": kernel * scale.reshape(-1, *(1,) * (kernel.ndim - 1)).astype(kernel.dtype)}
 
 
-def mean_square(h):
-    """mean(h^2) over the last axis, in float32 [...]."""
-    return jnp.mean(jnp.square(h.astype(jnp.float32)), axis=-1)
-
-
 def rms_row_scale(h, eps: float):
     """1 / rms(h) [..., 1] in float32: RMSNorm(h) = h * rms_row_scale(h) * scale."""
-    return jax.lax.rsqrt(mean_square(h) + eps)[..., None]
+    return jax.lax.rsqrt(jnp.mean(jnp.square(h.astype(jnp.float32)), axis=-1, keepdims=True) + eps)
 
 
 def project_qkv(module: nn.Module, h, heads: int, kv_heads: int, head_dim: int, use_bias: bool, dtype,

@@ -192,8 +192,9 @@ class LlamaLayer(nn.Module):
             if self.is_initializing() or self.has_variable("params", name):
                 return nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=c.compute_dtype, name=name)(h), None
             # The decode layout (decode_layer) folded this norm's scale into the next product's kernel: the
-            # product reads h itself and its output rows are scaled by 1 / rms(h) in the consumer's fusion, one
-            # kernel per norm less on the GPU (the normalised copy of h is never written).
+            # product reads h itself and its output rows are scaled by 1 / rms(h) in the consumer's fusion, or in a
+            # decode step inside the kernel that consumes it (decode_step, rms_swiglu): the normalised copy of h is
+            # never written.
             return h, common.rms_row_scale(h, c.rms_norm_eps)
 
         x, r = norm("input_layernorm", h)
