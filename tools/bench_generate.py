@@ -131,7 +131,9 @@ def main():
     ap.add_argument("--layout", nargs="+", default=["decode"], choices=["decode", "model"],
                     help="the weights as generation takes them: the decode layout (generate.decode_params, what "
                          "Step 3 runs) and/or the model's own tree (each step slices the stacked layers)")
-    ap.add_argument("--hf", nargs="*", default=["static", "dynamic"], choices=["static", "dynamic"])
+    ap.add_argument("--hf", nargs="*", default=["static", "dynamic"], choices=["static", "dynamic"],
+                    help="transformers' generate in a child process, before ours: its static and/or dynamic cache "
+                         "(default both; the dynamic cache takes minutes at 7B); --hf alone: none")
     ap.add_argument("--profile", action="store_true",
                     help="also trace one generation per batch (Pallas decode) and record its kernels by device time; "
                          "the traces stay in OUT/trace-generate-B for Perfetto")
@@ -146,6 +148,8 @@ def main():
         return
     argv = [__file__, "--only-hf", "--model", args.model, "--batch", *map(str, args.batch), "--prompt", str(args.prompt),
             "--new", str(args.new), "--repeats", str(args.repeats), "--hf", *args.hf]
+    if args.hf:
+        print(f"transformers generate ({', '.join(args.hf)} cache) at batch {args.batch}, in a child process ...", flush=True)
     hf_runs = common.torch_child(argv, args.batch) if args.hf else {}
     config = preset(args.model, dtype="bfloat16", scan_unroll=args.unroll)
     mesh = make_mesh(args.tp)
