@@ -49,7 +49,10 @@ def _in_decode_layout(tree, config, mesh, layer: bool):
     tree = fuse_attached(tree)
     if layer:  # stacked (and the query scale folded in) before the cast: one rounding
         tree = decode_layer(config, tree)
-    tree = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+    # a folded LayerNorm's column sums stay float32 (models.common.fold_norm): they cancel the product's mean part
+    cast = lambda path, x: (x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+                            and getattr(path[-1], "key", None) != "colsum" else x)
+    tree = jax.tree_util.tree_map_with_path(cast, tree)
     if mesh is not None:
         wrapped = {"layers": (tree,)} if layer else tree  # per-layer paths read layers/0/... (sharding.logical_axes)
         specs = shardings_for(wrapped, "tp", mesh)

@@ -65,7 +65,7 @@ PARAM_AXES: list[tuple[str, tuple[str | None, ...]]] = [
     (r"lm_head/kernel", ("embed", "vocab")),
     # The decode layout (models.common.stack_qkv, llama.decode_layer): q/k/v stacked per KV head, gate/up stacked.
     (r"layers/self_attn/qkv_proj/kernel", ("layers", "embed", "heads", None)),
-    (r"layers/self_attn/qkv_proj/bias", ("layers", "heads", None)),
+    (r"layers/self_attn/qkv_proj/(bias|colsum)", ("layers", "heads", None)),
     (r"layers/mlp/gate_up_proj/kernel", ("layers", "embed", None, "mlp")),
     (r"layers/mlp/gate_up_proj/bias", ("layers", None, "mlp")),
 ]

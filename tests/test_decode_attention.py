@@ -149,15 +149,19 @@ def test_kernel_lowers_to_triton_for_an_h200(mask_loads):
         module = exported.mlir_module()
         assert module.count('name = "jaxrlhf_decode_attention"') == 1
         assert ("masked_load" in module) == mask_loads  # the Triton IR's debug names
-        # the fused step (rotary and row scale with grouped-query heads), its caches aliased to its outputs
-        f32 = jax.ShapeDtypeStruct((4, K // 2), jnp.float32)
-        step = jax.jit(lambda qkv, k, v, s, c, n, x: decode_step(qkv, k, v, s, 300, 1, rope=(c, n), rms=(x, 1e-5),
-                                                                 config=config))
+        # the fused step, its caches aliased to its outputs: grouped-query heads with rotary and RMSNorm (Llama),
+        # multi-head with a LayerNorm, its float32 product and a bias (OPT)
+        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+        G2, llama = H // Hkv + 2, Hkv < H
+        step = jax.jit(lambda qkv, k, v, s, c, n, x, cs, b: decode_step(
+            qkv, k, v, s, 300, 1, rope=(c, n) if llama else None, norm=(x, 1e-5) if llama else (x, 1e-5, cs),
+            bias=None if llama else b, config=config))
         with jax.sharding.use_abstract_mesh(h200):
             exported = export.export(step, platforms=["cuda"], disabled_checks=[
                 export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-                bf16(4, Hkv, H // Hkv + 2, K), bf16(2, 4, Hkv, 512, K), bf16(2, 4, Hkv, 512, K), rows, f32, f32,
-                bf16(4, 5120))  # Llama-13B's width: the norm's input read in 5 pieces
+                (bf16 if llama else f32)(4, Hkv, G2, K), bf16(2, 4, Hkv, 512, K), bf16(2, 4, Hkv, 512, K), rows,
+                f32(4, K // 2), f32(4, K // 2), bf16(4, 5120 if llama else 2048),  # Llama-13B's width: 5 pieces
+                f32(Hkv, G2, K), bf16(Hkv, G2, K))
         module = exported.mlir_module()
         assert module.count('name = "jaxrlhf_decode_attention_step"') == 1 and "output_operand_alias" in module
 
@@ -178,13 +182,22 @@ def test_masked_loads_read_nothing_outside_the_valid_range():
     assert np.isnan(np.asarray(whole)).any(axis=(1, 2)).all()  # every row has a partial block
 
 
-def step_reference(qkv, k, v, start, slot, layer, rope, rms):
-    """decode_step unfused, in float32: scale the rows by 1 / sqrt(mean(h^2) + eps) (rms = (h, eps)), rotate q and
-    k (pairs (i, i + K/2)), write k and v at `slot`, attend over start .. slot."""
+def step_reference(qkv, k, v, start, slot, layer, rope, norm, bias=None):
+    """decode_step unfused, in float32: finish the folded norm (norm = (h, eps): rows times 1 / sqrt(mean(h^2) +
+    eps); (h, eps, colsum): (row - mean(h) colsum) / sqrt(var(h) + eps)), add the bias, rotate q and k (pairs
+    (i, i + K/2)), write k and v at `slot`, attend over start .. slot."""
     B, Hkv, G2, K = qkv.shape
-    if rms is not None:
-        ms = jnp.mean(jnp.square(rms[0].astype(jnp.float32)), axis=-1)
-    x = qkv.astype(jnp.float32) * (1.0 if rms is None else (1 / jnp.sqrt(ms + rms[1]))[:, None, None, None])
+    x = qkv.astype(jnp.float32)
+    if norm is not None:
+        h = norm[0].astype(jnp.float32)
+        per_row = lambda t: t[:, None, None, None]
+        if len(norm) == 3:  # LayerNorm
+            mean, var = jnp.mean(h, axis=-1), jnp.var(h, axis=-1)
+            x = (x - per_row(mean) * norm[2]) / per_row(jnp.sqrt(var + norm[1]))
+        else:
+            x = x / per_row(jnp.sqrt(jnp.mean(jnp.square(h), axis=-1) + norm[1]))
+    if bias is not None:
+        x = x + bias.astype(jnp.float32)
     q, k_new, v_new = x[:, :, : G2 - 2], x[:, :, G2 - 2], x[:, :, G2 - 1]
     if rope is not None:
         cos, sin = rope[0][:, None, None, :], rope[1][:, None, None, :]
@@ -193,54 +206,64 @@ def step_reference(qkv, k, v, start, slot, layer, rope, rms):
         q, k_new = turn(q), turn(k_new[:, :, None])[:, :, 0]
     k = k.at[layer, :, :, slot].set(k_new.astype(k.dtype))
     v = v.at[layer, :, :, slot].set(v_new.astype(v.dtype))
-    out = decode_attention_reference(q.reshape(B, -1, K).astype(qkv.dtype), k, v, start, jnp.full((B,), slot + 1), layer)
+    out = decode_attention_reference(q.reshape(B, -1, K).astype(k.dtype), k, v, start, jnp.full((B,), slot + 1), layer)
     return out, k, v
 
 
-STEP_CASES = [  # (L, B, Hkv, G, S, K, dtype, rope, the folded norm's width D or 0 for none)
-    (2, 3, 2, 2, 48, 64, jnp.float32, True, 96),  # Llama: grouped-query, rotary, a folded RMSNorm (D in 3 pieces)
-    (1, 4, 4, 1, 64, 64, jnp.float32, False, 0),  # OPT: multi-head, neither
-    (3, 2, 2, 4, 32, 128, jnp.bfloat16, True, 256),
+STEP_CASES = [  # (L, B, Hkv, G, S, K, dtype, rope, the folded norm: None, "rms" or "layer", its width D, bias)
+    (2, 3, 2, 2, 48, 64, jnp.float32, True, "rms", 96, False),  # Llama: grouped-query, rotary, RMSNorm (D in 3 pieces)
+    (1, 4, 4, 1, 64, 64, jnp.float32, False, None, 0, False),  # OPT unfolded (post-LN): multi-head, neither
+    (2, 4, 4, 1, 64, 64, jnp.float32, False, "layer", 128, True),  # OPT pre-LN: LayerNorm and bias
+    (3, 2, 2, 4, 32, 128, jnp.bfloat16, True, "rms", 256, True),  # biased Llama (Qwen-like) in bf16
 ]
 
 
 def norm_input(key, B, D, dtype=jnp.float32):
-    """Rows [B, D] of different RMS (0.5 to 2): each row's scale differs."""
-    return (jax.random.normal(key, (B, D)) * jnp.linspace(0.5, 2.0, B)[:, None]).astype(dtype)
+    """Rows [B, D] of different RMS (0.5 to 2) and means (-1 to 1.5): each row's scale and shift differ."""
+    rows = jax.random.normal(key, (B, D)) * jnp.linspace(0.5, 2.0, B)[:, None] + jnp.linspace(-1.0, 1.5, B)[:, None]
+    return rows.astype(dtype)
 
 
 @pytest.mark.parametrize("case", range(len(STEP_CASES)))
-def test_the_fused_step_equals_scale_rotate_write_attend(case):
-    L, B, Hkv, G, S, K, dtype, rope, D = STEP_CASES[case]
-    ks = jax.random.split(jax.random.key(200 + case), 6)  # fresh inputs per case
-    qkv = jax.random.normal(ks[0], (B, Hkv, G + 2, K), dtype)
+def test_the_fused_step_equals_normalise_rotate_write_attend(case):
+    L, B, Hkv, G, S, K, dtype, rope, norm, D, bias = STEP_CASES[case]
+    ks = jax.random.split(jax.random.key(200 + case), 8)  # fresh inputs per case
+    # A folded LayerNorm's product comes in float32 (common.fused_decode_step): its mean part cancels
+    qkv = jax.random.normal(ks[0], (B, Hkv, G + 2, K), jnp.float32 if norm == "layer" else dtype)
     k, v = (jax.random.normal(key, (L, B, Hkv, S, K), dtype) for key in ks[1:3])
     start, slot, layer = jax.random.randint(ks[3], (B,), 0, S // 4), S // 2 + 3, L - 1
     angle = jax.random.uniform(ks[4], (B, K // 2), maxval=6.0)
     rope = (jnp.cos(angle), jnp.sin(angle)) if rope else None
-    rms = (norm_input(ks[5], B, D, dtype), 0.5) if D else None
-    got = decode_step(qkv, k, v, start, slot, layer, rope=rope, rms=rms, config=KERNEL)
-    want = step_reference(qkv, k, v, start, slot, layer, rope, rms)
+    colsum = (jax.random.normal(ks[6], (Hkv, G + 2, K)),) if norm == "layer" else ()
+    norm = (norm_input(ks[5], B, D, dtype), 0.5, *colsum) if norm else None
+    bias = jax.random.normal(ks[7], (Hkv, G + 2, K), dtype) if bias else None
+    got = decode_step(qkv, k, v, start, slot, layer, rope=rope, norm=norm, bias=bias, config=KERNEL)
+    want = step_reference(qkv, k, v, start, slot, layer, rope, norm, bias)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), atol=tol, rtol=tol)
     for name, g, w in (("k", got[1], want[1]), ("v", got[2], want[2])):  # the write, and every other slot untouched
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), atol=1e-6, err_msg=name)
     assert not np.allclose(np.asarray(want[1][layer, :, :, slot], np.float32), np.asarray(k[layer, :, :, slot], np.float32))
-    if rope is not None:  # the rotation matters: without it the answer differs
-        plain = step_reference(qkv, k, v, start, slot, layer, None, rms)
-        assert np.abs(np.asarray(plain[0], np.float32) - np.asarray(want[0], np.float32)).max() > 0.05
+    differs = lambda other: np.abs(np.asarray(other[0], np.float32) - np.asarray(want[0], np.float32)).max() > 0.05
+    if rope is not None:  # each part matters: without it the answer differs
+        assert differs(step_reference(qkv, k, v, start, slot, layer, None, norm, bias))
+    if norm is not None and len(norm) == 3:
+        assert differs(step_reference(qkv, k, v, start, slot, layer, rope, norm[:2], bias))  # the mean part
+    if bias is not None:
+        assert differs(step_reference(qkv, k, v, start, slot, layer, rope, norm))
 
 
 def test_the_fused_step_per_shard_and_when_it_applies():
     mesh = make_mesh(tp=2)  # 8 CPU devices: data 4 x model 2
     L, B, Hkv, G, S, K = 2, 4, 2, 2, 32, 64
-    ks = jax.random.split(jax.random.key(9), 6)
+    ks = jax.random.split(jax.random.key(9), 8)
     qkv = jax.random.normal(ks[0], (B, Hkv, G + 2, K))
     k, v = (jax.random.normal(key, (L, B, Hkv, S, K)) for key in ks[1:3])
     start, angle = jax.random.randint(ks[3], (B,), 0, 8), jax.random.uniform(ks[4], (B, K // 2), maxval=6.0)
-    rope, rms = (jnp.cos(angle), jnp.sin(angle)), (norm_input(ks[5], B, 128), 1e-5)
-    want = step_reference(qkv, k, v, start, 20, 1, rope, rms)
-    got = jax.jit(lambda *a: decode_step(*a, 20, 1, rope=rope, rms=rms, config=KERNEL, mesh=mesh))(
+    rope, norm = (jnp.cos(angle), jnp.sin(angle)), (norm_input(ks[5], B, 128), 1e-5, jax.random.normal(ks[6], qkv.shape[1:]))
+    bias = jax.random.normal(ks[7], qkv.shape[1:])  # both per KV head: each shard takes its heads' part
+    want = step_reference(qkv, k, v, start, 20, 1, rope, norm, bias)
+    got = jax.jit(lambda *a: decode_step(*a, 20, 1, rope=rope, norm=norm, bias=bias, config=KERNEL, mesh=mesh))(
         qkv, k, v, start)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-5)

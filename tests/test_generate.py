@@ -150,11 +150,20 @@ def test_the_decode_layout(model):
     fast = decode_params(config, params)
     layers = fast["decoder"]["layers"]
     assert isinstance(layers, tuple) and len(layers) == L
-    qkv = np.asarray(layers[1]["self_attn"]["qkv_proj"]["kernel"])  # [D, H, 3K]
+    qkv = {n: np.asarray(x, np.float64) for n, x in layers[1]["self_attn"]["qkv_proj"].items()}  # kernel [D, H, 3K]
     stacked = params["decoder"]["layers"]["self_attn"]
+    ln = {n: np.asarray(x[1], np.float64) for n, x in params["decoder"]["layers"]["self_attn_layer_norm"].items()}
+    pre_ln = config.do_layer_norm_before  # then the LayerNorm is folded in: scale into the rows, shift into the bias
+    assert ("self_attn_layer_norm" in layers[1]) != pre_ln and ("colsum" in qkv) == pre_ln
     for j, name in enumerate(("q_proj", "k_proj", "v_proj")):  # the query part carries the attention's scale
-        want = np.asarray(stacked[name]["kernel"][1]).reshape(-1, H, K) * (K**-0.5 if j == 0 else 1.0)
-        np.testing.assert_allclose(qkv[:, :, j * K : (j + 1) * K], want, rtol=1e-6)
+        kernel = np.asarray(stacked[name]["kernel"][1], np.float64).reshape(-1, H, K) * (K**-0.5 if j == 0 else 1.0)
+        bias = np.asarray(stacked[name]["bias"][1], np.float64).reshape(H, K) * (K**-0.5 if j == 0 else 1.0)
+        part = lambda x: x[..., j * K : (j + 1) * K]
+        if pre_ln:
+            kernel, bias = kernel * ln["scale"][:, None, None], bias + np.tensordot(ln["bias"], kernel, 1)
+            np.testing.assert_allclose(part(qkv["colsum"]), kernel.sum(0), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(part(qkv["kernel"]), kernel, rtol=1e-6)
+        np.testing.assert_allclose(part(qkv["bias"]), bias, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(layers[-1]["fc1"]["kernel"]), np.asarray(params["decoder"]["layers"]["fc1"]["kernel"][-1]))
 
     lora_cfg = LoRAConfig(dim=4, module_name="decoder.layers.")

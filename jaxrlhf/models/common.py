@@ -133,26 +133,33 @@ def uses_kernels(config) -> bool:
     return config.decode_attention == "pallas" or (config.decode_attention == "auto" and jax.default_backend() == "gpu")
 
 
-def fused_decode_step(module: nn.Module, h, cache, config, heads: int, kv_heads: int, use_bias: bool,
-                      rms_eps: float | None = None, rope=None):
+def fused_decode_step(module: nn.Module, h, cache, config, heads: int, kv_heads: int, norm_eps: float | None = None,
+                      rope=None):
     """A decode step's q/k/v product and attention, the rest in one kernel (kernels.decode_attention.decode_step:
-    the rows' scale, the rotary embedding, the cache write and the attention). Returns (out [B, 1, H, K], cache), or
-    None where it does not apply: not a decode step in the decode layout, the kernel not in use or split
-    (`fuses_step`), or a bias that must come after the rows' scale. The caller then runs the unfused path, which
-    on the GPU is one kernel each for the rotary embedding and the two cache writes (0.17 ms of Llama-7B's step at
-    batch 64). rms_eps: h is RMS-normalised (its norm's scale folded into qkv_proj: llama.decode_layer) with this
-    epsilon, in the kernel; rope (cos, sin) [B, K / 2], rotate-half."""
+    the folded norm, the bias, the rotary embedding, the cache write and the attention). Returns (out [B, 1, H, K],
+    cache), or None where it does not apply: not a decode step in the decode layout, or the kernel not in use or
+    split (`fuses_step`). The caller then runs the unfused path, which on the GPU is one kernel each for the rotary
+    embedding and the two cache writes (0.17 ms of Llama-7B's step at batch 64). norm_eps: h is the input of a norm
+    folded into qkv_proj (llama.decode_layer, opt.decode_layer), with this epsilon: a LayerNorm when qkv_proj holds
+    its column sums ("colsum"), else an RMSNorm; the kernel reduces h itself. rope (cos, sin) [B, K / 2],
+    rotate-half."""
     B, T, _ = h.shape
-    if cache is None or T != 1 or not module.has_variable("params", "qkv_proj") or (use_bias and rms_eps is not None):
+    if cache is None or T != 1 or not module.has_variable("params", "qkv_proj"):
         return None
     K, mesh = config.head_dim, generation_mesh()
     kernel = DecodeAttentionConfig(implementation=config.decode_attention)
     if not fuses_step(kernel, B, kv_heads, cache["k"].shape[3], K, heads // kv_heads, mesh):
         return None
-    qkv = stacked_dense(module, "qkv_proj", h, config.compute_dtype).reshape(B, kv_heads, -1, K)
-    rms = None if rms_eps is None else (h.reshape(B, -1), rms_eps)  # the kernel reduces h itself
-    out, k, v = decode_step(qkv, cache["k"], cache["v"], cache["start"], cache["slot"], cache["layer"], rope=rope,
-                            rms=rms, config=kernel, mesh=mesh)
+    p = module.get_variable("params", "qkv_proj")
+    per_head = lambda x: x.reshape(kv_heads, -1, K)
+    norm = None if norm_eps is None else (h.reshape(B, -1), norm_eps, *(per_head(p[n]) for n in ("colsum",) if n in p))
+    # The bias goes to the kernel, after the norm; cuBLAS then runs the product without an epilogue. A folded
+    # LayerNorm subtracts mean(h) colsum from the product, so the product stays float32 (no cancellation in bf16).
+    out_dtype = jnp.float32 if "colsum" in p else config.compute_dtype
+    qkv = stacked_dense(module, "qkv_proj", h, config.compute_dtype, bias=False, out_dtype=out_dtype)
+    out, k, v = decode_step(qkv.reshape(B, kv_heads, -1, K), cache["k"], cache["v"], cache["start"], cache["slot"],
+                            cache["layer"], rope=rope, norm=norm, bias=per_head(p["bias"]) if "bias" in p else None,
+                            config=kernel, mesh=mesh)
     return out[:, None], {**cache, "k": k, "v": v}
 
 
@@ -400,36 +407,58 @@ class Dense(nn.Module):
 # (another 0.3 ms).
 
 
-def stacked_dense(module: nn.Module, name: str, h, dtype, row_scale=None):
+def stacked_dense(module: nn.Module, name: str, h, dtype, norm=None, *, bias: bool = True, out_dtype=None):
     """h [B, T, D] times the decode layout's stacked kernel `name` [D, *out] (plus its bias [*out]): [B, T, *out].
     One product with a [D, prod(out)] kernel and a flat bias: cuBLAS adds a vector bias in the product's epilogue,
-    where a [*out] one took a broadcast kernel and a C-matrix read per layer and step. `row_scale` [B, T, 1]: the
-    product's rows are scaled before the bias (a norm folded into the kernel: fold_scale)."""
+    where a [*out] one took a broadcast kernel and a C-matrix read per layer and step. `norm` (the norm folded into
+    the kernel, see fold_norm; from norm_rows): (1 / std [B, T, 1], mean [B, T, 1] or None), the product's rows
+    finished before the bias, y -> (y - mean colsum) / std. bias=False leaves the bias out (a kernel adds it);
+    out_dtype: the product's (default `dtype`)."""
     p = module.get_variable("params", name)
     out = p["kernel"].shape[1:]
+    centred = norm is not None and norm[1] is not None  # float32 out: y - mean colsum cancels in bf16
     y = jax.lax.dot_general(h.astype(dtype), p["kernel"].reshape(p["kernel"].shape[0], -1).astype(dtype),
-                            (((h.ndim - 1,), (0,)), ((), ())))
-    if row_scale is not None:
-        y = (y.astype(jnp.float32) * row_scale).astype(dtype)
-    if "bias" in p:
-        y = y + p["bias"].reshape(-1).astype(dtype)
+                            (((h.ndim - 1,), (0,)), ((), ())),
+                            preferred_element_type=jnp.float32 if centred else out_dtype or dtype)
+    if norm is not None:
+        scale, mean = norm
+        y = y.astype(jnp.float32)
+        if mean is not None:
+            y = y - mean * p["colsum"].reshape(-1)
+        y = (y * scale).astype(out_dtype or dtype)
+    if bias and "bias" in p:
+        y = y + p["bias"].reshape(-1).astype(y.dtype)
     return y.reshape(*y.shape[:-1], *out)
 
 
-def fold_scale(dense: dict, scale) -> dict:
+def fold_norm(dense: dict, scale, shift=None, colsum_dtype=None) -> dict:
     """A product's parameters {"kernel" [D, ...], "bias"} with a norm's scale [D] folded into the kernel's rows:
-    (x * scale) @ W = x @ (scale[:, None] W)."""
+    (x * scale) @ W = x @ (scale[:, None] W). With a LayerNorm's `shift` [D] too, (x * scale + shift) @ W + c =
+    x @ W' + (shift @ W + c), and the kernel's column sums W'.sum(0) (float32, of W' rounded to `colsum_dtype`, the
+    dtype it runs in) as "colsum": the product of the centred rows is x @ W' - mean(x) colsum."""
     kernel = dense["kernel"]
-    return {**dense, "kernel": kernel * scale.reshape(-1, *(1,) * (kernel.ndim - 1)).astype(kernel.dtype)}
+    folded = kernel * scale.reshape(-1, *(1,) * (kernel.ndim - 1)).astype(kernel.dtype)
+    out = {**dense, "kernel": folded}
+    if shift is not None:
+        f32 = lambda x: x.astype(jnp.float32)
+        out["bias"] = (jnp.tensordot(f32(shift), f32(kernel), 1) + f32(dense.get("bias", 0.0))).astype(kernel.dtype)
+        out["colsum"] = jnp.sum(f32(folded.astype(colsum_dtype or folded.dtype)), axis=0)
+    return out
 
 
-def rms_row_scale(h, eps: float):
-    """1 / rms(h) [..., 1] in float32: RMSNorm(h) = h * rms_row_scale(h) * scale."""
-    return jax.lax.rsqrt(jnp.mean(jnp.square(h.astype(jnp.float32)), axis=-1, keepdims=True) + eps)
+def norm_rows(h, eps: float, centred: bool):
+    """(1 / std [..., 1], mean [..., 1] or None) of a folded norm's input h, float32: LayerNorm's (`centred`, as flax
+    computes it) or RMSNorm's (stacked_dense's `norm`)."""
+    x = h.astype(jnp.float32)
+    mean_sq = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    if not centred:
+        return jax.lax.rsqrt(mean_sq + eps), None
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    return jax.lax.rsqrt(jnp.maximum(mean_sq - jnp.square(mean), 0.0) + eps), mean
 
 
 def project_qkv(module: nn.Module, h, heads: int, kv_heads: int, head_dim: int, use_bias: bool, dtype,
-                names=("q_proj", "k_proj", "v_proj"), row_scale=None):
+                names=("q_proj", "k_proj", "v_proj"), norm=None):
     """q [B, T, H, K] (times the attention's scale K^-1/2), k, v [B, T, Hkv, K] of h [B, T, D]: three Linear
     layers, or in the decode layout one product with "qkv_proj" [D, Hkv, (G + 2) K] (per KV head: its G query
     heads, its key, its value), whose query part carries the scale (stack_qkv: no multiply per step)."""
@@ -437,7 +466,7 @@ def project_qkv(module: nn.Module, h, heads: int, kv_heads: int, head_dim: int, 
     H, Hkv, K = heads, kv_heads, head_dim
     if module.has_variable("params", "qkv_proj"):
         G = H // Hkv
-        y = stacked_dense(module, "qkv_proj", h, dtype, row_scale)  # [B, T, Hkv, (G + 2) K]
+        y = stacked_dense(module, "qkv_proj", h, dtype, norm)  # [B, T, Hkv, (G + 2) K]
         return y[..., : G * K].reshape(B, T, H, K), y[..., G * K : (G + 1) * K], y[..., (G + 1) * K :]
     dense = lambda n, name: Dense(n, use_bias=use_bias, dtype=dtype, name=name)
     return (dense(H * K, names[0])(h).reshape(B, T, H, K) * K**-0.5, dense(Hkv * K, names[1])(h).reshape(B, T, Hkv, K),

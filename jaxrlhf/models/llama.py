@@ -132,18 +132,18 @@ class LlamaAttention(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, h, rope, cache=None, row_scale=None):
-        # h: [B, T, D]; rope: (cos, sin) [B, T, 1, K/2]; row_scale: see LlamaLayer
+    def __call__(self, h, rope, cache=None, norm=None):
+        # h: [B, T, D]; rope: (cos, sin) [B, T, 1, K/2]; norm: see LlamaLayer
         c = self.config
         B, T, D = h.shape
         H, Hkv, K = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         step = None if c.rope_interleaved else common.fused_decode_step(
-            self, h, cache, c, H, Hkv, c.attention_bias, None if row_scale is None else c.rms_norm_eps,
+            self, h, cache, c, H, Hkv, None if norm is None else c.rms_norm_eps,
             tuple(x[:, 0, 0] for x in rope))
         if step is not None:  # a decode step: rotary embedding, cache write and attention in one kernel
             out, cache = step
         else:
-            q, k, v = common.project_qkv(self, h, H, Hkv, K, c.attention_bias, c.compute_dtype, row_scale=row_scale)
+            q, k, v = common.project_qkv(self, h, H, Hkv, K, c.attention_bias, c.compute_dtype, norm=norm)
             q = apply_rope(q, *rope, c.rope_interleaved)  # project_qkv scaled q: the rotation is linear
             k = apply_rope(k, *rope, c.rope_interleaved)
             out, cache = common.attention(q, k, v, cache, c, self.deterministic)  # [B, T, H, K]
@@ -157,17 +157,17 @@ class LlamaMLP(nn.Module):
     config: LlamaConfig
 
     @nn.compact
-    def __call__(self, h, row_scale=None):
+    def __call__(self, h, norm=None):
         c = self.config
         dense = lambda n, name: common.Dense(n, use_bias=c.mlp_bias, dtype=c.compute_dtype, name=name)
         if self.has_variable("params", "gate_up_proj"):  # the decode layout: [D, 2, F] (decode_layer)
             B, T, D = h.shape
-            if row_scale is not None and T == 1 and not c.mlp_bias and common.uses_kernels(c):
+            if norm is not None and T == 1 and not c.mlp_bias and common.uses_kernels(c):
                 # A decode step: the folded norm's 1 / rms(h), silu and the product in one kernel (3 kernels unfused)
                 gate_up = common.stacked_dense(self, "gate_up_proj", h, c.compute_dtype).reshape(B, 2, -1)
                 act = rms_swiglu(gate_up, h.reshape(B, D), c.rms_norm_eps, mesh=common.generation_mesh())
                 return dense(c.hidden_size, "down_proj")(act[:, None])
-            gate_up = common.stacked_dense(self, "gate_up_proj", h, c.compute_dtype, row_scale)
+            gate_up = common.stacked_dense(self, "gate_up_proj", h, c.compute_dtype, norm)
             gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
         else:
             gate, up = dense(c.intermediate_size, "gate_proj")(h), dense(c.intermediate_size, "up_proj")(h)
@@ -195,7 +195,7 @@ class LlamaLayer(nn.Module):
             # product reads h itself and its output rows are scaled by 1 / rms(h) in the consumer's fusion, or in a
             # decode step inside the kernel that consumes it (decode_step, rms_swiglu): the normalised copy of h is
             # never written.
-            return h, common.rms_row_scale(h, c.rms_norm_eps)
+            return h, common.norm_rows(h, c.rms_norm_eps, centred=False)
 
         x, r = norm("input_layernorm", h)
         a, cache = LlamaAttention(c, self.deterministic, name="self_attn")(x, rope, cache, r)
@@ -291,9 +291,9 @@ def decode_layer(config: LlamaConfig, layer: dict) -> dict:
     mlp = layer["mlp"]
     gate_up = {leaf: jnp.stack([mlp["gate_proj"][leaf], mlp["up_proj"][leaf]], axis=-2) for leaf in mlp["gate_proj"]}
     mlp = {**{n: x for n, x in mlp.items() if n not in ("gate_proj", "up_proj")},
-           "gate_up_proj": common.fold_scale(gate_up, layer["post_attention_layernorm"]["scale"])}
+           "gate_up_proj": common.fold_norm(gate_up, layer["post_attention_layernorm"]["scale"])}
     attn = common.stack_qkv(layer["self_attn"], config.num_key_value_heads)
-    attn["qkv_proj"] = common.fold_scale(attn["qkv_proj"], layer["input_layernorm"]["scale"])
+    attn["qkv_proj"] = common.fold_norm(attn["qkv_proj"], layer["input_layernorm"]["scale"])
     rest = {n: x for n, x in layer.items() if n not in ("input_layernorm", "post_attention_layernorm")}
     return {**rest, "self_attn": attn, "mlp": mlp}
 

@@ -115,16 +115,16 @@ class OPTAttention(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, h, cache=None):
-        # h: [B, T, D]
+    def __call__(self, h, cache=None, norm=None):
+        # h: [B, T, D]; norm: the folded LayerNorm's rows (see OPTLayer), or None
         c = self.config
         B, T, D = h.shape
         H, K = c.num_attention_heads, c.head_dim
-        step = common.fused_decode_step(self, h, cache, c, H, H, c.enable_bias)  # a decode step: one kernel
-        if step is not None:
+        step = common.fused_decode_step(self, h, cache, c, H, H, None if norm is None else c.layer_norm_eps)
+        if step is not None:  # a decode step: the norm's end, q/k/v's bias, the cache write and attention in one kernel
             out, cache = step
-        else:
-            q, k, v = common.project_qkv(self, h, H, H, K, c.enable_bias, c.compute_dtype)  # q scaled after its bias, as OPT does
+        else:  # q scaled after its bias, as OPT does
+            q, k, v = common.project_qkv(self, h, H, H, K, c.enable_bias, c.compute_dtype, norm=norm)
             out, cache = common.attention(q, k, v, cache, c, self.deterministic)
         out_proj = common.Dense(D, use_bias=c.enable_bias, dtype=c.compute_dtype, name="out_proj")
         return out_proj(out.reshape(B, T, D)), cache
@@ -169,10 +169,14 @@ class OPTLayer(nn.Module):
         drop = lambda x: nn.Dropout(c.dropout)(x, deterministic=self.deterministic)
 
         # Self-attention block (post-LN models, opt-350m, normalise after the residual add instead).
-        residual = h
-        if c.do_layer_norm_before:
+        residual, folded = h, None
+        if c.do_layer_norm_before and not (self.is_initializing() or self.has_variable("params", "self_attn_layer_norm")):
+            # The decode layout (decode_layer) folded this norm into qkv_proj: the product reads h itself and its
+            # rows are finished by the mean and 1 / std of h, in the decode step's kernel (decode_step) or after it.
+            folded = common.norm_rows(h, c.layer_norm_eps, centred=True)
+        elif c.do_layer_norm_before:
             h = norm("self_attn_layer_norm")(h)
-        h, cache = OPTAttention(c, self.deterministic, name="self_attn")(h, cache)
+        h, cache = OPTAttention(c, self.deterministic, name="self_attn")(h, cache, folded)
         h = residual + drop(h)
         if not c.do_layer_norm_before:
             h = norm("self_attn_layer_norm")(h)
@@ -266,8 +270,17 @@ def logits_with_cache(config: OPTConfig, params: Any, input_ids, positions, cach
 
 
 def decode_layer(config: OPTConfig, layer: dict) -> dict:
-    """One layer's parameters (no leading L axis) in the decode layout (see common.stack_qkv)."""
-    return {**layer, "self_attn": common.stack_qkv(layer["self_attn"], config.num_attention_heads)}
+    """One layer's parameters (no leading L axis) in the decode layout: q/k/v stacked (common.stack_qkv) and, in
+    pre-LN models, the attention's LayerNorm folded into them (common.fold_norm: its scale into the kernel's rows,
+    its shift into the bias, the kernel's column sums beside it; the norm's entry goes, see OPTLayer). A decode
+    step then finishes the norm inside the attention kernel, where it used to take two XLA kernels per layer.
+    The FFN's LayerNorm stays: folded, its end would be a kernel of its own before fc1's ReLU."""
+    attn = common.stack_qkv(layer["self_attn"], config.num_attention_heads)
+    if not config.do_layer_norm_before:
+        return {**layer, "self_attn": attn}
+    ln = layer["self_attn_layer_norm"]
+    attn["qkv_proj"] = common.fold_norm(attn["qkv_proj"], ln["scale"], ln["bias"], config.compute_dtype)
+    return {**{n: x for n, x in layer.items() if n != "self_attn_layer_norm"}, "self_attn": attn}
 
 
 def init_params(config: OPTConfig, key, *, value_head: bool = False, dtype=jnp.float32, std: float = 0.02):
