@@ -20,3 +20,14 @@ def assets() -> Path:
     if not ASSETS.is_dir():
         pytest.fail(f"{ASSETS} is missing: the tests need ../shared/assets beside the checkout (or set JAXRLHF_ASSETS)")
     return ASSETS
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_jit_caches():
+    """Drop JAX's compiled programs after each test file. The suite compiles thousands of programs in one process;
+    kept to the end, they grew it until XLA's CPU compiler crashed (a segmentation fault inside
+    backend_compile_and_load, in test_train.py after ~280 tests, seen in two fresh-clone runs)."""
+    yield
+    import jax
+
+    jax.clear_caches()

@@ -214,3 +214,22 @@ def test_the_decode_layout_folds_each_norm_into_its_product(model):
     if config.attention_bias:  # biases are added after the rows' scale: not folded
         np.testing.assert_array_equal(np.asarray(fast["self_attn"]["qkv_proj"]["bias"])[:, G * K : (G + 1) * K],
                                       attn["k_proj"]["bias"].reshape(Hkv, K))
+
+
+def test_which_kernels_a_decode_step_runs(model):
+    """With the kernels on, a decode step of the decode layout runs the fused attention step (decode_step, biases
+    and all) and the SwiGLU kernel (rms_swiglu, when the MLP has no bias); with "xla" neither. Same tokens every
+    way (the values are checked in the TP test above and in test_swiglu.py); the value tests cannot see a lost
+    dispatch, since the unfused path gives the same tokens."""
+    _, config, params = model
+    ids, mask = left_padded_batch(config.vocab_size, [4, 2], T=4, seed=3)
+    tokens = {}
+    for impl in ("pallas", "xla"):
+        cfg = dataclasses.replace(config, decode_attention=impl)
+        run = lambda p: generate(cfg, p, ids, mask, jax.random.key(0), max_new_tokens=3, temperature=0.0).tokens
+        fast = decode_params(cfg, jax.tree.map(jnp.asarray, params))
+        program = str(jax.make_jaxpr(run)(fast))
+        assert ("jaxrlhf_decode_attention_step" in program) == (impl == "pallas")
+        assert ("jaxrlhf_rms_swiglu" in program) == (impl == "pallas" and not config.mlp_bias)
+        tokens[impl] = np.asarray(run(fast))
+    np.testing.assert_array_equal(tokens["pallas"], tokens["xla"])

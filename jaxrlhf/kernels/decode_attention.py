@@ -76,11 +76,15 @@ class DecodeAttentionConfig:
         if not isinstance(self.num_splits, int) or self.num_splits < 0:
             raise ValueError(f"num_splits: expected an int >= 0 (0: auto), got {self.num_splits!r}")
 
+    def kernels_on(self) -> bool:
+        """Whether generation runs our Pallas kernels at all: "pallas", or "auto" on a GPU."""
+        return self.implementation == "pallas" or (self.implementation == "auto" and jax.default_backend() == "gpu")
+
     def use_kernel(self, head_dim: int, groups: int) -> bool:
         if self.implementation == "auto":  # Triton needs power-of-two block shapes
             pow2 = lambda n: n & (n - 1) == 0
-            return jax.default_backend() == "gpu" and pow2(head_dim) and head_dim >= 16 and pow2(groups)
-        return self.implementation == "pallas"
+            return self.kernels_on() and pow2(head_dim) and head_dim >= 16 and pow2(groups)
+        return self.kernels_on()
 
     def slots_per_block(self, head_dim: int, slots: int) -> int:
         """block_s (auto: 4096 / head_dim within 16..128), at most the largest power of two dividing S `slots`."""

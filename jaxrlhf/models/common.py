@@ -128,11 +128,6 @@ def generation_mesh():
     return None if mesh.empty or "model" not in mesh.axis_names else mesh
 
 
-def uses_kernels(config) -> bool:
-    """Whether generation runs our Pallas kernels (config.decode_attention: "pallas", or "auto" on a GPU)."""
-    return config.decode_attention == "pallas" or (config.decode_attention == "auto" and jax.default_backend() == "gpu")
-
-
 def fused_decode_step(module: nn.Module, h, cache, config, heads: int, kv_heads: int, norm_eps: float | None = None,
                       rope=None):
     """A decode step's q/k/v product and attention, the rest in one kernel (kernels.decode_attention.decode_step:

@@ -162,7 +162,8 @@ class LlamaMLP(nn.Module):
         dense = lambda n, name: common.Dense(n, use_bias=c.mlp_bias, dtype=c.compute_dtype, name=name)
         if self.has_variable("params", "gate_up_proj"):  # the decode layout: [D, 2, F] (decode_layer)
             B, T, D = h.shape
-            if norm is not None and T == 1 and not c.mlp_bias and common.uses_kernels(c):
+            kernels = common.DecodeAttentionConfig(implementation=c.decode_attention).kernels_on()
+            if norm is not None and T == 1 and not c.mlp_bias and kernels:
                 # A decode step: the folded norm's 1 / rms(h), silu and the product in one kernel (3 kernels unfused)
                 gate_up = common.stacked_dense(self, "gate_up_proj", h, c.compute_dtype).reshape(B, 2, -1)
                 act = rms_swiglu(gate_up, h.reshape(B, D), c.rms_norm_eps, mesh=common.generation_mesh())
