@@ -153,14 +153,14 @@ def test_kernel_lowers_to_triton_for_an_h200(mask_loads):
         # multi-head with a LayerNorm, its float32 product and a bias (OPT)
         f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
         G2, llama = H // Hkv + 2, Hkv < H
-        step = jax.jit(lambda qkv, k, v, s, c, n, x, cs, b: decode_step(
-            qkv, k, v, s, 300, 1, rope=(c, n) if llama else None, norm=(x, 1e-5) if llama else (x, 1e-5, cs),
-            bias=None if llama else b, config=config))
+        step = jax.jit(lambda qkv, k, v, s, c, n, x, m, r, cs, b: decode_step(
+            qkv, k, v, s, 300, 1, rope=(c, n) if llama else None, rms=(x, 1e-5) if llama else None,
+            layer_norm=None if llama else (m, r, cs), bias=None if llama else b, config=config))
         with jax.sharding.use_abstract_mesh(h200):
             exported = export.export(step, platforms=["cuda"], disabled_checks=[
                 export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
                 (bf16 if llama else f32)(4, Hkv, G2, K), bf16(2, 4, Hkv, 512, K), bf16(2, 4, Hkv, 512, K), rows,
-                f32(4, K // 2), f32(4, K // 2), bf16(4, 5120 if llama else 2048),  # Llama-13B's width: 5 pieces
+                f32(4, K // 2), f32(4, K // 2), bf16(4, 5120), f32(4), f32(4),  # Llama-13B's width: 5 pieces
                 f32(Hkv, G2, K), bf16(Hkv, G2, K))
         module = exported.mlir_module()
         assert module.count('name = "jaxrlhf_decode_attention_step"') == 1 and "output_operand_alias" in module
@@ -182,20 +182,17 @@ def test_masked_loads_read_nothing_outside_the_valid_range():
     assert np.isnan(np.asarray(whole)).any(axis=(1, 2)).all()  # every row has a partial block
 
 
-def step_reference(qkv, k, v, start, slot, layer, rope, norm, bias=None):
-    """decode_step unfused, in float32: finish the folded norm (norm = (h, eps): rows times 1 / sqrt(mean(h^2) +
-    eps); (h, eps, colsum): (row - mean(h) colsum) / sqrt(var(h) + eps)), add the bias, rotate q and k (pairs
+def step_reference(qkv, k, v, start, slot, layer, rope, rms=None, layer_norm=None, bias=None):
+    """decode_step unfused, in float32: finish the folded norm (rms = (h, eps): rows times 1 / sqrt(mean(h^2) +
+    eps); layer_norm = (mean, rstd, colsum): (row - mean colsum) rstd), add the bias, rotate q and k (pairs
     (i, i + K/2)), write k and v at `slot`, attend over start .. slot."""
     B, Hkv, G2, K = qkv.shape
     x = qkv.astype(jnp.float32)
-    if norm is not None:
-        h = norm[0].astype(jnp.float32)
-        per_row = lambda t: t[:, None, None, None]
-        if len(norm) == 3:  # LayerNorm
-            mean, var = jnp.mean(h, axis=-1), jnp.var(h, axis=-1)
-            x = (x - per_row(mean) * norm[2]) / per_row(jnp.sqrt(var + norm[1]))
-        else:
-            x = x / per_row(jnp.sqrt(jnp.mean(jnp.square(h), axis=-1) + norm[1]))
+    per_row = lambda t: t[:, None, None, None]
+    if rms is not None:
+        x = x / per_row(jnp.sqrt(jnp.mean(jnp.square(rms[0].astype(jnp.float32)), axis=-1) + rms[1]))
+    if layer_norm is not None:
+        x = (x - per_row(layer_norm[0]) * layer_norm[2]) * per_row(layer_norm[1])
     if bias is not None:
         x = x + bias.astype(jnp.float32)
     q, k_new, v_new = x[:, :, : G2 - 2], x[:, :, G2 - 2], x[:, :, G2 - 1]
@@ -210,10 +207,10 @@ def step_reference(qkv, k, v, start, slot, layer, rope, norm, bias=None):
     return out, k, v
 
 
-STEP_CASES = [  # (L, B, Hkv, G, S, K, dtype, rope, the folded norm: None, "rms" or "layer", its width D, bias)
+STEP_CASES = [  # (L, B, Hkv, G, S, K, dtype, rope, the folded norm: None, "rms" or "layer", RMSNorm's width D, bias)
     (2, 3, 2, 2, 48, 64, jnp.float32, True, "rms", 96, False),  # Llama: grouped-query, rotary, RMSNorm (D in 3 pieces)
     (1, 4, 4, 1, 64, 64, jnp.float32, False, None, 0, False),  # OPT unfolded (post-LN): multi-head, neither
-    (2, 4, 4, 1, 64, 64, jnp.float32, False, "layer", 128, True),  # OPT pre-LN: LayerNorm and bias
+    (2, 4, 4, 1, 64, 64, jnp.float32, False, "layer", 0, True),  # OPT pre-LN: LayerNorm (statistics given), bias
     (3, 2, 2, 4, 32, 128, jnp.bfloat16, True, "rms", 256, True),  # biased Llama (Qwen-like) in bf16
 ]
 
@@ -234,11 +231,12 @@ def test_the_fused_step_equals_normalise_rotate_write_attend(case):
     start, slot, layer = jax.random.randint(ks[3], (B,), 0, S // 4), S // 2 + 3, L - 1
     angle = jax.random.uniform(ks[4], (B, K // 2), maxval=6.0)
     rope = (jnp.cos(angle), jnp.sin(angle)) if rope else None
-    colsum = (jax.random.normal(ks[6], (Hkv, G + 2, K)),) if norm == "layer" else ()
-    norm = (norm_input(ks[5], B, D, dtype), 0.5, *colsum) if norm else None
+    rms = (norm_input(ks[5], B, D, dtype), 0.5) if norm == "rms" else None
+    stats = jax.random.normal(ks[5], (2, B)) * jnp.array([[1.0], [0.3]]) + jnp.array([[0.0], [1.0]])  # mean, rstd
+    layer_norm = (*stats, jax.random.normal(ks[6], (Hkv, G + 2, K))) if norm == "layer" else None
     bias = jax.random.normal(ks[7], (Hkv, G + 2, K), dtype) if bias else None
-    got = decode_step(qkv, k, v, start, slot, layer, rope=rope, norm=norm, bias=bias, config=KERNEL)
-    want = step_reference(qkv, k, v, start, slot, layer, rope, norm, bias)
+    got = decode_step(qkv, k, v, start, slot, layer, rope=rope, rms=rms, layer_norm=layer_norm, bias=bias, config=KERNEL)
+    want = step_reference(qkv, k, v, start, slot, layer, rope, rms, layer_norm, bias)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), atol=tol, rtol=tol)
     for name, g, w in (("k", got[1], want[1]), ("v", got[2], want[2])):  # the write, and every other slot untouched
@@ -246,11 +244,11 @@ def test_the_fused_step_equals_normalise_rotate_write_attend(case):
     assert not np.allclose(np.asarray(want[1][layer, :, :, slot], np.float32), np.asarray(k[layer, :, :, slot], np.float32))
     differs = lambda other: np.abs(np.asarray(other[0], np.float32) - np.asarray(want[0], np.float32)).max() > 0.05
     if rope is not None:  # each part matters: without it the answer differs
-        assert differs(step_reference(qkv, k, v, start, slot, layer, None, norm, bias))
-    if norm is not None and len(norm) == 3:
-        assert differs(step_reference(qkv, k, v, start, slot, layer, rope, norm[:2], bias))  # the mean part
+        assert differs(step_reference(qkv, k, v, start, slot, layer, None, rms, layer_norm, bias))
+    if layer_norm is not None:
+        assert differs(step_reference(qkv, k, v, start, slot, layer, rope, rms, (0 * stats[0], *layer_norm[1:]), bias))
     if bias is not None:
-        assert differs(step_reference(qkv, k, v, start, slot, layer, rope, norm))
+        assert differs(step_reference(qkv, k, v, start, slot, layer, rope, rms, layer_norm))
 
 
 def test_the_fused_step_per_shard_and_when_it_applies():
@@ -260,10 +258,17 @@ def test_the_fused_step_per_shard_and_when_it_applies():
     qkv = jax.random.normal(ks[0], (B, Hkv, G + 2, K))
     k, v = (jax.random.normal(key, (L, B, Hkv, S, K)) for key in ks[1:3])
     start, angle = jax.random.randint(ks[3], (B,), 0, 8), jax.random.uniform(ks[4], (B, K // 2), maxval=6.0)
-    rope, norm = (jnp.cos(angle), jnp.sin(angle)), (norm_input(ks[5], B, 128), 1e-5, jax.random.normal(ks[6], qkv.shape[1:]))
-    bias = jax.random.normal(ks[7], qkv.shape[1:])  # both per KV head: each shard takes its heads' part
-    want = step_reference(qkv, k, v, start, 20, 1, rope, norm, bias)
-    got = jax.jit(lambda *a: decode_step(*a, 20, 1, rope=rope, norm=norm, bias=bias, config=KERNEL, mesh=mesh))(
+    rope, rms = (jnp.cos(angle), jnp.sin(angle)), (norm_input(ks[5], B, 128), 1e-5)
+    bias = jax.random.normal(ks[7], qkv.shape[1:])  # per KV head: each shard takes its heads' part
+    want = step_reference(qkv, k, v, start, 20, 1, rope, rms, None, bias)
+    got = jax.jit(lambda *a: decode_step(*a, 20, 1, rope=rope, rms=rms, bias=bias, config=KERNEL, mesh=mesh))(
+        qkv, k, v, start)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-5)
+    layer_norm = (jax.random.normal(ks[5], (B,)), jax.random.uniform(ks[6], (B,), minval=0.5, maxval=2.0),
+                  jax.random.normal(ks[6], qkv.shape[1:]))  # the statistics per row, the column sums per KV head
+    want = step_reference(qkv, k, v, start, 20, 1, None, None, layer_norm, bias)
+    got = jax.jit(lambda *a: decode_step(*a, 20, 1, layer_norm=layer_norm, bias=bias, config=KERNEL, mesh=mesh))(
         qkv, k, v, start)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-5)

@@ -3,6 +3,7 @@ what the models say, generation's log-probs equal the training forward's, LoRA s
 (counted in bytes), EMA, the mixture loss and the adaptive KL controller."""
 
 import gc
+import math
 
 import jax
 import numpy as np
@@ -11,7 +12,7 @@ from helpers import POST_LN_PROJ, PRE_LN, left_padded_batch
 
 from jaxrlhf import OPTConfig, init_params, logits, make_mesh, values
 from jaxrlhf.engine import EngineConfig, HybridEngine, ModelSide, tree_bytes
-from jaxrlhf.generate import generate
+from jaxrlhf.generate import decode_params, generate
 from jaxrlhf.lora import LoRAConfig
 from jaxrlhf.sharding import path_str
 from jaxrlhf.losses import lm_loss
@@ -144,7 +145,9 @@ def test_lora_shares_the_base_weights_ema_mixture_and_adaptive_kl(models, prompt
     unsup_ids = np.random.default_rng(0).integers(3, 64, (8, 12)).astype(np.int32)
     unsup = {"input_ids": unsup_ids, "attention_mask": np.ones_like(unsup_ids), "loss_mask": np.ones_like(unsup_ids)}
     exp = e.generate_experience(batch)
-    assert e.reshard_bytes == tree_bytes(models[0])  # the fused copy existed in the generation layout ...
+    # the fused copy existed in the generation layout (decode_params: pre-LN, the attention's LayerNorms folded) ...
+    copy = jax.eval_shape(lambda p: decode_params(ACTOR, p), models[0])
+    assert e.reshard_bytes == sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(copy))
     assert live_bytes() - before == tree_bytes(e.state) + tree_bytes(e.ref_own) + tree_bytes(exp)  # ... and is gone
     total, count, _ = lm_loss(logits(ACTOR, models[0], unsup_ids, unsup["attention_mask"]), unsup_ids, unsup["loss_mask"])
     stats = e.train_rlhf(exp, unsup)

@@ -128,16 +128,16 @@ def generation_mesh():
     return None if mesh.empty or "model" not in mesh.axis_names else mesh
 
 
-def fused_decode_step(module: nn.Module, h, cache, config, heads: int, kv_heads: int, norm_eps: float | None = None,
+def fused_decode_step(module: nn.Module, h, cache, config, heads: int, kv_heads: int, norm=None, eps: float = 0.0,
                       rope=None):
     """A decode step's q/k/v product and attention, the rest in one kernel (kernels.decode_attention.decode_step:
-    the folded norm, the bias, the rotary embedding, the cache write and the attention). Returns (out [B, 1, H, K],
-    cache), or None where it does not apply: not a decode step in the decode layout, or the kernel not in use or
-    split (`fuses_step`). The caller then runs the unfused path, which on the GPU is one kernel each for the rotary
-    embedding and the two cache writes (0.17 ms of Llama-7B's step at batch 64). norm_eps: h is the input of a norm
-    folded into qkv_proj (llama.decode_layer, opt.decode_layer), with this epsilon: a LayerNorm when qkv_proj holds
-    its column sums ("colsum"), else an RMSNorm; the kernel reduces h itself. rope (cos, sin) [B, K / 2],
-    rotate-half."""
+    the folded norm's end, the bias, the rotary embedding, the cache write and the attention). Returns (out
+    [B, 1, H, K], cache), or None where it does not apply: not a decode step in the decode layout, or the kernel
+    not in use or split (`fuses_step`). The caller then runs the unfused path, which on the GPU is one kernel each
+    for the rotary embedding and the two cache writes (0.17 ms of Llama-7B's step at batch 64). norm: the rows of
+    a norm folded into qkv_proj (norm_rows: llama.decode_layer, opt.decode_layer), or None; an RMSNorm (no mean)
+    is reduced inside the kernel from h with `eps`, a LayerNorm's statistics are passed in. rope (cos, sin)
+    [B, K / 2], rotate-half."""
     B, T, _ = h.shape
     if cache is None or T != 1 or not module.has_variable("params", "qkv_proj"):
         return None
@@ -147,14 +147,18 @@ def fused_decode_step(module: nn.Module, h, cache, config, heads: int, kv_heads:
         return None
     p = module.get_variable("params", "qkv_proj")
     per_head = lambda x: x.reshape(kv_heads, -1, K)
-    norm = None if norm_eps is None else (h.reshape(B, -1), norm_eps, *(per_head(p[n]) for n in ("colsum",) if n in p))
-    # The bias goes to the kernel, after the norm; cuBLAS then runs the product without an epilogue. A folded
-    # LayerNorm subtracts mean(h) colsum from the product, so the product stays float32 (no cancellation in bf16).
-    out_dtype = jnp.float32 if "colsum" in p else config.compute_dtype
+    rms = layer_norm = None
+    if norm is not None and norm[1] is None:
+        rms = (h.reshape(B, -1), eps)  # the kernel reduces h itself (norm's own reduction is then dead code)
+    elif norm is not None:
+        layer_norm = (norm[1].reshape(B), norm[0].reshape(B), per_head(p["colsum"]))
+    # The bias goes to the kernel, after the norm: cuBLAS runs the product without an epilogue. A folded LayerNorm
+    # subtracts mean(h) colsum from the product, which therefore stays float32 (no cancellation in bf16).
+    out_dtype = jnp.float32 if layer_norm is not None else config.compute_dtype
     qkv = stacked_dense(module, "qkv_proj", h, config.compute_dtype, bias=False, out_dtype=out_dtype)
     out, k, v = decode_step(qkv.reshape(B, kv_heads, -1, K), cache["k"], cache["v"], cache["start"], cache["slot"],
-                            cache["layer"], rope=rope, norm=norm, bias=per_head(p["bias"]) if "bias" in p else None,
-                            config=kernel, mesh=mesh)
+                            cache["layer"], rope=rope, rms=rms, layer_norm=layer_norm,
+                            bias=per_head(p["bias"]) if "bias" in p else None, config=kernel, mesh=mesh)
     return out[:, None], {**cache, "k": k, "v": v}
 
 

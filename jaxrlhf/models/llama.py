@@ -138,8 +138,7 @@ class LlamaAttention(nn.Module):
         B, T, D = h.shape
         H, Hkv, K = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         step = None if c.rope_interleaved else common.fused_decode_step(
-            self, h, cache, c, H, Hkv, None if norm is None else c.rms_norm_eps,
-            tuple(x[:, 0, 0] for x in rope))
+            self, h, cache, c, H, Hkv, norm, c.rms_norm_eps, tuple(x[:, 0, 0] for x in rope))
         if step is not None:  # a decode step: rotary embedding, cache write and attention in one kernel
             out, cache = step
         else:

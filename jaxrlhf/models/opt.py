@@ -120,7 +120,7 @@ class OPTAttention(nn.Module):
         c = self.config
         B, T, D = h.shape
         H, K = c.num_attention_heads, c.head_dim
-        step = common.fused_decode_step(self, h, cache, c, H, H, None if norm is None else c.layer_norm_eps)
+        step = common.fused_decode_step(self, h, cache, c, H, H, norm)
         if step is not None:  # a decode step: the norm's end, q/k/v's bias, the cache write and attention in one kernel
             out, cache = step
         else:  # q scaled after its bias, as OPT does
@@ -273,8 +273,9 @@ def decode_layer(config: OPTConfig, layer: dict) -> dict:
     """One layer's parameters (no leading L axis) in the decode layout: q/k/v stacked (common.stack_qkv) and, in
     pre-LN models, the attention's LayerNorm folded into them (common.fold_norm: its scale into the kernel's rows,
     its shift into the bias, the kernel's column sums beside it; the norm's entry goes, see OPTLayer). A decode
-    step then finishes the norm inside the attention kernel, where it used to take two XLA kernels per layer.
-    The FFN's LayerNorm stays: folded, its end would be a kernel of its own before fc1's ReLU."""
+    step then centres and scales q/k/v inside the attention kernel: the normalised copy of h is never written
+    (one kernel per layer less; the rows' statistics remain one reduction). The FFN's LayerNorm stays: folded,
+    its end would be a kernel of its own before fc1's ReLU."""
     attn = common.stack_qkv(layer["self_attn"], config.num_attention_heads)
     if not config.do_layer_norm_before:
         return {**layer, "self_attn": attn}
