@@ -155,7 +155,7 @@ def test_kernel_lowers_to_triton_for_an_h200(mask_loads):
         G2, llama = H // Hkv + 2, Hkv < H
         step = jax.jit(lambda qkv, k, v, s, c, n, x, m, r, cs, b: decode_step(
             qkv, k, v, s, 300, 1, rope=(c, n) if llama else None, rms=(x, 1e-5) if llama else None,
-            layer_norm=None if llama else (m, r, cs), bias=None if llama else b, config=config))
+            layer_norm=None if llama else (m, r, 2048, 1e-5, cs), bias=None if llama else b, config=config))
         with jax.sharding.use_abstract_mesh(h200):
             exported = export.export(step, platforms=["cuda"], disabled_checks=[
                 export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
@@ -184,7 +184,7 @@ def test_masked_loads_read_nothing_outside_the_valid_range():
 
 def step_reference(qkv, k, v, start, slot, layer, rope, rms=None, layer_norm=None, bias=None):
     """decode_step unfused, in float32: finish the folded norm (rms = (h, eps): rows times 1 / sqrt(mean(h^2) +
-    eps); layer_norm = (mean, rstd, colsum): (row - mean colsum) rstd), add the bias, rotate q and k (pairs
+    eps); layer_norm = (sums, squares, D, eps, colsum): (row - mean colsum) / sqrt(var + eps)), add the bias, rotate q and k (pairs
     (i, i + K/2)), write k and v at `slot`, attend over start .. slot."""
     B, Hkv, G2, K = qkv.shape
     x = qkv.astype(jnp.float32)
@@ -192,7 +192,9 @@ def step_reference(qkv, k, v, start, slot, layer, rope, rms=None, layer_norm=Non
     if rms is not None:
         x = x / per_row(jnp.sqrt(jnp.mean(jnp.square(rms[0].astype(jnp.float32)), axis=-1) + rms[1]))
     if layer_norm is not None:
-        x = (x - per_row(layer_norm[0]) * layer_norm[2]) * per_row(layer_norm[1])
+        sums, squares, D, eps, colsum = layer_norm
+        mean = sums / D
+        x = (x - per_row(mean) * colsum) / per_row(jnp.sqrt(squares / D - mean**2 + eps))
     if bias is not None:
         x = x + bias.astype(jnp.float32)
     q, k_new, v_new = x[:, :, : G2 - 2], x[:, :, G2 - 2], x[:, :, G2 - 1]
@@ -232,8 +234,8 @@ def test_the_fused_step_equals_normalise_rotate_write_attend(case):
     angle = jax.random.uniform(ks[4], (B, K // 2), maxval=6.0)
     rope = (jnp.cos(angle), jnp.sin(angle)) if rope else None
     rms = (norm_input(ks[5], B, D, dtype), 0.5) if norm == "rms" else None
-    stats = jax.random.normal(ks[5], (2, B)) * jnp.array([[1.0], [0.3]]) + jnp.array([[0.0], [1.0]])  # mean, rstd
-    layer_norm = (*stats, jax.random.normal(ks[6], (Hkv, G + 2, K))) if norm == "layer" else None
+    x = norm_input(ks[5], B, 96)  # a LayerNorm's input rows: their sums and sums of squares
+    layer_norm = (x.sum(-1), (x * x).sum(-1), 96, 0.5, jax.random.normal(ks[6], (Hkv, G + 2, K))) if norm == "layer" else None
     bias = jax.random.normal(ks[7], (Hkv, G + 2, K), dtype) if bias else None
     got = decode_step(qkv, k, v, start, slot, layer, rope=rope, rms=rms, layer_norm=layer_norm, bias=bias, config=KERNEL)
     want = step_reference(qkv, k, v, start, slot, layer, rope, rms, layer_norm, bias)
@@ -246,7 +248,8 @@ def test_the_fused_step_equals_normalise_rotate_write_attend(case):
     if rope is not None:  # each part matters: without it the answer differs
         assert differs(step_reference(qkv, k, v, start, slot, layer, None, rms, layer_norm, bias))
     if layer_norm is not None:
-        assert differs(step_reference(qkv, k, v, start, slot, layer, rope, rms, (0 * stats[0], *layer_norm[1:]), bias))
+        centred = (0 * layer_norm[0], layer_norm[1] - layer_norm[0] ** 2 / 96, *layer_norm[2:])  # same variance, mean 0
+        assert differs(step_reference(qkv, k, v, start, slot, layer, rope, rms, centred, bias))
     if bias is not None:
         assert differs(step_reference(qkv, k, v, start, slot, layer, rope, rms, layer_norm))
 
@@ -265,8 +268,8 @@ def test_the_fused_step_per_shard_and_when_it_applies():
         qkv, k, v, start)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-5)
-    layer_norm = (jax.random.normal(ks[5], (B,)), jax.random.uniform(ks[6], (B,), minval=0.5, maxval=2.0),
-                  jax.random.normal(ks[6], qkv.shape[1:]))  # the statistics per row, the column sums per KV head
+    x = norm_input(ks[6], B, 64)
+    layer_norm = (x.sum(-1), (x * x).sum(-1), 64, 1e-5, jax.random.normal(ks[6], qkv.shape[1:]))  # sums per row
     want = step_reference(qkv, k, v, start, 20, 1, None, None, layer_norm, bias)
     got = jax.jit(lambda *a: decode_step(*a, 20, 1, layer_norm=layer_norm, bias=bias, config=KERNEL, mesh=mesh))(
         qkv, k, v, start)

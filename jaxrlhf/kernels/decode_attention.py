@@ -233,11 +233,12 @@ def row_mean_square(x_ref, row):
     return jax.lax.fori_loop(0, D // piece, add, jnp.zeros((), jnp.float32)) / D
 
 
-def _step_kernel(layer_ref, start_ref, slot_ref, qkv_ref, cos_ref, sin_ref, x_ref, mean_ref, rstd_ref, colsum_ref,
+def _step_kernel(layer_ref, start_ref, slot_ref, qkv_ref, cos_ref, sin_ref, x_ref, sum_ref, sq_ref, colsum_ref,
                  bias_ref, k_ref, v_ref, o_ref, ko_ref, vo_ref, *, block_s: int, mask_loads: bool, rope: bool,
-                 eps: float | None, centred: bool, bias: bool):
+                 eps: float | None, width: int | None, bias: bool):
     # qkv_ref: the whole [B, Hkv, G + 2, K] (per KV head its G queries, key, value); cos_ref, sin_ref [K / 2]; x_ref
-    # [B, D] (a folded RMSNorm's input); mean_ref, rstd_ref [1] (a folded LayerNorm's row statistics), colsum_ref
+    # [B, D] (a folded RMSNorm's input); sum_ref, sq_ref [1] (a folded LayerNorm's input row: its sum and sum of
+    # squares over `width` values), colsum_ref
     # [Hkv, G + 2, K] (its kernel's column sums); bias_ref [Hkv, G + 2, K]; k_ref, v_ref / ko_ref, vo_ref: the
     # cache [L, B, Hkv, S, K], read / written (one buffer); o_ref [G, K].
     b, h = pl.program_id(0), pl.program_id(1)
@@ -245,8 +246,10 @@ def _step_kernel(layer_ref, start_ref, slot_ref, qkv_ref, cos_ref, sin_ref, x_re
     G, K = o_ref.shape
     copies = max(16 // G, 1)
     half = K // 2
-    if centred:
-        r = rstd_ref[0]
+    centred = width is not None
+    if centred:  # the variance as flax computes it: mean(x^2) - mean(x)^2, clipped at 0
+        mean = sum_ref[0] / width
+        r = jax.lax.rsqrt(jnp.maximum(sq_ref[0] / width - mean * mean, 0.0) + eps)
     else:
         r = 1.0 if eps is None else jax.lax.rsqrt(row_mean_square(x_ref, b) + eps)
 
@@ -254,7 +257,7 @@ def _step_kernel(layer_ref, start_ref, slot_ref, qkv_ref, cos_ref, sin_ref, x_re
         at = (pl.ds(row, n), pl.ds(col, width))
         y = qkv_ref[(b, h) + at].astype(jnp.float32)
         if centred:
-            y = y - mean_ref[0] * colsum_ref[(h,) + at]
+            y = y - mean * colsum_ref[(h,) + at]
         y = y * r
         return y + bias_ref[(h,) + at].astype(jnp.float32) if bias else y
 
@@ -357,9 +360,9 @@ def _pallas(q, k, v, layer, start, end, *, config):
     return out.reshape(B, H, K)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "rope", "eps", "centred", "bias"))
-def _pallas_step(qkv, k, v, layer, start, slot, cos, sin, x, mean, rstd, colsum, b, *, config, rope: bool,
-                 eps: float | None, centred: bool, bias: bool):
+@functools.partial(jax.jit, static_argnames=("config", "rope", "eps", "width", "bias"))
+def _pallas_step(qkv, k, v, layer, start, slot, cos, sin, x, sums, squares, colsum, b, *, config, rope: bool,
+                 eps: float | None, width: int | None, bias: bool):
     B, Hkv, G2, K = qkv.shape
     G, S = G2 - 2, k.shape[3]
     interpret, params, _, block_s = _launch(config, K, S)
@@ -369,7 +372,7 @@ def _pallas_step(qkv, k, v, layer, start, slot, cos, sin, x, mean, rstd, colsum,
     whole = pl.no_block_spec
     out, k, v = pl.pallas_call(
         functools.partial(_step_kernel, block_s=block_s, mask_loads=config.mask_loads, rope=rope, eps=eps,
-                          centred=centred, bias=bias),
+                          width=width, bias=bias),
         grid=(B, Hkv),
         in_specs=[scalar, row, scalar, whole, table, table, whole, row, row, whole, whole, whole, whole],
         out_specs=[pl.BlockSpec((None, None, G, K), lambda b, h: (b, h, 0, 0)), whole, whole],
@@ -379,7 +382,7 @@ def _pallas_step(qkv, k, v, layer, start, slot, cos, sin, x, mean, rstd, colsum,
         compiler_params=params,
         interpret=interpret,
         name="jaxrlhf_decode_attention_step",
-    )(layer.reshape(1), start, slot.reshape(1), qkv, cos, sin, x, mean, rstd, colsum, b, k, v)
+    )(layer.reshape(1), start, slot.reshape(1), qkv, cos, sin, x, sums, squares, colsum, b, k, v)
     return out.reshape(B, Hkv * G, K), k, v
 
 
@@ -405,9 +408,10 @@ def decode_step(qkv, k, v, start, slot, layer=0, *, rope=None, rms=None, layer_n
     rows) is finished here, one of:
     - rms (x [B, D], eps): RMSNorm, each row times rsqrt(mean(x^2) + eps), x being the product's input
       (llama.decode_layer). Each program reduces x's row itself: no kernel before this one.
-    - layer_norm (mean [B], rstd [B], colsum [Hkv, G + 2, K]): LayerNorm, each row (row - mean colsum) rstd, with
-      its input's row statistics computed before (once per row: reduced in each of OPT-1.3B's 32 programs per row,
-      they cost 11 us of a 204 us call at batch 256) and the column sums of the folded kernel (opt.decode_layer).
+    - layer_norm (sums [B], squares [B], D, eps, colsum [Hkv, G + 2, K]): LayerNorm of rows of D values x whose sum
+      and sum of squares come computed (one reduction per row before this kernel: reduced in each of OPT-1.3B's 32
+      programs per row they cost 11 us of a 204 us call at batch 256), each row (row - mean(x) colsum) /
+      sqrt(var(x) + eps), colsum being the column sums of the folded kernel (opt.decode_layer).
     bias (optional) [Hkv, G + 2, K]: added after the norm. rope (optional): (cos, sin) [B, K / 2], the rotary
     embedding of this token's position (rotate-half pairs (i, i + K / 2)), applied to q and k. The new key and value
     are written into the cache (k, v [L, B, Hkv, S, K], updated in place) at `slot`, and the queries attend over
@@ -422,10 +426,12 @@ def decode_step(qkv, k, v, start, slot, layer=0, *, rope=None, rms=None, layer_n
     unread = lambda *shape: jnp.zeros(shape, jnp.float32)  # operands of the parts switched off
     cos, sin = rope if rope is not None else (unread(B, K // 2),) * 2
     x, eps = rms if rms is not None else (unread(B, 1), None)
-    mean, rstd, colsum = layer_norm if layer_norm is not None else (unread(B), unread(B), unread(Hkv, G2, K))
+    sums, squares, width, ln_eps, colsum = layer_norm if layer_norm is not None else (
+        unread(B), unread(B), None, None, unread(Hkv, G2, K))
+    eps = ln_eps if layer_norm is not None else eps
     b = bias if bias is not None else unread(Hkv, G2, K)
-    fn = functools.partial(_pallas_step, config=config, rope=rope is not None, eps=eps,
-                           centred=layer_norm is not None, bias=bias is not None)
+    fn = functools.partial(_pallas_step, config=config, rope=rope is not None, eps=eps, width=width,
+                           bias=bias is not None)
     if mesh is not None and mesh.size > 1:
         rows = rows_axis(mesh, B)
         cache, heads = P(None, rows, "model", None, None), P("model", None, None)
@@ -435,7 +441,7 @@ def decode_step(qkv, k, v, start, slot, layer=0, *, rope=None, rms=None, layer_n
                            check_vma=False)
     f32 = lambda x: x.astype(jnp.float32)
     return fn(qkv, k, v, jnp.asarray(layer, jnp.int32), start, jnp.asarray(slot, jnp.int32), f32(cos), f32(sin), x,
-              f32(mean), f32(rstd), f32(colsum), b)
+              f32(sums), f32(squares), f32(colsum), b)
 
 
 def rows_axis(mesh, batch: int):

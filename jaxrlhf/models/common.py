@@ -135,9 +135,9 @@ def fused_decode_step(module: nn.Module, h, cache, config, heads: int, kv_heads:
     [B, 1, H, K], cache), or None where it does not apply: not a decode step in the decode layout, or the kernel
     not in use or split (`fuses_step`). The caller then runs the unfused path, which on the GPU is one kernel each
     for the rotary embedding and the two cache writes (0.17 ms of Llama-7B's step at batch 64). norm: the rows of
-    a norm folded into qkv_proj (norm_rows: llama.decode_layer, opt.decode_layer), or None; an RMSNorm (no mean)
-    is reduced inside the kernel from h with `eps`, a LayerNorm's statistics are passed in. rope (cos, sin)
-    [B, K / 2], rotate-half."""
+    a norm folded into qkv_proj (norm_rows: llama.decode_layer, opt.decode_layer), or None, with epsilon `eps`: an
+    RMSNorm (no mean) is reduced inside the kernel from h, a LayerNorm's row sums come from one reduction before it
+    (decode_step says why); the layer's own statistics are then dead code. rope (cos, sin) [B, K / 2], rotate-half."""
     B, T, _ = h.shape
     if cache is None or T != 1 or not module.has_variable("params", "qkv_proj"):
         return None
@@ -149,9 +149,10 @@ def fused_decode_step(module: nn.Module, h, cache, config, heads: int, kv_heads:
     per_head = lambda x: x.reshape(kv_heads, -1, K)
     rms = layer_norm = None
     if norm is not None and norm[1] is None:
-        rms = (h.reshape(B, -1), eps)  # the kernel reduces h itself (norm's own reduction is then dead code)
+        rms = (h.reshape(B, -1), eps)
     elif norm is not None:
-        layer_norm = (norm[1].reshape(B), norm[0].reshape(B), per_head(p["colsum"]))
+        x = h.reshape(B, -1).astype(jnp.float32)
+        layer_norm = (jnp.sum(x, axis=-1), jnp.sum(x * x, axis=-1), x.shape[-1], eps, per_head(p["colsum"]))
     # The bias goes to the kernel, after the norm: cuBLAS runs the product without an epilogue. A folded LayerNorm
     # subtracts mean(h) colsum from the product, which therefore stays float32 (no cancellation in bf16).
     out_dtype = jnp.float32 if layer_norm is not None else config.compute_dtype

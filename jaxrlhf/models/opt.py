@@ -120,7 +120,7 @@ class OPTAttention(nn.Module):
         c = self.config
         B, T, D = h.shape
         H, K = c.num_attention_heads, c.head_dim
-        step = common.fused_decode_step(self, h, cache, c, H, H, norm)
+        step = common.fused_decode_step(self, h, cache, c, H, H, norm, c.layer_norm_eps)
         if step is not None:  # a decode step: the norm's end, q/k/v's bias, the cache write and attention in one kernel
             out, cache = step
         else:  # q scaled after its bias, as OPT does
