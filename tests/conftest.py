@@ -24,9 +24,10 @@ def assets() -> Path:
 
 @pytest.fixture(scope="module", autouse=True)
 def _fresh_jit_caches():
-    """Drop JAX's compiled programs after each test file. The suite compiles thousands of programs in one process;
-    kept to the end, they grew it until XLA's CPU compiler crashed (a segmentation fault inside
-    backend_compile_and_load, in test_train.py after ~280 tests, seen in two fresh-clone runs)."""
+    """Drop JAX's compiled programs after each test file, so that one process does not hold the whole suite's
+    thousands. With all of them kept, XLA's CPU compiler crashed with a segmentation fault (in
+    backend_compile_and_load, compiling test_train.py's reward-model evaluation after ~280 tests) in three runs of
+    the whole suite once tests/test_llama.py traced one more generation; each file alone passed."""
     yield
     import jax
 

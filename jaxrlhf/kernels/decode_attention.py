@@ -238,9 +238,8 @@ def _step_kernel(layer_ref, start_ref, slot_ref, qkv_ref, cos_ref, sin_ref, x_re
                  eps: float | None, width: int | None, bias: bool):
     # qkv_ref: the whole [B, Hkv, G + 2, K] (per KV head its G queries, key, value); cos_ref, sin_ref [K / 2]; x_ref
     # [B, D] (a folded RMSNorm's input); sum_ref, sq_ref [1] (a folded LayerNorm's input row: its sum and sum of
-    # squares over `width` values), colsum_ref
-    # [Hkv, G + 2, K] (its kernel's column sums); bias_ref [Hkv, G + 2, K]; k_ref, v_ref / ko_ref, vo_ref: the
-    # cache [L, B, Hkv, S, K], read / written (one buffer); o_ref [G, K].
+    # squares over `width` values), colsum_ref [Hkv, G + 2, K] (its kernel's column sums); bias_ref [Hkv, G + 2, K];
+    # k_ref, v_ref / ko_ref, vo_ref: the cache [L, B, Hkv, S, K], read / written (one buffer); o_ref [G, K].
     b, h = pl.program_id(0), pl.program_id(1)
     layer, slot = layer_ref[0], slot_ref[0]
     G, K = o_ref.shape
@@ -253,8 +252,8 @@ def _step_kernel(layer_ref, start_ref, slot_ref, qkv_ref, cos_ref, sin_ref, x_re
     else:
         r = 1.0 if eps is None else jax.lax.rsqrt(row_mean_square(x_ref, b) + eps)
 
-    def part(row, n, col, width):  # rows row .. row + n - 1, columns col .. col + width - 1 of this head's q/k/v
-        at = (pl.ds(row, n), pl.ds(col, width))
+    def part(row, n, col, cols):  # rows row .. row + n - 1, columns col .. col + cols - 1 of this head's q/k/v
+        at = (pl.ds(row, n), pl.ds(col, cols))
         y = qkv_ref[(b, h) + at].astype(jnp.float32)
         if centred:
             y = y - mean * colsum_ref[(h,) + at]
