@@ -47,7 +47,7 @@ PARAM_AXES: list[tuple[str, tuple[str | None, ...]]] = [
     (r"layers/self_attn/[qkv]_proj/bias", ("layers", "heads")),
     (r"layers/self_attn/out_proj/kernel", ("layers", "heads", "embed")),
     (r"layers/fc1/kernel", ("layers", "embed", "mlp")),
-    (r"layers/fc1/bias", ("layers", "mlp")),
+    (r"layers/fc1/(bias|colsum)", ("layers", "mlp")),
     (r"layers/fc2/kernel", ("layers", "mlp", "embed")),
     (r"layers/(self_attn/out_proj|fc2)/bias", ("layers", "embed")),
     (r"layers/\w+_layer_norm/(scale|bias)", ("layers", "embed")),

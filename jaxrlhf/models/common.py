@@ -23,6 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxrlhf.kernels.decode_attention import (DecodeAttentionConfig, decode_attention, decode_step, fuses_step,
                                              rows_axis)
+from jaxrlhf.kernels import decode_matmul
 from jaxrlhf.lora import fused_kernel
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -161,6 +162,36 @@ def fused_decode_step(module: nn.Module, h, cache, config, heads: int, kv_heads:
                             cache["layer"], rope=rope, rms=rms, layer_norm=layer_norm,
                             bias=per_head(p["bias"]) if "bias" in p else None, config=kernel, mesh=mesh)
     return out[:, None], {**cache, "k": k, "v": v}
+
+
+def decode_product(module: nn.Module, name: str, x, config, cache, *, eps: float | None = None, relu: bool = False):
+    """A decode step's FFN product `name` (kernel [K, N], bias [N]) in one kernel (kernels.decode_matmul): [B, 1, N]
+    in the compute dtype. eps: the product's LayerNorm is folded into it (fold_norm, opt.decode_layer) and x is
+    the norm's input. With eps or relu the bias and the rest end the product inside the kernel (fc1); otherwise K
+    is split and the partials' sum, plus the bias, fuses into what follows (fc2). None where it does not apply: not
+    a decode step, the kernels not in use, LoRA factors beside the kernel, or a shape the kernel does not take
+    (decode_matmul.applies, per shard); the caller then runs its usual product."""
+    B, T, D = x.shape
+    if cache is None or T != 1 or not DecodeAttentionConfig(implementation=config.decode_attention).kernels_on():
+        return None
+    p = module.get_variable("params", name)
+    if p is None or "lora_a" in p:
+        return None
+    columns = eps is not None or relu  # the epilogue runs in the kernel: each shard its output columns (fc1)
+    mesh, (rows, k, n) = generation_mesh(), (B, *p["kernel"].shape)
+    if mesh is not None:
+        rows //= mesh.shape["data"] if rows_axis(mesh, B) else 1
+        n, k = (n // mesh.shape["model"], k) if columns else (n, k // mesh.shape["model"])
+    if not decode_matmul.applies(rows, k, n):
+        return None
+    dtype = config.compute_dtype
+    bias = p["bias"].astype(jnp.float32) if "bias" in p else None
+    y = decode_matmul.decode_matmul(x.reshape(B, D).astype(dtype), p["kernel"].astype(dtype),
+                                    bias=bias if columns else None, relu=relu, mesh=mesh,
+                                    layer_norm=None if eps is None else (p["colsum"], eps))
+    if not columns and bias is not None:
+        y = y + bias
+    return y.astype(dtype)[:, None]
 
 
 def attention(q, k, v, cache, config, deterministic: bool):

@@ -181,12 +181,19 @@ class OPTLayer(nn.Module):
         if not c.do_layer_norm_before:
             h = norm("self_attn_layer_norm")(h)
 
-        # Feed-forward block: fc1 -> ReLU -> fc2.
-        residual = h
-        if c.do_layer_norm_before:
+        # Feed-forward block: fc1 -> ReLU -> fc2. A decode step runs each product in one kernel where it applies
+        # (common.decode_product: fc1 with its folded LayerNorm, bias and ReLU; fc2 split over K).
+        residual, folded = h, None
+        if c.do_layer_norm_before and not (self.is_initializing() or self.has_variable("params", "final_layer_norm")):
+            folded = common.norm_rows(h, c.layer_norm_eps, centred=True)  # folded into fc1 (decode_layer)
+        elif c.do_layer_norm_before:
             h = norm("final_layer_norm")(h)
-        h = dense(c.hidden_size, "fc2")(nn.relu(dense(c.ffn_dim, "fc1")(h)))
-        h = residual + drop(h)
+        y = common.decode_product(self, "fc1", h, c, cache, eps=c.layer_norm_eps if folded else None, relu=True)
+        if y is None and folded is not None:
+            y = nn.relu(common.stacked_dense(self, "fc1", h, c.compute_dtype, norm=folded))
+        h = nn.relu(dense(c.ffn_dim, "fc1")(h)) if y is None else y
+        y = common.decode_product(self, "fc2", h, c, cache)
+        h = residual + drop(dense(c.hidden_size, "fc2")(h) if y is None else y)
         if not c.do_layer_norm_before:
             h = norm("final_layer_norm")(h)
         return common.carry_out(h, cache)
@@ -279,9 +286,11 @@ def decode_layer(config: OPTConfig, layer: dict) -> dict:
     attn = common.stack_qkv(layer["self_attn"], config.num_attention_heads)
     if not config.do_layer_norm_before:
         return {**layer, "self_attn": attn}
-    ln = layer["self_attn_layer_norm"]
+    ln, ffn = layer["self_attn_layer_norm"], layer["final_layer_norm"]
     attn["qkv_proj"] = common.fold_norm(attn["qkv_proj"], ln["scale"], ln["bias"], config.compute_dtype)
-    return {**{n: x for n, x in layer.items() if n != "self_attn_layer_norm"}, "self_attn": attn}
+    fc1 = common.fold_norm(layer["fc1"], ffn["scale"], ffn["bias"], config.compute_dtype)
+    rest = {n: x for n, x in layer.items() if n not in ("self_attn_layer_norm", "final_layer_norm")}
+    return {**rest, "self_attn": attn, "fc1": fc1}
 
 
 def init_params(config: OPTConfig, key, *, value_head: bool = False, dtype=jnp.float32, std: float = 0.02):

@@ -1,0 +1,146 @@
+"""A decode step's product of few rows with a weight matrix, and what comes after it, in one Pallas (Triton) kernel.
+
+    x     [M, K]  the step's rows (M = the batch, 16, 32 or 64)
+    w     [K, N]  the weight matrix, read once: the call is bound by that read
+    out   [M, N]  x @ w, then optionally a folded LayerNorm's end, a bias and a ReLU (OPT's fc1); or, split over K,
+                  the float32 sum of `split` partial products (OPT's fc2: the sum fuses into the residual add after)
+
+At 64 rows cuBLAS reads OPT-1.3B's 8-34 MB matrices at 1.4-3.0 TB/s, and a step's FFN ran five kernels per layer:
+the LayerNorm's statistics and normalised copy of h, fc1 (bias and ReLU in cuBLAS's epilogue), fc2 split over K
+and cuBLAS's reduction of the split. Here fc1 reads h itself (the norm folded into its kernel, models.common.
+fold_norm), sums its rows' values and squares on the way through K and ends the norm per program:
+LN(h) W + c = (h W' - mean(h) colsum) / std(h) + c'. fc2 writes `split` float32 partials that the residual add
+sums. Each program owns `BLOCK_N` output columns (and with a split, a 1 / split share of K) and loops over K in
+blocks of `BLOCK_K`, the loads pipelined over `NUM_STAGES` buffers. Under tensor parallelism (`mesh` with a "model"
+axis) it runs per shard: fc1 on its output columns, fc2 on its rows of K, the shards' sums then all-reduced.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+from jax.sharding import PartitionSpec as P
+
+from jaxrlhf.kernels.decode_attention import rows_axis
+
+# The sweep's best on the H200 at 64 rows (one-off microbenchmark, bench/README.md): fc1 2048 x 8192 11.1 us a
+# call (cuBLAS with its bias + ReLU epilogue 11.4), fc2 8192 x 2048 split four ways 11.2 us (cuBLAS 11.9 plus 2.9
+# for its split-K reduction)
+BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 128, 4, 4
+ROWS = (16, 32, 64)  # tensor-core products need >= 16 rows; above 64, cuBLAS' tiles are the better choice
+MAX_PROGRAMS = 160  # a split over K doubles while the programs stay within about one wave of the H200's 132 SMs
+
+
+def split_for(k: int, n: int, block_n: int = BLOCK_N, block_k: int = BLOCK_K) -> int:
+    """How many ways K is split: doubled while the (N / block_n) x split programs stay within MAX_PROGRAMS and
+    each share of K keeps at least two blocks. fc1 2048 x 8192: 1 (128 programs); fc2 8192 x 2048: 4."""
+    split = 1
+    while n // block_n * split * 2 <= MAX_PROGRAMS and k % (2 * split * block_k) == 0 and k // (2 * split) >= 2 * block_k:
+        split *= 2
+    return split
+
+
+def applies(rows: int, k: int, n: int) -> bool:
+    """Whether the kernel takes an [rows, k] x [k, n] product (per shard): rows 16, 32 or 64, whole blocks."""
+    return rows in ROWS and n % BLOCK_N == 0 and k % BLOCK_K == 0
+
+
+def decode_matmul_reference(x, w, *, bias=None, layer_norm=None, relu: bool = False):
+    """The definition, in float32 (the kernel's output dtype aside)."""
+    y = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32))
+    if layer_norm is not None:
+        colsum, eps = layer_norm
+        xf = x.astype(jnp.float32)
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.maximum(jnp.mean(xf * xf, axis=-1, keepdims=True) - mean * mean, 0.0)
+        y = (y - mean * colsum.astype(jnp.float32)) * jax.lax.rsqrt(var + eps)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return jnp.maximum(y, 0.0) if relu else y
+
+
+def _kernel(*refs, steps: int, eps: float | None, has_bias: bool, relu: bool):
+    # x_ref [M, K], w_ref [K, N] (whole); colsum_ref, bias_ref [N] when given; o_ref [split, M, N] (this program:
+    # columns [j * BLOCK_N, ...) of share s of K)
+    x_ref, w_ref, *rest, o_ref = refs
+    colsum_ref = rest.pop(0) if eps is not None else None
+    bias_ref = rest.pop(0) if has_bias else None
+    j, s = pl.program_id(0), pl.program_id(1)
+    cols = pl.ds(pl.multiple_of(j * BLOCK_N, BLOCK_N), BLOCK_N)
+
+    def body(i, carry):
+        k = pl.ds(pl.multiple_of((s * steps + i) * BLOCK_K, BLOCK_K), BLOCK_K)
+        x = x_ref[:, k]
+        acc = carry[0] + jnp.dot(x, w_ref[k, cols], preferred_element_type=jnp.float32)
+        if eps is None:
+            return (acc,)
+        x = x.astype(jnp.float32)  # the LayerNorm's statistics, on the way through K
+        return acc, carry[1] + jnp.sum(x, axis=1), carry[2] + jnp.sum(x * x, axis=1)
+
+    M = x_ref.shape[0]
+    zeros = jnp.zeros((M,), jnp.float32)
+    carry = (jnp.zeros((M, BLOCK_N), jnp.float32),) + ((zeros, zeros) if eps is not None else ())
+    y, *sums = jax.lax.fori_loop(0, steps, body, carry)
+    if eps is not None:
+        D = x_ref.shape[1]
+        mean = sums[0] / D
+        var = jnp.maximum(sums[1] / D - mean * mean, 0.0)
+        y = (y - mean[:, None] * colsum_ref[cols][None, :]) * jax.lax.rsqrt(var + eps)[:, None]
+    if has_bias:
+        y = y + bias_ref[cols].astype(jnp.float32)[None, :]
+    if relu:
+        y = jnp.maximum(y, 0.0)
+    o_ref[s, :, cols] = y.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "relu", "split", "interpret"))
+def _pallas(x, w, colsum, bias, *, eps, relu: bool, split: int, interpret: bool):
+    (M, K), N = x.shape, w.shape[1]
+    operands = [x, w] + [a for a in (colsum, bias) if a is not None]
+    return pl.pallas_call(
+        functools.partial(_kernel, steps=K // split // BLOCK_K, eps=eps, has_bias=bias is not None, relu=relu),
+        grid=(N // BLOCK_N, split),
+        in_specs=[pl.no_block_spec] * len(operands),
+        out_specs=pl.no_block_spec,
+        out_shape=jax.ShapeDtypeStruct((split, M, N), x.dtype if split == 1 else jnp.float32),
+        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        interpret=interpret,
+        name="jaxrlhf_decode_matmul",
+    )(*operands)
+
+
+def decode_matmul(x, w, *, bias=None, layer_norm=None, relu: bool = False, interpret: bool | None = None,
+                  mesh=None):
+    """x [M, K] @ w [K, N] for a decode step (module docstring). With bias [N], layer_norm (colsum [N] float32,
+    eps: x is the norm's input, w and bias have its scale and shift folded in) or relu, the product is whole per
+    program and ends in the kernel: x's dtype out. Without them K is split (split_for) and the float32 sum of
+    the partials is returned. interpret: None runs interpret mode when not on a GPU (CPU tests). `mesh` (with
+    "data" and "model" axes): per shard, rows over "data" where they divide; with an epilogue N over "model"
+    (column-parallel, fc1), else K over "model" and the shards' sums all-reduced (row-parallel, fc2)."""
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"decode_matmul: expected x [M, K] and w [K, N], got {x.shape} and {w.shape}")
+    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
+    colsum, eps = layer_norm if layer_norm is not None else (None, None)
+    epilogue = bias is not None or layer_norm is not None or relu
+
+    def product(x, w, colsum, bias):
+        split = 1 if epilogue else split_for(*w.shape)
+        out = _pallas(x, w, colsum, bias, eps=None if eps is None else float(eps), relu=relu, split=split,
+                      interpret=interpret)
+        return out[0] if epilogue else jnp.sum(out, axis=0)
+
+    if mesh is None or mesh.size == 1:
+        return product(x, w, colsum, bias)
+    rows = rows_axis(mesh, x.shape[0])
+    vector = lambda a: None if a is None else P("model")
+    if epilogue:  # column-parallel: each shard its columns of N, x whole
+        return jax.shard_map(product, mesh=mesh, in_specs=(P(rows, None), P(None, "model"), vector(colsum),
+                                                           vector(bias)),
+                             out_specs=P(rows, "model"), check_vma=False)(x, w, colsum, bias)
+    row_parallel = lambda x, w: jax.lax.psum(product(x, w, None, None), "model")
+    return jax.shard_map(row_parallel, mesh=mesh, in_specs=(P(rows, "model"), P("model", None)),
+                         out_specs=P(rows, None), check_vma=False)(x, w)
