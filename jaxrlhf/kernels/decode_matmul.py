@@ -8,8 +8,9 @@
 At 64 rows cuBLAS reads OPT-1.3B's 8-34 MB matrices at 1.4-3.0 TB/s, and a step's FFN ran five kernels per layer:
 the LayerNorm's statistics and normalised copy of h, fc1 (bias and ReLU in cuBLAS's epilogue), fc2 split over K
 and cuBLAS's reduction of the split. Here fc1 reads h itself (the norm folded into its kernel, models.common.
-fold_norm), sums its rows' values and squares on the way through K and ends the norm per program:
-LN(h) W + c = (h W' - mean(h) colsum) / std(h) + c'. fc2 writes `split` float32 partials that the residual add
+fold_norm) and ends the norm per program from the rows' sums and sums of squares (one XLA reduction before it):
+LN(h) W + c = (h W' - mean(h) colsum) / std(h) + c'. (Summed in the kernel's loop over K instead, the call took
+17.3 us against 11.1.) fc2 writes `split` float32 partials that the residual add
 sums. Each program owns `BLOCK_N` output columns (and with a split, a 1 / split share of K) and loops over K in
 blocks of `BLOCK_K`, the loads pipelined over `NUM_STAGES` buffers. Under tensor parallelism (`mesh` with a "model"
 axis) it runs per shard: fc1 on its output columns, fc2 on its rows of K, the shards' sums then all-reduced.
@@ -53,10 +54,9 @@ def decode_matmul_reference(x, w, *, bias=None, layer_norm=None, relu: bool = Fa
     """The definition, in float32 (the kernel's output dtype aside)."""
     y = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32))
     if layer_norm is not None:
-        colsum, eps = layer_norm
-        xf = x.astype(jnp.float32)
-        mean = jnp.mean(xf, axis=-1, keepdims=True)
-        var = jnp.maximum(jnp.mean(xf * xf, axis=-1, keepdims=True) - mean * mean, 0.0)
+        sums, squares, colsum, eps = layer_norm
+        mean = sums[:, None] / x.shape[-1]
+        var = jnp.maximum(squares[:, None] / x.shape[-1] - mean * mean, 0.0)
         y = (y - mean * colsum.astype(jnp.float32)) * jax.lax.rsqrt(var + eps)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
@@ -64,31 +64,23 @@ def decode_matmul_reference(x, w, *, bias=None, layer_norm=None, relu: bool = Fa
 
 
 def _kernel(*refs, steps: int, eps: float | None, has_bias: bool, relu: bool):
-    # x_ref [M, K], w_ref [K, N] (whole); colsum_ref, bias_ref [N] when given; o_ref [split, M, N] (this program:
-    # columns [j * BLOCK_N, ...) of share s of K)
+    # x_ref [M, K], w_ref [K, N] (whole); with a LayerNorm sums_ref, squares_ref [M] and colsum_ref [N], bias_ref
+    # [N] when given; o_ref [split, M, N] (this program: columns [j * BLOCK_N, ...) of share s of K)
     x_ref, w_ref, *rest, o_ref = refs
-    colsum_ref = rest.pop(0) if eps is not None else None
+    sums_ref, squares_ref, colsum_ref = (rest.pop(0) for _ in range(3)) if eps is not None else (None,) * 3
     bias_ref = rest.pop(0) if has_bias else None
     j, s = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(pl.multiple_of(j * BLOCK_N, BLOCK_N), BLOCK_N)
 
     def body(i, carry):
         k = pl.ds(pl.multiple_of((s * steps + i) * BLOCK_K, BLOCK_K), BLOCK_K)
-        x = x_ref[:, k]
-        acc = carry[0] + jnp.dot(x, w_ref[k, cols], preferred_element_type=jnp.float32)
-        if eps is None:
-            return (acc,)
-        x = x.astype(jnp.float32)  # the LayerNorm's statistics, on the way through K
-        return acc, carry[1] + jnp.sum(x, axis=1), carry[2] + jnp.sum(x * x, axis=1)
+        return carry + jnp.dot(x_ref[:, k], w_ref[k, cols], preferred_element_type=jnp.float32)
 
-    M = x_ref.shape[0]
-    zeros = jnp.zeros((M,), jnp.float32)
-    carry = (jnp.zeros((M, BLOCK_N), jnp.float32),) + ((zeros, zeros) if eps is not None else ())
-    y, *sums = jax.lax.fori_loop(0, steps, body, carry)
+    y = jax.lax.fori_loop(0, steps, body, jnp.zeros((x_ref.shape[0], BLOCK_N), jnp.float32))
     if eps is not None:
         D = x_ref.shape[1]
-        mean = sums[0] / D
-        var = jnp.maximum(sums[1] / D - mean * mean, 0.0)
+        mean = sums_ref[...] / D
+        var = jnp.maximum(squares_ref[...] / D - mean * mean, 0.0)
         y = (y - mean[:, None] * colsum_ref[cols][None, :]) * jax.lax.rsqrt(var + eps)[:, None]
     if has_bias:
         y = y + bias_ref[cols].astype(jnp.float32)[None, :]
@@ -98,9 +90,9 @@ def _kernel(*refs, steps: int, eps: float | None, has_bias: bool, relu: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "relu", "split", "interpret"))
-def _pallas(x, w, colsum, bias, *, eps, relu: bool, split: int, interpret: bool):
+def _pallas(x, w, norm, bias, *, eps, relu: bool, split: int, interpret: bool):
     (M, K), N = x.shape, w.shape[1]
-    operands = [x, w] + [a for a in (colsum, bias) if a is not None]
+    operands = [x, w] + list(norm or ()) + ([bias] if bias is not None else [])
     return pl.pallas_call(
         functools.partial(_kernel, steps=K // split // BLOCK_K, eps=eps, has_bias=bias is not None, relu=relu),
         grid=(N // BLOCK_N, split),
@@ -115,8 +107,9 @@ def _pallas(x, w, colsum, bias, *, eps, relu: bool, split: int, interpret: bool)
 
 def decode_matmul(x, w, *, bias=None, layer_norm=None, relu: bool = False, interpret: bool | None = None,
                   mesh=None):
-    """x [M, K] @ w [K, N] for a decode step (module docstring). With bias [N], layer_norm (colsum [N] float32,
-    eps: x is the norm's input, w and bias have its scale and shift folded in) or relu, the product is whole per
+    """x [M, K] @ w [K, N] for a decode step (module docstring). With bias [N], layer_norm (sums [M], squares [M]:
+    x's row sums and sums of squares, float32; colsum [N] float32; eps: x is the norm's input, w and bias have its
+    scale and shift folded in) or relu, the product is whole per
     program and ends in the kernel: x's dtype out. Without them K is split (split_for) and the float32 sum of
     the partials is returned. interpret: None runs interpret mode when not on a GPU (CPU tests). `mesh` (with
     "data" and "model" axes): per shard, rows over "data" where they divide; with an epilogue N over "model"
@@ -124,23 +117,22 @@ def decode_matmul(x, w, *, bias=None, layer_norm=None, relu: bool = False, inter
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
         raise ValueError(f"decode_matmul: expected x [M, K] and w [K, N], got {x.shape} and {w.shape}")
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
-    colsum, eps = layer_norm if layer_norm is not None else (None, None)
+    norm, eps = (tuple(layer_norm[:3]), float(layer_norm[3])) if layer_norm is not None else (None, None)
     epilogue = bias is not None or layer_norm is not None or relu
 
-    def product(x, w, colsum, bias):
+    def product(x, w, norm, bias):
         split = 1 if epilogue else split_for(*w.shape)
-        out = _pallas(x, w, colsum, bias, eps=None if eps is None else float(eps), relu=relu, split=split,
-                      interpret=interpret)
+        out = _pallas(x, w, norm, bias, eps=eps, relu=relu, split=split, interpret=interpret)
         return out[0] if epilogue else jnp.sum(out, axis=0)
 
     if mesh is None or mesh.size == 1:
-        return product(x, w, colsum, bias)
+        return product(x, w, norm, bias)
     rows = rows_axis(mesh, x.shape[0])
-    vector = lambda a: None if a is None else P("model")
     if epilogue:  # column-parallel: each shard its columns of N, x whole
-        return jax.shard_map(product, mesh=mesh, in_specs=(P(rows, None), P(None, "model"), vector(colsum),
-                                                           vector(bias)),
-                             out_specs=P(rows, "model"), check_vma=False)(x, w, colsum, bias)
+        norm_specs = None if norm is None else (P(rows), P(rows), P("model"))
+        return jax.shard_map(product, mesh=mesh, in_specs=(P(rows, None), P(None, "model"), norm_specs,
+                                                           None if bias is None else P("model")),
+                             out_specs=P(rows, "model"), check_vma=False)(x, w, norm, bias)
     row_parallel = lambda x, w: jax.lax.psum(product(x, w, None, None), "model")
     return jax.shard_map(row_parallel, mesh=mesh, in_specs=(P(rows, "model"), P("model", None)),
                          out_specs=P(rows, None), check_vma=False)(x, w)

@@ -184,13 +184,16 @@ def decode_product(module: nn.Module, name: str, x, config, cache, *, eps: float
         n, k = (n // mesh.shape["model"], k) if columns else (n, k // mesh.shape["model"])
     if not decode_matmul.applies(rows, k, n):
         return None
-    dtype = config.compute_dtype
-    bias = p["bias"].astype(jnp.float32) if "bias" in p else None
-    y = decode_matmul.decode_matmul(x.reshape(B, D).astype(dtype), p["kernel"].astype(dtype),
-                                    bias=bias if columns else None, relu=relu, mesh=mesh,
-                                    layer_norm=None if eps is None else (p["colsum"], eps))
+    dtype, x = config.compute_dtype, x.reshape(B, D)
+    layer_norm = None
+    if eps is not None:  # the rows' statistics: one reduction, finished in each program (as decode_step's)
+        xf = x.astype(jnp.float32)
+        layer_norm = (jnp.sum(xf, axis=-1), jnp.sum(xf * xf, axis=-1), p["colsum"], eps)
+    bias = p.get("bias")  # (in its own dtype: a cast before a kernel's operand is a kernel of its own)
+    y = decode_matmul.decode_matmul(x.astype(dtype), p["kernel"].astype(dtype), bias=bias if columns else None,
+                                    layer_norm=layer_norm, relu=relu, mesh=mesh)
     if not columns and bias is not None:
-        y = y + bias
+        y = y + bias.astype(jnp.float32)
     return y.astype(dtype)[:, None]
 
 

@@ -189,8 +189,8 @@ class OPTLayer(nn.Module):
         elif c.do_layer_norm_before:
             h = norm("final_layer_norm")(h)
         y = common.decode_product(self, "fc1", h, c, cache, eps=c.layer_norm_eps if folded else None, relu=True)
-        if y is None and folded is not None:
-            y = nn.relu(common.stacked_dense(self, "fc1", h, c.compute_dtype, norm=folded))
+        if y is None and folded is not None:  # the norm's end on h; its scale and shift are in fc1's kernel and bias
+            y = nn.relu(common.stacked_dense(self, "fc1", (h - folded[1]) * folded[0], c.compute_dtype))
         h = nn.relu(dense(c.ffn_dim, "fc1")(h)) if y is None else y
         y = common.decode_product(self, "fc2", h, c, cache)
         h = residual + drop(dense(c.hidden_size, "fc2")(h) if y is None else y)
