@@ -164,15 +164,16 @@ def fused_decode_step(module: nn.Module, h, cache, config, heads: int, kv_heads:
     return out[:, None], {**cache, "k": k, "v": v}
 
 
-def decode_product(module: nn.Module, name: str, x, config, cache, *, eps: float | None = None, relu: bool = False):
+def decode_product(module: nn.Module, name: str, x, config, decoding: bool, *, eps: float | None = None,
+                   relu: bool = False):
     """A decode step's FFN product `name` (kernel [K, N], bias [N]) in one kernel (kernels.decode_matmul): [B, 1, N]
     in the compute dtype. eps: the product's LayerNorm is folded into it (fold_norm, opt.decode_layer) and x is
     the norm's input. With eps or relu the bias and the rest end the product inside the kernel (fc1); otherwise K
     is split and the partials' sum, plus the bias, fuses into what follows (fc2). None where it does not apply: not
-    a decode step, the kernels not in use, LoRA factors beside the kernel, or a shape the kernel does not take
+    a decode step (`decoding`: generation, with a cache; T = 1), the kernels not in use, LoRA factors beside the kernel, or a shape the kernel does not take
     (decode_matmul.applies, per shard); the caller then runs its usual product."""
     B, T, D = x.shape
-    if cache is None or T != 1 or not DecodeAttentionConfig(implementation=config.decode_attention).kernels_on():
+    if not decoding or T != 1 or not DecodeAttentionConfig(implementation=config.decode_attention).kernels_on():
         return None
     p = module.get_variable("params", name)
     if p is None or "lora_a" in p:
