@@ -5,15 +5,16 @@
     out   [M, N]  x @ w, then optionally a folded LayerNorm's end, a bias and a ReLU (OPT's fc1); or, split over K,
                   the float32 sum of `split` partial products (OPT's fc2: the sum fuses into the residual add after)
 
-At 64 rows cuBLAS reads OPT-1.3B's 8-34 MB matrices at 1.4-3.0 TB/s, and a step's FFN ran five kernels per layer:
-the LayerNorm's statistics and normalised copy of h, fc1 (bias and ReLU in cuBLAS's epilogue), fc2 split over K
-and cuBLAS's reduction of the split. Here fc1 reads h itself (the norm folded into its kernel, models.common.
-fold_norm) and ends the norm per program from the rows' sums and sums of squares (one XLA reduction before it):
-LN(h) W + c = (h W' - mean(h) colsum) / std(h) + c'. (Summed in the kernel's loop over K instead, the call took
-17.3 us against 11.1.) fc2 writes `split` float32 partials that the residual add
-sums. Each program owns `BLOCK_N` output columns (and with a split, a 1 / split share of K) and loops over K in
-blocks of `BLOCK_K`, the loads pipelined over `NUM_STAGES` buffers. Under tensor parallelism (`mesh` with a "model"
-axis) it runs per shard: fc1 on its output columns, fc2 on its rows of K, the shards' sums then all-reduced.
+At 64 rows cuBLAS reads OPT-1.3B's 8-34 MB matrices at 1.4-3.0 TB/s, and a decode step's FFN ran five kernels per
+layer: the LayerNorm's statistics, the normalised copy of h, fc1 (bias and ReLU in cuBLAS's epilogue), fc2 split
+over K, and cuBLAS's reduction of the split. Here fc1 reads h itself (the norm folded into its kernel, models.
+common.fold_norm) and each program ends the norm from the rows' sums and sums of squares (one XLA reduction before
+it): LN(h) W + c = (h W' - mean(h) colsum) / std(h) + c'. (Summed in the kernel's loop over K instead, a call took
+17.3 us against 11.5.) fc2 writes `split` float32 partials, summed by the residual add's fusion.
+
+Each program owns BLOCK_N output columns (with a split, of a 1 / split share of K) and loops over K in blocks of
+BLOCK_K, its loads pipelined over NUM_STAGES buffers. Under tensor parallelism (`mesh` with a "model" axis) it runs
+per shard: fc1 on its output columns, fc2 on its rows of K, the shards' sums then all-reduced.
 """
 
 from __future__ import annotations
@@ -32,15 +33,16 @@ from jaxrlhf.kernels.decode_attention import rows_axis
 # call (cuBLAS with its bias + ReLU epilogue 11.4), fc2 8192 x 2048 split four ways 11.2 us (cuBLAS 11.9 plus 2.9
 # for its split-K reduction)
 BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 128, 4, 4
-ROWS = (16, 32, 64)  # tensor-core products need >= 16 rows; above 64, cuBLAS' tiles are the better choice
+ROWS = (16, 32, 64)  # tensor-core products need >= 16 rows; above 64 (not measured) cuBLAS runs
 MAX_PROGRAMS = 160  # a split over K doubles while the programs stay within about one wave of the H200's 132 SMs
 
 
-def split_for(k: int, n: int, block_n: int = BLOCK_N, block_k: int = BLOCK_K) -> int:
-    """How many ways K is split: doubled while the (N / block_n) x split programs stay within MAX_PROGRAMS and
-    each share of K keeps at least two blocks. fc1 2048 x 8192: 1 (128 programs); fc2 8192 x 2048: 4."""
+def split_for(k: int, n: int) -> int:
+    """How many ways K is split: doubled while the (N / BLOCK_N) x split programs stay within MAX_PROGRAMS and
+    each share of K keeps at least two whole blocks. fc1 2048 x 8192: 1 (128 programs); fc2 8192 x 2048: 4."""
     split = 1
-    while n // block_n * split * 2 <= MAX_PROGRAMS and k % (2 * split * block_k) == 0 and k // (2 * split) >= 2 * block_k:
+    while (n // BLOCK_N * 2 * split <= MAX_PROGRAMS
+           and k % (2 * split * BLOCK_K) == 0 and k // (2 * split) >= 2 * BLOCK_K):
         split *= 2
     return split
 

@@ -170,8 +170,10 @@ def decode_product(module: nn.Module, name: str, x, config, decoding: bool, *, e
     in the compute dtype. eps: the product's LayerNorm is folded into it (fold_norm, opt.decode_layer) and x is
     the norm's input. With eps or relu the bias and the rest end the product inside the kernel (fc1); otherwise K
     is split and the partials' sum, plus the bias, fuses into what follows (fc2). None where it does not apply: not
-    a decode step (`decoding`: generation, with a cache; T = 1), the kernels not in use, LoRA factors beside the kernel, or a shape the kernel does not take
-    (decode_matmul.applies, per shard); the caller then runs its usual product."""
+    a decode step (`decoding`: generation, with a cache; and T = 1), the kernels not in use, LoRA factors beside the
+    kernel, or a shape the kernel does not take (decode_matmul.applies, per shard); the caller then runs its usual
+    product. Measured and not used (bench/README.md): OPT's out_proj and Llama's o_proj and down_proj, where the
+    kernel's time does not pay for the residual add that cuBLAS runs in its epilogue."""
     B, T, D = x.shape
     if not decoding or T != 1 or not DecodeAttentionConfig(implementation=config.decode_attention).kernels_on():
         return None

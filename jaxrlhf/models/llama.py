@@ -146,9 +146,8 @@ class LlamaAttention(nn.Module):
             q = apply_rope(q, *rope, c.rope_interleaved)  # project_qkv scaled q: the rotation is linear
             k = apply_rope(k, *rope, c.rope_interleaved)
             out, cache = common.attention(q, k, v, cache, c, self.deterministic)  # [B, T, H, K]
-        out = out.reshape(B, T, H * K)
-        y = common.decode_product(self, "o_proj", out, c, cache is not None)
-        return common.Dense(D, use_bias=c.attention_bias, dtype=c.compute_dtype, name="o_proj")(out) if y is None else y, cache
+        o_proj = common.Dense(D, use_bias=c.attention_bias, dtype=c.compute_dtype, name="o_proj")
+        return o_proj(out.reshape(B, T, H * K)), cache
 
 
 class LlamaMLP(nn.Module):
@@ -166,9 +165,8 @@ class LlamaMLP(nn.Module):
             if norm is not None and T == 1 and not c.mlp_bias and kernels:
                 # A decode step: the folded norm's 1 / rms(h), silu and the product in one kernel (3 kernels unfused)
                 gate_up = common.stacked_dense(self, "gate_up_proj", h, c.compute_dtype).reshape(B, 2, -1)
-                act = rms_swiglu(gate_up, h.reshape(B, D), c.rms_norm_eps, mesh=common.generation_mesh())[:, None]
-                y = common.decode_product(self, "down_proj", act, c, decoding=True)
-                return dense(c.hidden_size, "down_proj")(act) if y is None else y
+                act = rms_swiglu(gate_up, h.reshape(B, D), c.rms_norm_eps, mesh=common.generation_mesh())
+                return dense(c.hidden_size, "down_proj")(act[:, None])
             gate_up = common.stacked_dense(self, "gate_up_proj", h, c.compute_dtype, norm)
             gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
         else:

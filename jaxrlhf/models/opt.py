@@ -126,9 +126,8 @@ class OPTAttention(nn.Module):
         else:  # q scaled after its bias, as OPT does
             q, k, v = common.project_qkv(self, h, H, H, K, c.enable_bias, c.compute_dtype, norm=norm)
             out, cache = common.attention(q, k, v, cache, c, self.deterministic)
-        out = out.reshape(B, T, D)
-        y = common.decode_product(self, "out_proj", out, c, cache is not None)
-        return common.Dense(D, use_bias=c.enable_bias, dtype=c.compute_dtype, name="out_proj")(out) if y is None else y, cache
+        out_proj = common.Dense(D, use_bias=c.enable_bias, dtype=c.compute_dtype, name="out_proj")
+        return out_proj(out.reshape(B, T, D)), cache
 
 
 # The released OPT architectures (vocab 50272, 2048 positions, FFN = 4 x hidden), for random-weight
@@ -189,11 +188,12 @@ class OPTLayer(nn.Module):
             folded = common.norm_rows(h, c.layer_norm_eps, centred=True)  # folded into fc1 (decode_layer)
         elif c.do_layer_norm_before:
             h = norm("final_layer_norm")(h)
-        y = common.decode_product(self, "fc1", h, c, cache is not None, eps=c.layer_norm_eps if folded else None, relu=True)
+        decoding, eps = cache is not None, None if folded is None else c.layer_norm_eps
+        y = common.decode_product(self, "fc1", h, c, decoding, eps=eps, relu=True)
         if y is None and folded is not None:  # the norm's end on h; its scale and shift are in fc1's kernel and bias
             y = nn.relu(common.stacked_dense(self, "fc1", (h - folded[1]) * folded[0], c.compute_dtype))
         h = nn.relu(dense(c.ffn_dim, "fc1")(h)) if y is None else y
-        y = common.decode_product(self, "fc2", h, c, cache is not None)
+        y = common.decode_product(self, "fc2", h, c, decoding)
         h = residual + drop(dense(c.hidden_size, "fc2")(h) if y is None else y)
         if not c.do_layer_norm_before:
             h = norm("final_layer_norm")(h)
