@@ -129,6 +129,39 @@ def test_the_decode_kernel_gives_the_xla_tokens(model, tp):
     np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
 
 
+def kernel_calls(jaxpr, name: str) -> int:
+    """How many places in `jaxpr` (and the programs inside it) call the Pallas kernel `name`."""
+    found, todo = 0, [jaxpr.jaxpr]
+    while todo:
+        j = todo.pop()
+        for eqn in j.eqns:
+            found += eqn.primitive.name == "pallas_call" and str(eqn.params["name"]) == name
+            todo += [sub.jaxpr if hasattr(sub, "jaxpr") else sub for sub in jax.extend.core.jaxprs_in_params(eqn.params)]
+    return found
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_ffn_kernels_give_the_xla_tokens(tmp_path, tp):
+    """At 16 rows and widths of whole blocks a decode step's fc1 (its folded LayerNorm, bias and ReLU) and fc2 (K
+    split in two) run in kernels.decode_matmul (interpret mode here; per shard under TP): the tokens and log-probs
+    of the XLA path."""
+    import dataclasses
+
+    config, params = load_hf(make_hf_opt(tmp_path / "m", **{**PRE_LN, "hidden_size": 128, "word_embed_proj_dim": 128,
+                                                             "ffn_dim": 512, "num_hidden_layers": 2}))
+    ids, mask = left_padded_batch(config.vocab_size, [6, 2, 4, 5] * 4, T=6, seed=7)
+    want = generate(config, params, ids, mask, jax.random.key(3), max_new_tokens=4, temperature=1.0)
+    kernel = dataclasses.replace(config, decode_attention="pallas")
+    mesh = make_mesh(tp=tp) if tp > 1 else None
+    fast = decode_params(kernel, reshard(params, "fsdp", mesh) if mesh else params, mesh)
+    run = lambda p: generate(kernel, p, ids, mask, jax.random.key(3), max_new_tokens=4, temperature=1.0, mesh=mesh)
+    if mesh is None:  # both products of both layers in the kernel (generate sets its mesh itself: tp 1 only)
+        assert kernel_calls(jax.make_jaxpr(lambda p: run(p).tokens)(fast), "jaxrlhf_decode_matmul") == 4
+    got = run(fast)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
+
+
 def test_any_padding_pattern_gives_the_left_padded_answer(model):
     _, config, params = model
     ids, mask = left_padded_batch(config.vocab_size, [6, 3], T=6, seed=6)
@@ -168,7 +201,15 @@ def test_the_decode_layout(model):
             np.testing.assert_allclose(part(qkv["colsum"]), kernel.sum(0), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(part(qkv["kernel"]), kernel, rtol=1e-6)
         np.testing.assert_allclose(part(qkv["bias"]), bias, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(layers[-1]["fc1"]["kernel"]), np.asarray(params["decoder"]["layers"]["fc1"]["kernel"][-1]))
+    fc1 = {n: np.asarray(x[-1], np.float64) for n, x in params["decoder"]["layers"]["fc1"].items()}
+    got = {n: np.asarray(x, np.float64) for n, x in layers[-1]["fc1"].items()}
+    assert ("final_layer_norm" in layers[-1]) != pre_ln and ("colsum" in got) == pre_ln
+    if pre_ln:  # the FFN's LayerNorm is folded into fc1 the same way
+        ffn = {n: np.asarray(x[-1], np.float64) for n, x in params["decoder"]["layers"]["final_layer_norm"].items()}
+        fc1 = {"kernel": fc1["kernel"] * ffn["scale"][:, None], "bias": fc1["bias"] + ffn["bias"] @ fc1["kernel"]}
+        np.testing.assert_allclose(got["colsum"], fc1["kernel"].sum(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got["kernel"], fc1["kernel"], rtol=1e-6)
+    np.testing.assert_allclose(got["bias"], fc1["bias"], rtol=1e-5, atol=1e-6)
 
     lora_cfg = LoRAConfig(dim=4, module_name="decoder.layers.")
     lora = jax.tree.map(lambda x: x + 0.05, init_lora(params, lora_cfg, jax.random.key(3)))  # lora_b nonzero
