@@ -78,6 +78,10 @@ def test_per_shard_and_bad_shapes():
     np.testing.assert_allclose(np.asarray(split), np.asarray(decode_matmul_reference(x, w)), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match=r"expected x \[M, K\] and w \[K, N\]"):
         decode_matmul(x, w[:128])
+    with pytest.raises(ValueError, match="48 rows and a 256 x 256 matrix per shard; the kernel takes 16, 32, 64 rows"):
+        decode_matmul(x[:48], w)
+    with pytest.raises(ValueError, match="16 rows and a 96 x 256 matrix per shard"):  # rows / 4, K / 2 per shard
+        jax.jit(lambda x, w: decode_matmul(x, w, mesh=mesh))(x[:, :192], w[:192])
 
 
 def test_kernel_lowers_to_triton_for_an_h200():

@@ -109,13 +109,13 @@ def _pallas(x, w, norm, bias, *, eps, relu: bool, split: int, interpret: bool):
 
 def decode_matmul(x, w, *, bias=None, layer_norm=None, relu: bool = False, interpret: bool | None = None,
                   mesh=None):
-    """x [M, K] @ w [K, N] for a decode step (module docstring). With bias [N], layer_norm (sums [M], squares [M]:
-    x's row sums and sums of squares, float32; colsum [N] float32; eps: x is the norm's input, w and bias have its
-    scale and shift folded in) or relu, the product is whole per
-    program and ends in the kernel: x's dtype out. Without them K is split (split_for) and the float32 sum of
-    the partials is returned. interpret: None runs interpret mode when not on a GPU (CPU tests). `mesh` (with
-    "data" and "model" axes): per shard, rows over "data" where they divide; with an epilogue N over "model"
-    (column-parallel, fc1), else K over "model" and the shards' sums all-reduced (row-parallel, fc2)."""
+    """x [M, K] @ w [K, N] for a decode step (module docstring; the shapes per shard must pass `applies`). With bias
+    [N], layer_norm (sums [M], squares [M]: x's row sums and sums of squares, float32; colsum [N] float32; eps: x
+    is the norm's input, w and bias have its scale and shift folded in) or relu, the product is whole per program
+    and ends in the kernel: x's dtype out. Without them K is split (split_for) and the float32 sum of the partials
+    is returned. interpret: None runs interpret mode when not on a GPU (CPU tests). `mesh` (with "data" and "model"
+    axes): per shard, rows over "data" where they divide; with an epilogue N over "model" (column-parallel, fc1),
+    else K over "model" and the shards' sums all-reduced (row-parallel, fc2)."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
         raise ValueError(f"decode_matmul: expected x [M, K] and w [K, N], got {x.shape} and {w.shape}")
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
@@ -123,6 +123,10 @@ def decode_matmul(x, w, *, bias=None, layer_norm=None, relu: bool = False, inter
     epilogue = bias is not None or layer_norm is not None or relu
 
     def product(x, w, norm, bias):
+        if not applies(x.shape[0], *w.shape):
+            raise ValueError(f"decode_matmul: {x.shape[0]} rows and a {w.shape[0]} x {w.shape[1]} matrix per shard; "
+                             f"the kernel takes {', '.join(map(str, ROWS))} rows, K a multiple of {BLOCK_K} and N of "
+                             f"{BLOCK_N} (check `applies` first and run the product in XLA otherwise)")
         split = 1 if epilogue else split_for(*w.shape)
         out = _pallas(x, w, norm, bias, eps=eps, relu=relu, split=split, interpret=interpret)
         return out[0] if epilogue else jnp.sum(out, axis=0)

@@ -279,11 +279,11 @@ def logits_with_cache(config: OPTConfig, params: Any, input_ids, positions, cach
 
 def decode_layer(config: OPTConfig, layer: dict) -> dict:
     """One layer's parameters (no leading L axis) in the decode layout: q/k/v stacked (common.stack_qkv) and, in
-    pre-LN models, the attention's LayerNorm folded into them (common.fold_norm: its scale into the kernel's rows,
-    its shift into the bias, the kernel's column sums beside it; the norm's entry goes, see OPTLayer). A decode
-    step then centres and scales q/k/v inside the attention kernel: the normalised copy of h is never written
-    (one kernel per layer less; the rows' statistics remain one reduction). The FFN's LayerNorm stays: folded,
-    its end would be a kernel of its own before fc1's ReLU."""
+    pre-LN models, both LayerNorms folded into the products they feed, the attention's into q/k/v and the FFN's into
+    fc1 (common.fold_norm: the norm's scale into the kernel's rows, its shift into the bias, the kernel's column sums
+    beside it; the norm's entry goes, see OPTLayer). A decode step then centres and scales inside the kernels that
+    consume the products (decode_step, kernels.decode_matmul): the normalised copies of h are never written (one
+    kernel per norm and layer less; the rows' statistics remain one reduction each)."""
     attn = common.stack_qkv(layer["self_attn"], config.num_attention_heads)
     if not config.do_layer_norm_before:
         return {**layer, "self_attn": attn}
