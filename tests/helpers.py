@@ -58,3 +58,30 @@ def left_padded_batch(vocab: int, lengths: list[int], T: int, seed: int = 0):
         ids[b, T - n] = 2  # BOS
         mask[b, T - n :] = 1
     return ids, mask
+
+
+def jit_logits(config, params, input_ids, attention_mask, **kw):
+    """`jaxrlhf.logits` compiled whole (once per config and shape) instead of run op by op: eager Flax is slow."""
+    import jax
+
+    from jaxrlhf import logits
+
+    global _JIT_LOGITS
+    if _JIT_LOGITS is None:
+        _JIT_LOGITS = jax.jit(logits, static_argnums=0, static_argnames="last")
+    return _JIT_LOGITS(config, params, input_ids, attention_mask, **kw)
+
+
+def jit_values(config, params, input_ids, attention_mask):
+    """`jaxrlhf.values` compiled whole (see jit_logits)."""
+    import jax
+
+    from jaxrlhf import values
+
+    global _JIT_VALUES
+    if _JIT_VALUES is None:
+        _JIT_VALUES = jax.jit(values, static_argnums=0)
+    return _JIT_VALUES(config, params, input_ids, attention_mask)
+
+
+_JIT_LOGITS = _JIT_VALUES = None

@@ -8,9 +8,9 @@ import math
 import jax
 import numpy as np
 import pytest
-from helpers import POST_LN_PROJ, PRE_LN, left_padded_batch
+from helpers import POST_LN_PROJ, PRE_LN, jit_logits, jit_values, left_padded_batch
 
-from jaxrlhf import OPTConfig, init_params, logits, make_mesh, values
+from jaxrlhf import OPTConfig, init_params, make_mesh
 from jaxrlhf.engine import EngineConfig, HybridEngine, ModelSide, tree_bytes
 from jaxrlhf.generate import decode_params, generate
 from jaxrlhf.lora import LoRAConfig
@@ -95,12 +95,12 @@ def test_experience_is_what_the_models_say(models, prompts):
     for b in range(len(n)):  # mask: 1 up to and including the first EOS
         hits = np.flatnonzero(seq[b, 6:] == eos)
         assert n[b] == (hits[0] + 1 if len(hits) else G)
-    lp = np.asarray(jax.nn.log_softmax(logits(ACTOR, models[0], seq, seq_mask)))
+    lp = np.asarray(jax.nn.log_softmax(jit_logits(ACTOR, models[0], seq, seq_mask)))
     want = np.take_along_axis(lp[:, 5:-1], seq[:, 6:, None], -1)[..., 0] * mask  # token 6 + g from logits at 5 + g
     np.testing.assert_allclose(exp["logprobs"], want, atol=1e-5)
     np.testing.assert_array_equal(exp["ref_logprobs"], exp["logprobs"])  # before any step the actor is the reference
     np.testing.assert_allclose(exp["generation_logprobs"] * mask, exp["logprobs"], atol=2e-5)
-    v = np.asarray(values(CRITIC, models[1], seq, seq_mask))
+    v = np.asarray(jit_values(CRITIC, models[1], seq, seq_mask))
     np.testing.assert_allclose(exp["values"], v[:, 5:-1] * mask, atol=1e-5)
     np.testing.assert_allclose(exp["scores"], v[np.arange(len(n)), 5 + n], atol=1e-5)  # critic = reward model at first
     reuse = engine(models, make_mesh(1, jax.devices()[:1]), eos, old_logprobs_from_generation=True)
@@ -149,7 +149,7 @@ def test_lora_shares_the_base_weights_ema_mixture_and_adaptive_kl(models, prompt
     copy = jax.eval_shape(lambda p: decode_params(ACTOR, p), models[0])
     assert e.reshard_bytes == sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(copy))
     assert live_bytes() - before == tree_bytes(e.state) + tree_bytes(e.ref_own) + tree_bytes(exp)  # ... and is gone
-    total, count, _ = lm_loss(logits(ACTOR, models[0], unsup_ids, unsup["attention_mask"]), unsup_ids, unsup["loss_mask"])
+    total, count, _ = lm_loss(jit_logits(ACTOR, models[0], unsup_ids, unsup["attention_mask"]), unsup_ids, unsup["loss_mask"])
     stats = e.train_rlhf(exp, unsup)
     np.testing.assert_allclose(stats["unsup_loss"], float(total / count), rtol=1e-5)  # LM loss before the step
     actor = host(e.actor_params())

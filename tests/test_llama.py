@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import hf_logits, left_padded_batch
+from helpers import hf_logits, jit_logits, jit_values, left_padded_batch
 from safetensors.numpy import load_file
 
-from jaxrlhf import LlamaConfig, load_hf, logits, make_mesh, reshard, save_hf, shardings_for, values
+from jaxrlhf import LlamaConfig, load_hf, make_mesh, reshard, save_hf, shardings_for
 from jaxrlhf.generate import decode_params, generate
 from jaxrlhf.models import llama, param_shapes
 
@@ -59,7 +59,7 @@ def test_config_is_read_from_config_json(model):
 def test_logits_match_transformers_fp32_left_padded(model):
     folder, config, params = model
     ids, mask = left_padded_batch(config.vocab_size, [12, 9, 4, 1], T=12)
-    ours = np.asarray(logits(config, params, ids, mask))
+    ours = np.asarray(jit_logits(config, params, ids, mask))
     ref = hf_logits(folder, ids, mask)
     real = mask.astype(bool)  # rotary embeddings are relative: left padding shifts nothing that matters
     diff = np.abs(ours - ref)[real].max()
@@ -67,7 +67,7 @@ def test_logits_match_transformers_fp32_left_padded(model):
     assert np.abs(ref[real]).max() > 1.0
     assert diff <= 1e-4
     # the head on the last 5 positions only (the engine's answer log-probs) gives those positions' logits
-    np.testing.assert_allclose(np.asarray(logits(config, params, ids, mask, last=5)), ours[:, -5:], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(jit_logits(config, params, ids, mask, last=5)), ours[:, -5:], atol=1e-5)
 
 
 def test_round_trip_is_bit_identical_and_transformers_loads_it(model, tmp_path):
@@ -99,7 +99,7 @@ def test_value_head_round_trip_keeps_the_lm_head(model, tmp_path):
     _, back = load_hf(out)
     np.testing.assert_array_equal(back["value_head"]["kernel"], head)
     ids, mask = left_padded_batch(config.vocab_size, [5, 3], T=5)
-    v = np.asarray(values(config, back, ids, mask))
+    v = np.asarray(jit_values(config, back, ids, mask))
     assert v.shape == (2, 5) and np.isfinite(v).all() and np.abs(v).max() > 0.1
 
 
@@ -178,11 +178,11 @@ def test_interleaved_rope_is_rotate_half_with_permuted_projections():
         "k_proj": {"kernel": permute(attn["k_proj"]["kernel"], config.num_key_value_heads)},
     }
     ids, mask = left_padded_batch(config.vocab_size, [9, 5], T=9)
-    a = logits(dataclasses.replace(config, rope_interleaved=True), params, ids, mask)
-    b = logits(config, halves, ids, mask)
+    a = jit_logits(dataclasses.replace(config, rope_interleaved=True), params, ids, mask)
+    b = jit_logits(config, halves, ids, mask)
     real = mask.astype(bool)
     np.testing.assert_allclose(np.asarray(a)[real], np.asarray(b)[real], atol=1e-5)
-    assert np.abs(np.asarray(a - logits(config, params, ids, mask))[real]).max() > 1e-3  # the layouts do differ
+    assert np.abs(np.asarray(a - jit_logits(config, params, ids, mask))[real]).max() > 1e-3  # the layouts do differ
 
 
 def test_config_rejects_bad_values():

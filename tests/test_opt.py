@@ -1,6 +1,7 @@
 """OPT in Flax against transformers' PyTorch OPTForCausalLM on the same random weights."""
 
 import dataclasses
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,10 @@ from jaxrlhf import load_hf, logits, values
 from jaxrlhf.models.opt import OPTConfig, init_params, positions_from_mask
 
 
+# Compiled whole (once per config and shape) instead of run op by op: eager Flax is slow.
+LOGITS = jax.jit(logits, static_argnums=0, static_argnames="last")
+
+
 @pytest.fixture(scope="module", params=[PRE_LN, POST_LN_PROJ], ids=["pre_ln", "post_ln_proj"])
 def hf_folder(request, tmp_path_factory):
     return make_hf_opt(tmp_path_factory.mktemp(request.param_index.__str__()), **request.param)
@@ -20,7 +25,7 @@ def hf_folder(request, tmp_path_factory):
 def test_logits_match_transformers_fp32_left_padded(hf_folder):
     config, params = load_hf(hf_folder)
     ids, mask = left_padded_batch(config.vocab_size, [12, 9, 4, 1], T=12)
-    ours = np.asarray(logits(config, params, ids, mask))
+    ours = np.asarray(LOGITS(config, params, ids, mask))
     ref = hf_logits(hf_folder, ids, mask)
     real = mask.astype(bool)  # padded positions have no meaning in either implementation
     diff = np.abs(ours - ref)[real].max()
@@ -28,14 +33,14 @@ def test_logits_match_transformers_fp32_left_padded(hf_folder):
     assert np.abs(ref[real]).max() > 1.0  # the comparison is not between near-zero numbers
     assert diff <= 1e-4
     # the head on the last 5 positions only (the engine's answer log-probs) gives those positions' logits
-    np.testing.assert_allclose(np.asarray(logits(config, params, ids, mask, last=5)), ours[:, -5:], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(LOGITS(config, params, ids, mask, last=5)), ours[:, -5:], atol=1e-5)
 
 
 def test_left_padding_gives_the_same_logits_as_no_padding(hf_folder):
     config, params = load_hf(hf_folder)
     ids, mask = left_padded_batch(config.vocab_size, [5], T=9, seed=3)
-    padded = np.asarray(logits(config, params, ids, mask))[0, 4:]
-    alone = np.asarray(logits(config, params, ids[:, 4:], mask[:, 4:]))[0]
+    padded = np.asarray(LOGITS(config, params, ids, mask))[0, 4:]
+    alone = np.asarray(LOGITS(config, params, ids[:, 4:], mask[:, 4:]))[0]
     np.testing.assert_allclose(padded, alone, atol=1e-5)
 
 
@@ -43,11 +48,11 @@ def test_any_padding_pattern_gives_the_logits_of_the_real_tokens_alone(hf_folder
     """Right padding and holes in the middle too: the decoder moves real tokens first internally."""
     config, params = load_hf(hf_folder)
     ids, _ = left_padded_batch(config.vocab_size, [6], T=6, seed=5)
-    alone = np.asarray(logits(config, params, ids, np.ones_like(ids)))[0]
+    alone = np.asarray(LOGITS(config, params, ids, np.ones_like(ids)))[0]
     holes = np.array([[1, 1, 0, 1, 0, 1, 1, 1, 0]], np.int32)  # real, real, pad, real, pad, real, real, real, pad
     padded = np.full((1, 9), 1, np.int32)
     padded[holes == 1] = ids[0]
-    out = np.asarray(logits(config, params, padded, holes))[0]
+    out = np.asarray(LOGITS(config, params, padded, holes))[0]
     np.testing.assert_allclose(out[holes[0] == 1], alone, atol=1e-5)
     assert np.isfinite(out).all()
 
@@ -71,17 +76,20 @@ def test_value_head_is_a_linear_map_of_the_last_hidden_state(hf_folder):
     np.testing.assert_allclose(ours[mask == 1], ref[mask == 1], atol=1e-4)
 
 
+@partial(jax.jit, static_argnums=1)
+@jax.value_and_grad
+def _value_and_grad(p, cfg, ids, mask):
+    return jnp.sum(jax.nn.log_softmax(logits(cfg, p, ids, mask))[..., 5] * mask)
+
+
 @pytest.mark.parametrize("change", [{"remat": True}, {"scan_unroll": 2}, {"remat": True, "scan_unroll": 99}],
                          ids=["remat", "unroll", "remat_unrolled"])
 def test_remat_and_unrolling_change_neither_values_nor_gradients(hf_folder, change):
     config, params = load_hf(hf_folder)
     ids, mask = left_padded_batch(config.vocab_size, [6, 4], T=6)
 
-    def loss(p, cfg):
-        return jnp.sum(jax.nn.log_softmax(logits(cfg, p, ids, mask))[..., 5] * mask)
-
-    plain = jax.value_and_grad(loss)(params, dataclasses.replace(config, scan_unroll=1))
-    other = jax.value_and_grad(loss)(params, dataclasses.replace(config, **change))
+    plain = _value_and_grad(params, dataclasses.replace(config, scan_unroll=1), ids, mask)  # compiled once per variant
+    other = _value_and_grad(params, dataclasses.replace(config, **change), ids, mask)
     np.testing.assert_allclose(plain[0], other[0], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(plain[1]), jax.tree.leaves(other[1])):
         np.testing.assert_allclose(a, b, atol=1e-5)
@@ -91,9 +99,9 @@ def test_bfloat16_compute_tracks_float32(hf_folder):
     config, params = load_hf(hf_folder)
     ids, mask = left_padded_batch(config.vocab_size, [8, 3], T=8)
     real = mask.astype(bool)
-    f32 = np.asarray(logits(config, params, ids, mask))[real]
+    f32 = np.asarray(LOGITS(config, params, ids, mask))[real]
     bf16_params = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), params)
-    bf16 = np.asarray(logits(dataclasses.replace(config, dtype="bfloat16"), bf16_params, ids, mask))
+    bf16 = np.asarray(LOGITS(dataclasses.replace(config, dtype="bfloat16"), bf16_params, ids, mask))
     assert bf16.dtype == np.float32
     assert np.isfinite(bf16).all()  # padded rows too: a masked bias that overflowed bf16 would give NaNs
     err = np.abs(bf16[real] - f32).max() / np.abs(f32).max()
@@ -105,13 +113,13 @@ def test_dropout_only_with_a_key_and_reproducible():
     config = OPTConfig(**PRE_LN, dropout=0.3, attention_dropout=0.2)
     params = init_params(config, jax.random.key(0), std=0.3)
     ids, mask = left_padded_batch(config.vocab_size, [6, 6], T=6)
-    base = logits(config, params, ids, mask)
-    np.testing.assert_array_equal(base, logits(config, params, ids, mask))
+    base = LOGITS(config, params, ids, mask)
+    np.testing.assert_array_equal(base, LOGITS(config, params, ids, mask))
     k1, k2 = jax.random.split(jax.random.key(1))
-    d1 = logits(config, params, ids, mask, dropout_rng=k1)
+    d1 = LOGITS(config, params, ids, mask, dropout_rng=k1)
     assert np.abs(np.asarray(d1 - base)).max() > 1e-3
-    np.testing.assert_array_equal(d1, logits(config, params, ids, mask, dropout_rng=k1))
-    assert np.abs(np.asarray(d1 - logits(config, params, ids, mask, dropout_rng=k2))).max() > 1e-3
+    np.testing.assert_array_equal(d1, LOGITS(config, params, ids, mask, dropout_rng=k1))
+    assert np.abs(np.asarray(d1 - LOGITS(config, params, ids, mask, dropout_rng=k2))).max() > 1e-3
 
 
 def test_init_params_statistics():

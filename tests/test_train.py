@@ -27,6 +27,13 @@ def tiny_model(assets, tmp_path_factory):
                    opt_tokenizer(assets / "opt-tokenizer"))
 
 
+@pytest.fixture(scope="module")
+def eight_device_run(tiny_model, tmp_path_factory):
+    """sft_config's defaults run once on all 8 devices: the uninterrupted run of the resume test and the 8-device
+    run of test_one_and_eight_devices_give_the_same_losses (the same settings, so one run serves both)."""
+    return run_sft(sft_config(tiny_model, tmp_path_factory.mktemp("eight")), log=lambda _: None)
+
+
 def sft_config(model, tmp_path, **kw):
     data = DataConfig(data_path=("synthetic:400",), data_split="1,1,1", max_seq_len=32, cache_dir=str(tmp_path / "cache"))
     base = dict(model=str(model), output_dir=str(tmp_path / "out"), batch_size=8, max_steps=6, log_every=1,
@@ -38,10 +45,10 @@ def losses(records):
     return [r["loss"] for r in records if r["split"] == "train"]
 
 
-def test_resume_after_a_crash_equals_an_uninterrupted_run(tiny_model, tmp_path, monkeypatch):
+def test_resume_after_a_crash_equals_an_uninterrupted_run(tiny_model, eight_device_run, tmp_path, monkeypatch):
     import jaxrlhf.trainer as trainer
 
-    whole = run_sft(sft_config(tiny_model, tmp_path / "a"), log=lambda _: None)
+    whole = eight_device_run
     real_save = trainer.save_state
 
     def crash_after_step_3(manager, state, meta):
@@ -109,9 +116,9 @@ def test_a_pure_bf16_run_at_a_small_learning_rate_warns(tiny_model, tmp_path):
     assert any(line.startswith("warning: precision=pure_bf16 at learning_rate 1e-05") for line in lines), lines
 
 
-def test_one_and_eight_devices_give_the_same_losses(tiny_model, tmp_path):
+def test_one_and_eight_devices_give_the_same_losses(tiny_model, eight_device_run, tmp_path):
     one = run_sft(sft_config(tiny_model, tmp_path / "one"), log=lambda _: None, mesh=make_mesh(1, jax.devices()[:1]))
-    eight = run_sft(sft_config(tiny_model, tmp_path / "eight"), log=lambda _: None)
+    eight = eight_device_run
     np.testing.assert_allclose(losses(one["records"]), losses(eight["records"]), rtol=2e-5)
 
 
