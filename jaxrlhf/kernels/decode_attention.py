@@ -392,8 +392,7 @@ def fuses_step(config: DecodeAttentionConfig, batch: int, kv_heads: int, slots: 
     if not (config.use_kernel(head_dim, groups) and config.use_dot):
         return False
     if mesh is not None and mesh.size > 1:
-        rows = rows_axis(mesh, batch)
-        batch //= mesh.shape[rows] if rows else 1
+        batch = rows_per_shard(mesh, batch)
         kv_heads //= mesh.shape["model"]
     return config.splits(batch * kv_heads, slots, _launch(config, head_dim, slots)[2], head_dim) == 1
 
@@ -447,6 +446,11 @@ def rows_axis(mesh, batch: int):
     """The mesh axis that generation's rows are split over per shard: "data" when it divides the batch, else none
     (every shard then holds all rows of its heads)."""
     return "data" if batch % mesh.shape["data"] == 0 else None
+
+
+def rows_per_shard(mesh, batch: int) -> int:
+    """How many of generation's rows each shard holds (see rows_axis)."""
+    return batch // mesh.shape["data"] if rows_axis(mesh, batch) else batch
 
 
 def decode_attention(q, k, v, start, end, layer=0, *, config: DecodeAttentionConfig = DecodeAttentionConfig(),

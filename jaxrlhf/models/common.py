@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxrlhf.kernels.decode_attention import (DecodeAttentionConfig, decode_attention, decode_step, fuses_step,
-                                             rows_axis)
+                                             rows_axis, rows_per_shard)
 from jaxrlhf.kernels import decode_matmul
 from jaxrlhf.lora import fused_kernel
 
@@ -152,8 +152,7 @@ def fused_decode_step(module: nn.Module, h, cache, config, heads: int, kv_heads:
     if norm is not None and norm[1] is None:
         rms = (h.reshape(B, -1), eps)
     elif norm is not None:
-        x = h.reshape(B, -1).astype(jnp.float32)
-        layer_norm = (jnp.sum(x, axis=-1), jnp.sum(x * x, axis=-1), x.shape[-1], eps, per_head(p["colsum"]))
+        layer_norm = (*row_sums(h.reshape(B, -1)), h.shape[-1], eps, per_head(p["colsum"]))
     # The bias goes to the kernel, after the norm: cuBLAS runs the product without an epilogue. A folded LayerNorm
     # subtracts mean(h) colsum from the product, which therefore stays float32 (no cancellation in bf16).
     out_dtype = jnp.float32 if layer_norm is not None else config.compute_dtype
@@ -162,6 +161,13 @@ def fused_decode_step(module: nn.Module, h, cache, config, heads: int, kv_heads:
                             cache["layer"], rope=rope, rms=rms, layer_norm=layer_norm,
                             bias=per_head(p["bias"]) if "bias" in p else None, config=kernel, mesh=mesh)
     return out[:, None], {**cache, "k": k, "v": v}
+
+
+def row_sums(x):
+    """(sums, sums of squares) of x's rows [B, D], float32: what a folded LayerNorm's kernel finishes itself (one XLA
+    reduction; given mean and 1 / std instead, XLA ran the rsqrt as a kernel of its own)."""
+    x = x.astype(jnp.float32)
+    return jnp.sum(x, axis=-1), jnp.sum(x * x, axis=-1)
 
 
 def decode_product(module: nn.Module, name: str, x, config, decoding: bool, *, eps: float | None = None,
@@ -183,15 +189,14 @@ def decode_product(module: nn.Module, name: str, x, config, decoding: bool, *, e
     columns = eps is not None or relu  # the epilogue runs in the kernel: each shard its output columns (fc1)
     mesh, (rows, k, n) = generation_mesh(), (B, *p["kernel"].shape)
     if mesh is not None:
-        rows //= mesh.shape["data"] if rows_axis(mesh, B) else 1
+        rows = rows_per_shard(mesh, B)
         n, k = (n // mesh.shape["model"], k) if columns else (n, k // mesh.shape["model"])
     if not decode_matmul.applies(rows, k, n):
         return None
     dtype, x = config.compute_dtype, x.reshape(B, D)
     layer_norm = None
     if eps is not None:  # the rows' statistics: one reduction, finished in each program (as decode_step's)
-        xf = x.astype(jnp.float32)
-        layer_norm = (jnp.sum(xf, axis=-1), jnp.sum(xf * xf, axis=-1), p["colsum"], eps)
+        layer_norm = (*row_sums(x), p["colsum"], eps)
     bias = p.get("bias")  # (in its own dtype: a cast before a kernel's operand is a kernel of its own)
     y = decode_matmul.decode_matmul(x.astype(dtype), p["kernel"].astype(dtype), bias=bias if columns else None,
                                     layer_norm=layer_norm, relu=relu, mesh=mesh)

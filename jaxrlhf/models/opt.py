@@ -183,15 +183,16 @@ class OPTLayer(nn.Module):
 
         # Feed-forward block: fc1 -> ReLU -> fc2. A decode step runs each product in one kernel where it applies
         # (common.decode_product: fc1 with its folded LayerNorm, bias and ReLU; fc2 split over K).
-        residual, folded = h, None
-        if c.do_layer_norm_before and not (self.is_initializing() or self.has_variable("params", "final_layer_norm")):
-            folded = common.norm_rows(h, c.layer_norm_eps, centred=True)  # folded into fc1 (decode_layer)
-        elif c.do_layer_norm_before:
+        residual = h
+        folded = c.do_layer_norm_before and not (self.is_initializing()
+                                                 or self.has_variable("params", "final_layer_norm"))  # decode_layer
+        if c.do_layer_norm_before and not folded:
             h = norm("final_layer_norm")(h)
-        decoding, eps = cache is not None, None if folded is None else c.layer_norm_eps
-        y = common.decode_product(self, "fc1", h, c, decoding, eps=eps, relu=True)
-        if y is None and folded is not None:  # the norm's end on h; its scale and shift are in fc1's kernel and bias
-            y = nn.relu(common.stacked_dense(self, "fc1", (h - folded[1]) * folded[0], c.compute_dtype))
+        decoding = cache is not None
+        y = common.decode_product(self, "fc1", h, c, decoding, eps=c.layer_norm_eps if folded else None, relu=True)
+        if y is None and folded:  # the norm's end on h; its scale and shift are in fc1's kernel and bias
+            scale, mean = common.norm_rows(h, c.layer_norm_eps, centred=True)
+            y = nn.relu(common.stacked_dense(self, "fc1", (h - mean) * scale, c.compute_dtype))
         h = nn.relu(dense(c.ffn_dim, "fc1")(h)) if y is None else y
         y = common.decode_product(self, "fc2", h, c, decoding)
         h = residual + drop(dense(c.hidden_size, "fc2")(h) if y is None else y)
