@@ -7,14 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import POST_LN_PROJ, PRE_LN, hf_logits, left_padded_batch, make_hf_opt
+from helpers import POST_LN_PROJ, PRE_LN, hf_logits, jit_logits, left_padded_batch, make_hf_opt
 
 from jaxrlhf import load_hf, logits, values
 from jaxrlhf.models.opt import OPTConfig, init_params, positions_from_mask
-
-
-# Compiled whole (once per config and shape) instead of run op by op: eager Flax is slow.
-LOGITS = jax.jit(logits, static_argnums=0, static_argnames="last")
 
 
 @pytest.fixture(scope="module", params=[PRE_LN, POST_LN_PROJ], ids=["pre_ln", "post_ln_proj"])
@@ -25,7 +21,7 @@ def hf_folder(request, tmp_path_factory):
 def test_logits_match_transformers_fp32_left_padded(hf_folder):
     config, params = load_hf(hf_folder)
     ids, mask = left_padded_batch(config.vocab_size, [12, 9, 4, 1], T=12)
-    ours = np.asarray(LOGITS(config, params, ids, mask))
+    ours = np.asarray(jit_logits(config, params, ids, mask))
     ref = hf_logits(hf_folder, ids, mask)
     real = mask.astype(bool)  # padded positions have no meaning in either implementation
     diff = np.abs(ours - ref)[real].max()
@@ -33,14 +29,14 @@ def test_logits_match_transformers_fp32_left_padded(hf_folder):
     assert np.abs(ref[real]).max() > 1.0  # the comparison is not between near-zero numbers
     assert diff <= 1e-4
     # the head on the last 5 positions only (the engine's answer log-probs) gives those positions' logits
-    np.testing.assert_allclose(np.asarray(LOGITS(config, params, ids, mask, last=5)), ours[:, -5:], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(jit_logits(config, params, ids, mask, last=5)), ours[:, -5:], atol=1e-5)
 
 
 def test_left_padding_gives_the_same_logits_as_no_padding(hf_folder):
     config, params = load_hf(hf_folder)
     ids, mask = left_padded_batch(config.vocab_size, [5], T=9, seed=3)
-    padded = np.asarray(LOGITS(config, params, ids, mask))[0, 4:]
-    alone = np.asarray(LOGITS(config, params, ids[:, 4:], mask[:, 4:]))[0]
+    padded = np.asarray(jit_logits(config, params, ids, mask))[0, 4:]
+    alone = np.asarray(jit_logits(config, params, ids[:, 4:], mask[:, 4:]))[0]
     np.testing.assert_allclose(padded, alone, atol=1e-5)
 
 
@@ -48,11 +44,11 @@ def test_any_padding_pattern_gives_the_logits_of_the_real_tokens_alone(hf_folder
     """Right padding and holes in the middle too: the decoder moves real tokens first internally."""
     config, params = load_hf(hf_folder)
     ids, _ = left_padded_batch(config.vocab_size, [6], T=6, seed=5)
-    alone = np.asarray(LOGITS(config, params, ids, np.ones_like(ids)))[0]
+    alone = np.asarray(jit_logits(config, params, ids, np.ones_like(ids)))[0]
     holes = np.array([[1, 1, 0, 1, 0, 1, 1, 1, 0]], np.int32)  # real, real, pad, real, pad, real, real, real, pad
     padded = np.full((1, 9), 1, np.int32)
     padded[holes == 1] = ids[0]
-    out = np.asarray(LOGITS(config, params, padded, holes))[0]
+    out = np.asarray(jit_logits(config, params, padded, holes))[0]
     np.testing.assert_allclose(out[holes[0] == 1], alone, atol=1e-5)
     assert np.isfinite(out).all()
 
@@ -99,9 +95,9 @@ def test_bfloat16_compute_tracks_float32(hf_folder):
     config, params = load_hf(hf_folder)
     ids, mask = left_padded_batch(config.vocab_size, [8, 3], T=8)
     real = mask.astype(bool)
-    f32 = np.asarray(LOGITS(config, params, ids, mask))[real]
+    f32 = np.asarray(jit_logits(config, params, ids, mask))[real]
     bf16_params = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), params)
-    bf16 = np.asarray(LOGITS(dataclasses.replace(config, dtype="bfloat16"), bf16_params, ids, mask))
+    bf16 = np.asarray(jit_logits(dataclasses.replace(config, dtype="bfloat16"), bf16_params, ids, mask))
     assert bf16.dtype == np.float32
     assert np.isfinite(bf16).all()  # padded rows too: a masked bias that overflowed bf16 would give NaNs
     err = np.abs(bf16[real] - f32).max() / np.abs(f32).max()
@@ -113,13 +109,13 @@ def test_dropout_only_with_a_key_and_reproducible():
     config = OPTConfig(**PRE_LN, dropout=0.3, attention_dropout=0.2)
     params = init_params(config, jax.random.key(0), std=0.3)
     ids, mask = left_padded_batch(config.vocab_size, [6, 6], T=6)
-    base = LOGITS(config, params, ids, mask)
-    np.testing.assert_array_equal(base, LOGITS(config, params, ids, mask))
+    base = jit_logits(config, params, ids, mask)
+    np.testing.assert_array_equal(base, jit_logits(config, params, ids, mask))
     k1, k2 = jax.random.split(jax.random.key(1))
-    d1 = LOGITS(config, params, ids, mask, dropout_rng=k1)
+    d1 = jit_logits(config, params, ids, mask, dropout_rng=k1)
     assert np.abs(np.asarray(d1 - base)).max() > 1e-3
-    np.testing.assert_array_equal(d1, LOGITS(config, params, ids, mask, dropout_rng=k1))
-    assert np.abs(np.asarray(d1 - LOGITS(config, params, ids, mask, dropout_rng=k2))).max() > 1e-3
+    np.testing.assert_array_equal(d1, jit_logits(config, params, ids, mask, dropout_rng=k1))
+    assert np.abs(np.asarray(d1 - jit_logits(config, params, ids, mask, dropout_rng=k2))).max() > 1e-3
 
 
 def test_init_params_statistics():
