@@ -141,23 +141,30 @@ def kernel_calls(jaxpr, name: str) -> int:
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_the_ffn_kernels_give_the_xla_tokens(tmp_path, tp):
-    """At 16 rows and widths of whole blocks a decode step's fc1 (its folded LayerNorm, bias and ReLU) and fc2 (K
-    split in two) run in kernels.decode_matmul (interpret mode here; per shard under TP): the tokens and log-probs
-    of the XLA path."""
+def test_the_ffn_kernels_give_the_xla_tokens(tmp_path, monkeypatch, tp):
+    """At 16 rows (per shard) and widths of whole blocks a decode step's fc1 (its folded LayerNorm, bias and ReLU)
+    and fc2 (K split in two at tp 1) run in kernels.decode_matmul (interpret mode here; per shard under TP, on a
+    mesh of two devices so that each holds all 16 rows): the tokens and log-probs of the XLA path."""
     import dataclasses
+
+    from jaxrlhf.kernels import decode_matmul
 
     config, params = load_hf(make_hf_opt(tmp_path / "m", **{**PRE_LN, "hidden_size": 128, "word_embed_proj_dim": 128,
                                                              "ffn_dim": 512, "num_hidden_layers": 2}))
     ids, mask = left_padded_batch(config.vocab_size, [6, 2, 4, 5] * 4, T=6, seed=7)
     want = generate(config, params, ids, mask, jax.random.key(3), max_new_tokens=4, temperature=1.0)
     kernel = dataclasses.replace(config, decode_attention="pallas")
-    mesh = make_mesh(tp=tp) if tp > 1 else None
+    mesh = make_mesh(tp=tp, devices=jax.devices()[:tp]) if tp > 1 else None
     fast = decode_params(kernel, reshard(params, "fsdp", mesh) if mesh else params, mesh)
     run = lambda p: generate(kernel, p, ids, mask, jax.random.key(3), max_new_tokens=4, temperature=1.0, mesh=mesh)
     if mesh is None:  # both products of both layers in the kernel (generate sets its mesh itself: tp 1 only)
         assert kernel_calls(jax.make_jaxpr(lambda p: run(p).tokens)(fast), "jaxrlhf_decode_matmul") == 4
+    traced = []  # the products traced through the kernel (per shard under TP)
+    real = decode_matmul.decode_matmul
+    monkeypatch.setattr(decode_matmul, "decode_matmul", lambda *a, **k: traced.append(k.get("mesh")) or real(*a, **k))
     got = run(fast)
+    if mesh is not None:  # (at tp 1 the program traced above is reused: the jaxpr check counted its calls)
+        assert len(traced) == 4 and all(m.shape == {"data": 1, "model": 2} for m in traced), traced
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
 
