@@ -85,3 +85,19 @@ def jit_values(config, params, input_ids, attention_mask):
 
 
 _JIT_LOGITS = _JIT_VALUES = None
+
+
+def all_eqns(jaxpr):
+    """Every equation of a closed `jaxpr` and of the programs inside it (scan bodies, jits, shard_maps)."""
+    import jax.extend
+
+    todo = [jaxpr.jaxpr]
+    while todo:
+        for eqn in todo.pop().eqns:
+            yield eqn
+            todo += [sub.jaxpr if hasattr(sub, "jaxpr") else sub for sub in jax.extend.core.jaxprs_in_params(eqn.params)]
+
+
+def kernel_calls(jaxpr, name: str) -> int:
+    """How many places in `jaxpr` (and the programs inside it) call the Pallas kernel `name`."""
+    return sum(eqn.primitive.name == "pallas_call" and str(eqn.params["name"]) == name for eqn in all_eqns(jaxpr))

@@ -1,11 +1,10 @@
 """KV-cached generation against the cache-free reference and transformers' own generate."""
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import POST_LN_PROJ, PRE_LN, left_padded_batch, make_hf_opt
+from helpers import POST_LN_PROJ, PRE_LN, all_eqns, kernel_calls, left_padded_batch, make_hf_opt
 
 from jaxrlhf import load_hf, logits, make_mesh, reshard
 from jaxrlhf.generate import Sampling, decode_params, generate, sample
@@ -129,17 +128,6 @@ def test_the_decode_kernel_gives_the_xla_tokens(model, tp):
     np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
 
 
-def kernel_calls(jaxpr, name: str) -> int:
-    """How many places in `jaxpr` (and the programs inside it) call the Pallas kernel `name`."""
-    found, todo = 0, [jaxpr.jaxpr]
-    while todo:
-        j = todo.pop()
-        for eqn in j.eqns:
-            found += eqn.primitive.name == "pallas_call" and str(eqn.params["name"]) == name
-            todo += [sub.jaxpr if hasattr(sub, "jaxpr") else sub for sub in jax.extend.core.jaxprs_in_params(eqn.params)]
-    return found
-
-
 @pytest.mark.parametrize("tp", [1, 2])
 def test_the_ffn_kernels_give_the_xla_tokens(tmp_path, monkeypatch, tp):
     """At 16 rows (per shard) and widths of whole blocks a decode step's fc1 (its folded LayerNorm, bias and ReLU)
@@ -235,13 +223,7 @@ def test_the_decode_layout(model):
     def uses_of_stacked_weights(p):  # operations (the scan over layers, slices) that read a stacked kernel
         kernel_shapes = {x.shape for x in jax.tree.leaves(params["decoder"]["layers"]) if x.ndim == 3}
         jaxpr = jax.make_jaxpr(lambda p: generate(config, p, ids, mask, jax.random.key(4), max_new_tokens=5).tokens)(p)
-        found, todo = 0, [jaxpr.jaxpr]
-        while todo:
-            j = todo.pop()
-            for eqn in j.eqns:
-                found += any(getattr(v.aval, "shape", None) in kernel_shapes for v in eqn.invars)
-                todo += [sub.jaxpr if hasattr(sub, "jaxpr") else sub for sub in jax.extend.core.jaxprs_in_params(eqn.params)]
-        return found
+        return sum(any(getattr(v.aval, "shape", None) in kernel_shapes for v in eqn.invars) for eqn in all_eqns(jaxpr))
 
     assert uses_of_stacked_weights(params) > 0  # the check sees them in the model's own layout
     assert uses_of_stacked_weights(fast) == 0

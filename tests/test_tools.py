@@ -4,6 +4,8 @@ import jax
 import numpy as np
 import pytest
 
+from helpers import kernel_calls
+
 from jaxrlhf import make_mesh, reshard
 from tools import common
 from tools.bench_reshard import bytes_per_device, received_bytes
@@ -92,3 +94,31 @@ def test_tune_keeps_the_best_knobs_of_each_kinds_first_shape(monkeypatch):
     assert (best["gqa"].block_s, best["gqa"].num_warps, best["gqa"].num_stages) == (32, 4, 2)
     # the sweep (product forms x 36 knob settings for multi-head, 36 for grouped-query) plus 2 and 4 splits per shape
     assert len(result["tuning"]) == 2 * 72 + 36 + 3 * 2
+
+
+def test_decode_matmul_bench_times_the_same_ffn_in_both_forms():
+    """bench_decode_matmul: the kernel form and XLA's both equal OPT's pre-LN FFN by hand, and the kernel form runs
+    fc1 and fc2 in the kernel in every layer of the chain it times."""
+    import jax.numpy as jnp
+
+    from jaxrlhf.models.common import fold_norm
+    from tools import bench_decode_matmul as bench
+
+    D, F, M = 256, 512, 16
+    k = jax.random.split(jax.random.key(0), 7)
+    normal = lambda i, shape, s=1.0: np.asarray(jax.random.normal(k[i], shape, jnp.float32)) * s
+    w1, b1, w2, b2 = normal(0, (D, F), 0.1), normal(1, (F,), 0.1), normal(2, (F, D), 0.1), normal(3, (D,), 0.1)
+    scale, shift, h = 1 + normal(4, (D,), 0.2), normal(5, (D,), 0.2), normal(6, (M, D)) + 0.5
+    normed = (h - h.mean(-1, keepdims=True)) / np.sqrt(h.var(-1, keepdims=True) + bench.EPS) * scale + shift
+    expected = h + np.maximum(normed @ w1 + b1, 0) @ w2 + b2
+    layer = {"fc1": fold_norm({"kernel": jnp.asarray(w1), "bias": jnp.asarray(b1)}, jnp.asarray(scale),
+                              jnp.asarray(shift)), "fc2": {"kernel": jnp.asarray(w2), "bias": jnp.asarray(b2)}}
+    for kernel in (True, False):
+        got = bench.ffn(jnp.asarray(h), layer, kernel, interpret=True)
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-4)
+    assert bench.max_rel_err(jnp.asarray(h), layer, interpret=True) < 1e-5
+
+    layers = bench.make_layers(jax.random.key(1), 2, D, F, jnp.float32)
+    jaxpr = jax.make_jaxpr(bench.chain(True, 1, interpret=True))(jnp.asarray(h), layers)
+    assert kernel_calls(jaxpr, "jaxrlhf_decode_matmul") == 2 * 2
+    assert bench.layer_bytes(D, F) == 2 * D * F * 2
