@@ -115,8 +115,11 @@ def test_bad_shapes_and_knobs():
         decode_attention(q, k, v, start, end, config=KERNEL)
     with pytest.raises(ValueError, match=r"block_s: expected 0 \(auto\) or a power of two"):
         DecodeAttentionConfig(block_s=48)
-    assert DecodeAttentionConfig().slots_per_block(64, 2048) == 64  # auto: 4096 / head dim
-    assert DecodeAttentionConfig().slots_per_block(128, 512) == 32
+    auto = DecodeAttentionConfig()
+    assert auto.slots_per_block(64, 2048) == auto.slots_per_block(64, 2048, groups=4) == 64
+    assert auto.slots_per_block(128, 512) == 64  # multi-head: 64 slots
+    assert auto.slots_per_block(128, 512, groups=4) == 32  # grouped-query: 4096 / head dim
+    assert DecodeAttentionConfig(block_s=16).slots_per_block(128, 512) == 16
     assert DecodeAttentionConfig().slots_per_block(128, 48) == 16  # at most the power of two dividing S
     with pytest.raises(ValueError, match="num_splits: expected an int >= 0"):
         DecodeAttentionConfig(num_splits=-1)

@@ -62,10 +62,10 @@ def time_call(config, q, k, v, start, end, calls=None) -> float:
     return common.timeit(lambda: loop(q, k, v, start, end), repeats=5, warmup=1)["median_s"] / calls
 
 
-def auto_splits(config, B, Hkv, S, K) -> int:
+def auto_splits(config, B, H, Hkv, S, K) -> int:
     """The number of splits the kernel runs with (what num_splits=0 resolves to at this shape)."""
     cores = getattr(jax.devices()[0], "core_count", None) if jax.default_backend() == "gpu" else None
-    return config.splits(B * Hkv, S, cores, K)
+    return config.splits(B * Hkv, S, cores, K, H // Hkv)
 
 
 def tune(bandwidth, result, shapes, ragged=False):
@@ -164,7 +164,7 @@ def main():
                                 f"xla {1e6 * t_x:7.1f} us" + (f" ({ratio(t_x, need):.2f}x roofline)" if gpu else "")]
                         for n, masked in itertools.product(args.splits, args.mask_loads):
                             cfg = dataclasses.replace(kernel, num_splits=n, mask_loads=bool(masked))
-                            used = auto_splits(cfg, B, Hkv, S, K)
+                            used = auto_splits(cfg, B, H, Hkv, S, K)
                             err = float(jnp.max(jnp.abs(decode_attention(*x, config=cfg).astype(jnp.float32) - ref)))
                             t_k = time_call(cfg, *x)
                             run["kernel"].append({"num_splits": n, "splits_used": used, "mask_loads": bool(masked),

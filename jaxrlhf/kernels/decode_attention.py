@@ -50,8 +50,8 @@ class DecodeAttentionConfig:
 
     implementation: str = "auto"  # "auto" (the kernel on a GPU, XLA elsewhere), "pallas" or "xla"
     # Defaults: the best of the sweep in tools/bench_decode_attention.py --tune on the H200.
-    # cache slots per inner step, a power of two (smaller when S has fewer factors of 2); 0: auto, 4096 / head dim
-    # (64 slots of 64, 32 of 128: the sweep's best at each)
+    # cache slots per inner step, a power of two (smaller when S has fewer factors of 2); 0: auto, 64 slots, or
+    # 4096 / head dim with grouped-query heads (32 of 128): the sweeps' best at each kind and head dim
     block_s: int = 0
     use_dot: bool = True  # scores by tensor-core products (queries repeated to 16 rows), else elementwise
     num_warps: int = 2
@@ -86,12 +86,16 @@ class DecodeAttentionConfig:
             return self.kernels_on() and pow2(head_dim) and head_dim >= 16 and pow2(groups)
         return self.kernels_on()
 
-    def slots_per_block(self, head_dim: int, slots: int) -> int:
-        """block_s (auto: 4096 / head_dim within 16..128), at most the largest power of two dividing S `slots`."""
-        block = self.block_s or max(16, min(128, 4096 // head_dim))
+    def slots_per_block(self, head_dim: int, slots: int, groups: int = 1) -> int:
+        """block_s, at most the largest power of two dividing S `slots`. Auto: 64 slots, or 4096 / head_dim (within
+        16..128) where `groups` query heads share a KV head. Measured on the H200 (tools/bench_decode_attention.py
+        --tune, batch 64): multi-head with head dim 128 (Llama-2-7B's attention), S = 2048, 64 slots 191.8 us a call
+        against 205.5 for 32 (at S = 512 102.4 against 103.7); grouped-query 8 of 32 heads of 128, S = 2048, 32
+        slots 139.6 against 148.4 for 64; head dim 64, 64 slots at S = 512 in both kinds."""
+        block = self.block_s or (64 if groups == 1 else max(16, min(128, 4096 // head_dim)))
         return min(block, slots & -slots)
 
-    def splits(self, programs: int, slots: int, cores: int | None, head_dim: int = 64) -> int:
+    def splits(self, programs: int, slots: int, cores: int | None, head_dim: int = 64, groups: int = 1) -> int:
         """How many chunks of whole blocks each (row, KV head) is split into, given B x Hkv `programs`, S `slots`
         and the GPU's SM count `cores` (None: unknown, e.g. on the CPU): num_splits if set (fewer where chunks
         of whole blocks need fewer). Auto (0): double the splits while B x Hkv x splits is at most the SM
@@ -99,7 +103,7 @@ class DecodeAttentionConfig:
         (tools/bench_decode_attention.py --splits): at B x Hkv = 64-128 and S = 2048 this took 5-50 % off; at
         S = 512, where a call is ~20 us of fixed costs, and at >= 256 programs, splitting gained no more than
         it lost elsewhere (8 splits at 2048 programs: +36 %)."""
-        block_s = self.slots_per_block(head_dim, slots)
+        block_s = self.slots_per_block(head_dim, slots, groups)
         splits = self.num_splits
         if not splits:
             splits = 1
@@ -305,10 +309,10 @@ def _combine(acc, m, l):
     return jnp.sum(w[..., None] * acc, axis=-3) / jnp.maximum(total, 1e-30)[..., None]
 
 
-def _launch(config: DecodeAttentionConfig, head_dim: int, slots: int):
+def _launch(config: DecodeAttentionConfig, head_dim: int, slots: int, groups: int):
     """(interpret, Triton compiler params or None, the GPU's SM count or None, slots per block) for a kernel call;
     refuses a cache length the kernel's blocks cannot tile."""
-    block_s = config.slots_per_block(head_dim, slots)
+    block_s = config.slots_per_block(head_dim, slots, groups)
     if block_s < 16:
         raise ValueError(f"cache length {slots} must be a multiple of 16 for the kernel; allocate the cache rounded up")
     interpret = config.interpret if config.interpret is not None else jax.default_backend() != "gpu"
@@ -322,10 +326,10 @@ def _launch(config: DecodeAttentionConfig, head_dim: int, slots: int):
 def _pallas(q, k, v, layer, start, end, *, config):
     B, H, K = q.shape
     Hkv, S = k.shape[2], k.shape[3]
-    interpret, params, cores, block_s = _launch(config, K, S)
     G = H // Hkv
+    interpret, params, cores, block_s = _launch(config, K, S, G)
     qg = q.reshape(B, Hkv, G, K)
-    splits = config.splits(B * Hkv, S, cores, K)
+    splits = config.splits(B * Hkv, S, cores, K, G)
     chunk = _chunk(S, splits, block_s)
     row = pl.BlockSpec((1,), lambda b, h, j: (b,))
     part = lambda *shape: pl.BlockSpec((None, None, None, *shape), lambda b, h, j: (b, h, j) + (0,) * len(shape))
@@ -364,7 +368,7 @@ def _pallas_step(qkv, k, v, layer, start, slot, cos, sin, x, sums, squares, cols
                  eps: float | None, width: int | None, bias: bool):
     B, Hkv, G2, K = qkv.shape
     G, S = G2 - 2, k.shape[3]
-    interpret, params, _, block_s = _launch(config, K, S)
+    interpret, params, _, block_s = _launch(config, K, S, G)
     row = pl.BlockSpec((1,), lambda b, h: (b,))
     table = pl.BlockSpec((None, K // 2), lambda b, h: (b, 0))
     scalar = pl.BlockSpec((1,), lambda b, h: (0,))
@@ -394,7 +398,7 @@ def fuses_step(config: DecodeAttentionConfig, batch: int, kv_heads: int, slots: 
     if mesh is not None and mesh.size > 1:
         batch = rows_per_shard(mesh, batch)
         kv_heads //= mesh.shape["model"]
-    return config.splits(batch * kv_heads, slots, _launch(config, head_dim, slots)[2], head_dim) == 1
+    return config.splits(batch * kv_heads, slots, _launch(config, head_dim, slots, groups)[2], head_dim, groups) == 1
 
 
 def decode_step(qkv, k, v, start, slot, layer=0, *, rope=None, rms=None, layer_norm=None, bias=None,
