@@ -32,3 +32,37 @@ def _fresh_jit_caches():
     import jax
 
     jax.clear_caches()
+
+
+# Under pytest-xdist (`-n 2 --dist loadgroup --no-loadscope-reorder`, pyproject's addopts) each test file is one
+# unit of work, so its module fixtures are built once, in one worker; the four learning tests, which share no
+# fixture with the rest of their file, are units of their own. The workers take the units in collection order:
+# the longest first (seconds measured on a 2-core CPU), so that the two finish close together.
+ALONE = ("tests/test_train.py::test_sft_learns_the_builtin_task",
+         "tests/test_llama_stories.py::test_stories_preset_raises_the_gold_reward_over_the_step1_model",
+         "tests/test_ppo.py::test_the_builtin_pipeline_aligns",
+         "tests/test_train.py::test_reward_model_learns_the_builtin_preferences")
+LONGEST_FIRST = ALONE + ("tests/test_train.py", "tests/test_multiprocess.py", "tests/test_engine.py", "tests/test_plan.py",
+                         "tests/test_ppo.py", "tests/test_eval.py", "tests/test_lora.py", "tests/test_llama.py")
+
+
+def _group(item) -> str:
+    nodeid = item.nodeid.split("@")[0]
+    return nodeid if nodeid in ALONE else nodeid.split("::")[0]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
+def pytest_collection_modifyitems(items):
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_group(item)))
+
+
+class _LongestFirst:
+    @pytest.hookimpl(trylast=True)  # after pytest's own ordering
+    def pytest_collection_modifyitems(self, items):
+        rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(_group(item), len(rank)))  # stable: the rest keep their order
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_LongestFirst(), "jaxrlhf-longest-first")
