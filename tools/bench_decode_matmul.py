@@ -89,7 +89,9 @@ def max_rel_err(h, layer: dict, interpret: bool | None = None) -> float:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="opt-1.3b", choices=sorted(opt.PRESETS), help="the FFN's widths D and F")
+    pre_ln = sorted(name for name, p in opt.PRESETS.items() if p.get("do_layer_norm_before", True))
+    ap.add_argument("--model", default="opt-1.3b", choices=pre_ln,
+                    help="the FFN's widths D and F (pre-LN models: their FFN norm folds into fc1)")
     ap.add_argument("--rows", type=int, nargs="+", default=list(dm.ROWS), help=f"rows (the batch): {dm.ROWS}")
     ap.add_argument("--layers", type=int, default=None, help="distinct layers chained (default: the model's)")
     ap.add_argument("--loops", type=int, default=8, help="passes over the layers per timed call")
