@@ -176,25 +176,28 @@ def test_bad_configs_are_refused_before_compiling(tiny_model, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_sft_learns_the_builtin_task(assets, tmp_path):
-    """From random weights, 400 steps on the sorting task: the loss falls and greedy answers earn gold reward."""
+def test_sft_learns_the_builtin_task(tmp_path):
+    """From random weights, 400 steps on the sorting task (the built-in model and tokenizer, as the demo runs): the
+    loss falls and greedy answers earn gold reward."""
     from jaxrlhf.data.synthetic import gold_reward, make_prompt
     from jaxrlhf.sft import sample_answers
+    from jaxrlhf.train import BUILTIN_MODEL, builtin_tokenizer
     from jaxrlhf.trainer import effective_params
 
-    tok = opt_tokenizer(assets / "opt-tokenizer")
-    config = OPTConfig(**{**TINY, "hidden_size": 64, "word_embed_proj_dim": 64, "ffn_dim": 256})
+    tok = builtin_tokenizer()
+    config = OPTConfig(**BUILTIN_MODEL)
     model = save_hf(tmp_path / "base", config, jax.device_get(init_params(config, jax.random.key(0))), tok)
     data = DataConfig(data_path=("synthetic:2000",), data_split="10,0,0", max_seq_len=32, cache_dir=str(tmp_path / "cache"))
     cfg = SFTConfig(model=str(model), output_dir=str(tmp_path / "out"), batch_size=16, max_steps=400, log_every=50,
                     precision="fp32", sample_prompts=0, data=data,
                     optim=OptimConfig(learning_rate=5e-3, schedule="constant", warmup_steps=10))
     # One device: on a 2-core CPU the 8 fake devices only add collectives (the meshes are compared by
-    # test_one_and_eight_devices_give_the_same_losses). Weights from key 0, 1, 2: final loss 1.15, 1.16, 1.18;
-    # gold reward after 0.44, 0.59, 0.39 (after 300 steps key 0 reached only 0.26).
+    # test_one_and_eight_devices_give_the_same_losses). Weights from key 0, 1, 2: loss at step 50 2.04, 2.04, 2.07,
+    # final 1.08, 1.09, 1.06; gold reward after 0.92, 0.89, 0.95 (key 0 after 250 steps: loss 1.21, reward 0.52).
+    # (With OPT's 50,272-word vocabulary instead, as until 2026-12-02, the run took 6x as long: 164 s.)
     out = run_sft(cfg, log=lambda _: None, mesh=make_mesh(1, jax.devices()[:1]))
     train = losses(out["records"])
-    assert train[0] > 3.0 and train[-1] < 1.4, train
+    assert train[0] > 1.8 and train[-1] < 1.15, train
     prompts = [make_prompt(s.split()) for s in ("q c m", "t h a e", "w f l b r", "n u d", "y g k o")]
     ids = [np.array([2] + tok(p, add_special_tokens=False)["input_ids"], np.int32) for p in prompts]
     _, base_params = load_hf(model)
@@ -202,7 +205,7 @@ def test_sft_learns_the_builtin_task(assets, tmp_path):
     after_answers = sample_answers(out["config"], effective_params(out["state"], cfg.lora), tok, ids, 8)
     after = [gold_reward(p, a) for p, a in zip(prompts, after_answers)]
     print("gold reward before", before, "after", after, after_answers)
-    assert max(before) == 0.0 and np.mean(after) > 0.3
+    assert max(before) == 0.0 and np.mean(after) > 0.7
 
 
 @pytest.mark.slow
