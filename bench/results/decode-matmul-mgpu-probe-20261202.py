@@ -5,7 +5,7 @@ shape, device time per call from a profile. HOT=1: all 24 calls on one weight (r
     PYTHONPATH=. python bench/results/decode-matmul-mgpu-probe-20261202.py bench   (on the GPU; ROWS=64 default)
     PYTHONPATH=. python bench/results/decode-matmul-mgpu-probe-20261202.py lower   (CPU: lowers three variants)
 (The cuBLAS rows of the cold run are not valid: XLA merged the 24 products that shared x into one.)"""
-import functools, json, os, sys, time
+import functools, json, os, sys
 import jax, jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -48,13 +48,11 @@ def mgpu_matmul(x, w, *, tile_n=64, tile_k=128, steps=6, split=1):
 
 if __name__ == "__main__" and sys.argv[1:] == ["lower"]:
     from jax import export
-    from jax.sharding import AbstractMesh, AbstractDevice
     x = jax.ShapeDtypeStruct((64, 2048), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((2048, 8192), jnp.bfloat16)
     for kw in [dict(), dict(tile_n=128, tile_k=64, steps=8), dict(split=2)]:
         e = export.export(jax.jit(functools.partial(mgpu_matmul, **kw)), platforms=["cuda"])(x, w)
         print(kw, "lowered", len(e.mlir_module()))
-
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["bench"]:
@@ -105,10 +103,9 @@ if __name__ == "__main__" and sys.argv[1:2] == ["bench"]:
         if os.environ.get("HOT"):
             tri = lambda x, w: dm._pallas(x, w, None, None, eps=None, relu=False, split=split, interpret=False)
             run(f"triton split {split} cold", tri)
-            cold = ws
             ws = [ws[0]] * L
             run(f"triton split {split} hot (one weight, L2)", tri)
-            run(f"mgpu hot", functools.partial(mgpu_matmul, **configs[name][0]))
+            run("mgpu hot", functools.partial(mgpu_matmul, **configs[name][0]))
             continue
         run("cublas", lambda x, w: jnp.dot(x, w))
         run(f"triton split {split}", lambda x, w: dm._pallas(x, w, None, None, eps=None, relu=False, split=split, interpret=False))
