@@ -103,9 +103,8 @@ def ffn_pdl(x, w1, w2, **kw):
 def ffn_now(x, w1, w2):
     """One layer as a decode step runs it now, on the Ref x."""
     from jaxrlhf.kernels import decode_matmul as dm
-    h = dm._pallas(x[...], w1, None, None, eps=None, relu=True, split=1, interpret=False)
-    p = dm._pallas(h, w2, None, None, eps=None, relu=False, split=4, interpret=False)
-    x[...] = (x[...].astype(jnp.float32) + p.sum(0)).astype(x.dtype)
+    h = dm.decode_matmul(x[...], w1, relu=True)
+    x[...] = (x[...].astype(jnp.float32) + dm.decode_matmul(h, w2)).astype(x.dtype)
 
 
 def layers(fn, x, w1, w2, loops=1):
@@ -135,7 +134,9 @@ def lower():
 
 def bench(out_dir):
     from tools import common
-    L, M, loops = 24, 64, 8
+    # 4 distinct layers (268 MB of weights, far more than the 50 MB L2) x 48 passes: 192 layers, as 24 x 8;
+    # fewer call sites than 24 layers keep Mosaic GPU's lowering (per call site) short
+    L, M, loops = 4, 64, 48
     key = jax.random.key(0)
     # scale 0.005: the residual stream grows ~0.5 % a layer, so 192 layers stay finite in bf16
     w1 = [jax.random.normal(jax.random.fold_in(key, i), (2048, 8192), jnp.bfloat16) * 0.005 for i in range(L)]
@@ -146,27 +147,34 @@ def bench(out_dir):
         jnp.bfloat16).astype(jnp.float32) @ w2[0].astype(jnp.float32)
     res = {"xla_flags": os.environ.get("XLA_FLAGS"), "rows": M, "layers": L, "loops": loops, "runs": []}
     variants = [("now (Triton + XLA add)", ffn_now)]
-    for steps in (3, 4, 6):
+    for steps in (4, 3, 6):
         for pdl in (False, True):
             variants.append((f"mgpu steps {steps} pdl {pdl}", functools.partial(ffn_pdl, steps=steps, pdl=pdl)))
-    variants.append(("mgpu steps 4 pdl, wait first", functools.partial(ffn_pdl, steps=4, pdl=True, early=False)))
+        if steps == 4:
+            variants.append(("mgpu steps 4 pdl, wait first", functools.partial(ffn_pdl, steps=4, pdl=True, early=False)))
+    if os.environ.get("DRY"):  # CPU: the harness on the Triton path only, one layer
+        variants, L, loops = variants[:1], 1, 1
+        w1, w2 = w1[:1], w2[:1]
+    chain_ref = None
     for label, fn in variants:
         row = {"variant": label}
         try:
             one = jax.jit(lambda x, a, b: layers(fn, x, [a], [b]))(x0, w1[0], w2[0]).astype(jnp.float32)
-            d = one - x0.astype(jnp.float32)  # the layer's update, against the reference's
-            row["max_rel_err"] = float(jnp.max(jnp.abs(d - (ref - x0.astype(jnp.float32)))) / jnp.max(jnp.abs(d)))
+            row["max_rel_err"] = float(jnp.max(jnp.abs(one - ref)) / jnp.max(jnp.abs(ref)))
             f = jax.jit(functools.partial(layers, fn, loops=loops))
             out = f(x0, w1, w2)
             row["chain_out_absmax"] = float(jnp.max(jnp.abs(out.astype(jnp.float32))))
             if label.startswith("now"):
                 chain_ref = out.astype(jnp.float32)
-            row["chain_rel_diff_vs_now"] = float(jnp.max(jnp.abs(out.astype(jnp.float32) - chain_ref))
-                                                 / jnp.max(jnp.abs(chain_ref)))
+            if chain_ref is not None:
+                row["chain_rel_diff_vs_now"] = float(jnp.max(jnp.abs(out.astype(jnp.float32) - chain_ref))
+                                                     / jnp.max(jnp.abs(chain_ref)))
             t = common.timeit(lambda: f(x0, w1, w2), repeats=5, warmup=1)
             row["wall_us_per_layer"] = 1e6 * t["median_s"] / (loops * L)
             with tempfile.TemporaryDirectory() as d:
                 prof = common.kernel_profile(lambda: f(x0, w1, w2), d, top=8)
+            if not prof:  # the CPU (DRY) has no device trace
+                raise RuntimeError("no kernel profile")
             line = max(prof.values(), key=lambda v: v["busy_ms"])
             row["kernel_us_per_layer"] = 1e3 * line["busy_ms"] / (loops * L)
             row["kernels"] = [(k["name"][:40], k["count"], round(1e3 * k["total_ms"] / k["count"], 2))
