@@ -152,6 +152,8 @@ def bench(out_dir):
             variants.append((f"mgpu steps {steps} pdl {pdl}", functools.partial(ffn_pdl, steps=steps, pdl=pdl)))
         if steps == 4:
             variants.append(("mgpu steps 4 pdl, wait first", functools.partial(ffn_pdl, steps=4, pdl=True, early=False)))
+    if os.environ.get("ONLY"):  # a comma-separated list of variant labels' starts
+        variants = [v for v in variants if any(v[0].startswith(o) for o in os.environ["ONLY"].split(","))]
     if os.environ.get("DRY"):  # CPU: the harness on the Triton path only, one layer
         variants, L, loops = variants[:1], 1, 1
         w1, w2 = w1[:1], w2[:1]
