@@ -14,8 +14,11 @@ dependent program can start its weight loads beside a running one; `steps=6` (~2
 
     PROBE=bench/results/decode-ffn-pdl-probe-20261202.py
     PYTHONPATH=. python $PROBE lower           # CPU: lowers for CUDA, uses_pdl set where pdl
-    XLA_FLAGS=--xla_gpu_enable_triton_gemm=false PYTHONPATH=. python $PROBE bench [--out DIR]   # GPU
-"""
+    DRY=1 PYTHONPATH=. python $PROBE bench     # CPU: the harness on the Triton path, one layer
+    XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_command_buffer=" TAG=-nocmdbuf \
+        [ONLY="now,mgpu steps 4"] PYTHONPATH=. python $PROBE bench [--out DIR]              # GPU
+PDL takes effect only with XLA's command buffers off (the flag above): inside CUDA graphs the kernels are not
+launched early. Results and their reading: bench/README.md, "PDL in its real form, measured"."""
 from __future__ import annotations
 
 import functools
