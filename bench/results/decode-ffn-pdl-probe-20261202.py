@@ -36,11 +36,22 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
-def product(x, w, res=None, *, relu=False, split=1, tile_n=64, tile_k=128, steps=4, pdl=True, early=True):
+def tile(w, tile_n=64):
+    """[K, N] -> [N / tile_n, K, tile_n]: each program's columns contiguous in memory."""
+    k, n = w.shape
+    return w.reshape(k, n // tile_n, tile_n).transpose(1, 0, 2)
+
+
+def product(x, w, res=None, *, relu=False, split=1, tile_n=64, tile_k=128, steps=4, pdl=True, early=True,
+            x_once=False):
     """relu(x @ w) (res None), or `res[...] += x @ w` in place into the Ref `res`: each of the `split` shares of K
-    reduce-adds its partial (TMA `add`). x may be a Ref too."""
+    reduce-adds its partial (TMA `add`). x may be a Ref too. w is [K, N], or tiled [N / tile_n, K, tile_n] (`tile`:
+    a weight block is then 16 KB in one piece instead of 128 rows of 128 bytes). x_once (timing only, a wrong
+    result): the rows' blocks are loaded for the first `steps` steps only, to bound what their loads cost."""
     m, k = x.shape
-    n = w.shape[1]
+    tiled = w.ndim == 3
+    n = w.shape[0] * w.shape[2] if tiled else w.shape[1]
+    assert not tiled or w.shape[2] == tile_n
     kb = k // split // tile_k
     assert kb * split * tile_k == k and n % tile_n == 0 and steps <= kb
 
@@ -50,7 +61,8 @@ def product(x, w, res=None, *, relu=False, split=1, tile_n=64, tile_k=128, steps
         cols = pl.ds(ni * tile_n, tile_n)
 
         def w_copy(i):
-            plgpu.copy_gmem_to_smem(w_gmem.at[pl.ds((si * kb + i) * tile_k, tile_k), cols],
+            rows = pl.ds((si * kb + i) * tile_k, tile_k)
+            plgpu.copy_gmem_to_smem(w_gmem.at[ni, rows, :] if tiled else w_gmem.at[rows, cols],
                                     w_smem.at[i % steps], wbar.at[i % steps])
 
         def x_copy(i):
@@ -71,12 +83,14 @@ def product(x, w, res=None, *, relu=False, split=1, tile_n=64, tile_k=128, steps
         def accumulate(acc_ref):
             for i in range(kb):  # unrolled: kb is 16 for both products
                 plgpu.barrier_wait(wbar.at[i % steps])
-                plgpu.barrier_wait(xbar.at[i % steps])
+                if not x_once or i < steps:
+                    plgpu.barrier_wait(xbar.at[i % steps])
                 plgpu.wgmma(acc_ref, x_smem.at[i % steps], w_smem.at[i % steps])
                 plgpu.wgmma_wait(1)  # the product of step i - 1 is done: its slot may be refilled
                 if i >= 1 and i - 1 + steps < kb:
                     w_copy(i - 1 + steps)
-                    x_copy(i - 1 + steps)
+                    if not x_once:
+                        x_copy(i - 1 + steps)
             return plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
 
         acc = pl.run_scoped(accumulate, plgpu.ACC((m, tile_n)))
@@ -149,20 +163,30 @@ def bench(out_dir):
     ref = x0.astype(jnp.float32) + jnp.maximum(x0.astype(jnp.float32) @ w1[0].astype(jnp.float32), 0).astype(
         jnp.bfloat16).astype(jnp.float32) @ w2[0].astype(jnp.float32)
     res = {"xla_flags": os.environ.get("XLA_FLAGS"), "rows": M, "layers": L, "loops": loops, "runs": []}
+    w1t, w2t = [tile(w) for w in w1], [tile(w) for w in w2]
     variants = [("now (Triton + XLA add)", ffn_now)]
     for steps in (4, 3, 6):
         for pdl in (False, True):
             variants.append((f"mgpu steps {steps} pdl {pdl}", functools.partial(ffn_pdl, steps=steps, pdl=pdl)))
         if steps == 4:
             variants.append(("mgpu steps 4 pdl, wait first", functools.partial(ffn_pdl, steps=4, pdl=True, early=False)))
+    for steps in (4, 6):
+        for pdl in (False, True):
+            variants.append((f"tiled steps {steps} pdl {pdl}", functools.partial(ffn_pdl, steps=steps, pdl=pdl)))
+            variants.append((f"x once (wrong) steps {steps} pdl {pdl}",
+                             functools.partial(ffn_pdl, steps=steps, pdl=pdl, x_once=True)))
+            variants.append((f"x once (wrong) tiled steps {steps} pdl {pdl}",
+                             functools.partial(ffn_pdl, steps=steps, pdl=pdl, x_once=True)))
     if os.environ.get("ONLY"):  # a comma-separated list of variant labels' starts
         variants = [v for v in variants if any(v[0].startswith(o) for o in os.environ["ONLY"].split(","))]
     if os.environ.get("DRY"):  # CPU: the harness on the Triton path only, one layer
         variants, L, loops = variants[:1], 1, 1
         w1, w2 = w1[:1], w2[:1]
     chain_ref = None
+    w1s, w2s = w1, w2
     for label, fn in variants:
         row = {"variant": label}
+        w1, w2 = (w1t, w2t) if "tiled" in label else (w1s, w2s)
         try:
             one = jax.jit(lambda x, a, b: layers(fn, x, [a], [b]))(x0, w1[0], w2[0]).astype(jnp.float32)
             row["max_rel_err"] = float(jnp.max(jnp.abs(one - ref)) / jnp.max(jnp.abs(ref)))
