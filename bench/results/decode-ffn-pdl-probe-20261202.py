@@ -4,10 +4,10 @@ first issues the TMA loads of its first `steps` WEIGHT blocks (weights never dep
 signals its dependents (`griddepcontrol.launch_dependents`), then waits for the kernel before
 (`griddepcontrol.wait`), and only then loads x. So the next product's weights are in flight while this one drains.
 
-The chain is the OPT-1.3B FFN at 64 rows, 24 distinct layers x `loops` passes:
+The chain is the OPT-1.3B FFN at 64 rows, 4 distinct layers x 48 passes:
     h = relu(x @ w1)              fc1, 2048 -> 8192, 64 columns a program: 128 programs
     x = x + h @ w2                fc2, 8192 -> 2048, K split 4 ways, 64 columns: 128 programs; each partial is
-                                  added into x in place by a TMA reduce-add (input_output_aliases), no XLA add
+                                  added into x in place by a TMA reduce-add (x is a jax.Ref), no XLA add
 against the same chain through kernels.decode_matmul (Triton; fc2's partials summed by an XLA add), i.e. what a
 decode step runs now. `steps=3` makes a program small enough (~100 KB of shared memory) that two fit on an SM, so a
 dependent program can start its weight loads beside a running one; `steps=6` (~200 KB) only where one has exited.
