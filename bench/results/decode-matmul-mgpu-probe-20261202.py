@@ -12,13 +12,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
-def mgpu_matmul(x, w, *, tile_n=64, tile_k=128, steps=6, split=1):
+def mgpu_matmul(x, w, *, tile_n=64, tile_k=128, steps=6, split=1, relu=False, pdl=False):
+    """x [M, K] @ w [K, N] -> [split, M, N] (float32 partials when split > 1). relu: ReLU before the store. pdl: signal
+    dependents and wait for the kernel before at the start (programmatic dependent launch; the PDL probe)."""
     m, k = x.shape
     n = w.shape[1]
     kb = k // split // tile_k
 
     def body(x_gmem, w_gmem, o_gmem):
         ni, si = lax.axis_index("n"), lax.axis_index("s")
+        if pdl:
+            plgpu.griddepcontrol_launch_dependents()
+            plgpu.griddepcontrol_wait()
 
         def acc_scope(acc_ref):
             plgpu.emit_pipeline(
@@ -34,7 +39,7 @@ def mgpu_matmul(x, w, *, tile_n=64, tile_k=128, steps=6, split=1):
 
         @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((m, tile_n), dtype=o_gmem.dtype))
         def _(o_smem):
-            o_smem[...] = acc.astype(o_smem.dtype)
+            o_smem[...] = (jnp.maximum(acc, 0.0) if relu else acc).astype(o_smem.dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, :, pl.ds(ni * tile_n, tile_n)])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)

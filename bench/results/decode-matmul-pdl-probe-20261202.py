@@ -6,49 +6,21 @@ be launched while this one runs; its reads of x wait for this one's end). Wall t
     PYTHONPATH=. python bench/results/decode-matmul-pdl-probe-20261202.py lower   # CPU: lowers, uses_pdl set
     XLA_FLAGS="--xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true" OUT=DIR TAG=-pdlflags \
         PYTHONPATH=. python bench/results/decode-matmul-pdl-probe-20261202.py      # GPU"""
-import functools, json, os, sys, tempfile
+import functools, importlib.util, json, os, sys, tempfile
 sys.path.insert(0, ".")
 import jax, jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 from tools import common
 
+_spec = importlib.util.spec_from_file_location(
+    "mgpu_probe", os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode-matmul-mgpu-probe-20261202.py"))
+_mgpu = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_mgpu)
 
-def mm(x, w, *, pdl, tile_n=64, tile_k=128, steps=6):
-    m, k = x.shape
-    n = w.shape[1]
-    kb = k // tile_k
 
-    def body(x_gmem, w_gmem, o_gmem):
-        ni = lax.axis_index("n")
-        if pdl:
-            plgpu.griddepcontrol_launch_dependents()
-            plgpu.griddepcontrol_wait()
-
-        def acc_scope(acc_ref):
-            plgpu.emit_pipeline(
-                lambda _, xs, ws: plgpu.wgmma(acc_ref, xs, ws),
-                grid=(kb,),
-                in_specs=[plgpu.BlockSpec((m, tile_k), lambda i: (0, i), delay_release=1),
-                          plgpu.BlockSpec((tile_k, tile_n), lambda i: (i, ni), delay_release=1)],
-                max_concurrent_steps=steps,
-            )(x_gmem, w_gmem)
-            return acc_ref[...]
-
-        acc = pl.run_scoped(acc_scope, plgpu.ACC((m, tile_n)))
-
-        @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((m, tile_n), dtype=o_gmem.dtype))
-        def _(o_smem):
-            o_smem[...] = jnp.maximum(acc, 0.0).astype(o_smem.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[:, pl.ds(ni * tile_n, tile_n)])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((m, n), x.dtype), grid=(n // tile_n,),
-                          grid_names=("n",),
-                          compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-    return kernel(x, w)
+def mm(x, w, *, pdl, **tiles):
+    """relu(x @ w) as one Mosaic GPU kernel (session 15's probe, decode-matmul-mgpu-probe-20261202.py)."""
+    return _mgpu.mgpu_matmul(x, w, relu=True, pdl=pdl, **tiles)[0]
 
 
 def main():
