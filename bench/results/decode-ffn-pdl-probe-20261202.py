@@ -14,6 +14,7 @@ dependent program can start its weight loads beside a running one; `steps=6` (~2
 
     PROBE=bench/results/decode-ffn-pdl-probe-20261202.py
     PYTHONPATH=. python $PROBE lower           # CPU: lowers for CUDA, uses_pdl set where pdl
+    PYTHONPATH=. python $PROBE cpu             # CPU: the pipelines in Mosaic GPU's interpreter against float32
     DRY=1 PYTHONPATH=. python $PROBE bench     # CPU: the harness on the Triton path, one layer
     XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_command_buffer=" TAG=-nocmdbuf \
         [ONLY="now,mgpu steps 4"] PYTHONPATH=. python $PROBE bench [--out DIR]              # GPU
@@ -149,6 +150,30 @@ def lower():
             print(f"steps {steps} pdl {pdl}: lowered, {len(t)} chars, uses_pdl {t.count('uses_pdl')}", flush=True)
 
 
+def cpu():
+    """Mosaic GPU's interpreter on the CPU: both products' pipelines (row-major and tiled weights, 2-4 slots) against
+    float32, without PDL and without the reduce-add (the interpreter has rules for neither)."""
+    kernel = plgpu.kernel
+    plgpu.kernel = functools.partial(kernel, interpret=plgpu.InterpretGPUParams())
+    try:
+        key = jax.random.key(1)
+        f32 = lambda a: a.astype(jnp.float32)
+        x = jax.random.normal(key, (64, 512), jnp.bfloat16)
+        w1 = (jax.random.normal(jax.random.fold_in(key, 1), (512, 1024)) * 0.05).astype(jnp.bfloat16)
+        w2 = (jax.random.normal(jax.random.fold_in(key, 2), (1024, 512)) * 0.05).astype(jnp.bfloat16)
+        want1 = jnp.maximum(f32(x) @ f32(w1), 0)
+        h = want1.astype(jnp.bfloat16)
+        want2 = f32(h) @ f32(w2)
+        rel = lambda got, want: float(jnp.max(jnp.abs(f32(got) - want)) / jnp.max(jnp.abs(want)))
+        for steps in (2, 3, 4):
+            errs = [rel(product(x, w, relu=True, steps=steps, pdl=False), want1) for w in (w1, tile(w1))]
+            errs.append(rel(product(h, w2, steps=steps, pdl=False), want2))
+            print(f"steps {steps}: fc1 row-major / tiled, fc2: max relative error {errs}", flush=True)
+            assert max(errs) < 1e-2, errs  # bf16 outputs: one rounding, ~3e-3
+    finally:
+        plgpu.kernel = kernel
+
+
 def bench(out_dir):
     from tools import common
     # 4 distinct layers (268 MB of weights, far more than the 50 MB L2) x 48 passes: 192 layers, as 24 x 8;
@@ -221,5 +246,7 @@ def bench(out_dir):
 if __name__ == "__main__":
     if sys.argv[1:2] == ["lower"]:
         lower()
+    elif sys.argv[1:2] == ["cpu"]:
+        cpu()
     else:
         bench(sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else ".")
