@@ -8,7 +8,10 @@ full length (EOS off) so every system does the same work (BENCHMARKS.md item 1).
 seconds, prefill seconds (a one-token generate), ms per decode step = (total - prefill) / (new - 1),
 generated tokens/s, and the fraction of the memory roofline: the bytes one decode step must read (all
 weights once plus the KV cache so far, averaged over the steps) over the read bandwidth measured here
-(tools.common.read_bandwidth). Hugging Face runs first, in a child process that keeps JAX off the GPU.
+(tools.common.read_bandwidth); on one device also the step against its read floor, the device time of the same
+bytes read by bare XLA row sums, one kernel per matrix and per layer's K and V (read_floor: a step of one kernel
+per matrix reads no faster, and at tens to hundreds of MB a kernel the floor sits above the roofline). Hugging
+Face runs first, in a child process that keeps JAX off the GPU.
 "ours" generates with the decode layout that Step 3 uses (generate.decode_params, its build time reported as
 decode_params_s); `--layout model` adds the model's own stacked tree ("ours_model_layout") for comparison.
 """
@@ -46,6 +49,40 @@ def step_bytes(config, B: int, P: int, G: int) -> float:
     heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
     kv_per_token = 2 * 2 * config.num_hidden_layers * heads * config.hidden_size // config.num_attention_heads
     return weights + kv_per_token * B * (P + G / 2)
+
+
+def floor_reads(config, params, B: int, P: int, G: int, min_bytes: int = 2**18):
+    """A decode step's reads alone, one XLA row sum (one kernel) per read: each leaf of `params` (the decode
+    layout) of at least `min_bytes` (a matrix of a product, the embeddings), and each layer's K and V over the
+    slots so far (P + G/2 of a P + G cache, the steps' average, as step_bytes counts them; a row is one (row,
+    head)'s slots, contiguous, as the kernel reads them). Returns (fn() -> the sums, the bytes read)."""
+    mats = [x for x in jax.tree.leaves(params) if x.nbytes >= min_bytes]
+    heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
+    L, n = config.num_hidden_layers, P + G // 2
+    shape = (L, B, heads, P + G, config.hidden_size // config.num_attention_heads)
+    cache = jax.random.normal(jax.random.key(4), (2, *shape), jnp.bfloat16)  # K and V
+
+    @jax.jit
+    def reads(mats, cache):
+        rows = lambda x, width: jnp.sum(x.reshape(-1, width), axis=-1, dtype=jnp.float32)
+        return ([rows(x, x.shape[-1]) for x in mats]
+                + [rows(cache[i, l, :, :, :n], n * shape[-1]) for l in range(L) for i in (0, 1)])
+
+    nbytes = sum(x.nbytes for x in mats) + 2 * L * B * heads * n * shape[-1] * 2
+    return lambda: reads(mats, cache), nbytes
+
+
+def read_floor(config, params, B: int, P: int, G: int) -> dict:
+    """The device time of `floor_reads`: what a decode step made of one kernel per matrix cannot beat. The
+    roofline divides the same bytes by the bandwidth of one 4 GiB read; a kernel of a few to a few hundred MB
+    reads slower than that (~2 µs of ramp each, bench/README.md). {"ms": None} on the CPU (no device trace)."""
+    import tempfile
+
+    fn, nbytes = floor_reads(config, params, B, P, G)
+    with tempfile.TemporaryDirectory() as d:
+        lines = common.kernel_profile(fn, d, top=1)
+    busy = max((v["busy_ms"] for v in lines.values()), default=None)
+    return {"ms": busy, "bytes": nbytes}
 
 
 def ours(config, params, mesh, B, Pn, G, repeats, decode, profile_dir=None):
@@ -169,6 +206,11 @@ def main():
                 trace = (Path(args.out or "bench/results") / (f"trace-generate-{B}" + ("" if name == "ours" else f"-{name}"))
                          if args.profile and decode == "pallas" else None)
                 run[name] = ours(config, layouts[layout], mesh, B, args.prompt, args.new, args.repeats, decode, trace)
+        if mesh.size == 1:
+            run["read_floor"] = read_floor(config, layouts["decode"], B, args.prompt, args.new)
+            print(f"B={B:4d} read floor {run['read_floor']['ms'] or float('nan'):.3f} ms/step "
+                  f"({run['read_floor']['bytes'] / 1e9:.2f} GB, one XLA row sum per matrix and per layer's K, V)",
+                  flush=True)
         hf = hf_runs.get(str(B), {})
         run.update(hf if "error" not in hf else {f"hf_{cache}": hf for cache in args.hf})
         for impl, r in run.items():
@@ -178,8 +220,11 @@ def main():
             r["ms_per_step"] = 1e3 * (total - prefill) / max(args.new - 1, 1)
             r["tokens_per_s"] = B * args.new / total
             r["roofline_fraction"] = step_bytes(config, B, args.prompt, args.new) / bandwidth / (r["ms_per_step"] / 1e3) / mesh.size
+            floor = run.get("read_floor", {}).get("ms")
+            r["floor_ratio"] = r["ms_per_step"] / floor if floor else None
             print(f"B={B:4d} {impl:10s} total {total:7.3f} s  prefill {prefill:6.3f} s  {r['ms_per_step']:6.2f} ms/step  "
-                  f"{r['tokens_per_s']:8.0f} tok/s  roofline {r['roofline_fraction']:.2f}", flush=True)
+                  f"{r['tokens_per_s']:8.0f} tok/s  roofline {r['roofline_fraction']:.2f}"
+                  + (f"  {r['floor_ratio']:.2f}x read floor" if floor else ""), flush=True)
         if args.check_tokens and mesh.shape["model"] > 1:
             run["tp_tokens_match"] = tp_tokens_match(config, params, mesh, B, args.prompt, args.new)
         result["runs"].append(run)
