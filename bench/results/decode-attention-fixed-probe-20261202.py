@@ -10,6 +10,9 @@ OPT-1.3B's heads (32 of 64, multi-head), bf16. Every figure is device µs per ke
   with ones), and XLA's sum over the same slots: how much of the fixed cost is the grid of long programs itself.
 - "knobs": stages, warps, slots per block and splits at the decode shape (384 of 512 slots valid, batch 64), and
   the fused decode-step kernel there (the step's own 55.9 µs).
+- "prologue": the fused step's kernel in OPT's form (LayerNorm folded, bias) rewritten here with switches, to
+  find what its start costs: the first block's K and V loaded before the queries are computed ("peel"), the
+  new key and value not written ("nowrite", wrong results: timing only), no norm or bias ("bare", timing only).
 
     XLA_FLAGS=--xla_gpu_enable_triton_gemm=false PYTHONPATH=. python bench/results/decode-attention-fixed-probe-20261202.py OUT_DIR [ONLY]
 On the CPU (interpret mode) the same script checks the stream kernel against jnp and runs each variant once at
@@ -29,7 +32,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxrlhf.kernels.decode_attention import DecodeAttentionConfig, decode_attention, decode_step
+from jaxrlhf.kernels.decode_attention import (DecodeAttentionConfig, _one_copy, _repeat_rows, decode_attention,
+                                              decode_step)
 from tools.common import kernel_totals
 
 GPU = jax.default_backend() == "gpu"
@@ -76,6 +80,79 @@ def xla_sum(q, k, v, start, end, length):
             + jnp.sum(v[0, :, :, :length], axis=2, dtype=jnp.float32)).astype(q.dtype)
 
 
+def _prologue_kernel(layer_ref, start_ref, slot_ref, qkv_ref, sum_ref, sq_ref, colsum_ref, bias_ref, k_ref, v_ref,
+                     o_ref, ko_ref, vo_ref, *, block_s, width, eps, peel, write, norm):
+    b, h = pl.program_id(0), pl.program_id(1)
+    layer, start, slot = layer_ref[0], start_ref[0], slot_ref[0]
+    G = o_ref.shape[0]
+    copies = max(16 // G, 1)
+
+    def block(i):
+        s0 = pl.multiple_of(i * block_s, block_s)
+        pos = s0 + jax.lax.broadcasted_iota(jnp.int32, (block_s, 1), 0)
+        valid = (pos >= start) & (pos < slot)
+        load = lambda ref: pltriton.load(ref.at[layer, b, h, pl.ds(s0, block_s), :],
+                                         mask=jnp.broadcast_to(valid, (block_s, K)), other=0)
+        return load(k_ref), load(v_ref), valid
+
+    lo = start // block_s
+    first = block(lo) if peel else None  # issued before the queries' loads and arithmetic
+    mean = sum_ref[0] / width
+    r = jax.lax.rsqrt(jnp.maximum(sq_ref[0] / width - mean * mean, 0.0) + eps)
+
+    def part(row, n):
+        y = qkv_ref[b, h, pl.ds(row, n), :].astype(jnp.float32)
+        if not norm:
+            return y
+        return (y - mean * colsum_ref[h, pl.ds(row, n), :]) * r + bias_ref[h, pl.ds(row, n), :].astype(jnp.float32)
+
+    q, k_new, v_new = part(0, G).astype(o_ref.dtype), part(G, 1), part(G + 1, 1)
+    if write:
+        ko_ref[layer, b, h, pl.ds(slot, 1), :] = k_new.astype(ko_ref.dtype)
+        vo_ref[layer, b, h, pl.ds(slot, 1), :] = v_new.astype(vo_ref.dtype)
+    k_new, v_new = k_new.astype(k_ref.dtype).astype(jnp.float32), v_new.astype(v_ref.dtype).astype(jnp.float32)
+    s_new = jnp.sum(q.astype(jnp.float32) * k_new, axis=-1)
+    q = _repeat_rows(q, copies)
+    rows = copies * G
+
+    def step(carry, kb, vb, valid):  # decode_attention._attend's body
+        m, l, acc = carry
+        scores = jnp.where(valid.T, jnp.dot(q, kb.T, preferred_element_type=jnp.float32), -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+        p = jnp.exp(scores - m_new[:, None])
+        alpha = jnp.exp(m - m_new)
+        pv = jnp.dot(p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
+        return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[:, None] + pv
+
+    carry = (_repeat_rows(s_new, copies), jnp.ones((rows,), jnp.float32), jnp.broadcast_to(v_new, (rows, K)))
+    if peel:
+        carry, lo = step(carry, *first), lo + 1
+    m, l, acc = jax.lax.fori_loop(lo, pl.cdiv(slot, block_s), lambda i, c: step(c, *block(i)), carry)
+    l, acc = _one_copy(l, copies), _one_copy(acc, copies)
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("peel", "write", "norm"))
+def prologue_step(qkv, k, v, start, slot, sums, squares, colsum, bias, *, peel, write, norm):
+    """decode_step(qkv, k, v, start, slot, 0, layer_norm=(sums, squares, 2048, 1e-5, colsum), bias=bias) with the
+    switches above."""
+    B, Hkv, G2, _ = qkv.shape
+    G = G2 - 2
+    row, scalar, whole = pl.BlockSpec((1,), lambda b, h: (b,)), pl.BlockSpec((1,), lambda b, h: (0,)), pl.no_block_spec
+    out, k, v = pl.pallas_call(
+        functools.partial(_prologue_kernel, block_s=64, width=2048, eps=1e-5, peel=peel, write=write, norm=norm),
+        grid=(B, Hkv), in_specs=[scalar, row, scalar, whole, row, row, whole, whole, whole, whole],
+        out_specs=[pl.BlockSpec((None, None, G, K), lambda b, h: (b, h, 0, 0)), whole, whole],
+        out_shape=[jax.ShapeDtypeStruct((B, Hkv, G, K), k.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+                   jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        input_output_aliases={8: 1, 9: 2},
+        compiler_params=pltriton.CompilerParams(num_warps=2, num_stages=3) if GPU else None,
+        interpret=not GPU, name="probe_prologue_step",
+    )(jnp.zeros((1,), jnp.int32), start, jnp.reshape(slot, (1,)).astype(jnp.int32), qkv, sums, squares, colsum,
+      bias, k, v)
+    return out.reshape(B, Hkv * G, K), k, v
+
+
 def inputs(B, S, valid, key=0):
     ks = jax.random.split(jax.random.key(key), 3)
     q = jax.random.normal(ks[0], (B, H, K), jnp.bfloat16) * K**-0.5
@@ -93,23 +170,36 @@ def chained(fn):
     return loop
 
 
-def chained_step(config, B, S, valid):
-    """CALLS chained fused decode steps (OPT's form: LayerNorm folded, bias), slot `valid`, cache updated in place."""
-    ks = jax.random.split(jax.random.key(1), 4)
+def step_inputs(B, S, valid):
+    """A fused decode step's operands in OPT's form (qkv, k, v, start, sums, squares, colsum, bias); rows start at
+    0..7 (left padding)."""
+    ks = jax.random.split(jax.random.key(1), 5)
     qkv = jax.random.normal(ks[0], (B, H, 3, K), jnp.bfloat16)
     sums, squares = jax.random.normal(ks[1], (B,)), 2048 + jax.random.uniform(ks[2], (B,))
-    colsum, bias = jax.random.normal(ks[3], (H, 3, K)) * 0.1, jnp.zeros((H, 3, K), jnp.bfloat16)
-    _, k, v, start, _ = inputs(B, S, valid)
+    colsum = jax.random.normal(ks[3], (H, 3, K)) * 0.1
+    bias = (jax.random.normal(ks[4], (H, 3, K)) * 0.1).astype(jnp.bfloat16)
+    _, k, v, _, _ = inputs(B, S, valid)
+    return qkv, k, v, jnp.arange(B, dtype=jnp.int32) % 8, sums, squares, colsum, bias
+
+
+def chained_step(config, B, S, valid, **switches):
+    """CALLS chained fused decode steps, slot `valid`, the cache updated in place: the package's decode_step, or with
+    `switches` (peel, write, norm) this probe's prologue_step."""
+    qkv, k, v, start, sums, squares, colsum, bias = step_inputs(B, S, valid)
+
+    def one(qkv, k, v):
+        if switches:
+            return prologue_step(qkv, k, v, start, valid, sums, squares, colsum, bias, **switches)
+        return decode_step(qkv, k, v, start, valid, 0, layer_norm=(sums, squares, 2048, 1e-5, colsum), bias=bias,
+                           config=config)
 
     @jax.jit
-    def loop(qkv, k, v, start):
+    def loop(qkv, k, v):
         def body(_, carry):
-            qkv, k, v = carry
-            out, k, v = decode_step(qkv, k, v, start, valid, 0, layer_norm=(sums, squares, 2048, 1e-5, colsum),
-                                    bias=bias, config=config)
-            return (qkv + 1e-3 * out.reshape(B, H, 1, K)).astype(qkv.dtype), k, v
+            out, k, v = one(*carry)
+            return (carry[0] + 1e-3 * out.reshape(B, H, 1, K)).astype(qkv.dtype), k, v
         return jax.lax.fori_loop(0, CALLS, body, (qkv, k, v))[0]
-    return lambda: loop(qkv, k, v, start)
+    return lambda: loop(qkv, k, v)
 
 
 def variants(only):
@@ -139,7 +229,31 @@ def variants(only):
         for kw in (dict(), dict(num_stages=4), dict(num_warps=4)):
             out.append((f"decode_step {kw or 'default'}", "knobs", B, valid, S,
                         chained_step(dataclasses.replace(pallas, **kw), B, S, valid), None))
+    if only in ("", "prologue"):
+        B, S, valid = (64, 512, 384) if GPU else (2, 128, 96)
+        for rep in (1, 2):  # twice, in this order: run-to-run spread
+            out.append((f"decode_step package #{rep}", "prologue", B, valid, S, chained_step(pallas, B, S, valid),
+                        None))
+            for peel, write, norm in ((False, True, True), (True, True, True), (False, False, True),
+                                      (False, True, False), (True, False, False)):
+                label = f"prologue peel={int(peel)} write={int(write)} norm={int(norm)} #{rep}"
+                out.append((label, "prologue", B, valid, S,
+                            chained_step(pallas, B, S, valid, peel=peel, write=write, norm=norm), None))
     return out
+
+
+def check_prologue_step():
+    """This probe's step kernel (peel on and off) against the package's decode_step, and the cache it writes."""
+    B, S, slot = 3, 128, 100
+    qkv, k, v, start, sums, squares, colsum, bias = step_inputs(B, S, slot)
+    want, wk, wv = decode_step(qkv, k, v, start, slot, 0, layer_norm=(sums, squares, 2048, 1e-5, colsum), bias=bias,
+                               config=DecodeAttentionConfig("pallas"))
+    for peel in (False, True):
+        got, gk, gv = prologue_step(qkv, k, v, start, slot, sums, squares, colsum, bias, peel=peel, write=True,
+                                    norm=True)
+        err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+        print(f"prologue_step peel={int(peel)} against decode_step: max error {err:.1e}", flush=True)
+        assert err < 2e-2 and bool(jnp.all(gk == wk)) and bool(jnp.all(gv == wv))
 
 
 def main(out_dir, only=""):
@@ -152,6 +266,7 @@ def main(out_dir, only=""):
         err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
         print(f"stream kernel against jnp: relative error {err:.1e}")
         assert err < 1e-2
+        check_prologue_step()
     runs = variants(only)
     thunks = []
     for label, group, B, valid, S, fn, x in runs:
