@@ -9,9 +9,9 @@ seconds, prefill seconds (a one-token generate), ms per decode step = (total - p
 generated tokens/s, and the fraction of the memory roofline: the bytes one decode step must read (all
 weights once plus the KV cache so far, averaged over the steps) over the read bandwidth measured here
 (tools.common.read_bandwidth); on one device also the step against its read floor, the device time of the same
-bytes read by bare XLA row sums, one kernel per matrix and per layer's K and V (read_floor: a step of one kernel
-per matrix reads no faster, and at tens to hundreds of MB a kernel the floor sits above the roofline). Hugging
-Face runs first, in a child process that keeps JAX off the GPU.
+bytes read by XLA row sums, one kernel per matrix and per layer's K and V (read_floor; at tens to hundreds of MB
+a kernel, the floor sits above the roofline). Hugging Face runs first, in a child process that keeps JAX off
+the GPU.
 "ours" generates with the decode layout that Step 3 uses (generate.decode_params, its build time reported as
 decode_params_s); `--layout model` adds the model's own stacked tree ("ours_model_layout") for comparison.
 """
@@ -54,35 +54,34 @@ def step_bytes(config, B: int, P: int, G: int) -> float:
 def floor_reads(config, params, B: int, P: int, G: int, min_bytes: int = 2**18):
     """A decode step's reads alone, one XLA row sum (one kernel) per read: each leaf of `params` (the decode
     layout) of at least `min_bytes` (a matrix of a product, the embeddings), and each layer's K and V over the
-    slots so far (P + G/2 of a P + G cache, the steps' average, as step_bytes counts them; a row is one (row,
-    head)'s slots, contiguous, as the kernel reads them). Returns (fn() -> the sums, the bytes read)."""
+    slots so far (P + G/2, the steps' average, as step_bytes counts them), here a cache of exactly that length,
+    so that every read is one contiguous array. Returns (fn() -> the sums, the bytes read)."""
     mats = [x for x in jax.tree.leaves(params) if x.nbytes >= min_bytes]
     heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
     L, n = config.num_hidden_layers, P + G // 2
-    shape = (L, B, heads, P + G, config.hidden_size // config.num_attention_heads)
-    cache = jax.random.normal(jax.random.key(4), (2, *shape), jnp.bfloat16)  # K and V
+    cache = jax.random.normal(jax.random.key(4), (2, L, B * heads, n * config.hidden_size // config.num_attention_heads),
+                              jnp.bfloat16)  # K and V, a row per (row, head)
 
     @jax.jit
     def reads(mats, cache):
-        rows = lambda x, width: jnp.sum(x.reshape(-1, width), axis=-1, dtype=jnp.float32)
-        return ([rows(x, x.shape[-1]) for x in mats]
-                + [rows(cache[i, l, :, :, :n], n * shape[-1]) for l in range(L) for i in (0, 1)])
+        rows = lambda x: jnp.sum(x.reshape(-1, x.shape[-1]), axis=-1, dtype=jnp.float32)
+        return [rows(x) for x in mats] + [rows(cache[i, l]) for l in range(L) for i in (0, 1)]
 
-    nbytes = sum(x.nbytes for x in mats) + 2 * L * B * heads * n * shape[-1] * 2
-    return lambda: reads(mats, cache), nbytes
+    return lambda: reads(mats, cache), sum(x.nbytes for x in mats) + cache.nbytes
 
 
 def read_floor(config, params, B: int, P: int, G: int) -> dict:
-    """The device time of `floor_reads`: what a decode step made of one kernel per matrix cannot beat. The
-    roofline divides the same bytes by the bandwidth of one 4 GiB read; a kernel of a few to a few hundred MB
-    reads slower than that (~2 µs of ramp each, bench/README.md). {"ms": None} on the CPU (no device trace)."""
+    """The device time of `floor_reads` (its largest kernels too): the same bytes as a decode step, read by XLA's
+    own reduction kernels, one per matrix. The roofline divides those bytes by the bandwidth of one 4 GiB read;
+    a kernel of a few to a few hundred MB reads slower than that (~2 µs of ramp each, bench/README.md).
+    {"ms": None} on the CPU (no device trace)."""
     import tempfile
 
     fn, nbytes = floor_reads(config, params, B, P, G)
     with tempfile.TemporaryDirectory() as d:
-        lines = common.kernel_profile(fn, d, top=1)
-    busy = max((v["busy_ms"] for v in lines.values()), default=None)
-    return {"ms": busy, "bytes": nbytes}
+        lines = common.kernel_profile(fn, d, top=6)
+    line = max(lines.values(), key=lambda v: v["busy_ms"], default={"busy_ms": None, "kernels": []})
+    return {"ms": line["busy_ms"], "bytes": nbytes, "kernels": line["kernels"]}
 
 
 def ours(config, params, mesh, B, Pn, G, repeats, decode, profile_dir=None):
