@@ -142,12 +142,12 @@ def test_read_floor_reads_a_decode_steps_bytes_once():
     assert 0 < len(mats) < len(jax.tree.leaves(params)) and len(sums) == len(mats) + 2 * 2
     for x, got in zip(mats, sums):
         np.testing.assert_allclose(got, np.asarray(x, np.float32).reshape(-1, x.shape[-1]).sum(-1), rtol=1e-5, atol=1e-5)
-    # the K and V reads: per layer K then V, a row per (row, head) of P + G/2 slots of 8 dims; the cache is
+    # the K and V reads: per layer K then V, a row per (row, head) of P + G/2 slots of 8 dims; the caches are
     # floor_reads' own, drawn from key 4
-    cache = np.asarray(jax.random.normal(jax.random.key(4), (2, 2, B * 4, (P + G // 2) * 8), jnp.bfloat16), np.float32)
-    want = [cache[i, l].sum(-1) for l in range(2) for i in (0, 1)]
+    want = [np.asarray(jax.random.normal(jax.random.fold_in(jax.random.key(4), i), (B * 4, (P + G // 2) * 8),
+                                         jnp.bfloat16), np.float32).sum(-1) for i in range(2 * 2)]
     for w, got in zip(want, sums[len(mats):], strict=True):
         np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-4)
     assert nbytes == sum(x.nbytes for x in mats) + 2 * 2 * B * 4 * (P + G // 2) * 8 * 2
     assert read_floor(config, params, B, P, G) == {"ms": None, "bytes": floor_reads(config, params, B, P, G)[1],
-                                                   "kernels": []}
+                                                   "launches": 0, "kernels": []}

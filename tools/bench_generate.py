@@ -54,24 +54,25 @@ def step_bytes(config, B: int, P: int, G: int) -> float:
 def floor_reads(config, params, B: int, P: int, G: int, min_bytes: int = 2**18):
     """A decode step's reads alone, one XLA row sum (one kernel) per read: each leaf of `params` (the decode
     layout) of at least `min_bytes` (a matrix of a product, the embeddings), and each layer's K and V over the
-    slots so far (P + G/2, the steps' average, as step_bytes counts them), here a cache of exactly that length,
+    slots so far (P + G/2, the steps' average, as step_bytes counts them), here caches of exactly that length,
     so that every read is one contiguous array. Returns (fn() -> the sums, the bytes read)."""
     mats = [x for x in jax.tree.leaves(params) if x.nbytes >= min_bytes]
     heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
     L, n = config.num_hidden_layers, P + G // 2
-    cache = jax.random.normal(jax.random.key(4), (2, L, B * heads, n * config.hidden_size // config.num_attention_heads),
-                              jnp.bfloat16)  # K and V, a row per (row, head)
+    # K and V of each layer, a row per (row, head); separate arrays, as XLA merges sums of slices of one array
+    shape = (B * heads, n * config.hidden_size // config.num_attention_heads)
+    cache = [jax.random.normal(jax.random.fold_in(jax.random.key(4), i), shape, jnp.bfloat16) for i in range(2 * L)]
 
     @jax.jit
     def reads(mats, cache):
         rows = lambda x: jnp.sum(x.reshape(-1, x.shape[-1]), axis=-1, dtype=jnp.float32)
-        return [rows(x) for x in mats] + [rows(cache[i, l]) for l in range(L) for i in (0, 1)]
+        return [rows(x) for x in mats + cache]
 
-    return lambda: reads(mats, cache), sum(x.nbytes for x in mats) + cache.nbytes
+    return lambda: reads(mats, cache), sum(x.nbytes for x in mats + cache)
 
 
 def read_floor(config, params, B: int, P: int, G: int) -> dict:
-    """The device time of `floor_reads` (its largest kernels too): the same bytes as a decode step, read by XLA's
+    """The device time of `floor_reads` (its kernel launches and largest kernels too): the same bytes as a decode step, read by XLA's
     own reduction kernels, one per matrix. The roofline divides those bytes by the bandwidth of one 4 GiB read;
     a kernel of a few to a few hundred MB reads slower than that (~2 µs of ramp each, bench/README.md).
     {"ms": None} on the CPU (no device trace)."""
@@ -79,9 +80,10 @@ def read_floor(config, params, B: int, P: int, G: int) -> dict:
 
     fn, nbytes = floor_reads(config, params, B, P, G)
     with tempfile.TemporaryDirectory() as d:
-        lines = common.kernel_profile(fn, d, top=6)
+        lines = common.kernel_profile(fn, d, top=10**6)
     line = max(lines.values(), key=lambda v: v["busy_ms"], default={"busy_ms": None, "kernels": []})
-    return {"ms": line["busy_ms"], "bytes": nbytes, "kernels": line["kernels"]}
+    return {"ms": line["busy_ms"], "bytes": nbytes, "launches": sum(k["count"] for k in line["kernels"]),
+            "kernels": line["kernels"][:6]}
 
 
 def ours(config, params, mesh, B, Pn, G, repeats, decode, profile_dir=None):
@@ -207,9 +209,9 @@ def main():
                 run[name] = ours(config, layouts[layout], mesh, B, args.prompt, args.new, args.repeats, decode, trace)
         if mesh.size == 1:
             run["read_floor"] = read_floor(config, layouts["decode"], B, args.prompt, args.new)
-            print(f"B={B:4d} read floor {run['read_floor']['ms'] or float('nan'):.3f} ms/step "
-                  f"({run['read_floor']['bytes'] / 1e9:.2f} GB, one XLA row sum per matrix and per layer's K, V)",
-                  flush=True)
+            floor = run["read_floor"]
+            print(f"B={B:4d} read floor {floor['ms'] or float('nan'):.3f} ms/step ({floor['bytes'] / 1e9:.2f} GB, "
+                  f"one XLA row sum per matrix and per layer's K, V: {floor['launches']} kernels)", flush=True)
         hf = hf_runs.get(str(B), {})
         run.update(hf if "error" not in hf else {f"hf_{cache}": hf for cache in args.hf})
         for impl, r in run.items():
