@@ -12,7 +12,9 @@ OPT-1.3B's heads (32 of 64, multi-head), bf16. Every figure is device µs per ke
   the fused decode-step kernel there (the step's own 55.9 µs).
 - "prologue": the fused step's kernel in OPT's form (LayerNorm folded, bias) rewritten here with switches, to
   find what its start costs: the first block's K and V loaded before the queries are computed ("peel"), the
-  new key and value not written ("nowrite", wrong results: timing only), no norm or bias ("bare", timing only).
+  new key and value not written ("nowrite", wrong results: timing only), no norm or bias ("bare", timing only),
+  the key written before the queries are computed, as the package does ("early"), and the package's unused
+  operands passed too (x, cos, sin: "extra").
 
     XLA_FLAGS=--xla_gpu_enable_triton_gemm=false PYTHONPATH=. python bench/results/decode-attention-fixed-probe-20261202.py OUT_DIR [ONLY]
 On the CPU (interpret mode) the same script checks the stream kernel against jnp and runs each variant once at
@@ -80,8 +82,9 @@ def xla_sum(q, k, v, start, end, length):
             + jnp.sum(v[0, :, :, :length], axis=2, dtype=jnp.float32)).astype(q.dtype)
 
 
-def _prologue_kernel(layer_ref, start_ref, slot_ref, qkv_ref, sum_ref, sq_ref, colsum_ref, bias_ref, k_ref, v_ref,
-                     o_ref, ko_ref, vo_ref, *, block_s, width, eps, peel, write, norm):
+def _prologue_kernel(layer_ref, start_ref, slot_ref, qkv_ref, sum_ref, sq_ref, colsum_ref, bias_ref, *refs, block_s,
+                     width, eps, peel, write, norm, early=False, extra=False):
+    k_ref, v_ref, o_ref, ko_ref, vo_ref = refs[3:] if extra else refs  # extra: x, cos, sin first, never read
     b, h = pl.program_id(0), pl.program_id(1)
     layer, start, slot = layer_ref[0], start_ref[0], slot_ref[0]
     G = o_ref.shape[0]
@@ -106,7 +109,10 @@ def _prologue_kernel(layer_ref, start_ref, slot_ref, qkv_ref, sum_ref, sq_ref, c
             return y
         return (y - mean * colsum_ref[h, pl.ds(row, n), :]) * r + bias_ref[h, pl.ds(row, n), :].astype(jnp.float32)
 
-    q, k_new, v_new = part(0, G).astype(o_ref.dtype), part(G, 1), part(G + 1, 1)
+    v_new, k_new = part(G + 1, 1), part(G, 1)
+    if early:
+        ko_ref[layer, b, h, pl.ds(slot, 1), :] = k_new.astype(ko_ref.dtype)
+    q = part(0, G).astype(o_ref.dtype)
     if write:
         ko_ref[layer, b, h, pl.ds(slot, 1), :] = k_new.astype(ko_ref.dtype)
         vo_ref[layer, b, h, pl.ds(slot, 1), :] = v_new.astype(vo_ref.dtype)
@@ -132,24 +138,28 @@ def _prologue_kernel(layer_ref, start_ref, slot_ref, qkv_ref, sum_ref, sq_ref, c
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("peel", "write", "norm"))
-def prologue_step(qkv, k, v, start, slot, sums, squares, colsum, bias, *, peel, write, norm):
+@functools.partial(jax.jit, static_argnames=("peel", "write", "norm", "early", "extra"))
+def prologue_step(qkv, k, v, start, slot, sums, squares, colsum, bias, *, peel, write, norm, early=False, extra=False):
     """decode_step(qkv, k, v, start, slot, 0, layer_norm=(sums, squares, 2048, 1e-5, colsum), bias=bias) with the
     switches above."""
     B, Hkv, G2, _ = qkv.shape
     G = G2 - 2
     row, scalar, whole = pl.BlockSpec((1,), lambda b, h: (b,)), pl.BlockSpec((1,), lambda b, h: (0,)), pl.no_block_spec
+    table = pl.BlockSpec((None, K // 2), lambda b, h: (b, 0))
+    unused = [jnp.zeros((B, 1), jnp.float32), jnp.zeros((B, K // 2), jnp.float32), jnp.zeros((B, K // 2), jnp.float32)]
     out, k, v = pl.pallas_call(
-        functools.partial(_prologue_kernel, block_s=64, width=2048, eps=1e-5, peel=peel, write=write, norm=norm),
-        grid=(B, Hkv), in_specs=[scalar, row, scalar, whole, row, row, whole, whole, whole, whole],
+        functools.partial(_prologue_kernel, block_s=64, width=2048, eps=1e-5, peel=peel, write=write, norm=norm,
+                          early=early, extra=extra),
+        grid=(B, Hkv), in_specs=[scalar, row, scalar, whole, row, row, whole, whole]
+        + ([whole, table, table] if extra else []) + [whole, whole],
         out_specs=[pl.BlockSpec((None, None, G, K), lambda b, h: (b, h, 0, 0)), whole, whole],
         out_shape=[jax.ShapeDtypeStruct((B, Hkv, G, K), k.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                    jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        input_output_aliases={8: 1, 9: 2},
+        input_output_aliases={11: 1, 12: 2} if extra else {8: 1, 9: 2},
         compiler_params=pltriton.CompilerParams(num_warps=2, num_stages=3) if GPU else None,
         interpret=not GPU, name="probe_prologue_step",
     )(jnp.zeros((1,), jnp.int32), start, jnp.reshape(slot, (1,)).astype(jnp.int32), qkv, sums, squares, colsum,
-      bias, k, v)
+      bias, *(unused if extra else []), k, v)
     return out.reshape(B, Hkv * G, K), k, v
 
 
@@ -229,6 +239,14 @@ def variants(only):
         for kw in (dict(), dict(num_stages=4), dict(num_warps=4)):
             out.append((f"decode_step {kw or 'default'}", "knobs", B, valid, S,
                         chained_step(dataclasses.replace(pallas, **kw), B, S, valid), None))
+    if only == "operands":  # the package's kernel against this probe's replica: its write order, its operands
+        B, S, valid = (64, 512, 384) if GPU else (2, 128, 96)
+        for rep in (1, 2, 3):
+            out.append((f"decode_step package #{rep}", "operands", B, valid, S, chained_step(pallas, B, S, valid), None))
+            for early, extra in ((False, False), (True, False), (False, True), (True, True)):
+                out.append((f"prologue early={int(early)} extra={int(extra)} #{rep}", "operands", B, valid, S,
+                            chained_step(pallas, B, S, valid, peel=False, write=True, norm=True, early=early,
+                                         extra=extra), None))
     if only in ("", "prologue"):
         B, S, valid = (64, 512, 384) if GPU else (2, 128, 96)
         for rep in (1, 2):  # twice, in this order: run-to-run spread
@@ -248,9 +266,9 @@ def check_prologue_step():
     qkv, k, v, start, sums, squares, colsum, bias = step_inputs(B, S, slot)
     want, wk, wv = decode_step(qkv, k, v, start, slot, 0, layer_norm=(sums, squares, 2048, 1e-5, colsum), bias=bias,
                                config=DecodeAttentionConfig("pallas"))
-    for peel in (False, True):
+    for peel, early, extra in ((False, False, False), (True, False, False), (False, True, True)):
         got, gk, gv = prologue_step(qkv, k, v, start, slot, sums, squares, colsum, bias, peel=peel, write=True,
-                                    norm=True)
+                                    norm=True, early=early, extra=extra)
         err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
         print(f"prologue_step peel={int(peel)} against decode_step: max error {err:.1e}", flush=True)
         assert err < 2e-2 and bool(jnp.all(gk == wk)) and bool(jnp.all(gv == wv))
