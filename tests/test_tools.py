@@ -125,29 +125,29 @@ def test_decode_matmul_bench_times_the_same_ffn_in_both_forms():
     assert bench.layer_bytes(D, F) == 2 * D * F * 2
 
 
-def test_read_floor_reads_a_decode_steps_bytes_once():
-    """bench_generate's read floor: one row sum per weight matrix and per layer's K and V, over exactly the slots so
+def test_xla_reads_read_a_decode_steps_bytes_once():
+    """bench_generate's XLA reads: one row sum per weight matrix and per layer's K and V, over exactly the slots so
     far (P + G/2), each sum right, and the bytes those reads cover."""
     from jaxrlhf import OPTConfig, init_params
     from jaxrlhf.generate import decode_params
-    from tools.bench_generate import floor_reads, read_floor
+    from tools.bench_generate import xla_reads, xla_read_time
 
     config = OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
                        max_position_embeddings=64, word_embed_proj_dim=32, dtype="bfloat16")
     params = decode_params(config, init_params(config, jax.random.key(0), dtype=jnp.bfloat16))
     B, P, G, min_bytes = 3, 6, 4, 1024
-    fn, nbytes = floor_reads(config, params, B, P, G, min_bytes)
+    fn, nbytes = xla_reads(config, params, B, P, G, min_bytes)
     mats = [x for x in jax.tree.leaves(params) if x.nbytes >= min_bytes]
     sums = fn()
     assert 0 < len(mats) < len(jax.tree.leaves(params)) and len(sums) == len(mats) + 2 * 2
     for x, got in zip(mats, sums):
         np.testing.assert_allclose(got, np.asarray(x, np.float32).reshape(-1, x.shape[-1]).sum(-1), rtol=1e-5, atol=1e-5)
     # the K and V reads: per layer K then V, a row per (row, head) of P + G/2 slots of 8 dims; the caches are
-    # floor_reads' own, drawn from key 4
+    # xla_reads' own, drawn from key 4
     want = [np.asarray(jax.random.normal(jax.random.fold_in(jax.random.key(4), i), (B * 4, (P + G // 2) * 8),
                                          jnp.bfloat16), np.float32).sum(-1) for i in range(2 * 2)]
     for w, got in zip(want, sums[len(mats):], strict=True):
         np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-4)
     assert nbytes == sum(x.nbytes for x in mats) + 2 * 2 * B * 4 * (P + G // 2) * 8 * 2
-    assert read_floor(config, params, B, P, G) == {"ms": None, "bytes": floor_reads(config, params, B, P, G)[1],
+    assert xla_read_time(config, params, B, P, G) == {"ms": None, "bytes": xla_reads(config, params, B, P, G)[1],
                                                    "launches": 0, "kernels": []}

@@ -8,10 +8,10 @@ full length (EOS off) so every system does the same work (BENCHMARKS.md item 1).
 seconds, prefill seconds (a one-token generate), ms per decode step = (total - prefill) / (new - 1),
 generated tokens/s, and the fraction of the memory roofline: the bytes one decode step must read (all
 weights once plus the KV cache so far, averaged over the steps) over the read bandwidth measured here
-(tools.common.read_bandwidth); on one device also the step against its read floor, the device time of the same
-bytes read by XLA row sums, one kernel per matrix and per layer's K and V (read_floor; at tens to hundreds of MB
-a kernel, the floor sits above the roofline). Hugging Face runs first, in a child process that keeps JAX off
-the GPU.
+(tools.common.read_bandwidth). On one device also the step against XLA reading the same bytes: the device time
+of XLA row sums, one kernel per matrix and per layer's K and V (xla_read_time). Read in kernels of tens to
+hundreds of MB, the bytes take longer than the roofline says. Hugging Face runs first, in a child process that
+keeps JAX off the GPU.
 "ours" generates with the decode layout that Step 3 uses (generate.decode_params, its build time reported as
 decode_params_s); `--layout model` adds the model's own stacked tree ("ours_model_layout") for comparison.
 """
@@ -51,7 +51,7 @@ def step_bytes(config, B: int, P: int, G: int) -> float:
     return weights + kv_per_token * B * (P + G / 2)
 
 
-def floor_reads(config, params, B: int, P: int, G: int, min_bytes: int = 2**18):
+def xla_reads(config, params, B: int, P: int, G: int, min_bytes: int = 2**18):
     """A decode step's reads alone, one XLA row sum (one kernel) per read: each leaf of `params` (the decode
     layout) of at least `min_bytes` (a matrix of a product, the embeddings), and each layer's K and V over the
     slots so far (P + G/2, the steps' average, as step_bytes counts them), here caches of exactly that length,
@@ -71,14 +71,14 @@ def floor_reads(config, params, B: int, P: int, G: int, min_bytes: int = 2**18):
     return lambda: reads(mats, cache), sum(x.nbytes for x in mats + cache)
 
 
-def read_floor(config, params, B: int, P: int, G: int) -> dict:
-    """The device time of `floor_reads` (its kernel launches and largest kernels too): the same bytes as a decode step, read by XLA's
-    own reduction kernels, one per matrix. The roofline divides those bytes by the bandwidth of one 4 GiB read;
-    a kernel of a few to a few hundred MB reads slower than that (~2 µs of ramp each, bench/README.md).
+def xla_read_time(config, params, B: int, P: int, G: int) -> dict:
+    """The device time of `xla_reads` (its kernel launches and largest kernels too): a decode step's bytes read by
+    XLA's own reduction kernels, one per matrix. The roofline divides those bytes by the bandwidth of one 4 GiB
+    read; a kernel of a few to a few hundred MB reads slower than that (~2 µs of ramp each, bench/README.md).
     {"ms": None} on the CPU (no device trace)."""
     import tempfile
 
-    fn, nbytes = floor_reads(config, params, B, P, G)
+    fn, nbytes = xla_reads(config, params, B, P, G)
     with tempfile.TemporaryDirectory() as d:
         lines = common.kernel_profile(fn, d, top=10**6)
     line = max(lines.values(), key=lambda v: v["busy_ms"], default={"busy_ms": None, "kernels": []})
@@ -208,10 +208,9 @@ def main():
                          if args.profile and decode == "pallas" else None)
                 run[name] = ours(config, layouts[layout], mesh, B, args.prompt, args.new, args.repeats, decode, trace)
         if mesh.size == 1:
-            run["read_floor"] = read_floor(config, layouts["decode"], B, args.prompt, args.new)
-            floor = run["read_floor"]
-            print(f"B={B:4d} read floor {floor['ms'] or float('nan'):.3f} ms/step ({floor['bytes'] / 1e9:.2f} GB, "
-                  f"one XLA row sum per matrix and per layer's K, V: {floor['launches']} kernels)", flush=True)
+            reads = run["xla_reads"] = xla_read_time(config, layouts["decode"], B, args.prompt, args.new)
+            print(f"B={B:4d} XLA reads of a step's bytes {reads['ms'] or float('nan'):.3f} ms ({reads['bytes'] / 1e9:.2f} "
+                  f"GB, a row sum per matrix and per layer's K, V: {reads['launches']} kernels)", flush=True)
         hf = hf_runs.get(str(B), {})
         run.update(hf if "error" not in hf else {f"hf_{cache}": hf for cache in args.hf})
         for impl, r in run.items():
@@ -221,11 +220,11 @@ def main():
             r["ms_per_step"] = 1e3 * (total - prefill) / max(args.new - 1, 1)
             r["tokens_per_s"] = B * args.new / total
             r["roofline_fraction"] = step_bytes(config, B, args.prompt, args.new) / bandwidth / (r["ms_per_step"] / 1e3) / mesh.size
-            floor = run.get("read_floor", {}).get("ms")
-            r["floor_ratio"] = r["ms_per_step"] / floor if floor else None
+            reads = run.get("xla_reads", {}).get("ms")
+            r["xla_reads_ratio"] = r["ms_per_step"] / reads if reads else None
             print(f"B={B:4d} {impl:10s} total {total:7.3f} s  prefill {prefill:6.3f} s  {r['ms_per_step']:6.2f} ms/step  "
                   f"{r['tokens_per_s']:8.0f} tok/s  roofline {r['roofline_fraction']:.2f}"
-                  + (f"  {r['floor_ratio']:.2f}x read floor" if floor else ""), flush=True)
+                  + (f"  {r['xla_reads_ratio']:.2f}x XLA's reads" if reads else ""), flush=True)
         if args.check_tokens and mesh.shape["model"] > 1:
             run["tp_tokens_match"] = tp_tokens_match(config, params, mesh, B, args.prompt, args.new)
         result["runs"].append(run)
