@@ -264,16 +264,14 @@ def _step_kernel(layer_ref, start_ref, slot_ref, qkv_ref, cos_ref, sin_ref, x_re
         y = y * r
         return y + bias_ref[(h,) + at].astype(jnp.float32) if bias else y
 
-    # The new key and value are written into the cache only once the queries are computed: a store before the
-    # queries' loads kept them from being issued with the others (1.5 µs of a 53 µs call on the H200,
-    # bench/README.md).
     v_new = part(G + 1, 1, 0, K)  # [1, K]
     if rope:  # rotate-half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) for each pair (i, i + K / 2)
         cos, sin = cos_ref[...][None, :], sin_ref[...][None, :]
         turn = lambda x1, x2: (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
         q1, q2 = turn(part(0, G, 0, half), part(0, G, half, half))  # [G, K / 2]
         k1, k2 = turn(part(G, 1, 0, half), part(G, 1, half, half))  # [1, K / 2]
-        writes = [(pl.ds(0, half), k1), (pl.ds(half, half), k2)]
+        ko_ref[layer, b, h, pl.ds(slot, 1), pl.ds(0, half)] = k1.astype(ko_ref.dtype)
+        ko_ref[layer, b, h, pl.ds(slot, 1), pl.ds(half, half)] = k2.astype(ko_ref.dtype)
         k1, k2 = (x.astype(ko_ref.dtype).astype(jnp.float32) for x in (k1, k2))  # as the cache holds it
         q1, q2 = (x.astype(o_ref.dtype) for x in (q1, q2))
         s_new = jnp.sum(q1.astype(jnp.float32) * k1 + q2.astype(jnp.float32) * k2, axis=-1)  # [G]
@@ -286,12 +284,10 @@ def _step_kernel(layer_ref, start_ref, slot_ref, qkv_ref, cos_ref, sin_ref, x_re
         q = (place(q1, 0) + place(q2, half)).astype(o_ref.dtype)  # [rows, K]
     else:
         k_new = part(G, 1, 0, K)
-        writes = [(slice(None), k_new)]
+        ko_ref[layer, b, h, pl.ds(slot, 1), :] = k_new.astype(ko_ref.dtype)
         q = part(0, G, 0, K).astype(o_ref.dtype)
         s_new = jnp.sum(q.astype(jnp.float32) * k_new.astype(ko_ref.dtype).astype(jnp.float32), axis=-1)
         q = _repeat_rows(q, copies)
-    for cols, x in writes:
-        ko_ref[layer, b, h, pl.ds(slot, 1), cols] = x.astype(ko_ref.dtype)
     vo_ref[layer, b, h, pl.ds(slot, 1), :] = v_new.astype(vo_ref.dtype)
     v_new = v_new.astype(vo_ref.dtype).astype(jnp.float32)
     # This token's own slot starts the online softmax (weight 1 at its score); the loop reads the cached slots before it.
