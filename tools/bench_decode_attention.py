@@ -8,8 +8,10 @@ bf16. Each row's valid range is ragged: left padding up to S/8 and a current len
 ("ragged"), or the whole cache ("full"). A call is timed as the mean over 64 chained calls inside one jitted
 loop (each call's output is the next call's query), so Python dispatch stays out of the microseconds.
 Roofline: the K and V bytes of the valid slots, read once, over the read bandwidth measured in this run (a
-sum over 4 GiB; not measured on the CPU, where the kernel runs in interpret mode). `--splits` times the kernel
-once per value of DecodeAttentionConfig.num_splits (0: auto, the default; the JSON records what auto chose),
+sum over 4 GiB; not measured on the CPU, where the kernel runs in interpret mode). "XLA read": XLA's row sum over
+a contiguous array of the same bytes (time_read), what one XLA kernel takes to read them; small calls read well
+below the 4 GiB rate. `--splits` times the kernel once per value of DecodeAttentionConfig.num_splits (0: auto,
+the default; the JSON records what auto chose),
 `--mask-loads 1 0` with and without masked loads (whole blocks: a row's first and last block read in full).
 `--tune` first sweeps block_s, num_warps, num_stages and the product form at two shapes (`--tune-shapes`,
 `--tune-ragged`) and uses the best of each kind (multi-head, grouped-query) in the table; `--tune-only` stops there.
@@ -60,6 +62,21 @@ def time_call(config, q, k, v, start, end, calls=None) -> float:
         return jax.lax.fori_loop(0, calls, body, q)
 
     return common.timeit(lambda: loop(q, k, v, start, end), repeats=5, warmup=1)["median_s"] / calls
+
+
+def time_read(rows: int, row_bytes: int, calls=None) -> float:
+    """Seconds per call of XLA's row sum over a [rows, row_bytes / 2] bf16 array: the same bytes as a call's valid K
+    and V slots (a row per (row, KV head) and K or V), read by one XLA kernel, timed as time_call times the
+    kernel. Each call scales the array by a factor from the previous sum (1 in bf16), so no call leaves the loop."""
+    calls = calls or CALLS
+    a = jax.random.normal(jax.random.key(5), (rows, max(row_bytes // 2, 1)), jnp.bfloat16)
+
+    @jax.jit
+    def loop(a):
+        body = lambda _, acc: acc + jnp.sum(a * (1 + 1e-30 * acc[0]).astype(a.dtype), axis=-1, dtype=jnp.float32)
+        return jax.lax.fori_loop(0, calls, body, jnp.zeros((rows,), jnp.float32))
+
+    return common.timeit(lambda: loop(a), repeats=5, warmup=1)["median_s"] / calls
 
 
 def auto_splits(config, B, H, Hkv, S, K) -> int:
@@ -157,22 +174,26 @@ def main():
                         valid = int(np.sum(np.asarray(x[4]) - np.asarray(x[3])))
                         need = valid * Hkv * K * 2 * 2 + 2 * q_bytes(x[0])
                         t_x = time_call(xla, *x)
+                        t_read = time_read(2 * B * Hkv, valid // B * K * 2)
                         run = {"B": B, "H": H, "Hkv": Hkv, "K": K, "S": S, "ragged": ragged, "xla_us": 1e6 * t_x,
+                               "xla_read_us": 1e6 * t_read,
                                "roofline_us": 1e6 * need / bandwidth if bandwidth else None,
                                "xla_roofline_ratio": ratio(t_x, need), "kernel": []}
                         line = [f"B={B:3d} H={H} Hkv={Hkv:2d} K={K:3d} S={S:4d} {'ragged' if ragged else 'full  '} "
-                                f"xla {1e6 * t_x:7.1f} us" + (f" ({ratio(t_x, need):.2f}x roofline)" if gpu else "")]
+                                f"xla {1e6 * t_x:7.1f} us" + (f" ({ratio(t_x, need):.2f}x roofline)" if gpu else "")
+                                + f" | XLA read {1e6 * t_read:7.1f} us"]
                         for n, masked in itertools.product(args.splits, args.mask_loads):
                             cfg = dataclasses.replace(kernel, num_splits=n, mask_loads=bool(masked))
                             used = auto_splits(cfg, B, H, Hkv, S, K)
                             err = float(jnp.max(jnp.abs(decode_attention(*x, config=cfg).astype(jnp.float32) - ref)))
                             t_k = time_call(cfg, *x)
                             run["kernel"].append({"num_splits": n, "splits_used": used, "mask_loads": bool(masked),
-                                                  "us": 1e6 * t_k, "speedup": t_x / t_k,
+                                                  "us": 1e6 * t_k, "speedup": t_x / t_k, "read_ratio": t_k / t_read,
                                                   "roofline_ratio": ratio(t_k, need), "max_abs_err": err})
                             line.append(f"splits {n or 'auto'}{f'={used}' if not n else ''}"
                                         f"{'' if masked else ' whole blocks'} {1e6 * t_k:7.1f} us "
-                                        f"({t_x / t_k:.2f}x xla" + (f", {ratio(t_k, need):.2f}x roofline" if gpu else "")
+                                        f"({t_x / t_k:.2f}x xla, {t_k / t_read:.2f}x read"
+                                        + (f", {ratio(t_k, need):.2f}x roofline" if gpu else "")
                                         + f", err {err:.0e})")
                         result["runs"].append(run)
                         print(" | ".join(line), flush=True)
