@@ -151,3 +151,20 @@ def test_xla_reads_read_a_decode_steps_bytes_once():
     assert nbytes == sum(x.nbytes for x in mats) + 2 * 2 * B * 4 * (P + G // 2) * 8 * 2
     assert xla_read_time(config, params, B, P, G) == {"ms": None, "bytes": xla_reads(config, params, B, P, G)[1],
                                                    "launches": 0, "kernels": []}
+
+
+def test_time_read_reads_the_given_bytes_once_per_call(monkeypatch):
+    """bench_decode_attention.time_read: `calls` row sums of a [rows, row_bytes / 2] bf16 array (key 5), each call
+    depending on the last, timed per call."""
+    from tools import bench_decode_attention as bench
+
+    out = {}
+
+    def fake_timeit(fn, repeats, warmup):
+        out["sums"] = fn()
+        return {"median_s": 6.0}
+
+    monkeypatch.setattr(bench.common, "timeit", fake_timeit)
+    assert bench.time_read(3, 2 * 40, calls=2) == 3.0  # seconds per call
+    a = np.asarray(jax.random.normal(jax.random.key(5), (3, 40), jnp.bfloat16), np.float32)
+    np.testing.assert_allclose(out["sums"], 2 * a.sum(-1), rtol=1e-4, atol=1e-4)
