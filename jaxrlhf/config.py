@@ -23,7 +23,18 @@ from typing import Any
 import yaml
 
 
-class ConfigError(ValueError):
+class InputError(ValueError):
+    """Input that jaxrlhf cannot use (a config, data or checkpoint file): one line that names the file (and line,
+    field or tensor), what was expected and what to do. The base of ConfigError, DataError and CheckpointError."""
+
+
+def one_line(error: BaseException, limit: int = 200) -> str:
+    """A library's error message as one line of at most `limit` characters, to quote inside ours."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class ConfigError(InputError):
     """A configuration that cannot work; the message says where, what was expected and what to do."""
 
 

@@ -54,6 +54,8 @@ def _write(path, lines):
         ('{"prompt": "Hi", "chosen": ', r"x\.jsonl:2: invalid JSON"),
         ('[1, 2]', r"x\.jsonl:2: expected an object with fields, got list"),
         ('{"chosen": "no assistant turn", "rejected": "x"}', r"x\.jsonl:2: no 'Assistant:' turn"),
+        ('{"prompt": "Hi \\ud800", "chosen": " b"}',  # JSON's escape of half a character: the tokenizer's TypeError
+         r"x\.jsonl:2: field 'prompt' holds a lone UTF-16 surrogate \('\\ud800' at character 3\)"),
     ],
 )
 def test_bad_rows_name_file_line_and_field(tmp_path, line, message):
@@ -77,6 +79,45 @@ def test_other_bad_inputs(tmp_path):
     (tmp_path / "arr.json").write_text('[\n{"prompt": "p",\n "chosen" "x"}\n]')
     with pytest.raises(DataError, match=r"arr\.json:3: invalid JSON"):
         read_source(str(tmp_path / "arr.json"))
+
+
+def _one_line_error(spec, match, **kwargs):
+    with pytest.raises(DataError, match=match) as e:
+        read_source(str(spec), **kwargs)
+    assert "\n" not in str(e.value)
+
+
+def test_broken_files_are_one_line_errors_naming_the_file(tmp_path):
+    text = "".join(json.dumps({"prompt": f" Human: q{i} Assistant:", "chosen": f" a{i}"}) + "\n" for i in range(50)).encode()
+    packed = gzip.compress(text)
+    (tmp_path / "cut.jsonl.gz").write_bytes(packed[: len(packed) // 2])  # was EOFError
+    _one_line_error(tmp_path / "cut.jsonl.gz", r"cut\.jsonl\.gz: cannot decompress \(.*\); the file is truncated or corrupt")
+    (tmp_path / "plain.jsonl.gz").write_bytes(text)  # was gzip.BadGzipFile
+    _one_line_error(tmp_path / "plain.jsonl.gz", r"plain\.jsonl\.gz: cannot decompress \(Not a gzipped file")
+    latin = text + '{"prompt": " Human: caf\u00e9 Assistant:", "chosen": " a"}\n'.encode("latin-1")
+    (tmp_path / "latin.jsonl").write_bytes(latin)  # was a UnicodeDecodeError without the file's name
+    _one_line_error(tmp_path / "latin.jsonl", r"latin\.jsonl:51: not UTF-8 \(byte 0xe9\); save the file as UTF-8")
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1" + text[:100] + b"PAR1")  # was an ArrowInvalid
+    _one_line_error(tmp_path / "bad.parquet", r"bad\.parquet: cannot read parquet \(.*\); the file is truncated or corrupt")
+    (tmp_path / "deep.jsonl").write_text("[" * 100_000 + "\n")  # was a RecursionError
+    _one_line_error(tmp_path / "deep.jsonl", r"deep\.jsonl:1: invalid JSON \(nested too deeply\)")
+
+
+def test_json_lines_end_at_newline_only(tmp_path):
+    # U+2028 and U+0085 are line breaks to str.splitlines, but JSON allows them unescaped inside a string.
+    rows = [{"prompt": " Human: a\u2028b\u0085c Assistant:", "chosen": " d\u2029e"}, {"prompt": " Human: f Assistant:", "chosen": 3}]
+    f = tmp_path / "x.jsonl"
+    f.write_bytes(b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\r\n" for r in rows))
+    _one_line_error(f, r"x\.jsonl:2: field 'chosen' must be a string")  # the line count is the file's
+    assert read_source(str(f), on_bad_row="skip")["train"][0] == [Record(**rows[0])]
+
+
+def test_pairs_missing_rejected_are_refused_for_step_2_in_eval_too(tmp_path):
+    rows = [{"prompt": f" Human: q{i} Assistant:", "chosen": f" a{i}", "rejected": f" b{i}"} for i in range(9)]
+    f = _write(tmp_path / "x.jsonl", [json.dumps(r) for r in rows] + ['{"prompt": " Human: q Assistant:", "chosen": " a"}'])
+    for seed in range(6):  # wherever the SFT row lands: train or eval (before: eval rows reached the tokenizer as None)
+        with pytest.raises(DataError, match=r"x\.jsonl: has rows without a rejected response"):
+            step_records(DataConfig(data_path=(str(f),), eval_fraction=0.5, seed=seed), 2)
 
 
 def test_local_formats_json_parquet_datasets_folder(tmp_path):

@@ -119,7 +119,7 @@ def step_records(config: DataConfig, step: int) -> tuple[dict[str, list[Record]]
         split = read_source(spec, on_bad_row=config.on_bad_row, seed=config.seed, eval_fraction=config.eval_fraction)
         reports += [report for _, report in split.values()]
         train, evaluation = _train_eval(split, config.eval_fraction, config.seed, spec)
-        if step == 2 and any(r.rejected is None for r in train):
+        if step == 2 and any(r.rejected is None for r in train + evaluation):  # eval pairs are scored too
             raise DataError(f"{spec}: has rows without a rejected response, so it cannot train a reward model; "
                             "list it under sft_only_data_path")
         for part, rows in (("train", train), ("eval", evaluation)):

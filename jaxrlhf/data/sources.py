@@ -24,13 +24,16 @@ import gzip
 import hashlib
 import json
 import re
+import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterable
+
+from jaxrlhf.config import InputError, one_line
 
 ASSISTANT = "\n\nAssistant:"
 
 
-class DataError(ValueError):
+class DataError(InputError):
     """Input data that cannot be used; the message names the file, line or row, and field."""
 
 
@@ -93,6 +96,11 @@ def _text(row: dict, field: str, *, optional: bool = False) -> str | None:
         return None
     if not isinstance(value, str):
         raise DataError(f"field '{field}' must be a string, got {type(value).__name__}")
+    try:  # JSON's "\ud800" escape gives a str that no tokenizer (and no UTF-8 file) can hold
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(f"field '{field}' holds a lone UTF-16 surrogate ({value[e.start]!r} at character {e.start}), "
+                        "half of a character; write the file again from the original text") from None
     return value
 
 
@@ -170,35 +178,57 @@ HUB_ADAPTERS: dict[str, HubAdapter] = {
 # -------------------------------------------------------------------------------------------- reading
 
 
+def _read_text(path: Path) -> str:
+    """The whole file as text: gunzipped if it ends in .gz, strictly UTF-8; a broken file is a DataError."""
+    try:
+        data = gzip.decompress(path.read_bytes()) if path.name.lower().endswith(".gz") else path.read_bytes()
+    except (OSError, EOFError, zlib.error) as e:  # truncated, not gzip at all, or a corrupt stream
+        raise DataError(f"{path}: cannot decompress ({one_line(e)}); the file is truncated or corrupt: "
+                        "download or compress it again") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}:{line}: not UTF-8 (byte {data[e.start]:#04x}); save the file as UTF-8") from None
+
+
+def _json(text: str, path: Path, first_line: int = 1):
+    """`text` parsed as JSON; it starts at line `first_line` of `path`, which errors name."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{first_line + e.lineno - 1}: invalid JSON ({e.msg})") from None
+    except RecursionError:
+        raise DataError(f"{path}:{first_line}: invalid JSON (nested too deeply)") from None
+
+
 def _rows(path: Path) -> Iterable[tuple[str, Any]]:
     """(location, row) for every row of a local file; location is "file:line" or "file row N"."""
     name = path.name.lower()
     if name.endswith(".parquet"):
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        for i, row in enumerate(pq.read_table(path).to_pylist()):
-            yield f"{path} row {i}", row
-        return
-    opener = gzip.open if name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        text = f.read()
-    if not text.strip():
-        raise DataError(f"{path}: the file is empty")
-    if name.endswith(".json") and text.lstrip().startswith("["):
         try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+            rows = pq.read_table(path).to_pylist()
+        except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
+            raise DataError(f"{path}: cannot read parquet ({one_line(e)}); the file is truncated or corrupt: "
+                            "write it again") from None
         for i, row in enumerate(rows):
             yield f"{path} row {i}", row
         return
-    for lineno, line in enumerate(text.splitlines(), 1):  # JSON lines
-        if not line.strip():
-            continue
-        try:
-            yield f"{path}:{lineno}", json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+    text = _read_text(path)
+    if not text.strip():
+        raise DataError(f"{path}: the file is empty")
+    if name.endswith(".json") and text.lstrip().startswith("["):
+        for i, row in enumerate(_json(text, path)):
+            yield f"{path} row {i}", row
+        return
+    # JSON lines end at "\n" only: str.splitlines would also split at U+2028 and other Unicode line breaks,
+    # which JSON allows unescaped inside strings.
+    for lineno, line in enumerate(text.split("\n"), 1):
+        if line.strip():
+            yield f"{path}:{lineno}", _json(line, path, lineno)
 
 
 def _collect(source: str, rows: Iterable[tuple[str, Any]], convert, on_bad_row: str) -> tuple[list[Record], Report]:
@@ -302,15 +332,15 @@ def read_texts(spec: str) -> list[str]:
     "text" field in json/jsonl/parquet files or datasets folders, or a hub dataset "name[:config]"."""
     path = Path(spec)
     if path.is_file() and path.suffix == ".txt":
-        text = path.read_text(encoding="utf-8")
+        text = _read_text(path)
         if not text.strip():
             raise DataError(f"{path}: the file is empty")
         return [text]
 
     def text_field(row):
-        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+        if not isinstance(row, dict) or "text" not in row:
             raise DataError(f"expected a row with a string field 'text', got {sorted(row) if isinstance(row, dict) else row!r}")
-        return row["text"]
+        return _text(row, "text")
 
     if path.is_file():
         return _collect(spec, _rows(path), text_field, "error")[0]
