@@ -394,6 +394,30 @@ def _shard(tensors: dict[str, np.ndarray], max_bytes: int) -> list[dict[str, np.
     return shards + [current]
 
 
+# Written last into every folder save_hf makes: it marks the folder as ours (only such folders are ever replaced) and
+# complete (the folder is renamed into place with it), and carries what the writer adds (a run's settings).
+EXPORT_MANIFEST = "jaxrlhf-export.json"
+
+
+def export_manifest(path: str | os.PathLike) -> dict | None:
+    """The manifest of a folder that save_hf wrote, or None (no such folder, or not one of ours)."""
+    try:
+        manifest = json.loads((Path(path) / EXPORT_MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def check_replaceable(path: str | os.PathLike):
+    """Refuse to write over `path` unless it is absent or a folder that save_hf wrote: a user's own files are never
+    deleted."""
+    path = Path(path)
+    if path.exists() and export_manifest(path) is None:
+        what = "a file" if not path.is_dir() else f"a folder without {EXPORT_MANIFEST}"
+        raise CheckpointError(f"{path}: exists and is {what}, so jaxrlhf did not write it and will not replace it; "
+                              "move it away or choose another output folder")
+
+
 def save_hf(
     path: str | os.PathLike,
     config: OPTConfig | LlamaConfig,
@@ -401,19 +425,29 @@ def save_hf(
     tokenizer=None,
     *,
     max_shard_bytes: int = 5 * 2**30,
+    manifest: dict | None = None,
 ) -> Path:
     """Write an HF folder that `transformers.AutoModelForCausalLM.from_pretrained(path)` loads.
 
-    Tensors keep the parameters' dtype bit for bit. Models above `max_shard_bytes` are written as
-    sharded safetensors with an index. The folder is written beside `path` and renamed into place at
-    the end, so an interrupted save never leaves a half-written checkpoint (an existing one survives).
+    Tensors keep the parameters' dtype bit for bit; a tensor with a NaN or inf is refused by name. Models above
+    `max_shard_bytes` are written as sharded safetensors with an index. The folder is written beside `path` and
+    renamed into place at the end, with EXPORT_MANIFEST (plus `manifest`) as its last file, so a save killed at
+    any moment leaves the old folder or the new one, whole. An existing `path` is replaced only if save_hf wrote
+    it (check_replaceable).
     """
     from safetensors.numpy import save_file
 
     path = Path(path)
     model, head = params_to_tensors(config, params)
     dtype = _dtype_name(params)
+    for name, x in {**model, **head}.items():
+        if not np.issubdtype(x.dtype, np.integer) and not np.isfinite(x).all():
+            raise CheckpointError(f"{path}: tensor {name} holds NaN or inf values; refusing to export it (training "
+                                  "diverged: lower the learning rate or check the data, and train again)")
+    check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in [*path.parent.glob(f".{path.name}.tmp-*"), *path.parent.glob(f".{path.name}.old-*")]:
+        shutil.rmtree(stale, ignore_errors=True)  # what a killed save of this folder left behind
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(config_to_hf(config, dtype), indent=2) + "\n")
@@ -433,6 +467,7 @@ def save_hf(
             save_file(head, str(tmp / VALUE_HEAD_FILE), metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
+        (tmp / EXPORT_MANIFEST).write_text(json.dumps({"written_by": "jaxrlhf", **(manifest or {})}, indent=2) + "\n")
         _replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -441,10 +476,11 @@ def save_hf(
 
 
 def _replace_dir(new: Path, path: Path):
-    """Move the finished folder `new` to `path`; an old `path` is removed only once `new` is in place."""
+    """Move the finished folder `new` to `path`; an old `path` (one of ours) is removed only once `new` is in place."""
     if not path.exists():
         os.replace(new, path)
         return
+    check_replaceable(path)
     old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
     os.replace(path, old / path.name)
     os.replace(new, path)

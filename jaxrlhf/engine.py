@@ -489,6 +489,7 @@ class HybridEngine:
         critic, c = self._timed("critic_step", _critic_update, self.static, self.state["critic"], exp)
         self.state["critic"] = critic
         self._opt_to("critic", "pinned_host")
+        stats.update(actor_skipped=a["skipped"], critic_skipped=c["skipped"])  # the non-finite guard's flags (ppo.run counts them)
         stats.update(actor_grad_norm=a["grad_norm"], critic_loss=c["critic_loss"] / c["count"], critic_grad_norm=c["grad_norm"],
                      kl_coef=self.state["kl_coef"], **{k: a[k] / a["count"] for k in ("actor_loss", "unsup_loss") if k in a})
         stats = {k: float(v) for k, v in jax.device_get(stats).items()}

@@ -27,7 +27,8 @@ from jaxrlhf.data import Batches, DataConfig, prepare
 from jaxrlhf import plan as memory_plan
 from jaxrlhf.engine import EngineConfig, HybridEngine, ModelSide, check_accumulation
 from jaxrlhf.sharding import make_mesh
-from jaxrlhf.trainer import MetricsLog, RunConfig, checkpoint_manager, load_model, precision_warning, restore_state
+from jaxrlhf.trainer import (MetricsLog, RunConfig, SkipCounter, checkpoint_manager, load_model, precision_warning,
+                             restore_state, save_state, settings, start_run)
 
 PHASES = ("reshard", "generate", "score", "advantages", "actor_step", "critic_step", "offload")
 
@@ -56,8 +57,11 @@ class PPOConfig(EngineConfig):
     save_every: int = 0
     #: training states kept on disk (the newest)
     keep_checkpoints: int = 2
-    #: continue from the newest state in output_dir/state
-    resume: bool = False
+    #: continue the run saved in output_dir (its newest state), or skip it if it is finished; false: start from
+    #: scratch, refused where output_dir already holds a run
+    resume: bool = True
+    #: stop the run after this many actor (or critic) steps in a row skipped for a non-finite loss or gradient norm
+    max_skipped_steps: int = 10
     #: print a prompt and its answer at every log (DeepSpeed-Chat's --print_answers)
     print_answers: bool = False
     #: reward-hacking alarms: bounds on answer length, repetition, entropy and KL; learned vs gold reward trend
@@ -87,6 +91,8 @@ def check(cfg: PPOConfig, mesh):
             check_accumulation(cfg, rows, mesh.size)
         except ValueError as e:
             raise ConfigError(f"{e} (with {name} {rows})") from None
+    if cfg.max_skipped_steps < 1:
+        raise ConfigError(f"max_skipped_steps: expected >= 1, got {cfg.max_skipped_steps}")
     local = jax.local_device_count()
     if jax.process_count() > 1 and local % cfg.inference_tp_size:  # each process loads its own prompts
         raise ConfigError(f"inference_tp_size {cfg.inference_tp_size} would span processes ({local} devices each): "
@@ -144,18 +150,23 @@ def peak_memory() -> int | None:
     return max(peaks) if peaks and None not in peaks else None
 
 
-def export(engine: HybridEngine, out: Path, tokenizer) -> dict[str, Path]:
-    """output_dir/actor, critic, actor_ema as HF folders (LoRA fused), as DeepSpeed-Chat lays them out."""
+def export_names(cfg: PPOConfig) -> list[str]:
+    return ["actor", "critic", *(["actor_ema"] if cfg.enable_ema else [])]
+
+
+def export(engine: HybridEngine, cfg: PPOConfig, tokenizer) -> dict[str, Path]:
+    """output_dir/actor, critic, actor_ema as HF folders (LoRA fused), as DeepSpeed-Chat lays them out; each one's
+    manifest carries the run's settings (what tells a finished run when it is started again)."""
     from jaxrlhf.checkpoint import save_hf
 
     trees = {"actor": (engine.actor_config, engine.actor_params()), "critic": (engine.critic_config, engine.critic_params())}
     if "ema" in engine.state:
         trees["actor_ema"] = (engine.actor_config, engine.state["ema"])
-    folders = {}
+    folders = {name: Path(cfg.output_dir) / name for name in trees}
     for name, (config, params) in trees.items():
         host = to_host(params)  # every process takes part; process 0 writes
         if jax.process_index() == 0:
-            folders[name] = save_hf(out / name, config, host, tokenizer)
+            save_hf(folders[name], config, host, tokenizer, manifest={"settings": settings(cfg)})
     return folders
 
 
@@ -170,12 +181,19 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
     if jax.process_index() != 0:  # the others run silently (errors still reach their stderr)
         log = lambda _: None  # noqa: E731
     check(cfg, mesh)
+    out = Path(cfg.output_dir)
+    manager = checkpoint_manager(out, cfg.keep_checkpoints)
+    if start_run(cfg, [out / name for name in export_names(cfg)], manager.latest_step(), log=log):
+        manager.close()
+        return {"engine": None, "records": [], "folders": {name: out / name for name in export_names(cfg)},
+                "tokenizer": None, "skipped": True}
     for who, side in (("actor ", cfg.actor), ("critic ", cfg.critic)):
         if warning := precision_warning(cfg.precision, side.optim, side.lora, who):
             log(warning)
     log(memory_plan.check(cfg, mesh).table())  # refuses a config that cannot fit, before loading or compiling
-    actor_config, actor_params, tokenizer = load_model(side_run(cfg, cfg.actor), value_head=False)
+    # The critic first: a folder without a trained value head is refused before the actor loads.
     critic_config, critic_params, _ = load_model(side_run(cfg, cfg.critic), value_head=True)
+    actor_config, actor_params, tokenizer = load_model(side_run(cfg, cfg.actor), value_head=False)
     positions = actor_config.max_position_embeddings
     if cfg.data.max_prompt_len + cfg.max_answer_len > positions:
         raise ConfigError(f"data.max_prompt_len ({cfg.data.max_prompt_len}) + max_answer_len ({cfg.max_answer_len}) "
@@ -195,8 +213,6 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
                           total_steps=iterations * cfg.generation_batches * cfg.ppo_epochs,
                           eos_id=tokenizer.eos_token_id, pad_id=pad)
     del actor_params, critic_params
-    out = Path(cfg.output_dir)
-    manager = checkpoint_manager(out, cfg.keep_checkpoints)
     sources = {"prompts": prompts, **({"unsup": unsup} if unsup else {})}
     if cfg.resume:
         restored, meta = restore_state(manager, engine.state, engine.shardings())
@@ -208,15 +224,15 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
             log(f"resumed from iteration {int(engine.state['iteration']) // cfg.generation_batches}")
 
     def save():  # keyed by generation batches done; the data positions ride along as JSON
-        import orbax.checkpoint as ocp
-
-        meta = {name: b.state() for name, b in sources.items()}
-        manager.save(int(engine.state["iteration"]), force=True, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(engine.state), meta=ocp.args.JsonSave(meta)))
+        save_state(manager, engine.state, {name: b.state() for name, b in sources.items()}, step=int(engine.state["iteration"]))
 
     synthetic = all(p.startswith("synthetic") for p in cfg.data.data_path)
     metrics_log, records = MetricsLog(out), []
     start = int(engine.state["iteration"]) // cfg.generation_batches
+    if start > iterations:
+        raise ConfigError(f"{out / 'state'}: the saved run is at iteration {start}, past this run's {iterations} "
+                          "(max_steps, epochs); give at least as many, or another output_dir")
+    skips = {name: SkipCounter(cfg.max_skipped_steps, log) for name in ("actor", "critic")}
     tracker = AlarmTracker(cfg.alarms, history=training_records(out / "metrics.jsonl", upto=start))  # resume: replay
     prompt_iter, unsup_iter = iter(prompts), iter(unsup) if unsup else None
     bar = tqdm(total=iterations, initial=start, desc="ppo", dynamic_ncols=True, disable=jax.process_index() != 0)
@@ -226,9 +242,14 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
             experiences = [engine.generate_experience(next(prompt_iter)) for _ in range(cfg.generation_batches)]
             stats = [engine.train_rlhf(exp, next(unsup_iter) if unsup_iter else None)
                      for _ in range(cfg.ppo_epochs) for exp in experiences]
+            for i, s in enumerate(stats):  # the non-finite guard's skips, in the order the steps ran
+                for name in ("actor", "critic"):
+                    where = f"iteration {it}, PPO epoch {i // cfg.generation_batches + 1}, batch {i % cfg.generation_batches + 1}"
+                    skips[name].update(s[f"{name}_skipped"], f"{where}, {name}")
             seconds = time.perf_counter() - clock
             samples = cfg.batch_size * cfg.generation_batches
             figures = {k: float(np.mean([s[k] for s in stats])) for k in stats[0]}
+            figures.update({k: float(sum(s[k] for s in stats)) for k in ("actor_skipped", "critic_skipped")})  # counts
             figures.update({f"{p}_s": engine.timings.get(p, 0.0) for p in PHASES}, iteration_s=seconds,
                            samples_per_s=samples / seconds, reshard_bytes=engine.reshard_bytes,
                            tflops=effective_tflops(engine, samples, experiences[0]["seq"].shape[1], seconds, cfg.ppo_epochs))
@@ -265,7 +286,7 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
     finally:
         manager.wait_until_finished()
     metrics_log.close()
-    folders = export(engine, out, tokenizer)
+    folders = export(engine, cfg, tokenizer)
     log(f"Step 3 done: Hugging Face models in {', '.join(str(f) for f in folders.values())}")
     return {"engine": engine, "records": records, "folders": folders, "tokenizer": tokenizer}
 

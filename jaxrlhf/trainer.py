@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -28,6 +29,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxrlhf.config import ConfigError
 from jaxrlhf.data import DataConfig
 from jaxrlhf.lora import LoRAConfig, adapted_mask, attach, fuse, init_lora
 from jaxrlhf.sharding import FSDP_AXES, make_mesh, path_str, shardings_for
@@ -81,8 +83,9 @@ class RunConfig:
     save_every: int = 0
     #: training states kept on disk (the newest)
     keep_checkpoints: int = 2
-    #: continue from the newest state in output_dir/state
-    resume: bool = False
+    #: continue the run saved in output_dir (its newest state), or skip it if it is finished; false: start from
+    #: scratch, refused where output_dir already holds a run
+    resume: bool = True
     #: bf16: bf16 compute with fp32 master weights and optimizer; fp32; pure_bf16: bf16 everywhere
     precision: Literal["bf16", "fp32", "pure_bf16"] = "bf16"
     #: recompute each layer in the backward pass (DeepSpeed-Chat's --gradient_checkpointing)
@@ -95,6 +98,8 @@ class RunConfig:
     seed: int = 1234
     #: print and write metrics every this many steps
     log_every: int = 10
+    #: stop the run after this many steps in a row skipped for a non-finite loss or gradient norm
+    max_skipped_steps: int = 10
     optim: OptimConfig = OptimConfig()
     lora: LoRAConfig = LoRAConfig()
     data: DataConfig = DataConfig()
@@ -195,7 +200,15 @@ LossFn = Callable[[Any, dict, Any], tuple[jax.Array, jax.Array, dict]]  # (param
 
 
 def make_train_step(loss_fn: LossFn, tx, lora_cfg: LoRAConfig):
-    """The pure `train_step(state, batch) -> (state, metrics)`; metrics are sums plus "count"."""
+    """The pure `train_step(state, batch) -> (state, metrics)`; metrics are sums plus "count", "grad_norm" and
+    "skipped".
+
+    Non-finite guard: a step whose loss or gradient norm is not finite (a too-high learning rate, a bad batch) is
+    skipped inside the compiled step: the trainable weights and the optimizer state (its count, so the learning-rate
+    schedule, included) stay as they were, and "skipped" is 1.0 (else 0.0). The step counter and the dropout key
+    still advance, so the batch counts as consumed and a resumed run lines up with the data. The caller decides
+    when too many skips in a row end the run (`fit`, ppo.run); deciding here costs no host sync.
+    """
 
     def train_step(state, batch):
         key, step_key = jax.random.split(jax.random.wrap_key_data(state["rng"]))
@@ -207,22 +220,27 @@ def make_train_step(loss_fn: LossFn, tx, lora_cfg: LoRAConfig):
 
         def body(acc, xs):
             mb, k = xs
-            (_, (count, sums)), grads = jax.value_and_grad(compute, has_aux=True)(state["trainable"], mb, k)
-            return jax.tree.map(jnp.add, acc, (grads, count, sums)), None
+            (total, (count, sums)), grads = jax.value_and_grad(compute, has_aux=True)(state["trainable"], mb, k)
+            return jax.tree.map(jnp.add, acc, (grads, total, count, sums)), None
 
         zero_grads = jax.tree.map(jnp.zeros_like, state["trainable"])
-        _, (c0, s0) = jax.eval_shape(compute, state["trainable"], jax.tree.map(lambda x: x[0], batch), step_key)
-        init = (zero_grads, jnp.zeros(c0.shape, c0.dtype), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), s0))
-        (grads, count, sums), _ = jax.lax.scan(body, init, (batch, jax.random.split(step_key, micro)))
+        t0, (c0, s0) = jax.eval_shape(compute, state["trainable"], jax.tree.map(lambda x: x[0], batch), step_key)
+        zeros = lambda s: jnp.zeros(s.shape, s.dtype)
+        init = (zero_grads, zeros(t0), zeros(c0), jax.tree.map(zeros, s0))
+        (grads, total, count, sums), _ = jax.lax.scan(body, init, (batch, jax.random.split(step_key, micro)))
         grads = jax.tree.map(lambda g: g / jnp.maximum(count, 1).astype(g.dtype), grads)
         trained = [g for g, lab in zip(jax.tree.leaves(grads), jax.tree.leaves(labels(grads, lora_cfg))) if lab != "frozen"]
+        grad_norm = _global_norm(trained)
+        finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
         updates, opt = tx.update(grads, state["opt"], state["trainable"])
         # The state keeps its dtypes (optax can promote bf16 moments to float32 through a float32 scalar):
         # otherwise pure bf16 would silently hold float32 moments and the step would compile twice.
         opt = jax.tree.map(lambda new, old: new.astype(old.dtype), opt, state["opt"])
-        new = {**state, "trainable": optax.apply_updates(state["trainable"], updates), "opt": opt,
-               "step": state["step"] + 1, "rng": jax.random.key_data(key)}
-        return new, {**sums, "count": count, "grad_norm": _global_norm(trained)}
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # an elementwise select, fused
+        new = {**state, "trainable": keep(optax.apply_updates(state["trainable"], updates), state["trainable"]),
+               "opt": keep(opt, state["opt"]), "step": state["step"] + 1, "rng": jax.random.key_data(key)}
+        skipped = jnp.where(finite, 0.0, 1.0).astype(jnp.float32)
+        return new, {**sums, "count": count, "grad_norm": grad_norm, "skipped": skipped}
 
     return train_step
 
@@ -282,11 +300,15 @@ def checkpoint_manager(out_dir: Path, keep: int):
     return ocp.CheckpointManager((out_dir / "state").absolute(), options=options)
 
 
-def save_state(manager, state, meta: dict):
+def save_state(manager, state, meta: dict, step: int | None = None):
+    """Save `state` as step `step` (default: its own "step"), unless that step is saved already: a finished run
+    started again (nothing trained since its restore) must not fail on Orbax's "already exists"."""
     import orbax.checkpoint as ocp
 
-    manager.save(int(state["step"]), args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-                 force=True)
+    step = int(state["step"]) if step is None else step
+    if step in manager.all_steps():
+        return
+    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
 
 
 def restore_state(manager, like_state, shardings):
@@ -299,6 +321,94 @@ def restore_state(manager, like_state, shardings):
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), like_state, shardings)
     restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
     return restored["state"], restored["meta"]
+
+
+# --------------------------------------------------------------------------------------------- run folders
+
+RUN_SETTINGS = "run_config.json"
+# Settings that may differ between the starts of one run: they steer logging, saving and evaluation, not the weights.
+BOOKKEEPING = ("resume", "output_dir", "log_every", "save_every", "keep_checkpoints", "max_skipped_steps", "eval_every",
+               "eval_batches", "sample_prompts", "sample_tokens", "score_file", "print_answers", "alarms",
+               "device_memory_gib", "data.cache_dir")
+# The run's length may change too: the saved state then continues to the new end (a finished run is extended).
+LENGTH = ("max_steps", "epochs")
+
+
+def settings(cfg) -> dict:
+    """A run's config as flat dotted keys with JSON values: what run_config.json and its exports' manifests hold."""
+
+    def flat(tree, prefix=""):
+        out = {}
+        for k, v in tree.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+        return out
+
+    return flat(json.loads(json.dumps(dataclasses.asdict(cfg))))
+
+
+def changed(old: dict, new: dict, ignore=()) -> list[str]:
+    """The dotted keys whose values differ between two `settings`, except those under `ignore`."""
+    ignored = lambda k: any(k == i or k.startswith(i + ".") for i in ignore)
+    return [k for k in sorted(old.keys() | new.keys()) if not ignored(k) and old.get(k) != new.get(k)]
+
+
+def start_run(cfg, exports: list[Path], saved_step: int | None, log=print) -> bool:
+    """Check cfg.output_dir against `cfg` before anything is loaded; True when the run there is finished (skip it).
+
+    Finished: every folder in `exports` was written by jaxrlhf (checkpoint.save_hf's manifest) with these settings.
+    Refused: an export folder that is not ours (never replaced), a setting that differs from the run saved here
+    (output_dir/run_config.json), and resume=false over a saved run. Otherwise the settings are written down for
+    the next start to compare, and the caller trains (from `saved_step`, the newest Orbax state, if any).
+    """
+    from jaxrlhf.checkpoint import check_replaceable, export_manifest
+
+    out, now = Path(cfg.output_dir), settings(cfg)
+    for path in exports:
+        check_replaceable(path)
+    manifests = [export_manifest(path) for path in exports]
+    saved = saved_step is not None or any(m is not None for m in manifests)
+    if saved and not cfg.resume:
+        raise ConfigError(f"{out}: holds a run already (resume=false starts from scratch); choose another output_dir or "
+                          "delete this one, or leave resume=true to continue that run")
+    if saved and (out / RUN_SETTINGS).is_file():
+        before = json.loads((out / RUN_SETTINGS).read_text())
+        if diff := changed(before, now, BOOKKEEPING + LENGTH):
+            what = "; ".join(f"'{k}' was {json.dumps(before.get(k))}, now {json.dumps(now.get(k))}" for k in diff)
+            raise ConfigError(f"{out / RUN_SETTINGS}: the run saved here has other settings ({what}); set them back to "
+                              f"continue it, or choose another output_dir (or delete {out}) to start over")
+    if saved and all(m is not None and not changed(m.get("settings", {}), now, BOOKKEEPING) for m in manifests):
+        log(f"{out}: finished already with these settings ({', '.join(p.name for p in exports)} complete); "
+            f"skipping it (delete {out} to train it again)")
+        return True
+    if jax.process_index() == 0:  # written aside and renamed, so a reader never sees half of it
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / f".{RUN_SETTINGS}.tmp"
+        tmp.write_text(json.dumps(now, indent=1) + "\n")
+        os.replace(tmp, out / RUN_SETTINGS)
+    return False
+
+
+class NonFiniteError(ConfigError):
+    """Too many training steps in a row had a non-finite loss or gradient norm: the run stops, nothing exported."""
+
+
+class SkipCounter:
+    """Counts one model's steps skipped in a row by the non-finite guard (make_train_step's "skipped"), logs each
+    with where it happened, and stops the run at `limit` in a row."""
+
+    def __init__(self, limit: int, log=print):
+        self.limit, self.log, self.in_a_row = limit, log, 0
+
+    def update(self, skipped: float, where: str):
+        if not skipped:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        self.log(f"{where}: step skipped, its loss or gradient norm is not finite (weights and optimizer unchanged)")
+        if self.in_a_row >= self.limit:
+            raise NonFiniteError(f"{where}: {self.in_a_row} steps in a row had a non-finite loss or gradient norm, so "
+                                 "the run stops and exports nothing; lower the learning rate (optim.learning_rate), "
+                                 "check the data, or raise max_skipped_steps")
 
 
 # --------------------------------------------------------------------------------------------- the loop
@@ -326,6 +436,8 @@ def check_microbatches(batch_size: int, accumulation: int, n_devices: int, field
 def check_run(run: RunConfig, n_devices: int):
     """Refuse configurations that cannot work, before anything is compiled."""
     check_microbatches(run.batch_size, run.optim.gradient_accumulation_steps, n_devices)
+    if run.max_skipped_steps < 1:
+        raise ConfigError(f"max_skipped_steps: expected >= 1, got {run.max_skipped_steps}")
     if run.dropout is not None and not 0 <= run.dropout < 1:
         raise ValueError(f"dropout: expected a probability in [0, 1), got {run.dropout}")
 
@@ -345,12 +457,14 @@ def precision_warning(precision: str, optim: OptimConfig, lora: LoRAConfig, who:
             "learns; use precision=bf16 (fp32 master weights, the default) or LoRA with only_optimize_lora")
 
 
-def load_model(run: RunConfig, *, value_head: bool):
+def load_model(run: RunConfig, *, value_head: bool, fresh_head: bool = False):
     """(OPTConfig set up for this run, host params in the master dtype, tokenizer) from run.model.
 
-    A model without a value head gets a fresh one when `value_head` is asked for (Step 2 from an SFT model).
+    `value_head`: the model needs one (a reward model or critic). A folder without it gets a fresh one only under
+    `fresh_head` (Step 2 starting from an SFT model); elsewhere (Step 3's critic, scoring) a random head would
+    silently train against or report a random reward, so that is an error naming the folder.
     """
-    from jaxrlhf.checkpoint import load_hf
+    from jaxrlhf.checkpoint import VALUE_HEAD_FILE, load_hf
     from jaxrlhf.models.opt import PRESETS, OPTConfig, init_params
     from jaxrlhf.tokenizer import load_tokenizer
 
@@ -370,6 +484,9 @@ def load_model(run: RunConfig, *, value_head: bool):
     else:
         config, params = load_hf(run.model, dtype=dtype)
     if value_head and "value_head" not in params:
+        if not fresh_head:
+            raise ConfigError(f"{run.model}: no {VALUE_HEAD_FILE}, so no trained value head; a reward model or critic "
+                              "must be a Step 2 output (python -m jaxrlhf.reward writes output_dir/model with it)")
         head = 0.02 * jax.random.normal(jax.random.fold_in(key, 7), (config.word_embed_proj_dim, 1))
         params = {**params, "value_head": {"kernel": np.asarray(head, dtype)}}
     if not value_head:
@@ -395,24 +512,29 @@ def eval_batches(arrays, step, run: RunConfig, pad_id: int):
 
 
 def fit(run: RunConfig, state, loss_fn: LossFn, tx, train_batches, eval_batches_fn, summarise, mesh, *,
-        total_steps: int, on_eval=None, log=print) -> tuple[dict, list[dict]]:
+        total_steps: int, on_eval=None, log=print, manager=None) -> tuple[dict, list[dict]]:
     """Train `state` for `total_steps` optimizer steps; returns the final state and the logged records.
 
     `train_batches` is a `jaxrlhf.data.Batches`; `eval_batches_fn()` yields eval batches; `summarise(sums)`
-    turns metric sums into the figures to log (e.g. loss per token, accuracy per pair).
+    turns metric sums into the figures to log (e.g. loss per token, accuracy per pair). Steps the non-finite guard
+    skips are logged at the next log step (no extra host sync), left out of the logged loss and counted in
+    "skipped"; `run.max_skipped_steps` in a row stop the run (NonFiniteError).
     """
     from tqdm import tqdm
 
     out = Path(run.output_dir)
     shardings = state_shardings(state, mesh)
     accum = run.optim.gradient_accumulation_steps
-    manager = checkpoint_manager(out, run.keep_checkpoints)
+    manager = manager or checkpoint_manager(out, run.keep_checkpoints)
     if run.resume:
         restored, meta = restore_state(manager, state, shardings)
         if restored is not None:
             state = restored
             train_batches.epoch, train_batches.position = meta["epoch"], meta["position"]
             log(f"resumed from step {int(state['step'])} (epoch {meta['epoch']}, batch {meta['position']})")
+    if int(state["step"]) > total_steps:
+        raise ConfigError(f"{out / 'state'}: the saved run is at step {int(state['step'])}, past this run's {total_steps} "
+                          "steps (max_steps, epochs); give at least as many, or another output_dir")
     state = jax.device_put(state, shardings)
     step_fn = jax.jit(make_train_step(loss_fn, tx, run.lora), out_shardings=(shardings, None), donate_argnums=0)
     eval_fn = jax.jit(make_eval_step(loss_fn, run.lora))
@@ -439,29 +561,37 @@ def fit(run: RunConfig, state, loss_fn: LossFn, tx, train_batches, eval_batches_
     start = int(state["step"])
     batches = iter(train_batches)
     bar = tqdm(total=total_steps, initial=start, desc="train", dynamic_ncols=True, disable=jax.process_index() != 0)
-    pending, tokens, clock = [], 0, time.perf_counter()
+    pending, places, tokens, clock = [], [], 0, time.perf_counter()
+    skips = SkipCounter(run.max_skipped_steps, log)
     try:  # a crash or Ctrl-C still finishes the checkpoint being written
         for step in range(start + 1, total_steps + 1):
             host = next(batches)
+            places.append(f"step {step} (epoch {train_batches.epoch}, batch {train_batches.position - 1})")
             tokens += int(sum(v.sum() for k, v in host.items() if k.endswith("mask") and "loss" not in k))
             state, metrics = step_fn(state, place_microbatches(microbatches(host, accum), mesh))
             pending.append(metrics)
             if step % run.log_every == 0 or step == total_steps:
-                sums = jax.tree.map(lambda *xs: np.sum(xs), *jax.device_get(pending))
+                window = jax.device_get(pending)
+                for where, m in zip(places, window):
+                    skips.update(float(m["skipped"]), where)
+                kept = [m for m in window if not m["skipped"]] or window  # all skipped: the figures show the NaN
+                sums = jax.tree.map(lambda *xs: np.sum(xs), *kept)
                 elapsed = time.perf_counter() - clock
-                figures = {**summarise(sums), "grad_norm": float(sums["grad_norm"]) / len(pending),
+                figures = {**summarise(sums), "grad_norm": float(sums["grad_norm"]) / len(kept),
+                           "skipped": len(window) - len([m for m in window if not m["skipped"]]),
                            "lr": float(lr_fn(step - 1)), "tokens_per_s": tokens * jax.process_count() / elapsed}
                 metrics_log.write(step, "train", figures)
                 records.append({"step": step, "split": "train", **figures})
                 bar.set_postfix({k: f"{v:.4g}" for k, v in figures.items() if k in ("loss", "accuracy", "lr", "tokens_per_s")})
-                pending, tokens, clock = [], 0, time.perf_counter()
+                pending, places, tokens, clock = [], [], 0, time.perf_counter()
             bar.update(1)
             if run.eval_every and step % run.eval_every == 0 and step != total_steps:
                 evaluate(step)
             if run.save_every and step % run.save_every == 0 and step != total_steps:
                 save_state(manager, state, {"epoch": train_batches.epoch, "position": train_batches.position})
         bar.close()
-        evaluate(total_steps)
+        if start < total_steps:  # else a finished run started again: evaluated and saved already
+            evaluate(total_steps)
         save_state(manager, state, {"epoch": train_batches.epoch, "position": train_batches.position})
     finally:
         manager.wait_until_finished()
@@ -493,11 +623,16 @@ def train(run: RunConfig, *, step: int, value_head: bool, make_loss, summarise, 
 
     mesh = mesh or make_mesh(run.tp)
     check_run(run, mesh.size)
+    out = Path(run.output_dir)
+    manager = checkpoint_manager(out, run.keep_checkpoints)
+    if start_run(run, [out / "model"], manager.latest_step(), log=log):
+        manager.close()
+        return {"state": None, "records": [], "config": None, "model_dir": out / "model", "skipped": True}
     log(f"mesh {dict(mesh.shape)}: {mesh.size} devices, {jax.process_count()} process(es), this is process "
         f"{jax.process_index()}")
     if warning := precision_warning(run.precision, run.optim, run.lora):
         log(warning)
-    config, params, tokenizer = load_model(run, value_head=value_head)
+    config, params, tokenizer = load_model(run, value_head=value_head, fresh_head=True)
     data = prepare(run.data, step, tokenizer, log=log)
     pad = tokenizer.pad_token_id
     batches = Batches(data["train"], step, run.batch_size, run.data, pad,
@@ -507,9 +642,10 @@ def train(run: RunConfig, *, step: int, value_head: bool, make_loss, summarise, 
     state = create_state(params, run.lora, tx, jax.random.key(run.seed), mesh)
     on_eval = make_on_eval(config, tokenizer, data, state) if make_on_eval else None
     state, records = fit(run, state, make_loss(config), tx, batches, eval_batches(data["eval"], step, run, pad), summarise,
-                         mesh, total_steps=steps, on_eval=on_eval, log=log)
+                         mesh, total_steps=steps, on_eval=on_eval, log=log, manager=manager)
     final = to_host(effective_params(state, run.lora))
-    out = save_hf(Path(run.output_dir) / "model", config, final, tokenizer) if jax.process_index() == 0 else None
-    log(f"Step {step} done: Hugging Face model in {out}")
-    return {"state": state, "records": records, "config": config, "model_dir": out}
+    if jax.process_index() == 0:
+        save_hf(out / "model", config, final, tokenizer, manifest={"settings": settings(run)})
+    log(f"Step {step} done: Hugging Face model in {out / 'model'}")
+    return {"state": state, "records": records, "config": config, "model_dir": out / "model"}
 

@@ -8,7 +8,7 @@ from jaxrlhf.lora import LoRAConfig
 from jaxrlhf.models.opt import OPTConfig, init_params
 from jaxrlhf.sft import sft_loss
 from jaxrlhf.sharding import make_mesh
-from jaxrlhf.trainer import (OptimConfig, create_state, make_optimizer, make_train_step, precision_warning,
+from jaxrlhf.trainer import (OptimConfig, create_state, init_state, make_optimizer, make_train_step, precision_warning,
                              state_shardings)
 
 TINY = OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
@@ -57,3 +57,34 @@ def test_pure_bf16_rounds_away_small_updates_and_the_run_warns():
     assert precision_warning("bf16", optim, LoRAConfig()) is None
     assert precision_warning("pure_bf16", optim, LoRAConfig(dim=8, only_optimize_lora=True)) is None
     assert precision_warning("pure_bf16", OptimConfig(learning_rate=1e-3), LoRAConfig()) is None
+
+
+def test_a_non_finite_step_is_skipped_inside_the_compiled_step():
+    """A batch that makes the loss NaN (or only the gradient inf) leaves the weights and the optimizer state (its
+    count, so the schedule, included) as they were and says so in "skipped"; the step counter moves on, and the
+    next finite batch trains from the untouched state exactly as if the bad one had never come."""
+    import numpy as np
+
+    tx = make_optimizer(OptimConfig(learning_rate=1e-2, warmup_steps=2, clip_grad_norm=0.0), 10, LoRAConfig())
+
+    def loss_fn(params, batch, key):  # sum over the batch of x * sqrt(|w|): at w = 0 the gradient is inf, the loss 0
+        total = jnp.sum(batch["x"] * jnp.sum(jnp.sqrt(jnp.abs(params["w"]))))
+        return total, jnp.float32(batch["x"].size), {"loss": total}
+
+    state = init_state({"w": jnp.ones(3)}, LoRAConfig(), tx, jax.random.key(0))
+    step = jax.jit(make_train_step(loss_fn, tx, LoRAConfig()))
+    good, nan = {"x": jnp.ones((2, 4))}, {"x": jnp.ones((2, 4)).at[1, 2].set(jnp.nan)}
+    want, m = step(state, good)
+    assert float(m["skipped"]) == 0.0 and int(want["step"]) == 1
+    for bad in (nan, "inf gradient"):
+        if bad == "inf gradient":
+            bad, state = good, {**state, "trainable": {"params": {"w": jnp.array([1.0, 0.0, 1.0])}}}
+        after, m = step(state, bad)
+        assert m["skipped"].dtype == jnp.float32 and float(m["skipped"]) == 1.0
+        assert int(after["step"]) == int(state["step"]) + 1
+        for a, b in zip(jax.tree.leaves((state["trainable"], state["opt"])), jax.tree.leaves((after["trainable"], after["opt"]))):
+            np.testing.assert_array_equal(a, b)
+    state = init_state({"w": jnp.ones(3)}, LoRAConfig(), tx, jax.random.key(0))
+    skipped, _ = step(state, nan)
+    got, _ = step(skipped, good)  # the warm-up's first step again: the skipped step did not count
+    np.testing.assert_allclose(got["trainable"]["params"]["w"], want["trainable"]["params"]["w"], rtol=1e-6)
