@@ -6,13 +6,14 @@
                            kernels that carry LoRA adapters; everything under only_optimize_lora), plus a copy
                            of the other leaves. Without LoRA that copy is the whole model.
     reward     frozen      the Step 2 weights, sharing the critic's never-moving base leaves the same way
-    ema        optional    fused actor weights; ema = decay * ema + (1 - decay) * actor after each actor step
+    ema        optional    fused actor weights, float32; ema = decay * ema + (1 - decay) * actor after each actor step
 
     generate_experience(prompts [B, P] left-padded):
         one layer at a time: fuse LoRA, cast to the compute dtype, reshard to the "tp" layout, give each layer its
         own arrays (generate.decode_params) ──generate──► answers [B, G]
         ──drop the generation copy (the KV cache lives only inside the compiled generate call)──►
         score in the FSDP layout, no gradients: old log-probs, reference log-probs, critic values, reward score
+        ──► the adaptive KL coefficient's step (once per generation batch; the batch keeps the one it was scored under)
     train_rlhf(experience[, unsupervised batch]):
         rewards (KL penalty + clipped score) ──► GAE ──► actor PPO step (+ unsup_coef * LM loss) ──► EMA
         ──► critic step;  states donated
@@ -94,7 +95,8 @@ class EngineConfig:
     kl_coef: float = 0.1
     #: adaptive KL controller (Ziegler et al. 2019): the KL per answer to steer kl_coef towards (null: fixed kl_coef)
     kl_target: float | None = None
-    #: its horizon in samples: kl_coef *= 1 + clip(KL / kl_target - 1, -0.2, 0.2) * batch / kl_horizon
+    #: its horizon in samples: kl_coef *= 1 + clip(KL / kl_target - 1, -0.2, 0.2) * batch / kl_horizon, once per
+    #: generation batch (every PPO epoch over a batch uses the coefficient it was generated under)
     kl_horizon: int = 10000
     #: the reward model's score is clipped to [-clip_score, clip_score]
     clip_score: float = 5.0
@@ -229,8 +231,9 @@ def _answer_values(config, params, exp, key=None):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _fused(s: Static, actor):
-    """The actor's weights as it runs (LoRA fused), in the FSDP layout: the EMA's starting point."""
-    return _fsdp(effective_params(actor, s.cfg.actor.lora), s.mesh)
+    """The actor's weights as it runs (LoRA fused), float32, in the FSDP layout: the EMA's starting point. The EMA
+    is float32 under every precision: in bf16, ema + 0.008 * (actor - ema) rounds most of each step away."""
+    return _fsdp(jax.tree.map(lambda x: x.astype(jnp.float32), effective_params(actor, s.cfg.actor.lora)), s.mesh)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -267,15 +270,23 @@ def _score(s: Static, state, ref_own, reward_own, prompt_ids, prompt_mask, token
 
 
 @functools.partial(jax.jit, static_argnums=0)
+def _next_kl_coef(s: Static, kl_coef, exp):
+    """The adaptive KL controller's step on one scored batch (losses.adaptive_kl_coef)."""
+    kl = losses.sequence_kl(exp["logprobs"], exp["ref_logprobs"], exp["mask"])
+    return losses.adaptive_kl_coef(kl_coef, kl, s.cfg.kl_target, s.cfg.kl_horizon, exp["mask"].shape[0])
+
+
+@functools.partial(jax.jit, static_argnums=0)
 def _advantages(s: Static, exp, kl_coef):
-    """The experience plus rewards, advantages and returns, and the batch's figures."""
+    """The experience plus rewards (with the KL coefficient the batch was scored under), advantages and returns,
+    and the batch's figures."""
     cfg = s.cfg
     rewards = losses.compute_rewards(exp["logprobs"], exp["ref_logprobs"], exp["scores"], exp["mask"], kl_coef, cfg.clip_score)
     adv, ret = losses.gae(exp["values"], rewards, exp["mask"], cfg.gamma, cfg.lam)
     if cfg.whiten_advantages:
         adv = losses.whiten(adv, exp["mask"])
     m = exp["mask"].astype(jnp.float32)
-    stats = {"reward": jnp.mean(exp["scores"]), "kl": jnp.sum((exp["logprobs"] - exp["ref_logprobs"]) * m) / m.shape[0],
+    stats = {"reward": jnp.mean(exp["scores"]), "kl": losses.sequence_kl(exp["logprobs"], exp["ref_logprobs"], m),
              "answer_len": jnp.mean(m.sum(1)), "advantage": losses.masked_mean(adv, m),
              "return": losses.masked_mean(ret, m), "value": losses.masked_mean(exp["values"], m)}
     return {**exp, "advantages": adv, "returns": ret}, stats
@@ -310,27 +321,37 @@ def _one_step(s: Static, name: str, loss_fn, state, exp):
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
 def _actor_update(s: Static, actor, ema, exp):
-    """The actor's PPO step (+ the mixture LM loss) and the EMA update."""
-    cfg = s.cfg
+    """The actor's PPO step (+ the mixture LM loss) and the EMA update.
 
-    def loss_fn(params, exp, key):
-        lp = _answer_logprobs(s.actor, params, exp, key)
-        tokens = jnp.sum(exp["mask"]).astype(jnp.float32)  # micro-batches weigh by their answer tokens
-        loss = losses.actor_loss(lp, exp["logprobs"], exp["advantages"], exp["mask"], cfg.clip_ratio)
-        metrics = {"actor_loss": loss * tokens}
-        if "unsup" in exp:  # DeepSpeed-Chat's mixture training, here in the same step
-            u = exp["unsup"]
+    The step's gradient is the whole batch's, however it is cut into micro-batches: the PPO loss's mean over all
+    the batch's answer tokens plus unsup_coef times the LM loss's mean over all the unsupervised batch's targets.
+    The trainer sums the micro-batches' totals and divides once by their summed count, the answer tokens; so a
+    micro-batch's LM sum enters weighted by the whole batch's answer tokens / LM targets."""
+    cfg = s.cfg
+    answer_tokens = jnp.sum(exp["mask"]).astype(jnp.float32)
+    if "unsup" in exp:
+        lm_weight = answer_tokens / jnp.maximum(jnp.sum(losses.lm_targets(exp["unsup"]["loss_mask"])), 1)
+
+    def loss_fn(params, mb, key):
+        lp = _answer_logprobs(s.actor, params, mb, key)
+        tokens = jnp.sum(mb["mask"]).astype(jnp.float32)
+        loss = losses.actor_loss(lp, mb["logprobs"], mb["advantages"], mb["mask"], cfg.clip_ratio) * tokens  # a sum
+        metrics = {"actor_loss": loss}
+        if "unsup" in mb:  # DeepSpeed-Chat's mixture training, here in the same step (README: where we differ)
+            u = mb["unsup"]
             out = logits(s.actor, params, u["input_ids"], u["attention_mask"], dropout_rng=key)
-            total, count, _ = losses.lm_loss(out, u["input_ids"], u["loss_mask"])
-            unsup = total / jnp.maximum(count, 1)
-            metrics["unsup_loss"] = unsup * tokens
-            loss = loss + cfg.unsup_coef * unsup
-        return loss * tokens, tokens, metrics
+            lm = losses.lm_loss(out, u["input_ids"], u["loss_mask"])[0] * lm_weight
+            metrics["unsup_loss"] = lm
+            loss = loss + cfg.unsup_coef * lm
+        return loss, tokens, metrics
 
     actor, metrics = _one_step(s, "actor", loss_fn, actor, exp)
     if ema is not None:
         fused = effective_params(actor, cfg.actor.lora)
-        ema = _fsdp(jax.tree.map(lambda e, a: cfg.ema_decay * e + (1 - cfg.ema_decay) * a.astype(e.dtype), ema, fused), s.mesh)
+        new = jax.tree.map(lambda e, a: cfg.ema_decay * e + (1 - cfg.ema_decay) * a.astype(e.dtype), ema, fused)
+        if "skipped" in metrics:  # the trainer's non-finite guard skipped the actor step: the EMA stays too
+            new = jax.tree.map(lambda n, e: jnp.where(metrics["skipped"] > 0, e, n), new, ema)
+        ema = _fsdp(new, s.mesh)
     return actor, ema, metrics
 
 
@@ -430,7 +451,8 @@ class HybridEngine:
         """Answers to left-padded prompts {"prompt_ids", "prompt_mask"} [B, P] (host or device arrays) and
         their scores. Returns the experience, on the mesh with rows split over every device: seq, seq_mask
         [B, P + G] (prompt then answer); mask (answer tokens up to and including EOS), logprobs (old),
-        ref_logprobs, values, generation_logprobs (generation's own) [B, G]; scores [B] (reward model)."""
+        ref_logprobs, values, generation_logprobs (generation's own) [B, G]; scores [B] (reward model); kl_coef (the
+        KL penalty's coefficient for this batch; an adaptive one then moves on this batch's KL)."""
         cfg, mesh = self.cfg, self.mesh
         ids, mask = prompt_batch["prompt_ids"], prompt_batch["prompt_mask"]
         if ids.shape[1] + cfg.max_answer_len > self.actor_config.max_position_embeddings:
@@ -471,6 +493,11 @@ class HybridEngine:
                 leaf.delete()
         del frozen
         exp["generation_logprobs"] = gen_logprobs
+        # The KL coefficient of this batch's rewards, the same in every PPO epoch; the adaptive controller then
+        # steps once per generation batch, on this batch's KL (Ziegler et al. 2019; TRL's PPOTrainer).
+        exp["kl_coef"] = self.state["kl_coef"]
+        if cfg.kl_target is not None:
+            self.state["kl_coef"] = _next_kl_coef(self.static, self.state["kl_coef"], exp)
         self.state["iteration"] = self.state["iteration"] + 1
         return exp
 
@@ -480,7 +507,7 @@ class HybridEngine:
         exp = {k: experience[k] for k in ("seq", "seq_mask", "mask", "logprobs", "ref_logprobs", "values", "scores")}
         if unsupervised is not None:
             exp["unsup"] = place(unsupervised, self.mesh, "fsdp") if isinstance(unsupervised["input_ids"], np.ndarray) else unsupervised
-        exp, stats = self._timed("advantages", _advantages, self.static, exp, self.state["kl_coef"])
+        exp, stats = self._timed("advantages", _advantages, self.static, exp, experience["kl_coef"])
         self._opt_to("actor", "device")  # offloaded optimizer states are on the device for their own step only
         actor, ema, a = self._timed("actor_step", _actor_update, self.static, self.state["actor"], self.state.get("ema"), exp)
         self.state.update(actor=actor, **({"ema": ema} if ema is not None else {}))
@@ -491,13 +518,8 @@ class HybridEngine:
         self._opt_to("critic", "pinned_host")
         stats.update(actor_skipped=a["skipped"], critic_skipped=c["skipped"])  # the non-finite guard's flags (ppo.run counts them)
         stats.update(actor_grad_norm=a["grad_norm"], critic_loss=c["critic_loss"] / c["count"], critic_grad_norm=c["grad_norm"],
-                     kl_coef=self.state["kl_coef"], **{k: a[k] / a["count"] for k in ("actor_loss", "unsup_loss") if k in a})
-        stats = {k: float(v) for k, v in jax.device_get(stats).items()}
-        if self.cfg.kl_target is not None:  # adaptive KL controller: move beta towards the target KL
-            error = float(np.clip(stats["kl"] / self.cfg.kl_target - 1, -0.2, 0.2))
-            batch = experience["mask"].shape[0]
-            self.state["kl_coef"] = self._replicated(np.float32(float(self.state["kl_coef"]) * (1 + error * batch / self.cfg.kl_horizon)))
-        return stats
+                     kl_coef=experience["kl_coef"], **{k: a[k] / a["count"] for k in ("actor_loss", "unsup_loss") if k in a})
+        return {k: float(v) for k, v in jax.device_get(stats).items()}
 
     # ------------------------------------------------------------------------------------------------ views
 
@@ -507,6 +529,10 @@ class HybridEngine:
 
     def critic_params(self):
         return effective_params(self.state["critic"], self.cfg.critic.lora)
+
+    def ema_params(self):
+        """The EMA of the actor in the actor's own dtypes (it is kept in float32), FSDP layout: what is exported."""
+        return jax.tree.map(lambda e, a: e.astype(a.dtype), self.state["ema"], base_params(self.state["actor"]))
 
     def reference_params(self):
         return with_shared(self.ref_own, self.state["actor"])

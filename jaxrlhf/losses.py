@@ -23,13 +23,16 @@ def token_logprobs(logits, input_ids):
     return jnp.take_along_axis(logp, input_ids[:, 1:, None], axis=-1)[..., 0]
 
 
-def lm_loss(logits, input_ids, loss_mask):
-    """Next-token cross-entropy: (sum over targets of -log p(target), number of targets, metrics).
+def lm_targets(loss_mask):
+    """[B, T - 1] float32: 1 where token t + 1 is a target. `loss_mask[b, t] = 1` marks token t as a target
+    (see jaxrlhf.data.batches); it is predicted from the logits at t - 1, so the first token never is."""
+    return loss_mask[:, 1:].astype(jnp.float32)
 
-    `loss_mask[b, t] = 1` marks token t as a target (see jaxrlhf.data.batches); it is predicted from
-    the logits at t - 1.
-    """
-    mask = loss_mask[:, 1:].astype(jnp.float32)
+
+def lm_loss(logits, input_ids, loss_mask):
+    """Next-token cross-entropy: (sum over targets of -log p(target), number of targets, metrics); the targets
+    are `lm_targets(loss_mask)`."""
+    mask = lm_targets(loss_mask)
     nll = -token_logprobs(logits, input_ids) * mask
     total, count = jnp.sum(nll), jnp.sum(mask)
     return total, count, {"loss": total, "tokens": count}
@@ -83,6 +86,17 @@ def reward_loss(chosen_values, rejected_values, chosen_ids, rejected_ids, chosen
 # Answer positions t = 0 .. G - 1; mask[b, t] = 1 for generated tokens up to and including the first EOS,
 # so row b has n_b = sum(mask[b]) real tokens at t = 0 .. n_b - 1. Every mean is a masked mean over the
 # whole batch. The arrays are [B, G] float32 unless said otherwise.
+
+
+def sequence_kl(logprobs, ref_logprobs, mask):
+    """The KL to the reference per answer, estimated on the sampled tokens: mean_b sum_t (logprobs - ref_logprobs) * mask."""
+    return jnp.sum((logprobs - ref_logprobs) * mask.astype(jnp.float32)) / mask.shape[0]
+
+
+def adaptive_kl_coef(kl_coef, kl, target: float, horizon: int, samples: int):
+    """Ziegler et al.'s (2019) proportional controller, once per batch of `samples` answers whose KL per answer
+    is `kl`: kl_coef * (1 + clip(kl / target - 1, -0.2, 0.2) * samples / horizon)."""
+    return kl_coef * (1 + jnp.clip(kl / target - 1, -0.2, 0.2) * samples / horizon)
 
 
 def compute_rewards(logprobs, ref_logprobs, score, mask, kl_coef: float = 0.1, clip_score: float = 5.0):
