@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import math
 import os
 import re
 import sys
@@ -28,14 +29,53 @@ class InputError(ValueError):
     field or tensor), what was expected and what to do. The base of ConfigError, DataError and CheckpointError."""
 
 
-def one_line(error: BaseException, limit: int = 200) -> str:
-    """A library's error message as one line of at most `limit` characters, to quote inside ours."""
+def one_line(error: object, limit: int = 200) -> str:
+    """A library's error message (or any value) as one line of at most `limit` characters, to quote inside ours."""
     text = " ".join(str(error).split()) or type(error).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class ConfigError(InputError):
     """A configuration that cannot work; the message says where, what was expected and what to do."""
+
+
+def decode_utf8(data: bytes, path, error=InputError) -> str:
+    """`data` read from `path` as strict UTF-8; otherwise `error` naming the file, line and byte."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise error(f"{path}:{line}: not UTF-8 (byte {data[e.start]:#04x}); save the file as UTF-8") from None
+
+
+# ---------------------------------------------------------------------------------------------- values
+
+SEED_LIMIT = 2**32  # numpy's and JAX's seeds: a seed outside [0, 2**32) fails (or wraps) only once a run starts
+
+
+def _holds(value, rule: str) -> bool:
+    if rule[0] == ">":
+        op, bound = rule.split()
+        return value >= float(bound) if op == ">=" else value > float(bound)
+    lo, hi = (float(b) for b in rule[1:-1].split(","))
+    return (value >= lo if rule[0] == "[" else value > lo) and (value <= hi if rule[-1] == "]" else value < hi)
+
+
+def check_fields(obj, **rules: str):
+    """Validate a config dataclass (call it from `__post_init__`): every float, alone or in a tuple, is finite;
+    a field named `seed` lies in [0, 2**32); and each `field=rule` holds, a rule being ">= 1", "> 0", "[0, 1)",
+    "(0, 1]" ... (None, an unset optional field, passes). Raises ConfigError naming the field."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        items = value if isinstance(value, tuple) else (value,)
+        if any(isinstance(v, float) and not math.isfinite(v) for v in items):
+            raise ConfigError(f"{f.name}: expected a finite number, got {value!r}")
+        if f.name == "seed" and isinstance(value, int) and not 0 <= value < SEED_LIMIT:
+            raise ConfigError(f"seed: expected an integer in [0, 2**32), got {value}")
+    for name, rule in rules.items():
+        value = getattr(obj, name)
+        if value is not None and not all(_holds(v, rule) for v in (value if isinstance(value, tuple) else (value,))):
+            raise ConfigError(f"{name}: expected {rule}, got {value!r}")
 
 
 def field_help(cls) -> dict[str, str]:
@@ -122,28 +162,73 @@ def build(cls, values: dict, where: dict[str, str] | None = None, prefix: str = 
         raise ConfigError(f"{loc}: {prefix.rstrip('.') or cls.__name__}: {e}") from None
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing what would silently change a setting: a key given twice (YAML keeps the
+    last), a key that is not a string (`1:`, `on:`, `null:`); a value its constructor cannot build (the date
+    2001-13-45) is a YAML error at its line, not a raw ValueError."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key, _ in node.value:
+            if key.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`
+                continue
+            if not (isinstance(key, yaml.ScalarNode) and key.tag == "tag:yaml.org,2002:str"):
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"a key that is not a string ({one_line(key.value, 40)!r}); quote it", key.start_mark)
+            if key.value in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"'{key.value}' is set twice (lines {seen[key.value]} and {key.start_mark.line + 1}); "
+                    "keep one", key.start_mark)
+            seen[key.value] = key.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+    def construct_object(self, node, deep=False):
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, TypeError, OverflowError) as e:
+            raise yaml.constructor.ConstructorError(None, None, one_line(e), node.start_mark) from None
+
+
+def parse_yaml(text: str, source: str, lines: bool = True):
+    """(the YAML document in `text`, its node tree); errors are ConfigErrors naming `source` (and, with `lines`,
+    the line)."""
+    try:
+        loader = _StrictLoader(text)  # reads the whole text: refuses control characters here
+        try:
+            node = loader.get_single_node()
+            return (None if node is None else loader.construct_document(node)), node
+        finally:
+            loader.dispose()
+    except yaml.reader.ReaderError as e:
+        line = text.count("\n", 0, e.position) + 1
+        raise ConfigError(f"{source}{f':{line}' if lines else ''}: not valid YAML (character #x{e.character:04x} is "
+                          "not allowed); remove it") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        line = f":{mark.line + 1}" if mark and lines else ""
+        raise ConfigError(f"{source}{line}: not valid YAML ({one_line(getattr(e, 'problem', None) or e)})") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: not valid YAML (nested too deeply)") from None
+
+
 def _yaml_with_lines(path: Path) -> tuple[dict, dict[str, str]]:
     """The YAML mapping in `path` and, for every dotted key, the "file:line" where it is set."""
-    try:
-        node = yaml.compose(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}{line}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    values, node = parse_yaml(decode_utf8(path.read_bytes(), path, ConfigError), str(path))
     if node is None:
         return {}, {}
-    if not isinstance(node, yaml.MappingNode):
+    if not isinstance(values, dict):
         raise ConfigError(f"{path}:1: expected a mapping of config keys at the top level")
     lines: dict[str, str] = {}
 
     def walk(n, prefix):
         if isinstance(n, yaml.MappingNode):
             for k, v in n.value:
-                lines[prefix + k.value] = f"{path}:{k.start_mark.line + 1}"
-                walk(v, prefix + k.value + ".")
+                if isinstance(k, yaml.ScalarNode):
+                    lines[prefix + k.value] = f"{path}:{k.start_mark.line + 1}"
+                    walk(v, prefix + k.value + ".")
 
     walk(node, "")
-    return yaml.safe_load(path.read_text()), lines
+    return values, lines
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any):
@@ -167,7 +252,8 @@ def load(cls, config_file: str | None = None, overrides: list[str] = ()):
         if "=" not in item:
             raise ConfigError(f"command line: '{item}': expected key=value, e.g. mesh.tp=2")
         key, raw = item.split("=", 1)
-        _set_dotted(values, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+        value = parse_yaml(raw, f"command line: '{key.strip()}'", lines=False)[0] if raw.strip() else ""
+        _set_dotted(values, key.strip(), value)
         where[key.strip()] = "command line"
     return build(cls, values, where)
 

@@ -39,6 +39,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrlhf import losses
+from jaxrlhf.config import check_fields
 from jaxrlhf.data import place
 from jaxrlhf.generate import decode_params, generate
 from jaxrlhf.lora import LoRAConfig, adapted_mask
@@ -120,6 +121,7 @@ class EngineConfig:
     seed: int = 1234
 
     def __post_init__(self):
+        check_fields(self)  # every float finite, the seed in range
         checks = [
             (self.precision in ("bf16", "fp32", "pure_bf16"), f"precision: expected bf16, fp32 or pure_bf16, got {self.precision!r}"),
             (self.max_answer_len >= 1, f"max_answer_len: expected >= 1, got {self.max_answer_len}"),

@@ -46,6 +46,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxrlhf.config import check_fields
 from jaxrlhf.sharding import path_str
 
 _LEAVES = ("lora_a", "lora_b")
@@ -69,6 +70,7 @@ class LoRAConfig:
     learning_rate: float | None = None
 
     def __post_init__(self):
+        check_fields(self)  # every float finite (an infinite learning rate passes the checks below)
         if self.dim < 0:
             raise ValueError(f"LoRAConfig.dim: expected >= 0 (0 = LoRA off), got {self.dim}")
         if self.module_name == "":

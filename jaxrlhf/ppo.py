@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from jaxrlhf.alarms import AlarmConfig, AlarmTracker, experience_figures, training_records
-from jaxrlhf.config import ConfigError, run_cli
+from jaxrlhf.config import ConfigError, check_fields, run_cli
 from jaxrlhf.distributed import to_host
 from jaxrlhf.data import Batches, DataConfig, prepare
 from jaxrlhf import plan as memory_plan
@@ -77,6 +77,7 @@ class PPOConfig(EngineConfig):
             raise ValueError("batch_size, generation_batches, ppo_epochs, epochs and log_every must be >= 1")
         if self.max_steps < 0 or self.save_every < 0 or self.unsup_batch_size < 0:
             raise ValueError("max_steps, save_every and unsup_batch_size must be >= 0")
+        check_fields(self, keep_checkpoints=">= 1", device_memory_gib=">= 0")
 
 
 def check(cfg: PPOConfig, mesh):

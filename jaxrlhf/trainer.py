@@ -29,7 +29,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxrlhf.config import ConfigError
+from jaxrlhf.config import ConfigError, check_fields
 from jaxrlhf.data import DataConfig
 from jaxrlhf.lora import LoRAConfig, adapted_mask, attach, fuse, init_lora
 from jaxrlhf.sharding import FSDP_AXES, make_mesh, path_str, shardings_for
@@ -55,10 +55,10 @@ class OptimConfig:
     gradient_accumulation_steps: int = 1
 
     def __post_init__(self):
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+        if len(self.betas) != 2:
             raise ValueError(f"betas: expected two numbers in [0, 1), got {self.betas}")
-        if self.learning_rate <= 0 or self.gradient_accumulation_steps < 1 or self.warmup_steps < 0:
-            raise ValueError("learning_rate must be > 0, gradient_accumulation_steps >= 1, warmup_steps >= 0")
+        check_fields(self, learning_rate="> 0", weight_decay=">= 0", betas="[0, 1)", eps="> 0", warmup_steps=">= 0",
+                     clip_grad_norm=">= 0", gradient_accumulation_steps=">= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +103,10 @@ class RunConfig:
     optim: OptimConfig = OptimConfig()
     lora: LoRAConfig = LoRAConfig()
     data: DataConfig = DataConfig()
+
+    def __post_init__(self):
+        check_fields(self, batch_size=">= 1", epochs=">= 1", max_steps=">= 0", eval_every=">= 0", eval_batches=">= 0",
+                     save_every=">= 0", keep_checkpoints=">= 1", dropout="[0, 1)", tp=">= 1", log_every=">= 1")
 
 
 # -------------------------------------------------------------------------------------------- optimizer

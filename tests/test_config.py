@@ -96,3 +96,72 @@ def test_default_xla_flags_respect_the_users_own(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
     default_xla_flags()
     assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_triton_gemm=true"
+
+
+def _one_line_error(match, cls, path=None, overrides=()):
+    with pytest.raises(ConfigError, match=match) as e:
+        load(cls, None if path is None else str(path), list(overrides))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("out: here\nckpt: !!python/object/apply:os.system ['true']\n",  # was a raw ConstructorError
+         r":2: not valid YAML \(could not determine a constructor for the tag '.*python/object/apply:os\.system'\)"),
+        ("out: 2001-13-45\n", r":1: not valid YAML \(month must be in 1\.\.12\)"),  # a date slip: was a raw ValueError
+        ("out: here\nsteps: 3\n\x07\n", r":3: not valid YAML \(character #x0007 is not allowed\); remove it"),
+        ("out: here\nsteps: 3\nout: there\n", r":3: not valid YAML \('out' is set twice \(lines 1 and 3\); keep one\)"),
+        ("optim:\n  lr: 1\n  1: 2\n", r":3: not valid YAML \(a key that is not a string \('1'\); quote it\)"),
+        ("optim:\n  lr: 1\n  on: 2\n", r":3: not valid YAML \(a key that is not a string \('on'\); quote it\)"),
+    ],
+)
+def test_yaml_slips_tags_and_repeated_keys_are_one_line_errors(tmp_path, text, message):
+    f = tmp_path / "run.yaml"
+    f.write_text(text)
+    _one_line_error(f"{f}{message}", Run, f)
+
+
+def test_non_utf8_files_and_bad_override_values_are_one_line_errors(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_bytes(b"out: here\nsteps: 3\nckpt: caf\xe9\n")  # was a UnicodeDecodeError without the file's name
+    _one_line_error(rf"{f}:3: not UTF-8 \(byte 0xe9\); save the file as UTF-8", Run, f)
+    _one_line_error(r"command line: 'ckpt': not valid YAML \(could not determine a constructor", Run,
+                    overrides=["ckpt=!!python/name:os.system"])
+    _one_line_error(r"command line: 'optim': not valid YAML \(a key that is not a string \('1'\)", Run,
+                    overrides=["optim={1: 2}"])  # was a TypeError deep in build
+
+
+@pytest.mark.parametrize(
+    "cls, override, message",
+    [
+        (SFTConfig, "optim.learning_rate=.nan", r"command line: optim: learning_rate: expected a finite number, got nan"),
+        (SFTConfig, "optim.eps=-1e-8", r"optim: eps: expected > 0, got -1e-08"),
+        (SFTConfig, "batch_size=0", r"command line: SFTConfig: batch_size: expected >= 1, got 0"),
+        (SFTConfig, "log_every=0", r"log_every: expected >= 1, got 0"),
+        (SFTConfig, "epochs=-1", r"epochs: expected >= 1, got -1"),
+        (SFTConfig, "seed=9223372036854775808", r"seed: expected an integer in \[0, 2\*\*32\), got 9223372036854775808"),
+        (SFTConfig, "data.seed=-1", r"data: seed: expected an integer in \[0, 2\*\*32\), got -1"),
+        (SFTConfig, "data.unsupervised_block_size=1", r"unsupervised_block_size: expected >= 2, got 1"),
+        (RewardConfig, "lora.learning_rate=.inf", r"lora: learning_rate: expected a finite number, got inf"),
+        (PPOConfig, "kl_coef=.inf", r"kl_coef: expected a finite number, got inf"),
+        (PPOConfig, "actor.optim.clip_grad_norm=-1", r"clip_grad_norm: expected >= 0, got -1"),
+        (PPOConfig, "keep_checkpoints=0", r"keep_checkpoints: expected >= 1, got 0"),
+    ],
+)
+def test_values_are_checked_before_anything_loads(cls, override, message):
+    _one_line_error(message, cls, overrides=[override])
+
+
+def test_settings_built_in_python_are_checked_too():
+    from jaxrlhf.models import LlamaConfig, OPTConfig
+    from jaxrlhf.trainer import OptimConfig
+
+    with pytest.raises(ConfigError, match="learning_rate: expected a finite number, got nan"):
+        OptimConfig(learning_rate=float("nan"))
+    with pytest.raises(ConfigError, match=r"num_attention_heads: expected >= 1, got 0"):  # was a ZeroDivisionError
+        OPTConfig(num_attention_heads=0)
+    with pytest.raises(ConfigError, match=r"eos_token_id: expected \[0, 64\), got 64"):
+        LlamaConfig(vocab_size=64, hidden_size=16, num_attention_heads=2, num_key_value_heads=1, eos_token_id=64)
+    with pytest.raises(ConfigError, match=r"rms_norm_eps: expected > 0, got 0.0"):  # eps 0 gives NaN on a zero row
+        LlamaConfig(rms_norm_eps=0.0)

@@ -30,6 +30,7 @@ from typing import Literal
 
 import numpy as np
 
+from jaxrlhf.config import check_fields
 from jaxrlhf.data.sources import DataError, Record, Report, fingerprint, read_source, read_texts
 
 CACHE_VERSION = 5  # bump when the tokenized format or any adapter's output changes
@@ -66,10 +67,8 @@ class DataConfig:
 
     def __post_init__(self):
         split_shares(self.data_split)  # raises on a malformed split
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise ValueError(f"eval_fraction: expected a fraction in [0, 1), got {self.eval_fraction}")
-        if self.max_prompt_len < 2 or self.max_seq_len < 2:
-            raise ValueError("max_seq_len and max_prompt_len must be at least 2 (BOS plus one token)")
+        # At least 2 tokens: BOS plus one (a block: one input and its target).
+        check_fields(self, eval_fraction="[0, 1)", max_seq_len=">= 2", max_prompt_len=">= 2", unsupervised_block_size=">= 2")
 
 
 def split_shares(data_split: str) -> list[float]:

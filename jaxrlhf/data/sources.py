@@ -28,7 +28,7 @@ import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from jaxrlhf.config import InputError, one_line
+from jaxrlhf.config import InputError, decode_utf8, one_line
 
 ASSISTANT = "\n\nAssistant:"
 
@@ -185,11 +185,7 @@ def _read_text(path: Path) -> str:
     except (OSError, EOFError, zlib.error) as e:  # truncated, not gzip at all, or a corrupt stream
         raise DataError(f"{path}: cannot decompress ({one_line(e)}); the file is truncated or corrupt: "
                         "download or compress it again") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise DataError(f"{path}:{line}: not UTF-8 (byte {data[e.start]:#04x}); save the file as UTF-8") from None
+    return decode_utf8(data, path, DataError)
 
 
 def _json(text: str, path: Path, first_line: int = 1):

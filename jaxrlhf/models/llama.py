@@ -36,6 +36,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxrlhf.kernels.swiglu import rms_swiglu
+from jaxrlhf.config import check_fields
 from jaxrlhf.models import common
 
 
@@ -73,6 +74,10 @@ class LlamaConfig:
 
     def __post_init__(self):
         common.check_run_options(self)
+        check_fields(self, vocab_size=">= 1", hidden_size=">= 1", intermediate_size=">= 1", num_hidden_layers=">= 1",
+                     num_attention_heads=">= 1", num_key_value_heads=">= 1", head_dim=">= 0", max_position_embeddings=">= 1",
+                     rms_norm_eps="> 0", rope_theta="> 0", pad_token_id=f"[0, {self.vocab_size})", bos_token_id=f"[0, {self.vocab_size})",
+                     eos_token_id=f"[0, {self.vocab_size})")
         if not self.head_dim and self.hidden_size % self.num_attention_heads:
             raise ValueError(f"LlamaConfig: hidden_size {self.hidden_size} is not divisible by "
                              f"num_attention_heads {self.num_attention_heads} (set head_dim)")

@@ -31,6 +31,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from jaxrlhf.config import check_fields
 from jaxrlhf.models import common
 from jaxrlhf.models.common import (  # noqa: F401  (re-exported: callers import these from here)
     DTYPES,
@@ -77,6 +78,10 @@ class OPTConfig:
 
     def __post_init__(self):
         common.check_run_options(self)
+        check_fields(self, vocab_size=">= 1", hidden_size=">= 1", num_hidden_layers=">= 1", num_attention_heads=">= 1",
+                     ffn_dim=">= 1", max_position_embeddings=">= 1", word_embed_proj_dim=">= 1", layer_norm_eps="> 0",
+                     pad_token_id=f"[0, {self.vocab_size})", bos_token_id=f"[0, {self.vocab_size})",
+                     eos_token_id=f"[0, {self.vocab_size})")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"OPTConfig: hidden_size {self.hidden_size} is not divisible by "
