@@ -282,11 +282,11 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
             bar.update(1)
             if cfg.save_every and it % cfg.save_every == 0 and it != iterations:
                 save()
-        bar.close()
         save()
-    finally:
+    finally:  # the bar ends its line first, so an error message starts on its own
+        bar.close()
         manager.wait_until_finished()
-    metrics_log.close()
+        metrics_log.close()
     folders = export(engine, cfg, tokenizer)
     log(f"Step 3 done: Hugging Face models in {', '.join(str(f) for f in folders.values())}")
     return {"engine": engine, "records": records, "folders": folders, "tokenizer": tokenizer}

@@ -576,30 +576,30 @@ def fit(run: RunConfig, state, loss_fn: LossFn, tx, train_batches, eval_batches_
             pending.append(metrics)
             if step % run.log_every == 0 or step == total_steps:
                 window = jax.device_get(pending)
-                for where, m in zip(places, window):
-                    skips.update(float(m["skipped"]), where)
-                kept = [m for m in window if not m["skipped"]] or window  # all skipped: the figures show the NaN
-                sums = jax.tree.map(lambda *xs: np.sum(xs), *kept)
+                kept = [m for m in window if not m["skipped"]]
+                sums = jax.tree.map(lambda *xs: np.sum(xs), *(kept or window))  # all skipped: the figures show the NaN
                 elapsed = time.perf_counter() - clock
-                figures = {**summarise(sums), "grad_norm": float(sums["grad_norm"]) / len(kept),
-                           "skipped": len(window) - len([m for m in window if not m["skipped"]]),
+                figures = {**summarise(sums), "grad_norm": float(sums["grad_norm"]) / len(kept or window),
+                           "skipped": len(window) - len(kept),
                            "lr": float(lr_fn(step - 1)), "tokens_per_s": tokens * jax.process_count() / elapsed}
                 metrics_log.write(step, "train", figures)
                 records.append({"step": step, "split": "train", **figures})
                 bar.set_postfix({k: f"{v:.4g}" for k, v in figures.items() if k in ("loss", "accuracy", "lr", "tokens_per_s")})
+                for where, m in zip(places, window):  # after the write: a stopped run's log shows its skips
+                    skips.update(float(m["skipped"]), where)
                 pending, places, tokens, clock = [], [], 0, time.perf_counter()
             bar.update(1)
             if run.eval_every and step % run.eval_every == 0 and step != total_steps:
                 evaluate(step)
             if run.save_every and step % run.save_every == 0 and step != total_steps:
                 save_state(manager, state, {"epoch": train_batches.epoch, "position": train_batches.position})
-        bar.close()
         if start < total_steps:  # else a finished run started again: evaluated and saved already
             evaluate(total_steps)
         save_state(manager, state, {"epoch": train_batches.epoch, "position": train_batches.position})
-    finally:
+    finally:  # the bar ends its line first, so an error message starts on its own
+        bar.close()
         manager.wait_until_finished()
-    metrics_log.close()
+        metrics_log.close()
     return state, records
 
 
