@@ -1,16 +1,22 @@
-"""KV-cached generation: one jitted program that prefills the prompts and decodes with `lax.scan`.
+"""KV-cached generation: one jitted program that prefills the prompts and decodes in a `lax.while_loop`.
 
-    prompts [B, P] left-padded ──prefill (one pass, K/V written at slots 0..P-1)──► first token
-        ──scan over G - 1 steps: one token per row at slot P + t, K/V written in place──► tokens [B, G]
+    prompts [N, P] left-padded ──prefill the first `slots` of them (K/V at slots 0..P-1)──► first tokens
+        ──loop: `check_every` decode steps (each slot one token, K/V written in place at its own slot P + g),
+          then refills (a slot whose row ended takes the next `refill` waiting prompts: prefilled apart, their
+          K/V copied into those slots' cache rows) ── until every prompt's row has ended ──► tokens [N, G]
 
 Every model family runs through it (models/__init__.py picks the family from the config's type). The
-cache [L, B, Hkv, P + G, K] (Hkv < H for grouped-query models such as Llama) is allocated once and carried through the scan (written with one
-dynamic_update_slice per layer and step, so XLA updates it in place; DESIGN.md measured 3.6x against
-passing per-layer caches through a scan). Rows stop at their first EOS: later tokens are pad and the
-answer mask is 0 there (1 up to and including the EOS). Sampling: greedy (temperature 0), temperature,
-top-k and top-p, from an explicit PRNG key: the same key gives the same tokens. Prompts are left-aligned
-first (any padding pattern works), so each row's valid slots are one range and a decode step's attention
-(our Pallas kernel on a GPU, `kernels/decode_attention.py`) reads only that range of the cache.
+cache [L, slots, Hkv, P + G, K] (Hkv < H for grouped-query models such as Llama) is allocated once and carried
+through the loop (written with one dynamic_update_slice or scatter per layer and step, so XLA updates it in
+place; DESIGN.md measured 3.6x against passing per-layer caches through a scan). A row ends at its first EOS
+or at its own limit (`limits`); later tokens are pad and the answer mask is 0 there (1 up to and including the
+end). The loop exits once every row has ended: real answers are short and uneven, so a batch rarely needs its
+full `max_new_tokens` steps, and with fewer slots than prompts (continuous batching) no slot idles while one
+long answer runs on. Sampling: greedy (temperature 0), temperature, top-k and top-p, from an explicit PRNG
+key: answer token g of prompt i draws with fold_in(fold_in(key, i), g), so the same key gives the same
+tokens whatever slot a prompt decodes in. Prompts are left-aligned first (any padding pattern works), so each
+row's valid slots are one range and a decode step's attention (our Pallas kernel on a GPU,
+`kernels/decode_attention.py`) reads only that range of the cache.
 
 `generate` runs the model's own parameters, or, faster, the decode layout that `decode_params` builds from
 them once (each layer its own arrays, shared-input products stacked; models/common.py says why): the Step 3
@@ -25,8 +31,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxrlhf.kernels.decode_attention import rows_axis
 from jaxrlhf.lora import fuse_attached
 from jaxrlhf.models import decode_layer, init_cache, logits_with_cache, positions_from_mask
 from jaxrlhf.sharding import shardings_for
@@ -128,74 +136,166 @@ def sample(logits, key, s: Sampling):
 
 @dataclasses.dataclass(frozen=True)
 class Generation:
-    tokens: jax.Array  # [B, G] int32, pad after each row's EOS
-    mask: jax.Array  # [B, G] int32: 1 for generated tokens up to and including the first EOS
+    tokens: jax.Array  # [B, G] int32, pad after each row's end
+    mask: jax.Array  # [B, G] int32: 1 for generated tokens up to and including the first EOS (or the row's limit)
     logprobs: jax.Array  # [B, G] float32: log p(token) under the model (temperature 1, no filtering)
+    steps: jax.Array  # int32: decode steps run (each advances every slot by one token)
 
 
-@partial(jax.jit, static_argnames=("config", "max_new_tokens", "sampling", "eos_id", "pad_id", "force_length", "mesh"))
-def _generate(config, params, input_ids, attention_mask, key, *, max_new_tokens, sampling, eos_id, pad_id, force_length,
-              mesh):
-    B, Pn = input_ids.shape
-    G = max_new_tokens
+def _row_keys(key, rows, g):
+    """The sampling key of answer token g of prompt `rows` ([R] each): a prompt's stream depends on its index in
+    the batch and the token's place in its answer only, never on the slot it was decoded in."""
+    return jax.vmap(lambda r, t: jax.random.fold_in(jax.random.fold_in(key, r), t))(rows, g)
+
+
+@partial(jax.jit, static_argnames=("config", "max_new_tokens", "sampling", "eos_id", "pad_id", "force_length", "slots",
+                                   "refill", "check_every", "mesh"))
+def _generate(config, params, input_ids, attention_mask, key, limits, *, max_new_tokens, sampling, eos_id, pad_id,
+              force_length, slots, refill, check_every, mesh):
+    N, Pn = input_ids.shape
+    G, B, R = max_new_tokens, slots, refill
     order = jnp.argsort(attention_mask.astype(bool), axis=1, stable=True)  # padding first, real tokens in order
     input_ids, attention_mask = (jnp.take_along_axis(x, order, 1) for x in (input_ids, attention_mask))
-    valid = jnp.concatenate([attention_mask.astype(bool), jnp.ones((B, G), bool)], axis=1)
-    cache = init_cache(config, valid)
-    if mesh is not None:  # heads over "model", batch over "data": the tensor-parallel layout of the cache
-        cache_spec = NamedSharding(mesh, P(None, "data", "model", None, None))
-        cache = {**cache, "k": jax.lax.with_sharding_constraint(cache["k"], cache_spec),
-                 "v": jax.lax.with_sharding_constraint(cache["v"], cache_spec)}
-    positions = jnp.maximum(positions_from_mask(attention_mask), 0)
-    logits, cache = logits_with_cache(config, params, input_ids, positions, cache, last=1)  # the LM head on the last only
-    next_pos = jnp.sum(attention_mask, axis=1).astype(jnp.int32)  # [B]: the first answer token's position
-    stop = eos_id is not None and not force_length
+    real = jnp.sum(attention_mask, axis=1).astype(jnp.int32)  # [N] prompt lengths
+    # One extra "prompt" N: the row of an empty slot. It never ends a loop (its slot counts as done), and what its
+    # slot decodes is written to output row N, dropped at the end.
+    real, limits = (jnp.concatenate([x, jnp.ones((1,), jnp.int32)]) for x in (real, limits))
 
-    def pick(logits, key, done):
-        token = sample(logits, key, sampling).astype(jnp.int32)
+    def laid_out(cache):  # heads over "model", rows over "data" (if they split): the tensor-parallel layout
+        if mesh is None:
+            return cache
+        spec = NamedSharding(mesh, P(None, rows_axis(mesh, cache["k"].shape[1]), "model", None, None))
+        return {**cache, **{n: jax.lax.with_sharding_constraint(cache[n], spec) for n in ("k", "v")}}
+
+    def pick(logits, rows, g):
+        """Answer token g of prompts `rows` from logits [R, V]: (token, its log-prob, whether the row ends there)."""
+        lim = limits[rows]
+        drawn = logits
+        if force_length and eos_id is not None:  # benchmarks: EOS barred before the row's limit, forced at it
+            drawn = drawn.at[:, eos_id].set(jnp.where(g < lim - 1, -jnp.inf, drawn[:, eos_id]))
+        token = jax.vmap(lambda l, k: sample(l[None], k, sampling)[0])(drawn, _row_keys(key, rows, g))
+        if force_length and eos_id is not None:
+            token = jnp.where(g == lim - 1, eos_id, token)
+        token = token.astype(jnp.int32)
         logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], axis=-1)[:, 0]
-        token = jnp.where(done, pad_id, token)
+        ends = g + 1 >= lim
+        if eos_id is not None:
+            ends = ends | (token == eos_id)
+        return token, logprob, ends
+
+    def record(out, rows, g, token, logprob):
+        tokens, logprobs, mask = out
+        at = (rows, jnp.minimum(g, G - 1))
+        return tokens.at[at].set(token), logprobs.at[at].set(logprob), mask.at[at].set(1)
+
+    def prefill(prompts, S):
+        """Prompts `prompts` [R] (index N: none) prefilled into a new cache of S slots: (logits [R, V], cache)."""
+        ids, mask = input_ids[jnp.minimum(prompts, N - 1)], attention_mask[jnp.minimum(prompts, N - 1)]
+        valid = jnp.concatenate([mask.astype(bool), jnp.ones((len(prompts), S - Pn), bool)], axis=1)
+        cache = laid_out(init_cache(config, valid, multiple=64 if S > Pn else 1))
+        positions = jnp.maximum(positions_from_mask(mask), 0)
+        logits, cache = logits_with_cache(config, params, ids, positions, cache, last=1)  # the LM head on the last only
+        return logits[:, -1], {n: cache[n] for n in ("k", "v", "start")}  # decode steps bring their own slots
+
+    def start_rows(state, slots_at, prompts, logits):
+        """Slots `slots_at` take prompts `prompts` ([R]; slot index B: no slot): their first answer token from the
+        prefill's logits."""
+        token, logprob, ends = pick(logits, prompts, jnp.zeros_like(prompts))
+        out = record(state["out"], jnp.where(slots_at < B, prompts, N), jnp.zeros_like(prompts), token, logprob)
+        put = lambda x, v: x.at[slots_at].set(v, mode="drop")
+        return {**state, "out": out, "row": put(state["row"], prompts), "g": put(state["g"], jnp.ones_like(prompts)),
+                "token": put(state["token"], token), "done": put(state["done"], ends)}
+
+    # The first B prompts fill the slots; the cache has room for a whole prompt and answer in every slot.
+    first = jnp.minimum(jnp.arange(B), N)
+    logits, cache = prefill(first, Pn + G)
+    outputs = (jnp.full((N + 1, G), pad_id, jnp.int32), jnp.zeros((N + 1, G), jnp.float32),
+               jnp.zeros((N + 1, G), jnp.int32))
+    state = {"cache": cache, "row": first, "g": jnp.zeros((B,), jnp.int32), "token": jnp.zeros((B,), jnp.int32),
+             "done": jnp.ones((B,), bool), "out": outputs, "next": jnp.int32(min(B, N)), "steps": jnp.int32(0)}
+    state = start_rows(state, jnp.arange(B), first, logits)
+    state["done"] = state["done"] | (first == N)
+
+    def step(_, state):
+        """Every slot advances one token: the last token goes in at its own slot, the next one comes out."""
+        row, g, done = state["row"], state["g"], state["done"]
+        cache = {**state["cache"], "slot": Pn + g - 1}  # each row's own slot: prompt width + answer so far
+        logits, cache = logits_with_cache(config, params, state["token"][:, None], (real[row] + g - 1)[:, None], cache)
+        cache = {n: cache[n] for n in ("k", "v", "start")}
+        token, logprob, ends = pick(logits[:, 0], row, g)
+        out = record(state["out"], jnp.where(done, N, row), g, token, logprob)
         live = ~done
-        done = done | (token == eos_id) if stop else done
-        return token, logprob * live, live.astype(jnp.int32), done
+        return {**state, "cache": cache, "out": out, "token": jnp.where(live, token, pad_id),
+                "g": jnp.where(live, jnp.minimum(g + 1, G), g), "done": done | ends, "steps": state["steps"] + 1}
 
-    keys = jax.random.split(key, G)
-    first = pick(logits[:, -1], keys[0], jnp.zeros((B,), bool))
+    def refill_due(state):  # enough slots are free for a refill's R prompts (or for all that still wait)
+        waiting = N - state["next"]
+        return (waiting > 0) & (jnp.sum(state["done"]) >= jnp.minimum(R, waiting))
 
-    def step(carry, inputs):
-        cache, token, done = carry
-        key, t = inputs
-        logits, cache = logits_with_cache(config, params, token[:, None], (next_pos + t - 1)[:, None], cache)
-        token, logprob, live, done = pick(logits[:, 0], key, done)
-        return (cache, token, done), (token, logprob, live)
+    def refill(state):
+        """The next R waiting prompts (fewer at the end) prefilled into the first free slots' cache rows."""
+        prompts = state["next"] + jnp.arange(R)
+        real_prompt = prompts < N
+        prompts = jnp.where(real_prompt, prompts, N)
+        slots_at = jnp.where(real_prompt, jnp.argsort(~state["done"], stable=True)[:R], B)  # free slots first
+        logits, small = prefill(prompts, Pn)
+        big = state["cache"]
+        cache = {**big, **{n: big[n].at[:, slots_at, :, :Pn].set(small[n], mode="drop") for n in ("k", "v")},
+                 "start": big["start"].at[slots_at].set(small["start"], mode="drop")}
+        state = start_rows({**state, "cache": laid_out(cache)}, slots_at, prompts, logits)
+        return {**state, "next": jnp.minimum(state["next"] + R, N)}
 
-    (_, _, _), (tokens, logprobs, live) = jax.lax.scan(step, (cache, first[0], first[3]), (keys[1:], jnp.arange(1, G)))
-    tokens = jnp.concatenate([first[0][:, None], tokens.T], axis=1)
-    logprobs = jnp.concatenate([first[1][:, None], logprobs.T], axis=1)
-    mask = jnp.concatenate([first[2][:, None], live.T], axis=1)
-    return tokens, mask, logprobs
+    def chunk(state):  # `check_every` steps, then refills: the loop's condition is read every chunk only
+        state = jax.lax.fori_loop(0, check_every, step, state)
+        return jax.lax.while_loop(refill_due, refill, state)
+
+    unfinished = lambda state: ~jnp.all(state["done"]) | (state["next"] < N)
+    state = jax.lax.while_loop(unfinished, chunk, state)
+    tokens, logprobs, mask = (x[:N] for x in state["out"])
+    return tokens, mask, logprobs * mask, state["steps"]
 
 
 def generate(config, params: Any, input_ids, attention_mask, key, *, max_new_tokens: int,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_id: int | None = None,
-             pad_id: int | None = None, force_length: bool = False, mesh=None) -> Generation:
+             pad_id: int | None = None, limits=None, force_length: bool = False, slots: int = 0, refill: int = 0,
+             check_every: int = 8, mesh=None) -> Generation:
     """Continue left-padded prompts [B, P] by up to `max_new_tokens` tokens (see the module docstring).
 
-    `force_length` ignores EOS (benchmarks: every row does the same work). With `mesh`, the KV cache is
-    laid out for the generation ("tp") layout; pass params resharded to it. Compiled once per shape
-    and set of options.
+    limits: optional [B] ints, each row's own maximum (1 .. max_new_tokens). A row ends at its first EOS or its
+    limit; the loop stops once every row has ended (looked at every `check_every` steps, on the device).
+    `force_length` (benchmarks: every system does the same work) bars EOS before each row's limit and forces it
+    there (with eos_id None, rows simply run to their limits).
+    slots: decode slots (0: one per prompt). Fewer slots than prompts is continuous batching: a slot whose row
+    ended takes the next waiting prompt, `refill` prompts (default slots / 8) prefilled at a time into the free
+    slots' cache rows. A prompt's answer does not depend on the slot it gets: its random stream is keyed by its
+    index in the batch. With `mesh`, the KV cache is laid out for the generation ("tp") layout; pass params
+    resharded to it. Compiled once per shape and set of options.
     """
+    B = input_ids.shape[0]
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
     if input_ids.shape[1] + max_new_tokens > config.max_position_embeddings:
         raise ValueError(f"prompt ({input_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                          f"{config.max_position_embeddings} positions")
-    run = partial(_generate, config, params, input_ids, attention_mask, key, max_new_tokens=max_new_tokens,
+    if slots < 0 or refill < 0 or check_every < 1:
+        raise ValueError(f"expected slots >= 0, refill >= 0, check_every >= 1; got {slots}, {refill}, {check_every}")
+    slots = min(slots or B, B)
+    refill = min(refill or max(slots // 8, 1), slots)
+    if limits is None:
+        limits = jnp.full((B,), max_new_tokens, jnp.int32)
+    else:
+        host = np.asarray(limits) if not isinstance(limits, jax.Array) or limits.is_fully_addressable else None
+        if host is not None and (host.shape != (B,) or host.min() < 1 or host.max() > max_new_tokens):
+            raise ValueError(f"limits: expected {B} integers in 1 .. {max_new_tokens} (max_new_tokens), got shape "
+                             f"{host.shape}, range {host.min()} .. {host.max()}")
+        limits = jnp.asarray(limits, jnp.int32)
+    run = partial(_generate, config, params, input_ids, attention_mask, key, limits, max_new_tokens=max_new_tokens,
                   sampling=Sampling(temperature, top_k, top_p), eos_id=eos_id,
-                  pad_id=config.pad_token_id if pad_id is None else pad_id, force_length=force_length, mesh=mesh)
+                  pad_id=config.pad_token_id if pad_id is None else pad_id, force_length=force_length, slots=slots,
+                  refill=refill, check_every=check_every, mesh=mesh)
     if mesh is None:
-        tokens, mask, logprobs = run()
+        out = run()
     else:
         with jax.set_mesh(mesh):  # the decode kernel runs per shard of this mesh
-            tokens, mask, logprobs = run()
-    return Generation(tokens, mask, logprobs)
+            out = run()
+    return Generation(*out)

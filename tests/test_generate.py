@@ -65,8 +65,14 @@ def test_same_key_same_tokens_and_eos_masking(model):
         assert m[row].tolist() == [1] * end + [0] * (12 - end)
         assert (t[row, end:] == config.pad_token_id).all()
         assert (np.asarray(out.logprobs)[row, end:] == 0).all()
-    forced = generate(config, params, ids, mask, jax.random.key(7), max_new_tokens=12, temperature=1.0, eos_id=eos, force_length=True)
-    np.testing.assert_array_equal(np.asarray(forced.tokens), tokens)
+    # Forced lengths (benchmarks): EOS barred before each row's limit and forced at it.
+    limits = np.array([3, 12, 7], np.int32)
+    forced = generate(config, params, ids, mask, jax.random.key(7), max_new_tokens=12, temperature=1.0, eos_id=eos,
+                      force_length=True, limits=limits)
+    t, m = np.asarray(forced.tokens), np.asarray(forced.mask)
+    for row, n in enumerate(limits):
+        assert m[row].tolist() == [1] * n + [0] * (12 - n)
+        assert (t[row, : n - 1] != eos).all() and t[row, n - 1] == eos
 
 
 def test_sampling_filters():
@@ -227,3 +233,68 @@ def test_the_decode_layout(model):
 
     assert uses_of_stacked_weights(params) > 0  # the check sees them in the model's own layout
     assert uses_of_stacked_weights(fast) == 0
+
+
+def test_early_exit_stops_once_every_row_has_ended_with_the_full_runs_tokens(model):
+    _, config, params = model
+    ids, mask = left_padded_batch(config.vocab_size, [5, 2, 4], T=5, seed=3)
+    full = generate(config, params, ids, mask, jax.random.key(7), max_new_tokens=12, check_every=1)
+    assert int(full.steps) == 11  # the first token comes from the prefill
+    limits = np.array([3, 5, 2], np.int32)
+    out = generate(config, params, ids, mask, jax.random.key(7), max_new_tokens=12, limits=limits, check_every=2)
+    assert int(out.steps) == 4  # the longest row's 4 decode steps, looked at every 2
+    t, m, lp = (np.asarray(x) for x in (out.tokens, out.mask, out.logprobs))
+    for row, n in enumerate(limits):
+        np.testing.assert_array_equal(t[row, :n], np.asarray(full.tokens)[row, :n])
+        np.testing.assert_allclose(lp[row, :n], np.asarray(full.logprobs)[row, :n], atol=1e-6)
+        assert m[row].tolist() == [1] * n + [0] * (12 - n)
+        assert (t[row, n:] == config.pad_token_id).all() and (lp[row, n:] == 0).all()
+    with pytest.raises(ValueError, match="limits: expected 3 integers in 1 .. 12"):
+        generate(config, params, ids, mask, jax.random.key(7), max_new_tokens=12, limits=np.array([3, 13, 1]))
+
+
+def _eos_in_the_answers(config, params, ids, mask, key, G, temperature):
+    """The token a free run draws most in its first half: an EOS that ends rows unevenly."""
+    tokens = np.asarray(generate(config, params, ids, mask, key, max_new_tokens=G, temperature=temperature).tokens)
+    counts = np.bincount(tokens[:, : G // 2].ravel(), minlength=config.vocab_size)
+    return int(np.argmax(counts))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_continuous_batching_gives_each_prompt_its_own_answer(model, temperature):
+    """Fewer slots than prompts: a slot whose row ended takes the next prompt. Each prompt's answer (tokens,
+    log-probs, mask) is the one it gets with a slot of its own, whatever slot and refill it lands in."""
+    _, config, params = model
+    ids, mask = left_padded_batch(config.vocab_size, [6, 2, 4, 5, 3, 6, 1], T=6, seed=6)
+    key, G = jax.random.key(11), 9
+    eos = _eos_in_the_answers(config, params, ids, mask, key, G, temperature)
+    limits = np.array([9, 2, 5, 1, 7, 3, 8], np.int32)
+    run = lambda **kw: generate(config, params, ids, mask, key, max_new_tokens=G, temperature=temperature,
+                                eos_id=eos, limits=limits, **kw)
+    want = run()
+    assert 0 < np.asarray(want.mask).sum() < limits.sum()  # some rows ended at the EOS, some at their limit
+    for slots, refill, every in ((2, 1, 1), (3, 2, 2), (4, 3, 3)):
+        got = run(slots=slots, refill=refill, check_every=every)
+        np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+        np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(want.mask))
+        np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
+        # the slots really were shared: every decode step (all answer tokens but the prefill's) in `slots` lanes
+        assert int(got.steps) >= (np.asarray(want.mask).sum() - len(limits)) / slots
+
+
+def test_continuous_batching_under_tensor_parallelism_with_the_decode_kernels(model):
+    """The same with the decode layout on a TP mesh: the fused step kernel writes and reads each row at its own slot."""
+    import dataclasses
+
+    _, config, params = model
+    ids, mask = left_padded_batch(config.vocab_size, [6, 2, 4, 5, 3, 6, 1, 4], T=6, seed=7)
+    key, G = jax.random.key(12), 7
+    limits = np.array([7, 2, 5, 1, 7, 3, 6, 4], np.int32)
+    want = generate(config, params, ids, mask, key, max_new_tokens=G, limits=limits)
+    kernel = dataclasses.replace(config, decode_attention="pallas")
+    mesh = make_mesh(tp=2)
+    fast = decode_params(kernel, reshard(params, "fsdp", mesh), mesh)
+    got = generate(kernel, fast, ids, mask, key, max_new_tokens=G, limits=limits, slots=4, refill=2, check_every=2,
+                   mesh=mesh)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)

@@ -245,7 +245,7 @@ def _step_kernel(layer_ref, start_ref, slot_ref, qkv_ref, cos_ref, sin_ref, x_re
     # squares over `width` values), colsum_ref [Hkv, G + 2, K] (its kernel's column sums); bias_ref [Hkv, G + 2, K];
     # k_ref, v_ref / ko_ref, vo_ref: the cache [L, B, Hkv, S, K], read / written (one buffer); o_ref [G, K].
     b, h = pl.program_id(0), pl.program_id(1)
-    layer, slot = layer_ref[0], slot_ref[0]
+    layer, slot = layer_ref[0], slot_ref[0]  # this row's slot
     G, K = o_ref.shape
     copies = max(16 // G, 1)
     half = K // 2
@@ -377,7 +377,7 @@ def _pallas_step(qkv, k, v, layer, start, slot, cos, sin, x, sums, squares, cols
         functools.partial(_step_kernel, block_s=block_s, mask_loads=config.mask_loads, rope=rope, eps=eps,
                           width=width, bias=bias),
         grid=(B, Hkv),
-        in_specs=[scalar, row, scalar, whole, table, table, whole, row, row, whole, whole, whole, whole],
+        in_specs=[scalar, row, row, whole, table, table, whole, row, row, whole, whole, whole, whole],
         out_specs=[pl.BlockSpec((None, None, G, K), lambda b, h: (b, h, 0, 0)), whole, whole],
         out_shape=[jax.ShapeDtypeStruct((B, Hkv, G, K), k.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                    jax.ShapeDtypeStruct(v.shape, v.dtype)],
@@ -385,7 +385,7 @@ def _pallas_step(qkv, k, v, layer, start, slot, cos, sin, x, sums, squares, cols
         compiler_params=params,
         interpret=interpret,
         name="jaxrlhf_decode_attention_step",
-    )(layer.reshape(1), start, slot.reshape(1), qkv, cos, sin, x, sums, squares, colsum, b, k, v)
+    )(layer.reshape(1), start, slot, qkv, cos, sin, x, sums, squares, colsum, b, k, v)
     return out.reshape(B, Hkv * G, K), k, v
 
 
@@ -416,15 +416,15 @@ def decode_step(qkv, k, v, start, slot, layer=0, *, rope=None, rms=None, layer_n
       sqrt(var(x) + eps), colsum being the column sums of the folded kernel (opt.decode_layer).
     bias (optional) [Hkv, G + 2, K]: added after the norm. rope (optional): (cos, sin) [B, K / 2], the rotary
     embedding of this token's position (rotate-half pairs (i, i + K / 2)), applied to q and k. The new key and value
-    are written into the cache (k, v [L, B, Hkv, S, K], updated in place) at `slot`, and the queries attend over
-    slots start <= s <= slot of `layer`. Returns (out [B, H, K] in the cache's dtype, k, v). The unfused
+    are written into the cache (k, v [L, B, Hkv, S, K], updated in place) at `slot` (a scalar, or [B]: each row its
+    own, as continuous batching has them), and the queries attend over slots start <= s <= slot of `layer`. Returns (out [B, H, K] in the cache's dtype, k, v). The unfused
     equivalent: normalise, add the bias, rotate, write with dynamic_update_slice, then
     `decode_attention(q, k, v, start, slot + 1, layer)`; tests/test_decode_attention.py checks one against the other.
     """
     B, Hkv, G2, K = qkv.shape
     if rms is not None and layer_norm is not None:
         raise ValueError("decode_step: pass rms or layer_norm, not both")
-    start = jnp.broadcast_to(start, (B,)).astype(jnp.int32)
+    start, slot = (jnp.broadcast_to(x, (B,)).astype(jnp.int32) for x in (start, slot))
     unread = lambda *shape: jnp.zeros(shape, jnp.float32)  # operands of the parts switched off
     cos, sin = rope if rope is not None else (unread(B, K // 2),) * 2
     x, eps = rms if rms is not None else (unread(B, 1), None)
@@ -437,12 +437,12 @@ def decode_step(qkv, k, v, start, slot, layer=0, *, rope=None, rms=None, layer_n
     if mesh is not None and mesh.size > 1:
         rows = rows_axis(mesh, B)
         cache, heads = P(None, rows, "model", None, None), P("model", None, None)
-        specs = (P(rows, "model", None, None), cache, cache, P(), P(rows), P(), P(rows, None), P(rows, None),
+        specs = (P(rows, "model", None, None), cache, cache, P(), P(rows), P(rows), P(rows, None), P(rows, None),
                  P(rows, None), P(rows), P(rows), heads, heads)
         fn = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=(P(rows, "model", None), cache, cache),
                            check_vma=False)
     f32 = lambda x: x.astype(jnp.float32)
-    return fn(qkv, k, v, jnp.asarray(layer, jnp.int32), start, jnp.asarray(slot, jnp.int32), f32(cos), f32(sin), x,
+    return fn(qkv, k, v, jnp.asarray(layer, jnp.int32), start, slot, f32(cos), f32(sin), x,
               f32(sums), f32(squares), f32(colsum), b)
 
 

@@ -84,7 +84,7 @@ def cached_attention(q, k, v, cache, decode: str = "auto", prefill: str = "auto"
     q [B, T, H, K], k, v [B, T, Hkv, K] for T new tokens (the prompt at prefill, 1 when decoding); cache:
     "k", "v" [L, B, Hkv, S, K] (each row's and head's slots contiguous, as the decode kernel streams them),
     "layer" (this layer's index), "slot" (where the T tokens go: slots slot .. slot+T-1, the same for every
-    row), "start" [B] (each row's first valid slot: the slots before it are left padding). The write is one
+    row; or, decoding, [B]: each row's own slot), "start" [B] (each row's first valid slot: the slots before it are left padding). The write is one
     dynamic_update_slice into the cache carried through the loops, so XLA updates it in place.
 
     A decode step (T = 1) runs the decode-attention kernel (`decode`: see kernels.decode_attention;
@@ -97,9 +97,7 @@ def cached_attention(q, k, v, cache, decode: str = "auto", prefill: str = "auto"
     Returns (out [B, T, H, K], cache with k and v updated).
     """
     layer, slot = cache["layer"], cache["slot"]
-    write = lambda c, x: jax.lax.dynamic_update_slice(c, x.transpose(0, 2, 1, 3)[None].astype(c.dtype),
-                                                      (layer, 0, 0, slot, 0))
-    ck, cv = write(cache["k"], k), write(cache["v"], v)
+    ck, cv = write_cache(cache["k"], k, layer, slot), write_cache(cache["v"], v, layer, slot)
     cache = {**cache, "k": ck, "v": cv}
     B, T, H, K = q.shape
     mesh = generation_mesh()
@@ -121,6 +119,16 @@ def cached_attention(q, k, v, cache, decode: str = "auto", prefill: str = "auto"
     # peak, 72.5 GiB with the barrier).
     ck, cv, out = jax.lax.optimization_barrier((ck, cv, out))
     return out, {**cache, "k": ck, "v": cv}
+
+
+def write_cache(c, x, layer, slot):
+    """Cache c [L, B, Hkv, S, K] with x [B, T, Hkv, K] written at `layer`, slots slot .. slot + T - 1: one
+    dynamic_update_slice for a scalar slot (every row at the same place); for a [B] slot (continuous batching: each
+    row at its own length; T = 1) one scatter of the B rows. Either way XLA writes in place."""
+    x = x.astype(c.dtype)
+    if jnp.ndim(slot) == 0:
+        return jax.lax.dynamic_update_slice(c, x.transpose(0, 2, 1, 3)[None], (layer, 0, 0, slot, 0))
+    return c.at[layer, jnp.arange(x.shape[0]), :, slot, :].set(x[:, 0], mode="promise_in_bounds")
 
 
 def generation_mesh():
