@@ -81,6 +81,11 @@ class EngineConfig:
     top_k: int = 0
     #: sample from the smallest set of tokens holding this probability (1: off)
     top_p: float = 1.0
+    #: decode slots of generation (0: one per prompt). Fewer slots than prompts is continuous batching: a slot whose
+    #: answer ended takes the next waiting prompt, so decode steps go to live rows (real answers are short and uneven)
+    decode_slots: int = 0
+    #: prompts prefilled at a time into freed slots (0: decode_slots / 8)
+    refill_size: int = 0
     #: tensor-parallel size of the generation layout (DeepSpeed-Chat's inference_tp_size)
     inference_tp_size: int = 1
     #: kept for DeepSpeed-Chat configs: the KV cache exists only inside the compiled generate call and is
@@ -128,6 +133,8 @@ class EngineConfig:
             (self.temperature >= 0 and self.top_k >= 0 and 0 < self.top_p <= 1, "sampling: expected temperature >= 0, "
              f"top_k >= 0, 0 < top_p <= 1; got {self.temperature}, {self.top_k}, {self.top_p}"),
             (self.inference_tp_size >= 1, f"inference_tp_size: expected >= 1, got {self.inference_tp_size}"),
+            (self.decode_slots >= 0 and self.refill_size >= 0, "decode_slots and refill_size: expected >= 0 (0: auto), "
+             f"got {self.decode_slots}, {self.refill_size}"),
             (self.kl_coef >= 0, f"kl_coef: expected >= 0, got {self.kl_coef}"),
             (self.kl_target is None or self.kl_target > 0, f"kl_target: expected > 0 or null, got {self.kl_target}"),
             (self.kl_horizon > 0, f"kl_horizon: expected > 0, got {self.kl_horizon}"),
@@ -450,8 +457,8 @@ class HybridEngine:
         return out
 
     def generate_experience(self, prompt_batch: dict) -> dict:
-        """Answers to left-padded prompts {"prompt_ids", "prompt_mask"} [B, P] (host or device arrays) and
-        their scores. Returns the experience, on the mesh with rows split over every device: seq, seq_mask
+        """Answers to left-padded prompts {"prompt_ids", "prompt_mask"} [B, P] (host or device arrays; optionally
+        "answer_limits" [B], each answer's own maximum length) and their scores. Returns the experience, on the mesh with rows split over every device: seq, seq_mask
         [B, P + G] (prompt then answer); mask (answer tokens up to and including EOS), logprobs (old),
         ref_logprobs, values, generation_logprobs (generation's own) [B, G]; scores [B] (reward model); kl_coef (the
         KL penalty's coefficient for this batch; an adaptive one then moves on this batch's KL)."""
@@ -478,7 +485,8 @@ class HybridEngine:
         def answer(params):
             gen = generate(self.actor_config, params, ids, mask, key, max_new_tokens=cfg.max_answer_len,
                            temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, eos_id=self.eos_id,
-                           pad_id=self.pad_id, mesh=mesh)
+                           pad_id=self.pad_id, limits=prompt_batch.get("answer_limits"), slots=cfg.decode_slots,
+                           refill=cfg.refill_size, mesh=mesh)
             return gen.tokens, gen.mask, gen.logprobs
 
         tokens, answer_mask, gen_logprobs = self._timed("generate", answer, params)
