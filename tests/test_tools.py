@@ -1,5 +1,7 @@
 """The benchmarks' own arithmetic (their timings are never tested)."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -168,3 +170,37 @@ def test_time_read_reads_the_given_bytes_once_per_call(monkeypatch):
     assert bench.time_read(3, 2 * 40, calls=2) == 3.0  # seconds per call
     a = np.asarray(jax.random.normal(jax.random.key(5), (3, 40), jnp.bfloat16), np.float32)
     np.testing.assert_allclose(out["sums"], 2 * a.sum(-1), rtol=1e-4, atol=1e-4)
+
+
+def test_real_length_draws_and_both_sides_forcing_them(tmp_path):
+    """bench_ppo --lengths: the draws drop long prompts and cap answers; the prompts carry exactly the drawn real
+    tokens; HF's generate with the length forcer and ours with answer_limits end every row at its drawn length."""
+    import torch
+    from helpers import make_hf_opt
+    from transformers import AutoModelForCausalLM
+
+    from jaxrlhf import load_hf
+    from jaxrlhf.generate import generate
+    from tools.bench_ppo import draw_lengths, length_forcer, prompt_batch
+
+    file = tmp_path / "lengths.json"
+    file.write_text(json.dumps({"pairs": [[5, 3], [9, 2], [4, 30], [2, 1]]}))
+    prompts, answers = draw_lengths(str(file), 64, max_prompt=6, max_answer=7)
+    assert set(prompts) == {5, 4, 2} and set(answers) == {3, 7, 1}  # [9, 2] dropped, 30 capped at 7
+    batch = prompt_batch(64, 6, prompts, answers, vocab=50)
+    np.testing.assert_array_equal(batch["prompt_mask"].sum(1), prompts)
+    assert (batch["prompt_ids"][np.arange(64), 6 - prompts] == 2).all()  # BOS first
+    assert (batch["prompt_ids"][batch["prompt_mask"] == 0] == 1).all()
+
+    folder = make_hf_opt(tmp_path / "m")
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids, mask, limits = (torch.tensor(batch[k][:8], dtype=torch.long) for k in ("prompt_ids", "prompt_mask", "answer_limits"))
+    seq = hf.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=True, eos_token_id=2, pad_token_id=1,
+                      logits_processor=[length_forcer(6, limits, 2)])
+    answer = seq[:, 6:].numpy()
+    for row, n in enumerate(limits.numpy()):
+        assert (answer[row, : n - 1] != 2).all() and answer[row, n - 1] == 2 and (answer[row, n:] == 1).all()
+    config, params = load_hf(folder)
+    ours = generate(config, params, batch["prompt_ids"][:8], batch["prompt_mask"][:8], jax.random.key(0),
+                    max_new_tokens=7, eos_id=-1, limits=batch["answer_limits"][:8])
+    np.testing.assert_array_equal(np.asarray(ours.mask).sum(1), batch["answer_limits"][:8])

@@ -14,6 +14,13 @@ bf16 matmul rate measured in the run.
 Theirs (same process, same GPU): transformers' OPT in pure bf16: actor, critic (OPTModel + a value head),
 a frozen reference copy and a frozen reward copy; HF `generate` with its static cache (compiled by
 transformers); scoring and both updates micro-batched; torch AdamW (fused); the same PPO losses.
+`--lengths FILE` (real lengths, BENCHMARKS.md): each row draws a (prompt, answer) token-length pair from FILE
+(`{"pairs": [[prompt, answer], ...]}`, e.g. ../shared/assets/data/hh-rlhf/hh_lengths.json; prompts over --prompt
+dropped, answers capped at --new), the same draws for both sides; the prompt is left-padded to --prompt and the
+answer forced to end at its drawn length (ours: the engine's per-row answer_limits; theirs: a logits processor
+that bars EOS before the drawn length and forces it there, HF stopping once every row has ended, then padded
+scoring and training as DeepSpeed-Chat does). Reported beside samples/s: real tokens/s (prompt + answer tokens
+that are not padding). `--slots` sets ours' decode slots (continuous batching).
 `--find-max` instead tries growing actor sizes at batch 1 and reports the largest whose iteration runs.
 `--profile` adds, per run, the device time of one more iteration by kernel, on a line per phase (generate, score,
 actor step, ...: common.kernel_totals splits them by the engine's marks).
@@ -60,6 +67,26 @@ def effective_flops(actor: str, critic: str, B: int, L: int, ppo_epochs: int = 1
     return B * L * (2 * na * 3 + 2 * nc * 2 + ppo_epochs * 6 * (na + nc))
 
 
+def draw_lengths(file: str | None, B: int, max_prompt: int, max_answer: int, seed: int = 0):
+    """[B] prompt and answer lengths drawn from a lengths file (None: every row max_prompt + max_answer)."""
+    if file is None:
+        return np.full(B, max_prompt), np.full(B, max_answer)
+    pairs = np.asarray(json.loads(Path(file).read_text())["pairs"])
+    pairs = pairs[pairs[:, 0] <= max_prompt]
+    rows = np.random.default_rng(seed).integers(0, len(pairs), B)
+    return pairs[rows, 0], np.minimum(pairs[rows, 1], max_answer)
+
+
+def prompt_batch(B: int, P: int, prompt_lens, answer_lens, vocab: int = 50272) -> dict:
+    """Random left-padded prompts of the drawn lengths (BOS first) and each row's answer limit."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, vocab, (B, P), dtype=np.int32)
+    mask = (np.arange(P)[None, :] >= P - np.asarray(prompt_lens)[:, None]).astype(np.int32)
+    ids = np.where(mask == 1, ids, 1)
+    ids[np.arange(B), P - np.asarray(prompt_lens)] = 2
+    return {"prompt_ids": ids, "prompt_mask": mask, "answer_limits": np.asarray(answer_lens, np.int32)}
+
+
 def ours(args, actor: str, critic: str, B: int, precision: str, lora: int) -> dict:
     mesh = make_mesh(args.tp)
     dtype = jnp.float32 if precision in ("bf16", "fp32") else jnp.bfloat16
@@ -77,7 +104,8 @@ def ours(args, actor: str, critic: str, B: int, precision: str, lora: int) -> di
                                 lora=LoRAConfig(dim=lora, only_optimize_lora=bool(lora) and args.only_optimize_lora),
                                 remat=args.remat, dropout=0.0)
     cfg = EngineConfig(actor=side(9.65e-6), critic=side(5e-6), precision=precision, max_answer_len=args.new,
-                       inference_tp_size=args.tp, enable_ema=False, old_logprobs_from_generation=args.old_from_generation)
+                       inference_tp_size=args.tp, enable_ema=False, old_logprobs_from_generation=args.old_from_generation,
+                       decode_slots=args.slots, refill_size=args.refill)
     need = plan(cfg, configs[0], configs[1], mesh, batch=B, prompt_len=args.prompt, capacity=capacity())
     if not need.fits:  # what `python -m jaxrlhf.ppo` refuses before loading anything; no device time spent on it
         return {"error": f"does not fit (jaxrlhf.plan): {need.peak / 2**30:.1f} GiB in {need.peak_phase}, "
@@ -85,9 +113,7 @@ def ours(args, actor: str, critic: str, B: int, precision: str, lora: int) -> di
     engine = HybridEngine(cfg, mesh, (configs[0], params[0]), (configs[1], params[1]), total_steps=1000,
                           eos_id=-1, pad_id=1)  # EOS never matches: every answer has its full length
     del params
-    rng = np.random.default_rng(0)
-    batch = {"prompt_ids": rng.integers(3, 50272, (B, args.prompt), dtype=np.int32),
-             "prompt_mask": np.ones((B, args.prompt), np.int32)}
+    batch = prompt_batch(B, args.prompt, *draw_lengths(args.lengths, B, args.prompt, args.new))
     times, phases = [], []
     for i in range(args.repeats + 1):  # the first iteration compiles
         engine.timings.clear()
@@ -103,12 +129,28 @@ def ours(args, actor: str, critic: str, B: int, precision: str, lora: int) -> di
         trace = Path(args.out or "bench/results") / f"trace-ppo-{actor}-{B}-{precision}"
         profile = {"profile": common.kernel_profile(lambda: engine.train_rlhf(engine.generate_experience(batch)), trace,
                                                     top=25)}
+    real = int(batch["prompt_mask"].sum() + batch["answer_limits"].sum())
     return {**profile, "iteration_s": t, "samples_per_s": B / t, "samples_per_s_per_gpu": B / t / mesh.size,
+            "real_tokens_per_s": real / t, "real_tokens": real, "answer_tokens": int(stats.get("answer_len", 0) * B),
             # DeepSpeed-Chat's Step 3 benchmark: 264,292 samples (9 hours for OPT-13B on 8 A100-80G)
             "deepspeed_chat_benchmark_hours": 264292 / (B / t) / 3600, "phases_s": {p: statistics.median(x.get(p, 0.0) for x in phases)
                                                                   for p in PHASES},
             "reshard_bytes": engine.reshard_bytes, "peak_bytes": common.peak_bytes(), "plan_peak_bytes": need.peak,
             "last_stats": stats}
+
+
+def length_forcer(P: int, limits, eos: int):
+    """An HF logits processor: row b's answer ends at its limits[b]-th token (EOS barred before it, forced there)."""
+
+    def force(input_ids, scores):
+        t = input_ids.shape[1] - P  # the answer token being chosen
+        scores[t < limits - 1, eos] = -float("inf")
+        at = t == limits - 1
+        scores[at] = -float("inf")
+        scores[at, eos] = 0.0
+        return scores
+
+    return force
 
 
 def theirs(args, actor: str, critic: str, B: int) -> dict:
@@ -130,51 +172,56 @@ def theirs(args, actor: str, critic: str, B: int) -> dict:
     opt_c = torch.optim.AdamW([*critic_m.parameters(), *v_head.parameters()], lr=5e-6, betas=(0.9, 0.95), fused=dev == "cuda")
     mb = args.torch_micro_batch
     P, G = args.prompt, args.new
-    prompts = torch.randint(3, 50272, (B, P), device=dev)
+    batch = prompt_batch(B, P, *draw_lengths(args.lengths, B, P, G))
+    prompts, prompt_mask = (torch.tensor(batch[k], device=dev, dtype=torch.long) for k in ("prompt_ids", "prompt_mask"))
+    limits = torch.tensor(batch["answer_limits"], device=dev)
+    EOS = 2
+    force_lengths = length_forcer(P, limits, EOS)
 
-    def logprobs(model, seq):
-        lp = F.log_softmax(model(seq).logits[:, P - 1:-1].float(), -1)
+    def logprobs(model, seq, mask):
+        lp = F.log_softmax(model(seq, attention_mask=mask).logits[:, P - 1:-1].float(), -1)
         return lp.gather(-1, seq[:, P:, None])[..., 0]
 
-    def vals(model, head, seq):
-        return head(model(seq).last_hidden_state[:, P - 1:-1]).float()[..., 0]
+    def vals(model, head, seq, mask):
+        return head(model(seq, attention_mask=mask).last_hidden_state[:, P - 1:-1]).float()[..., 0]
 
     def iteration():
         with torch.no_grad():
             actor_m.eval()
-            seq = actor_m.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=G, min_new_tokens=G,
-                                   do_sample=True, top_k=0, cache_implementation="static")
+            lengths = dict(min_new_tokens=G) if args.lengths is None else dict(logits_processor=[force_lengths])
+            seq = actor_m.generate(prompts, attention_mask=prompt_mask, max_new_tokens=G, do_sample=True, top_k=0,
+                                   eos_token_id=EOS, pad_token_id=1, cache_implementation="static", **lengths)
+            Gb = seq.shape[1] - P  # HF stops once every row has ended: the batch's longest answer
+            answer = (torch.arange(Gb, device=dev)[None, :] < limits[:, None]).long() if args.lengths else \
+                torch.ones(B, Gb, device=dev, dtype=torch.long)
+            mask = torch.cat([prompt_mask, answer], 1)
+            last = P + answer.sum(1) - 1
             old, ref, v, score = [], [], [], []
             for i in range(0, B, mb):
-                s = seq[i:i + mb]
-                old.append(logprobs(actor_m, s))
-                ref.append(logprobs(ref_m, s))
-                v.append(vals(critic_m, v_head, s))
-                score.append(r_head(reward_m(s).last_hidden_state[:, -1]).float()[:, 0])
+                s, m = seq[i:i + mb], mask[i:i + mb]
+                old.append(logprobs(actor_m, s, m))
+                ref.append(logprobs(ref_m, s, m))
+                v.append(vals(critic_m, v_head, s, m))
+                h = reward_m(s, attention_mask=m).last_hidden_state
+                score.append(r_head(h[torch.arange(len(s), device=dev), last[i:i + mb]]).float()[:, 0])
             old, ref, v, score = map(torch.cat, (old, ref, v, score))
+            am = answer.float()
+            old, ref, v = old * am, ref * am, v * am
             rewards = -0.1 * (old - ref)
-            rewards[:, -1] += score.clamp(-5, 5)
-            adv, last = torch.zeros_like(rewards), torch.zeros(B, device=dev)
-            for t in reversed(range(G)):
-                nxt = v[:, t + 1] if t + 1 < G else torch.zeros(B, device=dev)
-                last = rewards[:, t] + nxt - v[:, t] + 0.95 * last
-                adv[:, t] = last
+            rewards[torch.arange(B, device=dev), answer.sum(1) - 1] += score.clamp(-5, 5)
+            adv, running = torch.zeros_like(rewards), torch.zeros(B, device=dev)
+            for t in reversed(range(Gb)):
+                nxt = v[:, t + 1] if t + 1 < Gb else torch.zeros(B, device=dev)
+                running = (rewards[:, t] + nxt - v[:, t] + 0.95 * running) * am[:, t]
+                adv[:, t] = running
             returns = adv + v
+            tokens = am.sum()
         actor_m.train()
         for i in range(0, B, mb):
-            s = seq[i:i + mb]
-            ratio = torch.exp(logprobs(actor_m, s) - old[i:i + mb])
+            s, m, w = seq[i:i + mb], mask[i:i + mb], am[i:i + mb]
+            ratio = torch.exp(logprobs(actor_m, s, m) - old[i:i + mb])
             a = adv[i:i + mb]
-            loss = torch.max(-a * ratio, -a * ratio.clamp(0.8, 1.2)).mean() * s.shape[0] / B
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(actor_m.parameters(), 1.0)
-        opt_a.step()
-        opt_a.zero_grad(set_to_none=True)
-        for i in range(0, B, mb):
-            s = seq[i:i + mb]
-            nv, ov, r = vals(critic_m, v_head, s), v[i:i + mb], returns[i:i + mb]
-            vc = ov + (nv - ov).clamp(-0.2, 0.2)
-            loss = 0.5 * torch.max((nv - r) ** 2, (vc - r) ** 2).mean() * s.shape[0] / B
+            loss = (torch.max(-a * ratio, -a * ratio.clamp(0.8, 1.2)) * w).sum() / tokens
             loss.backward()
         torch.nn.utils.clip_grad_norm_([*critic_m.parameters(), *v_head.parameters()], 1.0)
         opt_c.step()
@@ -183,7 +230,9 @@ def theirs(args, actor: str, critic: str, B: int) -> dict:
     sync = (lambda _: torch.cuda.synchronize()) if dev == "cuda" else (lambda _: None)
     t = common.timeit(iteration, args.repeats, warmup=1, block=sync)
     peak = torch.cuda.max_memory_allocated() if dev == "cuda" else None
+    real = int(batch["prompt_mask"].sum() + batch["answer_limits"].sum())
     return {"iteration_s": t["median_s"], "samples_per_s": B / t["median_s"], "spread_s": [t["min_s"], t["max_s"]],
+            "real_tokens_per_s": real / t["median_s"], "real_tokens": real,
             "peak_bytes": peak, "micro_batch": mb}
 
 
@@ -217,6 +266,10 @@ def main():
                     "weights frozen, no Adam state for them: how OPT-66B fits a node)")
     ap.add_argument("--remat", action="store_true", help="recompute layers in the backward passes")
     ap.add_argument("--tp", type=int, default=1, help="inference_tp_size (the mesh spans every device)")
+    ap.add_argument("--lengths", default=None, help="real lengths: a JSON file of [prompt, answer] token-length pairs "
+                    "(e.g. ../shared/assets/data/hh-rlhf/hh_lengths.json); default: every row --prompt + --new")
+    ap.add_argument("--slots", type=int, default=0, help="ours: decode slots (0: one per prompt; fewer: continuous batching)")
+    ap.add_argument("--refill", type=int, default=0, help="ours: prompts prefilled at a time into freed slots (0: slots / 8)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--torch-micro-batch", type=int, default=16)
@@ -233,7 +286,7 @@ def main():
         return
     argv = [__file__, "--only-torch", "--actor", args.actor, "--critic", args.critic, "--batch", *map(str, args.batch),
             "--prompt", str(args.prompt), "--new", str(args.new), "--repeats", str(args.repeats),
-            "--torch-micro-batch", str(args.torch_micro_batch)]
+            "--torch-micro-batch", str(args.torch_micro_batch), *(["--lengths", args.lengths] if args.lengths else [])]
     torch_runs = {} if args.no_torch or args.find_max else common.torch_child(argv, args.batch)
     result = {"benchmark": "ppo_step", **common.environment(), "args": vars(args), "runs": []}
     if args.find_max:
@@ -246,7 +299,8 @@ def main():
     result["matmul_ceiling_flops"] = ceiling
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for B in args.batch:
-        flops = effective_flops(args.actor, args.critic, B, args.prompt + args.new)
+        prompt_lens, answer_lens = draw_lengths(args.lengths, B, args.prompt, args.new)  # the rows' real tokens
+        flops = effective_flops(args.actor, args.critic, B, float(np.mean(prompt_lens + answer_lens)))
         runs = {f"ours_{p}" + (f"_lora{r}" if r else ""): (p, r) for p in args.precision for r in args.lora}
         row = {"batch": B, "effective_flops": flops}
         for key, (precision, lora) in runs.items():
@@ -260,11 +314,11 @@ def main():
                     r["matmul_fraction"] = flops / r["iteration_s"] / jax.device_count() / ceiling
                 phases = " ".join(f"{p} {s:.2f}" for p, s in r.get("phases_s", {}).items())
                 print(f"B={B:4d} {key:24s} {r['iteration_s']:7.2f} s  {r['samples_per_s']:6.1f} samples/s  "
-                      f"{r['tflops_per_gpu']:6.1f} TFLOP/s  {phases}", flush=True)
+                      f"{r['real_tokens_per_s']:8.0f} real tok/s  {r['tflops_per_gpu']:6.1f} TFLOP/s  {phases}", flush=True)
             elif isinstance(r, dict):
                 print(f"B={B:4d} {key:24s} {r['error']}", flush=True)
         result["runs"].append(row)
-        common.write(f"ppo-{args.actor}", result, args.out, stamp)
+        common.write(f"ppo-{args.actor}" + ("-lengths" if args.lengths else ""), result, args.out, stamp)
 
 
 if __name__ == "__main__":
