@@ -31,6 +31,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxrlhf.config import ConfigError, InputError, build, decode_utf8, one_line
 from jaxrlhf.models import param_shapes
 from jaxrlhf.models.llama import LlamaConfig
 from jaxrlhf.models.opt import OPTConfig
@@ -128,7 +129,7 @@ _FORMATS = {
 }
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A checkpoint folder that jaxrlhf cannot use; the message names the file and the problem."""
 
 
@@ -137,14 +138,19 @@ class CheckpointError(ValueError):
 
 def config_from_hf(hf: dict, source: str = "config.json", **overrides):
     """Our config (OPTConfig or LlamaConfig, by `model_type`) from an HF config dict; refuses other model
-    types and options we do not implement."""
+    types and options we do not implement; every value is checked against the config's field types."""
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{source}: expected a JSON object of settings, got {type(hf).__name__}; "
+                              "restore the config.json the model was saved with")
     model_type = hf.get("model_type")
-    if model_type not in _FORMATS:
+    if not isinstance(model_type, str) or model_type not in _FORMATS:
         raise CheckpointError(
             f"{source}: model_type is {model_type!r}; jaxrlhf supports {' and '.join(map(repr, _FORMATS))} checkpoints"
         )
     fmt = _FORMATS[model_type]
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise CheckpointError(f"{source}: rope_parameters / rope_scaling is {one_line(rope, 60)}; expected an object")
     unsupported = {
         "opt": {
             "activation_function": (hf.get("activation_function", "relu"), "relu"),
@@ -160,18 +166,22 @@ def config_from_hf(hf: dict, source: str = "config.json", **overrides):
         if got != want:
             raise CheckpointError(f"{source}: {key} is {got!r}; jaxrlhf's {model_type} supports only {want!r}")
     fields = {ours: hf[theirs] for theirs, ours in fmt.config_keys.items() if hf.get(theirs) is not None}
+    if isinstance(fields.get("pad_token_id"), int) and fields["pad_token_id"] < 0:
+        del fields["pad_token_id"]  # older Llama conversions wrote -1 for "no padding token"
+    if isinstance(fields.get("eos_token_id"), list):  # Llama 3 lists several; generation stops at the first
+        if not fields["eos_token_id"]:
+            raise CheckpointError(f"{source}: eos_token_id is an empty list; expected a token id (or a list of them)")
+        fields["eos_token_id"] = fields["eos_token_id"][0]
     if model_type == "opt":
         fields.setdefault("word_embed_proj_dim", fields.get("hidden_size", OPTConfig.hidden_size))
     else:
         theta = rope.get("rope_theta", hf.get("rope_theta"))
         if theta is not None:
-            fields["rope_theta"] = float(theta)
-        if isinstance(fields.get("eos_token_id"), list):  # Llama 3 lists several; generation stops at the first
-            fields["eos_token_id"] = fields["eos_token_id"][0]
-    try:
-        return fmt.config_cls(**{**fields, **overrides})
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{source}: {e}") from None
+            fields["rope_theta"] = theta
+    try:  # types as the config's fields declare them (a string hidden_size, a boolean layer count are refused)
+        return build(fmt.config_cls, {**fields, **overrides}, dict.fromkeys(fields, source))
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def config_to_hf(config, torch_dtype: str) -> dict:
@@ -198,11 +208,16 @@ def read_config(path: str | os.PathLike, **overrides):
         raise CheckpointError(f"{path}: not a folder; expected a Hugging Face checkpoint folder with {CONFIG_FILE}")
     if not file.is_file():
         raise CheckpointError(f"{file}: missing; a Hugging Face checkpoint folder needs its {CONFIG_FILE}")
+    return config_from_hf(_read_json(file), str(file), **overrides)
+
+
+def _read_json(file: Path):
     try:
-        hf = json.loads(file.read_text())
+        return json.loads(decode_utf8(file.read_bytes(), file, CheckpointError))
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{file}:{e.lineno}: not valid JSON ({e.msg})") from None
-    return config_from_hf(hf, str(file), **overrides)
+    except RecursionError:
+        raise CheckpointError(f"{file}: not valid JSON (nested too deeply)") from None
 
 
 # ---------------------------------------------------------------------------------------------- tensors
@@ -214,7 +229,8 @@ def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
     try:
         return load_file(str(file))
     except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
-        raise CheckpointError(f"{file}: cannot read safetensors ({e})") from None
+        raise CheckpointError(f"{file}: cannot read safetensors ({one_line(e)}); the file is truncated or corrupt: "
+                              "download or save it again") from None
 
 
 def _read_torch(file: Path) -> dict[str, np.ndarray]:
@@ -225,7 +241,13 @@ def _read_torch(file: Path) -> dict[str, np.ndarray]:
             f"{file}: reading pytorch_model.bin needs torch (pip install torch), "
             "or convert the folder to safetensors first"
         ) from None
-    state = torch.load(str(file), map_location="cpu", weights_only=True)
+    try:  # weights_only: a pickle that would run code is refused, not run
+        state = torch.load(str(file), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - corrupt zip, unpickling, a truncated stream: torch raises all kinds
+        raise CheckpointError(f"{file}: cannot read a PyTorch state dict ({type(e).__name__}: {one_line(e)}); the file is "
+                              "truncated or corrupt: download or save it again") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in state.items()):
+        raise CheckpointError(f"{file}: expected a state dict (tensor names to tensors), got {type(state).__name__}")
     out = {}
     for name, t in state.items():
         t = t.detach().contiguous()
@@ -240,10 +262,7 @@ def read_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     for index_name, reader in ((SAFETENSORS_INDEX, _read_safetensors), (TORCH_INDEX, _read_torch)):
         index = path / index_name
         if index.is_file():
-            try:
-                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (json.JSONDecodeError, KeyError) as e:
-                raise CheckpointError(f"{index}: not a valid weight index ({e})") from None
+            shards = _shard_names(index)
             tensors = {}
             for shard in shards:
                 if not (path / shard).is_file():
@@ -257,6 +276,20 @@ def read_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     raise CheckpointError(
         f"{path}: no weights found; expected {SAFETENSORS_FILE}, {SAFETENSORS_INDEX}, {TORCH_FILE} or {TORCH_INDEX}"
     )
+
+
+def _shard_names(index: Path) -> list[str]:
+    """The shard files that a weight index lists: plain file names beside it."""
+    weight_map = _read_json(index)
+    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: not a weight index; expected an object whose \"weight_map\" maps tensor names "
+                              "to shard files")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
+            raise CheckpointError(f"{index}: weight_map[{one_line(name, 60)!r}] is {one_line(repr(shard), 60)}; "
+                                  "expected the file name of a shard in the same folder")
+    return sorted(set(weight_map.values()))
 
 
 def _leaf_names(config, with_value_head: bool):
@@ -318,7 +351,7 @@ def params_from_tensors(config, tensors: dict[str, np.ndarray], source: str, dty
             got = value.T.shape if transpose else value.shape
             need = tuple(reversed(want)) if transpose else want
             raise CheckpointError(f"{source}: tensor {name} has shape {tuple(got)}, expected {tuple(need)}")
-        value = np.ascontiguousarray(value if dtype is None else value.astype(dtype))
+        value = _checked(value, name, source, dtype)
         if layer is None:
             _set(params, path, value)
         else:
@@ -329,6 +362,22 @@ def params_from_tensors(config, tensors: dict[str, np.ndarray], source: str, dty
         names = ", ".join(sorted(tensors)[:5]) + (" ..." if len(tensors) > 5 else "")
         raise CheckpointError(f"{source}: unused tensor(s) {names}; they do not belong to this {fmt.architecture} config")
     return params
+
+
+def _checked(value: np.ndarray, name: str, source: str, dtype=None) -> np.ndarray:
+    """`value` in `dtype` (as stored if None), refused unless it is floating point and finite: integer or boolean
+    tensors are not weights, and one NaN or inf makes every logit NaN."""
+    if not jax.numpy.issubdtype(value.dtype, jax.numpy.floating):
+        raise CheckpointError(f"{source}: tensor {name} has dtype {value.dtype}; expected floating-point weights "
+                              "(float32, float16 or bfloat16): the file is corrupt or not a plain checkpoint")
+    with np.errstate(over="ignore"):
+        cast = np.ascontiguousarray(value if dtype is None else value.astype(dtype))
+    bad = cast.size - np.count_nonzero(np.isfinite(cast))
+    if bad:
+        cause = f" once cast to {cast.dtype}" if np.isfinite(value).all() else ""
+        raise CheckpointError(f"{source}: tensor {name} holds {bad} non-finite value(s) (NaN or inf){cause}; the "
+                              "checkpoint is corrupt or comes from a diverged run: load an earlier one")
+    return cast
 
 
 def _get(tree, path: str):

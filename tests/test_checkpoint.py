@@ -180,3 +180,108 @@ def test_read_tensors_reports_missing_shards(tmp_path):
     shard.unlink()
     with pytest.raises(CheckpointError, match=f"lists shard {shard.name}, which is missing"):
         read_tensors(out)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Tiny valid folders by name: opt, opt_head (value head), opt_sharded, llama, opt_torch (pytorch_model.bin)."""
+    from tools.fuzz import checkpoint_seeds
+
+    return {p.name: p for p in checkpoint_seeds(tmp_path_factory.mktemp("tiny"))}
+
+
+def _copy(tiny, name, tmp_path):
+    return shutil.copytree(tiny[name], tmp_path / name)
+
+
+def _edit_config(folder, edit):
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(edit(cfg)))
+
+
+@pytest.mark.parametrize(
+    "name, edit, message",
+    [
+        ("opt", lambda c: [c], r"config\.json: expected a JSON object of settings, got list"),  # was AttributeError
+        ("opt", lambda c: {**c, "model_type": ["opt"]}, r"config\.json: model_type is \['opt'\]; jaxrlhf supports"),
+        ("opt", lambda c: {**c, "hidden_size": "16"}, r"config\.json: 'hidden_size': expected int, got '16'"),
+        ("opt", lambda c: {**c, "num_hidden_layers": True}, r"config\.json: 'num_hidden_layers': expected int, got True"),
+        ("opt", lambda c: {**c, "num_attention_heads": 0},  # was a ZeroDivisionError
+         r"config\.json: OPTConfig: num_attention_heads: expected >= 1, got 0"),
+        ("opt", lambda c: {**c, "eos_token_id": 64}, r"config\.json: OPTConfig: eos_token_id: expected \[0, 64\), got 64"),
+        ("llama", lambda c: {**c, "eos_token_id": []}, r"config\.json: eos_token_id is an empty list"),  # was IndexError
+        ("llama", lambda c: {**c, "rope_parameters": None, "rope_scaling": "linear"},
+         r"config\.json: rope_parameters / rope_scaling is linear; expected an object"),
+        ("llama", lambda c: {**c, "rope_parameters": None, "rope_theta": "big"}, r"'rope_theta': expected float, got 'big'"),
+        ("llama", lambda c: {**c, "rms_norm_eps": float("nan")}, r"LlamaConfig: rms_norm_eps: expected a finite number"),
+    ],
+)
+def test_malformed_config_values_are_refused(tiny, tmp_path, name, edit, message):
+    folder = _copy(tiny, name, tmp_path)
+    _edit_config(folder, edit)
+    _one_line_error(folder, message)
+
+
+def test_config_json_encoding_and_old_llama_padding(tiny, tmp_path):
+    folder = _copy(tiny, "llama", tmp_path)
+    (folder / "config.json").write_bytes(b'{"model_type": "llama",\n "name": "caf\xe9"}')
+    _one_line_error(folder, r"config\.json:2: not UTF-8 \(byte 0xe9\)")
+    shutil.copy(tiny["llama"] / "config.json", folder / "config.json")
+    _edit_config(folder, lambda c: {**c, "pad_token_id": -1, "eos_token_id": [2, 5]})  # as early conversions wrote
+    config, _ = load_hf(folder)
+    assert (config.pad_token_id, config.eos_token_id) == (0, 2)
+
+
+@pytest.mark.parametrize(
+    "index, message",
+    [
+        ("[1]", r"index\.json: not a weight index; expected an object whose \"weight_map\""),
+        ('{"weight_map": []}', r"index\.json: not a weight index"),  # was AttributeError
+        ('{"weight_map": {"a.weight": 3}}',  # was TypeError
+         r"index\.json: weight_map\['a\.weight'\] is 3; expected the file name of a shard in the same folder"),
+        ('{"weight_map": {"a.weight": "../model.safetensors"}}', r"weight_map\['a\.weight'\] is '\.\./model\.safetensors'"),
+    ],
+)
+def test_malformed_weight_index_is_refused(tiny, tmp_path, index, message):
+    folder = _copy(tiny, "opt_sharded", tmp_path)
+    (folder / "model.safetensors.index.json").write_text(index)
+    _one_line_error(folder, message)
+
+
+def test_corrupt_weight_files_are_refused(tiny, tmp_path):
+    folder = _copy(tiny, "opt_torch", tmp_path)
+    data = (folder / "pytorch_model.bin").read_bytes()
+    (folder / "pytorch_model.bin").write_bytes(data[: len(data) // 2])  # was a raw RuntimeError / UnpicklingError
+    _one_line_error(folder, r"pytorch_model\.bin: cannot read a PyTorch state dict \(.*\); the file is truncated or corrupt")
+    folder = _copy(tiny, "opt", tmp_path)
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[:-100])
+    _one_line_error(folder, r"model\.safetensors: cannot read safetensors \(.*\); the file is truncated or corrupt")
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.bool_, np.uint8])
+def test_integer_and_boolean_tensors_are_not_weights(tiny, tmp_path, dtype):
+    folder = _copy(tiny, "opt", tmp_path)
+    _edit_tensors(folder, lambda t: t.update({"model.decoder.layers.1.fc1.weight": t["model.decoder.layers.1.fc1.weight"].astype(dtype)}))
+    _one_line_error(folder, rf"tensor decoder\.layers\.1\.fc1\.weight has dtype {np.dtype(dtype).name}; expected floating-point")
+
+
+def test_non_finite_tensors_are_named(tiny, tmp_path):
+    def poison(t, name, value):
+        t[name] = t[name].copy()
+        t[name].flat[3] = value
+
+    folder = _copy(tiny, "opt", tmp_path)
+    _edit_tensors(folder, lambda t: poison(t, "model.decoder.layers.0.self_attn.k_proj.bias", np.nan))  # was NaN logits
+    _one_line_error(folder, r"tensor decoder\.layers\.0\.self_attn\.k_proj\.bias holds 1 non-finite value\(s\) \(NaN or inf\); "
+                            "the checkpoint is corrupt or comes from a diverged run")
+    folder = _copy(tiny, "llama", tmp_path)
+    _edit_tensors(folder, lambda t: poison(t, "model.norm.weight", 1e6))
+    load_hf(folder)  # finite in float32
+    with pytest.raises(CheckpointError, match=r"tensor model\.norm\.weight holds 1 non-finite value\(s\) \(NaN or inf\) once cast to float16"):
+        load_hf(folder, dtype=np.float16)
+    folder = _copy(tiny, "opt_head", tmp_path)
+    head = load_file(folder / VALUE_HEAD_FILE)
+    head["v_head.weight"][0, 0] = -np.inf
+    save_file(head, str(folder / VALUE_HEAD_FILE))
+    _one_line_error(folder, r"tensor v_head\.weight holds 1 non-finite value")
