@@ -22,6 +22,7 @@ OPT language model without warnings, and jaxrlhf loads it back with its head.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -292,9 +293,16 @@ def _shard_names(index: Path) -> list[str]:
     return sorted(set(weight_map.values()))
 
 
+@functools.lru_cache(maxsize=8)
+def _param_shapes(config, value_head: bool):
+    # Tracing the model for its shapes takes ~0.1 s; a run loads one config several times (actor, reference, critic,
+    # reward model), and each load asks twice.
+    return param_shapes(config, value_head=value_head)
+
+
 def _leaf_names(config, with_value_head: bool):
     """Yield (HF tensor name without prefix, our path, layer index or None, transpose) for every leaf."""
-    shapes = param_shapes(config, value_head=False)
+    shapes = _param_shapes(config, False)
     for module, (ours, kind) in _FORMATS[config.model_type].modules.items():
         node = shapes
         for part in ours.split("/"):
@@ -337,7 +345,7 @@ def params_from_tensors(config, tensors: dict[str, np.ndarray], source: str, dty
         if lm_head is not None and not np.array_equal(lm_head, tensors[fmt.root]):
             raise CheckpointError(f"{source}: lm_head.weight differs from the embedding, but the config ties them")
     with_value_head = VALUE_HEAD_KEY in tensors
-    expected = param_shapes(config, value_head=with_value_head)
+    expected = _param_shapes(config, with_value_head)
     stacked: dict[str, list] = {}
     params: dict = {}
     for name, path, layer, transpose in _leaf_names(config, with_value_head):

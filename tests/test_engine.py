@@ -6,6 +6,7 @@ import gc
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import POST_LN_PROJ, PRE_LN, jit_logits, jit_values, left_padded_batch
@@ -172,6 +173,36 @@ def test_lora_shares_the_base_weights_ema_mixture_and_adaptive_kl(models, prompt
                                       jax.tree.leaves(shared.state["actor"]["frozen"]["params"])))
     full = engine(models, mesh, eos, enable_ema=False)
     assert tree_bytes(full.ref_own) == tree_bytes(models[0]) and tree_bytes(full.reward_own) == tree_bytes(models[1])
+
+
+def test_ema_is_float32_under_pure_bf16_and_stays_when_the_actor_step_is_skipped(models, prompts):
+    """In bf16, ema + 0.008 * (actor - ema) rounds most of each step away (about 27 % survived): the EMA is kept in
+    float32 and moves by exactly its formula; exported, it takes the actor's bf16. A step that the non-finite guard
+    skips leaves the actor and the EMA as they were."""
+    batch, eos = prompts
+    bf16 = lambda tree: jax.tree.map(lambda x: np.asarray(x, jnp.bfloat16), tree)
+    e = HybridEngine(config(precision="pure_bf16", ema_decay=0.992), make_mesh(1, jax.devices()[:1]),
+                     (ACTOR, bf16(models[0])), (CRITIC, bf16(models[1])), total_steps=10, eos_id=eos, pad_id=1)
+    ema0 = host(e.state["ema"])
+    assert {x.dtype for x in jax.tree.leaves(ema0)} == {np.dtype(np.float32)}
+    exp = e.generate_experience(batch)
+    assert e.train_rlhf(exp)["actor_skipped"] == 0
+    actor, ema1 = host(e.actor_params()), host(e.state["ema"])
+    moved = exact = 0.0
+    for a, before, after in zip(jax.tree.leaves(actor), jax.tree.leaves(ema0), jax.tree.leaves(ema1)):
+        want = 0.992 * before + 0.008 * a.astype(np.float32)
+        np.testing.assert_allclose(after, want, rtol=1e-6, atol=1e-7)
+        moved, exact = moved + np.abs(after - before).sum(), exact + np.abs(want - before).sum()
+    assert exact > 0 and moved / exact == pytest.approx(1.0, abs=1e-3)
+    assert {x.dtype for x in jax.tree.leaves(host(e.ema_params()))} == {np.dtype(jnp.bfloat16)}
+
+    exp["scores"] = exp["scores"] * np.nan  # a non-finite loss: the guard skips both steps
+    stats = e.train_rlhf(exp)
+    assert stats["actor_skipped"] == 1 and stats["critic_skipped"] == 1
+    for a, b in zip(jax.tree.leaves(host(e.actor_params())), jax.tree.leaves(actor)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(host(e.state["ema"])), jax.tree.leaves(ema1)):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_gradient_accumulation_gives_the_whole_batch_step(models, prompts):
