@@ -5,7 +5,7 @@ alone, before anything is loaded or compiled. `python -m jaxrlhf.plan CONFIG [ke
     actor/critic weights  always (FSDP)                    master dtype (fp32; pure_bf16: bf16) + LoRA adapters fp32
     actor/critic optim    always; offload: its step only   Adam moments of the leaves that train
     reference / reward    always; offload: scoring only    compute dtype, only the leaves not shared (engine.py)
-    ema                   always                           master dtype, the fused actor
+    ema                   always                           float32, the fused actor
     gradients             the model's step                 the whole trainable tree (two with accumulation)
     fused LoRA kernels    scoring and the model's step     one layer's adapted kernels fused (lora.attach), fp32
     FSDP -> TP switch     reshard                          compute dtype, both layouts at once
@@ -194,7 +194,7 @@ def plan(cfg, actor_config, critic_config, mesh, *, batch: int, prompt_len: int,
         "actor weights": a["weights"], "actor optimizer": a["optimizer"],
         "critic weights": c["weights"], "critic optimizer": c["optimizer"],
         "reference (own leaves)": a["twin"], "reward (own leaves)": c["twin"],
-        "ema": a["master"] if cfg.enable_ema else 0,
+        "ema": a["master"] * (2 if cfg.precision == "pure_bf16" else 1) if cfg.enable_ema else 0,  # float32
         "switch: one layer gathered": switch, "TP generation copy": a["tp_compute"],
         "switch: fp32 LoRA delta": a["delta"],
         "KV cache": cache, "generation activations": head + gen_rows * T * actor_config.hidden_size * 4 * 4,

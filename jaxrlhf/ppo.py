@@ -162,7 +162,7 @@ def export(engine: HybridEngine, cfg: PPOConfig, tokenizer) -> dict[str, Path]:
 
     trees = {"actor": (engine.actor_config, engine.actor_params()), "critic": (engine.critic_config, engine.critic_params())}
     if "ema" in engine.state:
-        trees["actor_ema"] = (engine.actor_config, engine.state["ema"])
+        trees["actor_ema"] = (engine.actor_config, engine.ema_params())  # float32 while training
     folders = {name: Path(cfg.output_dir) / name for name in trees}
     for name, (config, params) in trees.items():
         host = to_host(params)  # every process takes part; process 0 writes
