@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 
 import jax
@@ -524,7 +525,8 @@ def save_hf(
             save_file(head, str(tmp / VALUE_HEAD_FILE), metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
-        (tmp / EXPORT_MANIFEST).write_text(json.dumps({"written_by": "jaxrlhf", **(manifest or {})}, indent=2) + "\n")
+        ours = {"written_by": "jaxrlhf", "id": uuid.uuid4().hex, **(manifest or {})}  # id: which save this was
+        (tmp / EXPORT_MANIFEST).write_text(json.dumps(ours, indent=2) + "\n")
         _replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -5,10 +5,11 @@
 Each iteration: `generation_batches` batches of prompts are answered and scored (engine.generate_experience),
 then `ppo_epochs` passes of one actor and one critic step per batch (engine.train_rlhf), with the mixture
 LM loss when data.unsupervised_data_path is set. Writes output_dir/actor, critic and (enable_ema) actor_ema
-as Hugging Face folders, output_dir/state (Orbax; resume=true continues exactly), metrics.jsonl and
-TensorBoard events (tb/): per iteration the reward, KL to the reference, answer length, losses, the
-seconds of each phase, bytes resharded, peak device memory, samples/s and effective TFLOP/s. On the
-built-in task (data_path: [synthetic]) the gold reward of the answers is logged too.
+as Hugging Face folders, output_dir/state (Orbax: the same command started again continues exactly, or skips a
+finished run), run_config.json, metrics.jsonl and TensorBoard events (tb/): per iteration the reward, KL to the
+reference, answer length, losses, the steps skipped by the non-finite guard, the seconds of each phase, bytes
+resharded, peak device memory, samples/s and effective TFLOP/s. On the built-in task (data_path: [synthetic]) the
+gold reward of the answers is logged too.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from jaxrlhf.sharding import make_mesh
 from jaxrlhf.trainer import (MetricsLog, RunConfig, SkipCounter, checkpoint_manager, load_model, precision_warning,
                              restore_state, save_state, settings, start_run)
 
+INPUTS = ("actor.model", "critic.model")  # the model folders a run starts from (trainer.settings)
 PHASES = ("reshard", "generate", "score", "advantages", "actor_step", "critic_step", "offload")
 
 
@@ -167,7 +169,7 @@ def export(engine: HybridEngine, cfg: PPOConfig, tokenizer) -> dict[str, Path]:
     for name, (config, params) in trees.items():
         host = to_host(params)  # every process takes part; process 0 writes
         if jax.process_index() == 0:
-            save_hf(folders[name], config, host, tokenizer, manifest={"settings": settings(cfg)})
+            save_hf(folders[name], config, host, tokenizer, manifest={"settings": settings(cfg, INPUTS)})
     return folders
 
 
@@ -184,7 +186,7 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
     check(cfg, mesh)
     out = Path(cfg.output_dir)
     manager = checkpoint_manager(out, cfg.keep_checkpoints)
-    if start_run(cfg, [out / name for name in export_names(cfg)], manager.latest_step(), log=log):
+    if start_run(cfg, [out / name for name in export_names(cfg)], manager.latest_step(), INPUTS, log=log):
         manager.close()
         return {"engine": None, "records": [], "folders": {name: out / name for name in export_names(cfg)},
                 "tokenizer": None, "skipped": True}

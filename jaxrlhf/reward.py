@@ -7,7 +7,8 @@ The reward model is the OPT decoder with a value head (Linear(E, 1), no bias); a
 head's output at its last real token. Training minimises DeepSpeed-Chat's pairwise loss over the span
 where chosen and rejected differ (loss_kind=last: Bradley-Terry on end scores). Evaluation: accuracy and
 the mean chosen and rejected scores on held-out pairs. `score_file` (json/jsonl rows with prompt and
-answer, or prompt, chosen and rejected) prints each score instead of training (DeepSpeed-Chat's rw_eval).
+answer, or prompt, chosen and rejected) prints each score instead of training (DeepSpeed-Chat's rw_eval); its
+model must hold a trained value head (value_head.safetensors: a Step 2 output).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
     python -m jaxrlhf.sft model=/data/opt-1.3b output_dir=runs/sft [data.data_path=[...]] [key=value ...]
 
 Writes output_dir/model (an HF folder, LoRA fused: what Step 3 and transformers load), output_dir/state
-(Orbax, for resume=true), metrics.jsonl and TensorBoard events. Evaluation: perplexity on the held-out
+(Orbax), run_config.json, metrics.jsonl and TensorBoard events. The same command started again continues an
+interrupted run and skips a finished one (trainer.start_run). Evaluation: perplexity on the held-out
 set, and greedy answers to a few held-out prompts before and after training (DeepSpeed-Chat's prompt_eval).
 """
 

@@ -8,7 +8,8 @@
 
 Outputs: OUTPUT_DIR/actor-models (Step 1: model/, state/, metrics), OUTPUT_DIR/reward-models (Step 2), and
 OUTPUT_DIR/step3-models (actor/, critic/, actor_ema/, state/, metrics). Step 2 starts from --reward-model,
-Step 3 from the two earlier outputs. `data` is shared by the three steps (their own data sections are
+Step 3 from the two earlier outputs. Started again with the same settings, the command skips the finished steps
+and continues an interrupted one (trainer.start_run). `data` is shared by the three steps (their own data sections are
 replaced by it). With no arguments the actor and reward model are tiny random OPTs with the built-in
 task's word-level tokenizer (letters sorting, jaxrlhf.data.synthetic), and the run ends by comparing the
 gold reward of the Step 1 model and of the final actor on held-out prompts, with the KL between them.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import string
 import sys
 import time
@@ -28,13 +30,14 @@ from typing import Literal
 import jax
 import numpy as np
 
+from jaxrlhf.checkpoint import export_manifest
 from jaxrlhf.config import ConfigError, build, default_xla_flags, load
 from jaxrlhf.data import DataConfig
 from jaxrlhf.engine import ModelSide
 from jaxrlhf.ppo import PPOConfig
 from jaxrlhf.reward import RewardConfig
 from jaxrlhf.sft import SFTConfig
-from jaxrlhf.trainer import OptimConfig
+from jaxrlhf.trainer import OptimConfig, settings
 
 BUILTIN = "builtin"
 # The built-in model: small enough to train all three steps on two CPU cores in minutes.
@@ -117,10 +120,13 @@ def builtin_tokenizer():
 
 
 def builtin_model(folder: Path, seed: int) -> Path:
-    """A tiny random OPT (BUILTIN_MODEL) with the built-in tokenizer, written as an HF folder."""
+    """A tiny random OPT (BUILTIN_MODEL) with the built-in tokenizer, written as an HF folder (kept if written
+    already: a new copy's manifest id would make the Step 1 run that started from it look changed)."""
     from jaxrlhf.checkpoint import save_hf
     from jaxrlhf.models.opt import OPTConfig, init_params
 
+    if export_manifest(folder) is not None:
+        return folder
     config = OPTConfig(**BUILTIN_MODEL)
     return save_hf(folder, config, jax.device_get(init_params(config, jax.random.key(seed))), builtin_tokenizer())
 
@@ -206,12 +212,21 @@ def run(cfg: TrainConfig, log=print, mesh=None) -> dict:
                                    critic=dataclasses.replace(cfg.ppo.critic, model=str(rm_model)),
                                    output_dir=str(dirs[3]), data=cfg.data)
         result["step3"] = {k: str(v) for k, v in ppo.run(step, log=log, mesh=mesh)["folders"].items()}
-        if all(p.startswith("synthetic") for p in cfg.data.data_path):
-            result["comparison"] = compare(cfg, sft_model, dirs[3] / "actor", log=log)
-        from jaxrlhf.eval import pipeline_report
+        # What the evaluation depends on: these settings and these exact exports (their manifests' ids).
+        folders = (sft_model, rm_model, *map(Path, result["step3"].values()))
+        ids = {str(p): (export_manifest(p) or {}).get("id") for p in folders}
+        result["evaluated"] = {"settings": settings(cfg, ()), "models": ids}
+        before = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else {}
+        if None not in ids.values() and before.get("evaluated") == result["evaluated"]:  # its evaluation stands
+            log(f"evaluation: these models were evaluated already with these settings ({out / 'summary.json'})")
+            result.update({k: before[k] for k in ("comparison", "report") if k in before})
+        else:
+            if all(p.startswith("synthetic") for p in cfg.data.data_path):
+                result["comparison"] = compare(cfg, sft_model, dirs[3] / "actor", log=log)
+            from jaxrlhf.eval import pipeline_report
 
-        result["report"] = pipeline_report(sft_model, rm_model, result["step3"], dirs[3] / "metrics.jsonl",
-                                           out / "eval", cfg.data, cfg.ppo, cfg.eval_prompts, log=log)
+            result["report"] = pipeline_report(sft_model, rm_model, result["step3"], dirs[3] / "metrics.jsonl",
+                                               out / "eval", cfg.data, cfg.ppo, cfg.eval_prompts, log=log)
     result["seconds"] = time.perf_counter() - clock
     if "comparison" in result:
         c = result["comparison"]
@@ -222,7 +237,8 @@ def run(cfg: TrainConfig, log=print, mesh=None) -> dict:
         for e in c["examples"]:
             log(f"  {e['prompt']!r}\n     Step 1: {e['step1']!r}\n     actor:  {e['actor']!r}")
     log(f"done in {result['seconds']:.0f} s" + (f"; evaluation report: {result['report']}" if "report" in result else ""))
-    (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / ".summary.json.tmp").write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(out / ".summary.json.tmp", out / "summary.json")  # whole or not at all: the next start reads it
     return result
 
 

@@ -7,7 +7,8 @@
     train_step(state, batch) -> (state, metrics)
         batch leaves are [accumulation, B / accumulation, ...]; a scan over the micro-batches sums each
         loss's (total, count) and gradients, then divides once, so 1 or k micro-batches and 1 or 8 devices
-        give the same update. LoRA adapters are fused into the weights inside the step (never in place).
+        give the same update. LoRA adapters are fused into the weights inside the step (never in place). A step
+        whose loss or gradient norm is not finite changes no weight (metrics["skipped"] = 1.0).
 
 Every leaf of the state lives in the FSDP layout (jaxrlhf.sharding); the batch is split over all
 devices. The step is jitted once with explicit shardings and the state donated.
@@ -338,8 +339,12 @@ BOOKKEEPING = ("resume", "output_dir", "log_every", "save_every", "keep_checkpoi
 LENGTH = ("max_steps", "epochs")
 
 
-def settings(cfg) -> dict:
-    """A run's config as flat dotted keys with JSON values: what run_config.json and its exports' manifests hold."""
+def settings(cfg, inputs: tuple[str, ...] = ("model",)) -> dict:
+    """A run's config as flat dotted keys with JSON values: what run_config.json and its exports' manifests hold.
+
+    `inputs` name the fields that hold model folders; the id in each one's export manifest is a setting too
+    ("input_id.<field>"), so a run is not taken as finished after the model it started from was trained again."""
+    from jaxrlhf.checkpoint import export_manifest
 
     def flat(tree, prefix=""):
         out = {}
@@ -347,7 +352,8 @@ def settings(cfg) -> dict:
             out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
         return out
 
-    return flat(json.loads(json.dumps(dataclasses.asdict(cfg))))
+    out = flat(json.loads(json.dumps(dataclasses.asdict(cfg))))
+    return {**out, **{f"input_id.{k}": (export_manifest(out[k]) or {}).get("id") for k in inputs if out[k]}}
 
 
 def changed(old: dict, new: dict, ignore=()) -> list[str]:
@@ -356,7 +362,7 @@ def changed(old: dict, new: dict, ignore=()) -> list[str]:
     return [k for k in sorted(old.keys() | new.keys()) if not ignored(k) and old.get(k) != new.get(k)]
 
 
-def start_run(cfg, exports: list[Path], saved_step: int | None, log=print) -> bool:
+def start_run(cfg, exports: list[Path], saved_step: int | None, inputs: tuple[str, ...] = ("model",), log=print) -> bool:
     """Check cfg.output_dir against `cfg` before anything is loaded; True when the run there is finished (skip it).
 
     Finished: every folder in `exports` was written by jaxrlhf (checkpoint.save_hf's manifest) with these settings.
@@ -366,7 +372,7 @@ def start_run(cfg, exports: list[Path], saved_step: int | None, log=print) -> bo
     """
     from jaxrlhf.checkpoint import check_replaceable, export_manifest
 
-    out, now = Path(cfg.output_dir), settings(cfg)
+    out, now = Path(cfg.output_dir), settings(cfg, inputs)
     for path in exports:
         check_replaceable(path)
     manifests = [export_manifest(path) for path in exports]
@@ -375,7 +381,13 @@ def start_run(cfg, exports: list[Path], saved_step: int | None, log=print) -> bo
         raise ConfigError(f"{out}: holds a run already (resume=false starts from scratch); choose another output_dir or "
                           "delete this one, or leave resume=true to continue that run")
     if saved and (out / RUN_SETTINGS).is_file():
-        before = json.loads((out / RUN_SETTINGS).read_text())
+        try:
+            before = json.loads((out / RUN_SETTINGS).read_text())
+        except ValueError:
+            before = None
+        if not isinstance(before, dict):
+            raise ConfigError(f"{out / RUN_SETTINGS}: not the settings jaxrlhf wrote (a JSON object); delete that file to "
+                              "continue the run saved here with the settings given now")
         if diff := changed(before, now, BOOKKEEPING + LENGTH):
             what = "; ".join(f"'{k}' was {json.dumps(before.get(k))}, now {json.dumps(now.get(k))}" for k in diff)
             raise ConfigError(f"{out / RUN_SETTINGS}: the run saved here has other settings ({what}); set them back to "

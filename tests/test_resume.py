@@ -61,10 +61,16 @@ def test_a_finished_run_started_again_is_skipped_and_a_changed_setting_is_refuse
             run_sft(dataclasses.replace(cfg, optim=OptimConfig(learning_rate=2e-3, warmup_steps=1)), log=lambda _: None, mesh=ONE)
         with pytest.raises(ConfigError, match="holds a run already .resume=false starts from scratch."):
             run_sft(dataclasses.replace(cfg, resume=False), log=lambda _: None, mesh=ONE)
+    # A run that starts from this one's model (as Step 3 starts from Step 1's).
+    child = sft_config(first["model_dir"], tmp_path / "child", max_steps=1)
+    run_sft(child, log=lambda _: None, mesh=ONE)
     # A longer run continues the saved one to its new end (the saved state is step 3's).
     longer = run_sft(dataclasses.replace(cfg, max_steps=4), log=lambda _: None, mesh=ONE)
     assert steps(longer["records"]) == [4]
     assert export_manifest(longer["model_dir"])["settings"]["max_steps"] == 4
+    # The child's starting model was trained again since: not finished, but changed.
+    with pytest.raises(ConfigError, match="other settings .'input_id.model' was \"[0-9a-f]{32}\", now \"[0-9a-f]{32}\""):
+        run_sft(child, log=lambda _: None, mesh=ONE)
     with pytest.raises(ConfigError, match="the saved run is at step 4, past this run's 3 steps"):
         run_sft(dataclasses.replace(cfg, max_steps=3, log_every=3), log=lambda _: None, mesh=ONE)
 
@@ -185,3 +191,44 @@ def test_step3_and_scoring_need_a_trained_value_head(base, tmp_path, monkeypatch
     with pytest.raises(SystemExit):
         reward_main([f"model={base}", f"score_file={rows}", "precision=fp32"])
     assert f"error: {base}: no value_head.safetensors" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    """`python -m jaxrlhf.train`'s three steps, shortened: (its arguments, its result)."""
+    from jaxrlhf.train import parse, run as run_train
+
+    out = tmp_path_factory.mktemp("pipeline")
+    args = ["--output-dir", str(out), f"data.cache_dir={out / 'cache'}", "data.data_path=[synthetic:600]", "sft.max_steps=2",
+            "reward.max_steps=2", "ppo.max_steps=1", "sft.sample_prompts=0", "eval_prompts=8", "eval_samples=1"]
+    return args, run_train(parse(args), mesh=ONE, log=lambda _: None)
+
+
+def test_the_pipeline_started_again_skips_its_finished_steps(pipeline, monkeypatch):
+    from jaxrlhf.train import parse, run as run_train
+
+    args, first = pipeline
+    no_loading(monkeypatch)
+    lines = []
+    again = run_train(parse(args), mesh=ONE, log=lines.append)
+    skipped = [line.split(":")[0] for line in lines if "finished already with these settings" in line]
+    assert [s.rsplit("/", 1)[-1] for s in skipped] == ["actor-models", "reward-models", "step3-models"], lines
+    assert any(line.startswith("evaluation: these models were evaluated already") for line in lines), lines
+    assert again["step3"] == first["step3"] and again["comparison"] == first["comparison"]
+
+
+def test_a_ppo_run_driven_to_nan_stops_and_exports_nothing(pipeline, tmp_path):
+    from jaxrlhf.ppo import run as run_ppo
+    from jaxrlhf.train import parse
+    from jaxrlhf.trainer import NonFiniteError
+
+    args, first = pipeline
+    ppo = parse(args).ppo
+    cfg = dataclasses.replace(ppo, actor=dataclasses.replace(ppo.actor, model=first["step1"], optim=OptimConfig(learning_rate=1e30)),
+                              critic=dataclasses.replace(ppo.critic, model=first["step2"]), output_dir=str(tmp_path / "ppo"),
+                              data=parse(args).data, max_steps=4, max_skipped_steps=2)
+    lines = []
+    with pytest.raises(NonFiniteError, match=r"iteration \d, PPO epoch 1, batch 1, actor: 2 steps in a row had a non-finite"):
+        run_ppo(cfg, mesh=ONE, log=lines.append)
+    assert any("actor: step skipped, its loss or gradient norm is not finite" in line for line in lines), lines
+    assert [p.name for p in (tmp_path / "ppo").iterdir() if p.name in ("actor", "critic", "actor_ema")] == []
