@@ -288,7 +288,7 @@ def _shard_names(index: Path) -> list[str]:
         raise CheckpointError(f"{index}: not a weight index; expected an object whose \"weight_map\" maps tensor names "
                               "to shard files")
     for name, shard in weight_map.items():
-        if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
+        if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", "..") or not shard.isprintable():
             raise CheckpointError(f"{index}: weight_map[{one_line(name, 60)!r}] is {one_line(repr(shard), 60)}; "
                                   "expected the file name of a shard in the same folder")
     return sorted(set(weight_map.values()))

@@ -207,7 +207,9 @@ def _edit_config(folder, edit):
         ("opt", lambda c: {**c, "hidden_size": "16"}, r"config\.json: 'hidden_size': expected int, got '16'"),
         ("opt", lambda c: {**c, "num_hidden_layers": True}, r"config\.json: 'num_hidden_layers': expected int, got True"),
         ("opt", lambda c: {**c, "num_attention_heads": 0},  # was a ZeroDivisionError
-         r"config\.json: OPTConfig: num_attention_heads: expected >= 1, got 0"),
+         r"config\.json: OPTConfig: num_attention_heads: expected \[1, 2147483648\), got 0"),
+        ("opt", lambda c: {**c, "word_embed_proj_dim": 2**63},  # was a TypeError deep in JAX's shape arithmetic
+         r"config\.json: OPTConfig: word_embed_proj_dim: expected \[1, 2147483648\), got 9223372036854775808"),
         ("opt", lambda c: {**c, "eos_token_id": 64}, r"config\.json: OPTConfig: eos_token_id: expected \[0, 64\), got 64"),
         ("llama", lambda c: {**c, "eos_token_id": []}, r"config\.json: eos_token_id is an empty list"),  # was IndexError
         ("llama", lambda c: {**c, "rope_parameters": None, "rope_scaling": "linear"},
@@ -240,6 +242,7 @@ def test_config_json_encoding_and_old_llama_padding(tiny, tmp_path):
         ('{"weight_map": {"a.weight": 3}}',  # was TypeError
          r"index\.json: weight_map\['a\.weight'\] is 3; expected the file name of a shard in the same folder"),
         ('{"weight_map": {"a.weight": "../model.safetensors"}}', r"weight_map\['a\.weight'\] is '\.\./model\.safetensors'"),
+        ('{"weight_map": {"a.weight": "x\\ny.safetensors"}}', r"weight_map\['a\.weight'\] is 'x\\ny\.safetensors'"),
     ],
 )
 def test_malformed_weight_index_is_refused(tiny, tmp_path, index, message):

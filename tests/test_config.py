@@ -159,7 +159,7 @@ def test_settings_built_in_python_are_checked_too():
 
     with pytest.raises(ConfigError, match="learning_rate: expected a finite number, got nan"):
         OptimConfig(learning_rate=float("nan"))
-    with pytest.raises(ConfigError, match=r"num_attention_heads: expected >= 1, got 0"):  # was a ZeroDivisionError
+    with pytest.raises(ConfigError, match=r"num_attention_heads: expected \[1, 2147483648\), got 0"):  # was ZeroDivisionError
         OPTConfig(num_attention_heads=0)
     with pytest.raises(ConfigError, match=r"eos_token_id: expected \[0, 64\), got 64"):
         LlamaConfig(vocab_size=64, hidden_size=16, num_attention_heads=2, num_key_value_heads=1, eos_token_id=64)

@@ -1,6 +1,6 @@
 """Fuzz the readers of user input: data files, YAML config files and Hugging Face checkpoint folders.
 
-    python -m tools.fuzz [--count 3000] [--seed 0] [--kinds data,config,checkpoint] [--show 3]
+    python tools/fuzz.py [--count 3000] [--seed 0] [--kinds data,config,checkpoint] [--show 3]
 
 Each case copies a valid seed input, mutates it (bytes flipped, cut or inserted; a JSON/YAML value replaced
 by NaN, 2**63, [], a lone surrogate, ...; a line duplicated, so a key repeats; a tensor cast to int or bool,
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gzip
 import json
 import math
@@ -400,15 +401,18 @@ def _mutate_checkpoint(rng, folder: Path):
     data = file.read_bytes()
     if file.suffix == ".json":
         file.write_bytes(VALUES_JSON[int(rng.integers(0, len(VALUES_JSON)))] if rng.random() < 0.1 else mutate_json(rng, data))
-    elif rng.random() < 0.3:
-        file.write_bytes(mutate_bytes(rng, data[:400]) + data[400:] if rng.random() < 0.7 else mutate_bytes(rng, data))
-    elif file.suffix == ".safetensors":
-        save_file(_mutate_tensors(rng, load_file(str(file))), str(file))
-    else:
-        import torch
+        return
+    if rng.random() > 0.3:  # a tensor edit, when an earlier edit left the file readable
+        try:
+            if file.suffix == ".safetensors":
+                return save_file(_mutate_tensors(rng, load_file(str(file))), str(file))
+            import torch
 
-        state = torch.load(file, weights_only=True)
-        _write_torch(file, _mutate_tensors(rng, {k: v.numpy() for k, v in state.items()}))
+            state = torch.load(file, weights_only=True)
+            return _write_torch(file, _mutate_tensors(rng, {k: v.numpy() for k, v in state.items()}))
+        except Exception:  # noqa: BLE001 - unreadable already: edit its bytes instead
+            pass
+    file.write_bytes(mutate_bytes(rng, data[:400]) + data[400:] if rng.random() < 0.7 else mutate_bytes(rng, data))
 
 
 VALUES_JSON = [b"[]", b'"config"', b"1", b"null", b"", b'{"model_type": "opt"}', b'{"weight_map": []}',
@@ -431,14 +435,19 @@ def fuzz_checkpoint(n: int, seed: int, tally: Tally, workdir: Path) -> Tally:
     return tally
 
 
+@functools.lru_cache(maxsize=8)
+def _shapes(config, value_head: bool):
+    from jaxrlhf.models import param_shapes
+
+    return param_shapes(config, value_head=value_head)
+
+
 def _bad_params(loaded) -> str | None:
     import jax
     import jax.numpy as jnp
 
-    from jaxrlhf.models import param_shapes
-
     config, params = loaded
-    want = param_shapes(config, value_head="value_head" in params)
+    want = _shapes(config, "value_head" in params)
     for (path, x), w in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(want)):
         name = jax.tree_util.keystr(path)
         if not jnp.issubdtype(x.dtype, jnp.floating):

@@ -74,8 +74,9 @@ class LlamaConfig:
 
     def __post_init__(self):
         common.check_run_options(self)
-        check_fields(self, vocab_size=">= 1", hidden_size=">= 1", intermediate_size=">= 1", num_hidden_layers=">= 1",
-                     num_attention_heads=">= 1", num_key_value_heads=">= 1", head_dim=">= 0", max_position_embeddings=">= 1",
+        size = f"[1, {2**31})"  # larger sizes overflow the shape arithmetic
+        check_fields(self, vocab_size=size, hidden_size=size, intermediate_size=size, num_hidden_layers=size,
+                     num_attention_heads=size, num_key_value_heads=size, head_dim=f"[0, {2**31})", max_position_embeddings=size,
                      rms_norm_eps="> 0", rope_theta="> 0", pad_token_id=f"[0, {self.vocab_size})", bos_token_id=f"[0, {self.vocab_size})",
                      eos_token_id=f"[0, {self.vocab_size})")
         if not self.head_dim and self.hidden_size % self.num_attention_heads:

@@ -78,8 +78,9 @@ class OPTConfig:
 
     def __post_init__(self):
         common.check_run_options(self)
-        check_fields(self, vocab_size=">= 1", hidden_size=">= 1", num_hidden_layers=">= 1", num_attention_heads=">= 1",
-                     ffn_dim=">= 1", max_position_embeddings=">= 1", word_embed_proj_dim=">= 1", layer_norm_eps="> 0",
+        size = f"[1, {2**31})"  # larger sizes overflow the shape arithmetic
+        check_fields(self, vocab_size=size, hidden_size=size, num_hidden_layers=size, num_attention_heads=size,
+                     ffn_dim=size, max_position_embeddings=size, word_embed_proj_dim=size, layer_norm_eps="> 0",
                      pad_token_id=f"[0, {self.vocab_size})", bos_token_id=f"[0, {self.vocab_size})",
                      eos_token_id=f"[0, {self.vocab_size})")
         if self.hidden_size % self.num_attention_heads:
