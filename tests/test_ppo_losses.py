@@ -9,7 +9,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrlhf.losses import actor_loss, compute_rewards, critic_loss, gae, whiten
+from jaxrlhf.losses import actor_loss, adaptive_kl_coef, compute_rewards, critic_loss, gae, sequence_kl, whiten
 
 MASK = jnp.array([[1, 1, 0], [1, 1, 1], [1, 0, 0]])
 
@@ -69,3 +69,14 @@ def test_critic_loss_by_hand():
     mask = jnp.array([[1, 1, 0], [1, 0, 0]])
     # t0: v_clip = 0.5 + 0.2 = 0.7: max((1 - 2)^2, (0.7 - 2)^2) = 1.69; t1: v_clip = 0: 0; row 1: (3 - 1)^2 = 4
     np.testing.assert_allclose(critic_loss(values, old, returns, mask, clip=0.2), 0.5 * (1.69 + 0 + 4) / 3, rtol=1e-6)
+
+
+def test_sequence_kl_and_adaptive_kl_coef_by_hand():
+    logprobs = jnp.array([[-1.0, -2.0, 9.0], [0.5, 0.5, 0.5], [-1.0, 7.0, 7.0]])
+    ref = jnp.array([[-1.5, -2.0, 0.0], [0.0, 0.0, 0.0], [-1.0, 0.0, 0.0]])
+    # per answer: 0.5 + 0, 0.5 * 3, 0: mean (0.5 + 1.5 + 0) / 3
+    np.testing.assert_allclose(sequence_kl(logprobs, ref, MASK), 2.0 / 3, rtol=1e-6)
+    # error kl / target - 1 = 0.1 (unclipped), 0.2 (clipped from 1.0), -0.2 (clipped from -1)
+    np.testing.assert_allclose(adaptive_kl_coef(0.1, 1.1, 1.0, 100, 10), 0.1 * (1 + 0.1 * 10 / 100), rtol=1e-6)
+    np.testing.assert_allclose(adaptive_kl_coef(0.1, 2.0, 1.0, 100, 10), 0.1 * (1 + 0.2 * 10 / 100), rtol=1e-6)
+    np.testing.assert_allclose(adaptive_kl_coef(0.1, 0.0, 1.0, 100, 10), 0.1 * (1 - 0.2 * 10 / 100), rtol=1e-6)
