@@ -1,13 +1,14 @@
 """Two whole PPO iterations of the engine against an independent computation (NumPy loops, plain jax.grad).
 
 The engine runs as Step 3 does (jaxrlhf.ppo): per iteration two generation batches, then two PPO epochs over
-them, the actor's and critic's steps accumulated over two micro-batches, the mixture LM loss on, whitened
+them, the actor's and critic's steps accumulated over two micro-batches, the mixture LM loss on (in the actor's
+one optimizer step with PPO's, not a second step as in DeepSpeed-Chat: README, where we differ), whitened
 advantages, the adaptive KL controller, gamma != lam, clip_value != clip_ratio, the EMA. The reference takes
 only the engine's sampled tokens; it scores them with its own copies of the four models, then computes
 rewards, GAE, whitening and the KL coefficient in NumPy loops, the losses of DESIGN.md's contracts over the
 whole batch in one piece, their gradients with jax.grad, and clipping, Adam and the EMA in NumPy. Its
-models move by its own steps only, so any difference in any step of either iteration shows in the weights
-at the end. Single-step checks cannot tell old log-probs or values from current ones (equal before the
+models move by its own steps only, so a difference in any step shows in the figures of the steps after it
+and in the weights after each iteration. Single-step checks cannot tell old log-probs or values from current ones (equal before the
 first step), nor an adaptive coefficient from a fixed one (the first iteration's KL is 0): two iterations
 of four steps can.
 """
