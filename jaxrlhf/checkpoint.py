@@ -381,9 +381,11 @@ def _checked(value: np.ndarray, name: str, source: str, dtype=None) -> np.ndarra
                               "(float32, float16 or bfloat16): the file is corrupt or not a plain checkpoint")
     with np.errstate(over="ignore"):
         cast = np.ascontiguousarray(value if dtype is None else value.astype(dtype))
-    bad = cast.size - np.count_nonzero(np.isfinite(cast))
+        # float64 weights are computed in float32 (or narrower): a value beyond its range is inf there.
+        computed = cast if cast.dtype.itemsize <= 4 else cast.astype(np.float32)
+    bad = computed.size - np.count_nonzero(np.isfinite(computed))
     if bad:
-        cause = f" once cast to {cast.dtype}" if np.isfinite(value).all() else ""
+        cause = f" once cast to {computed.dtype}" if np.isfinite(value).all() else ""
         raise CheckpointError(f"{source}: tensor {name} holds {bad} non-finite value(s) (NaN or inf){cause}; the "
                               "checkpoint is corrupt or comes from a diverged run: load an earlier one")
     return cast

@@ -283,6 +283,9 @@ def test_non_finite_tensors_are_named(tiny, tmp_path):
     load_hf(folder)  # finite in float32
     with pytest.raises(CheckpointError, match=r"tensor model\.norm\.weight holds 1 non-finite value\(s\) \(NaN or inf\) once cast to float16"):
         load_hf(folder, dtype=np.float16)
+    _edit_tensors(folder, lambda t: t.update({"model.norm.weight": t["model.norm.weight"].astype(np.float64) * 1e300}))
+    with pytest.raises(CheckpointError, match=r"tensor model\.norm\.weight holds 16 non-finite value\(s\) \(NaN or inf\) once cast to float32"):
+        load_hf(folder)  # kept as stored (float64), but the model computes in float32
     folder = _copy(tiny, "opt_head", tmp_path)
     head = load_file(folder / VALUE_HEAD_FILE)
     head["v_head.weight"][0, 0] = -np.inf
