@@ -119,16 +119,18 @@ def builtin_tokenizer():
                                    pad_token="<pad>")
 
 
-def builtin_model(folder: Path, seed: int) -> Path:
+def builtin_model(folder: Path, seed: int, value_head: bool = False) -> Path:
     """A tiny random OPT (BUILTIN_MODEL) with the built-in tokenizer, written as an HF folder (kept if written
-    already: a new copy's manifest id would make the Step 1 run that started from it look changed)."""
+    already: a new copy's manifest id would make the Step 1 run that started from it look changed). `value_head`
+    adds a random one: a stand-in for a Step 2 output where its training does not matter (tests)."""
     from jaxrlhf.checkpoint import save_hf
     from jaxrlhf.models.opt import OPTConfig, init_params
 
     if export_manifest(folder) is not None:
         return folder
     config = OPTConfig(**BUILTIN_MODEL)
-    return save_hf(folder, config, jax.device_get(init_params(config, jax.random.key(seed))), builtin_tokenizer())
+    params = init_params(config, jax.random.key(seed), value_head=value_head)
+    return save_hf(folder, config, jax.device_get(params), builtin_tokenizer())
 
 
 # ------------------------------------------------------------------------------------------- evaluation

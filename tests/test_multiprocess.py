@@ -83,7 +83,7 @@ def ppo_config(tmp_path, **kw):
     loss: its batches load as the prompts do, and it would lengthen the actor step's compilation)."""
     data = DataConfig(data_path=("synthetic:300",), data_split="1,1,1", max_prompt_len=24, cache_dir=str(tmp_path / "cache"))
     base = dict(actor=ModelSide(model=str(builtin_model(tmp_path / "actor", seed=0)), optim=CONSTANT),
-                critic=ModelSide(model=str(builtin_model(tmp_path / "critic", seed=1)), optim=CONSTANT),
+                critic=ModelSide(model=str(builtin_model(tmp_path / "critic", seed=1, value_head=True)), optim=CONSTANT),
                 output_dir=str(tmp_path / "out"), batch_size=8, max_steps=4, max_answer_len=6, precision="fp32",
                 enable_ema=True, old_logprobs_from_generation=True, data=data)
     return PPOConfig(**{**base, **kw})

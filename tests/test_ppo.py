@@ -25,7 +25,7 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("ppo")
     text = root / "unsup.txt"
     text.write_text(" ".join(f"Sort these letters: {' '.join('abcdefgh'[i % 5 : i % 5 + 3])}" for i in range(60)))
-    return builtin_model(root / "actor", seed=0), builtin_model(root / "critic", seed=1), text
+    return builtin_model(root / "actor", seed=0), builtin_model(root / "critic", seed=1, value_head=True), text
 
 
 def ppo_config(folders, tmp_path, **kw):
