@@ -35,9 +35,10 @@ def models():
 @pytest.fixture(scope="module")
 def prompts(models):
     ids, mask = left_padded_batch(64, LENGTHS, T=6, seed=5)
-    # An EOS that the actor really draws: the second token of the first row's answer, so some answers end
-    # early (different lengths) and others fill all G positions.
-    first = generate(ACTOR, models[0], ids, mask, jax.random.key(0), max_new_tokens=G)
+    # An EOS that the actor really draws: the second token of the first row's answer in the engines' first
+    # generation (config's seed 3, iteration 0), so some answers end early (different lengths) and others fill
+    # all G positions.
+    first = generate(ACTOR, models[0], ids, mask, jax.random.fold_in(jax.random.key(3), 0), max_new_tokens=G)
     return {"prompt_ids": ids, "prompt_mask": mask}, int(np.asarray(first.tokens)[0, 1])
 
 
