@@ -38,14 +38,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxrlhf import losses
+from jaxrlhf import losses, packing
 from jaxrlhf.config import check_fields
 from jaxrlhf.data import place
 from jaxrlhf.generate import decode_params, generate
 from jaxrlhf.lora import LoRAConfig, adapted_mask
 from jaxrlhf.models import OPTConfig, logits, values
 from jaxrlhf.sharding import AXES, batch_sharding, check_tp, reshard, shardings_for
-from jaxrlhf.trainer import OptimConfig, check_microbatches, create_state, effective_params, make_optimizer, make_train_step, state_shardings
+from jaxrlhf.trainer import (OptimConfig, apply_gradients, check_microbatches, create_state, effective_params, make_optimizer,
+                             make_train_step, micro_gradients, state_shardings, step_keys, zero_gradients)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +87,12 @@ class EngineConfig:
     decode_slots: int = 0
     #: prompts prefilled at a time into freed slots (0: decode_slots / 8)
     refill_size: int = 0
+    #: tokens per device in a micro-batch of scoring and of both training steps: the experience's rows sorted by
+    #: length and cut to the width they need (jaxrlhf.packing), not padded to max_prompt_len + max_answer_len, so
+    #: micro-batches are set by tokens, not rows (0: the padded path, micro-batches of gradient_accumulation_steps)
+    max_tokens_per_micro_batch: int = 16384
+    #: packed micro-batches are as wide as their longest row rounded up to this (fewer shapes to compile, more padding)
+    packed_width_multiple: int = 64
     #: tensor-parallel size of the generation layout (DeepSpeed-Chat's inference_tp_size)
     inference_tp_size: int = 1
     #: kept for DeepSpeed-Chat configs: the KV cache exists only inside the compiled generate call and is
@@ -133,6 +140,9 @@ class EngineConfig:
             (self.temperature >= 0 and self.top_k >= 0 and 0 < self.top_p <= 1, "sampling: expected temperature >= 0, "
              f"top_k >= 0, 0 < top_p <= 1; got {self.temperature}, {self.top_k}, {self.top_p}"),
             (self.inference_tp_size >= 1, f"inference_tp_size: expected >= 1, got {self.inference_tp_size}"),
+            (self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch: expected >= 0 (0: padded micro-batches), "
+             f"got {self.max_tokens_per_micro_batch}"),
+            (self.packed_width_multiple >= 1, f"packed_width_multiple: expected >= 1, got {self.packed_width_multiple}"),
             (self.decode_slots >= 0 and self.refill_size >= 0, "decode_slots and refill_size: expected >= 0 (0: auto), "
              f"got {self.decode_slots}, {self.refill_size}"),
             (self.kl_coef >= 0, f"kl_coef: expected >= 0, got {self.kl_coef}"),
@@ -226,7 +236,10 @@ def _rows(tree, mesh):
 
 def _answer_logprobs(config, params, exp, key=None):
     """[B, G]: log p of each answer token, from the logits one position earlier (the LM head runs on the
-    G + 1 last positions only)."""
+    G + 1 last positions only; packed rows: on each row's head_at positions, jaxrlhf.packing)."""
+    if "head_at" in exp:
+        out = logits(config, params, exp["seq"], exp["seq_mask"], dropout_rng=key, at=exp["head_at"])
+        return packing.answer_logprobs(out, exp["answer"])
     G = exp["mask"].shape[1]
     out = logits(config, params, exp["seq"], exp["seq_mask"], dropout_rng=key, last=G + 1)
     return losses.token_logprobs(out, exp["seq"][:, -G - 1:])
@@ -234,6 +247,9 @@ def _answer_logprobs(config, params, exp, key=None):
 
 def _answer_values(config, params, exp, key=None):
     """[B, G]: the value of the state each answer token was chosen in (the position before it)."""
+    if "head_at" in exp:
+        out = values(config, params, exp["seq"], exp["seq_mask"], dropout_rng=key)
+        return jnp.take_along_axis(out, exp["head_at"], axis=1)
     G = exp["mask"].shape[1]
     return values(config, params, exp["seq"], exp["seq_mask"], dropout_rng=key)[:, -G - 1 : -1]
 
@@ -245,6 +261,40 @@ def _fused(s: Static, actor):
     return _fsdp(jax.tree.map(lambda x: x.astype(jnp.float32), effective_params(actor, s.cfg.actor.lora)), s.mesh)
 
 
+def _experience(s: Static, prompt_ids, prompt_mask, tokens, mask):
+    """The padded experience block: seq, seq_mask [B, P + G] (prompt then answer), mask [B, G]."""
+    return _rows({"seq": jnp.concatenate([prompt_ids, tokens], 1), "seq_mask": jnp.concatenate([prompt_mask, mask], 1),
+                  "mask": mask}, s.mesh)
+
+
+_experience_jit = jax.jit(_experience, static_argnums=0)
+
+
+def _score_rows(s: Static, state, ref_own, reward_own, e):
+    """Old log-probs (unless generation's are used), reference log-probs and values [rows, G] and reward scores [rows]
+    of padded or packed rows `e`."""
+    cfg, m = s.cfg, e["mask"]
+    actor, critic = state["actor"], state["critic"]
+    out = {}
+    if not cfg.old_logprobs_from_generation:
+        out["logprobs"] = _answer_logprobs(s.actor, effective_params(actor, cfg.actor.lora, fused=False), e) * m
+    out["ref_logprobs"] = _answer_logprobs(s.actor, with_shared(ref_own, actor), e) * m
+    out["values"] = _answer_values(s.critic, effective_params(critic, cfg.critic.lora, fused=False), e) * m
+    reward = values(s.critic, with_shared(reward_own, critic), e["seq"], e["seq_mask"])
+    # the answer's last real token (EOS if it ended): packed, one column after the head's position for its last token
+    first = e["head_at"][:, 0] + 1 if "head_at" in e else e["seq"].shape[1] - m.shape[1]
+    last = first + jnp.sum(m, axis=1) - 1
+    out["scores"] = jnp.take_along_axis(reward, last[:, None], axis=1)[:, 0]
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=6)
+def _score_packed(s: Static, W: int, state, ref_own, reward_own, exp, out, rows):
+    """One packed micro-batch of rows `rows` scored (_score_rows) and written into the batch's `out`."""
+    part = _score_rows(s, state, ref_own, reward_own, _rows(packing.pack(exp, rows, W), s.mesh))
+    return _rows(packing.unpack(out, part, rows), s.mesh)
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _score(s: Static, state, ref_own, reward_own, prompt_ids, prompt_mask, tokens, mask, gen_logprobs):
     """The experience of one batch (see HybridEngine.generate_experience), rows over all devices. `state` holds the
@@ -252,23 +302,8 @@ def _score(s: Static, state, ref_own, reward_own, prompt_ids, prompt_mask, token
     micro-batches (its gradient_accumulation_steps), one after the other, as the training steps run: the
     activations (the LM head's [rows, G + 1, V] float32 logits above all) are one micro-batch's."""
     cfg = s.cfg
-    exp = _rows({"seq": jnp.concatenate([prompt_ids, tokens], 1), "seq_mask": jnp.concatenate([prompt_mask, mask], 1),
-                 "mask": mask}, s.mesh)
-    actor, critic = state["actor"], state["critic"]
-    P = prompt_ids.shape[1]
-
-    def score(e):
-        m = e["mask"]
-        out = {}
-        if not cfg.old_logprobs_from_generation:
-            out["logprobs"] = _answer_logprobs(s.actor, effective_params(actor, cfg.actor.lora, fused=False), e) * m
-        out["ref_logprobs"] = _answer_logprobs(s.actor, with_shared(ref_own, actor), e) * m
-        out["values"] = _answer_values(s.critic, effective_params(critic, cfg.critic.lora, fused=False), e) * m
-        reward = values(s.critic, with_shared(reward_own, critic), e["seq"], e["seq_mask"])
-        last = P + jnp.sum(m, axis=1) - 1  # the answer's last real token (EOS if it ended)
-        out["scores"] = jnp.take_along_axis(reward, last[:, None], axis=1)[:, 0]
-        return out
-
+    exp = _experience(s, prompt_ids, prompt_mask, tokens, mask)
+    score = functools.partial(_score_rows, s, state, ref_own, reward_own)
     if s.side("actor").optim.gradient_accumulation_steps > 1:
         exp.update(_whole_batch(jax.lax.map(score, _micro_batches(s, "actor", exp))))
     else:
@@ -328,6 +363,95 @@ def _one_step(s: Static, name: str, loss_fn, state, exp):
     return jax.lax.with_sharding_constraint(state, state_shardings(state, s.mesh)), metrics
 
 
+def _actor_loss(s: Static, lm_weight=None):
+    """The actor's loss on a micro-batch: its PPO sum over answer tokens (padded or packed rows), and with an "unsup"
+    batch unsup_coef times its LM sum weighted by `lm_weight` (see _actor_update); count: the answer tokens."""
+    cfg = s.cfg
+
+    def loss_fn(params, mb, key):
+        loss, tokens, metrics = 0.0, jnp.zeros((), jnp.float32), {}
+        if "seq" in mb:
+            lp = _answer_logprobs(s.actor, params, mb, key)
+            tokens = jnp.sum(mb["mask"]).astype(jnp.float32)
+            loss = losses.actor_loss(lp, mb["logprobs"], mb["advantages"], mb["mask"], cfg.clip_ratio) * tokens  # a sum
+        metrics["actor_loss"] = jnp.asarray(loss, jnp.float32)
+        if lm_weight is not None:  # DeepSpeed-Chat's mixture training, here in the same step (README: where we differ)
+            lm = jnp.zeros((), jnp.float32)
+            if "unsup" in mb:
+                u = mb["unsup"]
+                out = logits(s.actor, params, u["input_ids"], u["attention_mask"], dropout_rng=key)
+                lm = losses.lm_loss(out, u["input_ids"], u["loss_mask"])[0] * lm_weight
+            metrics["unsup_loss"] = lm
+            loss = loss + cfg.unsup_coef * lm
+        return loss, tokens, metrics
+
+    return loss_fn
+
+
+def _critic_loss(s: Static):
+    def loss_fn(params, mb, key):
+        v = _answer_values(s.critic, params, mb, key)
+        tokens = jnp.sum(mb["mask"]).astype(jnp.float32)
+        loss = losses.critic_loss(v, mb["values"], mb["returns"], mb["mask"], s.cfg.clip_value) * tokens
+        return loss, tokens, {"critic_loss": loss}
+
+    return loss_fn
+
+
+def _lm_weight(exp):
+    """The whole batch's answer tokens / LM targets: a micro-batch's LM sum times it, divided with the PPO sums by the
+    answer tokens, is the LM loss's mean over all targets (_actor_update)."""
+    if "unsup" not in exp:
+        return None
+    return jnp.sum(exp["mask"]).astype(jnp.float32) / jnp.maximum(jnp.sum(losses.lm_targets(exp["unsup"]["loss_mask"])), 1)
+
+
+def _loss(s: Static, name: str, exp):
+    return _actor_loss(s, _lm_weight(exp)) if name == "actor" else _critic_loss(s)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=4)
+def _accumulate(s: Static, name: str, W: int, state, acc, exp, rows, index):
+    """`acc` plus one packed micro-batch's gradients and loss sums (W > 0: rows `rows` of the experience; W = 0: rows
+    `rows` of exp["unsup"], the actor's mixture loss); `index`: the micro-batch's number in the step (its key)."""
+    if W:
+        mb = _rows(packing.pack({k: v for k, v in exp.items() if k != "unsup"}, rows, W), s.mesh)
+    else:
+        mb = {"unsup": _rows(jax.tree.map(lambda x: x[rows], exp["unsup"]), s.mesh)}
+    key = jax.random.fold_in(step_keys(state), index)
+    grads = micro_gradients(_loss(s, name, exp), s.side(name).lora, state, mb, key)
+    acc = jax.tree.map(jnp.add, acc, grads)
+    return (_fsdp(acc[0], s.mesh), *acc[1:])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _zeros(s: Static, name: str, W: int, state, exp, rows):
+    """The accumulator _accumulate adds micro-batches into, zeros, gradients in the FSDP layout."""
+    mb = packing.pack({k: v for k, v in exp.items() if k != "unsup"}, rows, W)
+    acc = zero_gradients(_loss(s, name, exp), s.side(name).lora, state, mb, step_keys(state))
+    return (_fsdp(acc[0], s.mesh), *acc[1:])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3, 4))
+def _apply(s: Static, name: str, state, ema, acc):
+    """The optimizer step from accumulated gradients (trainer.apply_gradients), and the actor's EMA."""
+    state, metrics = apply_gradients(s.tx(name), s.side(name).lora, state, acc)
+    state = jax.lax.with_sharding_constraint(state, state_shardings(state, s.mesh))
+    return state, _ema_update(s, state, ema, metrics), metrics
+
+
+def _ema_update(s: Static, actor, ema, metrics):
+    """ema <- decay ema + (1 - decay) actor (float32), unless the trainer's non-finite guard skipped the step."""
+    if ema is None:
+        return None
+    cfg = s.cfg
+    fused = effective_params(actor, cfg.actor.lora)
+    new = jax.tree.map(lambda e, a: cfg.ema_decay * e + (1 - cfg.ema_decay) * a.astype(e.dtype), ema, fused)
+    if "skipped" in metrics:  # the trainer's non-finite guard skipped the actor step: the EMA stays too
+        new = jax.tree.map(lambda n, e: jnp.where(metrics["skipped"] > 0, e, n), new, ema)
+    return _fsdp(new, s.mesh)
+
+
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
 def _actor_update(s: Static, actor, ema, exp):
     """The actor's PPO step (+ the mixture LM loss) and the EMA update.
@@ -336,45 +460,14 @@ def _actor_update(s: Static, actor, ema, exp):
     the batch's answer tokens plus unsup_coef times the LM loss's mean over all the unsupervised batch's targets.
     The trainer sums the micro-batches' totals and divides once by their summed count, the answer tokens; so a
     micro-batch's LM sum enters weighted by the whole batch's answer tokens / LM targets."""
-    cfg = s.cfg
-    answer_tokens = jnp.sum(exp["mask"]).astype(jnp.float32)
-    if "unsup" in exp:
-        lm_weight = answer_tokens / jnp.maximum(jnp.sum(losses.lm_targets(exp["unsup"]["loss_mask"])), 1)
-
-    def loss_fn(params, mb, key):
-        lp = _answer_logprobs(s.actor, params, mb, key)
-        tokens = jnp.sum(mb["mask"]).astype(jnp.float32)
-        loss = losses.actor_loss(lp, mb["logprobs"], mb["advantages"], mb["mask"], cfg.clip_ratio) * tokens  # a sum
-        metrics = {"actor_loss": loss}
-        if "unsup" in mb:  # DeepSpeed-Chat's mixture training, here in the same step (README: where we differ)
-            u = mb["unsup"]
-            out = logits(s.actor, params, u["input_ids"], u["attention_mask"], dropout_rng=key)
-            lm = losses.lm_loss(out, u["input_ids"], u["loss_mask"])[0] * lm_weight
-            metrics["unsup_loss"] = lm
-            loss = loss + cfg.unsup_coef * lm
-        return loss, tokens, metrics
-
-    actor, metrics = _one_step(s, "actor", loss_fn, actor, exp)
-    if ema is not None:
-        fused = effective_params(actor, cfg.actor.lora)
-        new = jax.tree.map(lambda e, a: cfg.ema_decay * e + (1 - cfg.ema_decay) * a.astype(e.dtype), ema, fused)
-        if "skipped" in metrics:  # the trainer's non-finite guard skipped the actor step: the EMA stays too
-            new = jax.tree.map(lambda n, e: jnp.where(metrics["skipped"] > 0, e, n), new, ema)
-        ema = _fsdp(new, s.mesh)
-    return actor, ema, metrics
+    actor, metrics = _one_step(s, "actor", _actor_loss(s, _lm_weight(exp)), actor, exp)
+    return actor, _ema_update(s, actor, ema, metrics), metrics
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
 def _critic_update(s: Static, critic, exp):
     """The critic's clipped value-loss step."""
-
-    def loss_fn(params, exp, key):
-        v = _answer_values(s.critic, params, exp, key)
-        tokens = jnp.sum(exp["mask"]).astype(jnp.float32)
-        loss = losses.critic_loss(v, exp["values"], exp["returns"], exp["mask"], s.cfg.clip_value) * tokens
-        return loss, tokens, {"critic_loss": loss}
-
-    return _one_step(s, "critic", loss_fn, critic, exp)
+    return _one_step(s, "critic", _critic_loss(s), critic, exp)
 
 
 # ---------------------------------------------------------------------------------------------- the engine
@@ -497,7 +590,10 @@ class HybridEngine:
         frozen = [self._timed("offload", to_memory, own, "device") if on else own for own, on in
                   ((self.ref_own, cfg.offload_reference_model), (self.reward_own, cfg.offload_reward_model))]
         weights = {n: {k: v for k, v in self.state[n].items() if k in ("trainable", "frozen")} for n in ("actor", "critic")}
-        exp = self._timed("score", _score, self.static, weights, *frozen, ids, mask, tokens, answer_mask, gen_logprobs)
+        if cfg.max_tokens_per_micro_batch:
+            exp = self._timed("score", self._score_packed, weights, frozen, ids, mask, tokens, answer_mask, gen_logprobs)
+        else:
+            exp = self._timed("score", _score, self.static, weights, *frozen, ids, mask, tokens, answer_mask, gen_logprobs)
         for tree, on in zip(frozen, (cfg.offload_reference_model, cfg.offload_reward_model)):
             for leaf in jax.tree.leaves(tree) if on else ():
                 leaf.delete()
@@ -511,6 +607,42 @@ class HybridEngine:
         self.state["iteration"] = self.state["iteration"] + 1
         return exp
 
+    def _score_packed(self, weights, frozen, ids, mask, tokens, answer_mask, gen_logprobs):
+        """The experience scored in packed micro-batches of max_tokens_per_micro_batch (jaxrlhf.packing)."""
+        s, B, G = self.static, *answer_mask.shape
+        exp = _experience_jit(s, ids, mask, tokens, answer_mask)
+        micro = self._micro_batches(exp)
+        zeros = {k: jnp.zeros((B, G), jnp.float32) for k in ("logprobs", "ref_logprobs", "values")}
+        out = _rows({**({} if self.cfg.old_logprobs_from_generation else {"logprobs": zeros["logprobs"]}),
+                     "ref_logprobs": zeros["ref_logprobs"], "values": zeros["values"], "scores": jnp.zeros((B,), jnp.float32)},
+                    self.mesh)
+        for W, rows in micro:
+            out = _score_packed(s, W, weights, *frozen, exp, out, rows)
+        if self.cfg.old_logprobs_from_generation:
+            out["logprobs"] = gen_logprobs * answer_mask
+        return {**exp, **out}
+
+    def _micro_batches(self, exp: dict) -> list:
+        """The packed micro-batches of an experience (packing.plan on its rows' real lengths; the same every time)."""
+        lengths = np.asarray(jax.device_get(jnp.sum(exp["seq_mask"], axis=1)))
+        return packing.plan(lengths, self.cfg.max_tokens_per_micro_batch, self.mesh.size, self.cfg.packed_width_multiple,
+                            max_width=exp["seq"].shape[1])
+
+    def _step_packed(self, name: str, exp: dict):
+        """One optimizer step of `name` over the experience's packed micro-batches (plus, for the actor, the mixture
+        batch in gradient_accumulation_steps parts): gradients summed, divided once (trainer.apply_gradients)."""
+        s, state = self.static, self.state[name]
+        micro = exp.pop("micro_batches")
+        acc = _zeros(s, name, micro[0][0], state, exp, micro[0][1])
+        for i, (W, rows) in enumerate(micro):
+            acc = _accumulate(s, name, W, state, acc, exp, rows, i)
+        if name == "actor" and "unsup" in exp:
+            n = s.side("actor").optim.gradient_accumulation_steps
+            rows = len(exp["unsup"]["input_ids"])
+            for i in range(n):  # rows i, i + n, ...: as the padded path cuts it (_micro_batches)
+                acc = _accumulate(s, name, 0, state, acc, exp, np.arange(i, rows, n, dtype=np.int32), len(micro) + i)
+        return _apply(s, name, state, self.state.get("ema") if name == "actor" else None, acc)
+
     def train_rlhf(self, experience: dict, unsupervised: dict | None = None) -> dict:
         """One PPO step of the actor (plus the mixture LM loss on `unsupervised`, a Step 1-style batch) and one
         of the critic on `experience`; the EMA follows the actor. Returns the batch's figures as floats."""
@@ -518,12 +650,22 @@ class HybridEngine:
         if unsupervised is not None:
             exp["unsup"] = place(unsupervised, self.mesh, "fsdp") if isinstance(unsupervised["input_ids"], np.ndarray) else unsupervised
         exp, stats = self._timed("advantages", _advantages, self.static, exp, experience["kl_coef"])
+        packed = bool(self.cfg.max_tokens_per_micro_batch)
+        if packed:
+            exp["micro_batches"] = self._micro_batches(exp)
         self._opt_to("actor", "device")  # offloaded optimizer states are on the device for their own step only
-        actor, ema, a = self._timed("actor_step", _actor_update, self.static, self.state["actor"], self.state.get("ema"), exp)
+        if packed:
+            actor, ema, a = self._timed("actor_step", self._step_packed, "actor", dict(exp))
+        else:
+            actor, ema, a = self._timed("actor_step", _actor_update, self.static, self.state["actor"], self.state.get("ema"),
+                                        exp)
         self.state.update(actor=actor, **({"ema": ema} if ema is not None else {}))
         self._opt_to("actor", "pinned_host")
         self._opt_to("critic", "device")
-        critic, c = self._timed("critic_step", _critic_update, self.static, self.state["critic"], exp)
+        if packed:
+            critic, _, c = self._timed("critic_step", self._step_packed, "critic", {k: v for k, v in exp.items() if k != "unsup"})
+        else:
+            critic, c = self._timed("critic_step", _critic_update, self.static, self.state["critic"], exp)
         self.state["critic"] = critic
         self._opt_to("critic", "pinned_host")
         stats.update(actor_skipped=a["skipped"], critic_skipped=c["skipped"])  # the non-finite guard's flags (ppo.run counts them)

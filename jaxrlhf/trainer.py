@@ -17,6 +17,7 @@ devices. The step is jitted once with explicit shardings and the state donated.
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 import json
 import math
 import os
@@ -204,9 +205,26 @@ _global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.glob
 LossFn = Callable[[Any, dict, Any], tuple[jax.Array, jax.Array, dict]]  # (params, batch, rng) -> (total, count, sums)
 
 
-def make_train_step(loss_fn: LossFn, tx, lora_cfg: LoRAConfig):
-    """The pure `train_step(state, batch) -> (state, metrics)`; metrics are sums plus "count", "grad_norm" and
-    "skipped".
+def micro_gradients(loss_fn: LossFn, lora_cfg: LoRAConfig, state, mb, key):
+    """(gradients, total, count, sums) of one micro-batch: what a step adds up over its micro-batches."""
+
+    def compute(trainable):
+        total, count, sums = loss_fn(effective_params({**state, "trainable": trainable}, lora_cfg, fused=False), mb, key)
+        return total, (count, sums)
+
+    (total, (count, sums)), grads = jax.value_and_grad(compute, has_aux=True)(state["trainable"])
+    return grads, total, count, sums
+
+
+def zero_gradients(loss_fn: LossFn, lora_cfg: LoRAConfig, state, mb, key):
+    """micro_gradients' zeros (the accumulator a step starts from), for micro-batches shaped like `mb`."""
+    shapes = jax.eval_shape(partial(micro_gradients, loss_fn, lora_cfg), state, mb, key)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def apply_gradients(tx, lora_cfg: LoRAConfig, state, acc):
+    """The step from summed micro-batch gradients `acc` = (grads, total, count, sums): the gradients divided once by
+    the summed count, then the optimizer -> (state, metrics: sums plus "count", "grad_norm" and "skipped").
 
     Non-finite guard: a step whose loss or gradient norm is not finite (a too-high learning rate, a bad batch) is
     skipped inside the compiled step: the trainable weights and the optimizer state (its count, so the learning-rate
@@ -214,38 +232,43 @@ def make_train_step(loss_fn: LossFn, tx, lora_cfg: LoRAConfig):
     still advance, so the batch counts as consumed and a resumed run lines up with the data. The caller decides
     when too many skips in a row end the run (`fit`, ppo.run); deciding here costs no host sync.
     """
+    grads, total, count, sums = acc
+    grads = jax.tree.map(lambda g: g / jnp.maximum(count, 1).astype(g.dtype), grads)
+    trained = [g for g, lab in zip(jax.tree.leaves(grads), jax.tree.leaves(labels(grads, lora_cfg))) if lab != "frozen"]
+    grad_norm = _global_norm(trained)
+    finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
+    updates, opt = tx.update(grads, state["opt"], state["trainable"])
+    # The state keeps its dtypes (optax can promote bf16 moments to float32 through a float32 scalar):
+    # otherwise pure bf16 would silently hold float32 moments and the step would compile twice.
+    opt = jax.tree.map(lambda new, old: new.astype(old.dtype), opt, state["opt"])
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # an elementwise select, fused
+    key = jax.random.split(jax.random.wrap_key_data(state["rng"]))[0]
+    new = {**state, "trainable": keep(optax.apply_updates(state["trainable"], updates), state["trainable"]),
+           "opt": keep(opt, state["opt"]), "step": state["step"] + 1, "rng": jax.random.key_data(key)}
+    skipped = jnp.where(finite, 0.0, 1.0).astype(jnp.float32)
+    return new, {**sums, "count": count, "grad_norm": grad_norm, "skipped": skipped}
+
+
+def step_keys(state):
+    """The dropout key of this step's micro-batches (fold_in its index): the split apply_gradients does not keep."""
+    return jax.random.split(jax.random.wrap_key_data(state["rng"]))[1]
+
+
+def make_train_step(loss_fn: LossFn, tx, lora_cfg: LoRAConfig):
+    """The pure `train_step(state, batch) -> (state, metrics)` over batch leaves [micro-batches, rows, ...]: a scan
+    adds up the micro-batches' gradients and loss sums (micro_gradients), apply_gradients divides once and steps."""
 
     def train_step(state, batch):
-        key, step_key = jax.random.split(jax.random.wrap_key_data(state["rng"]))
         micro = jax.tree.leaves(batch)[0].shape[0]
-
-        def compute(trainable, mb, k):
-            total, count, sums = loss_fn(effective_params({**state, "trainable": trainable}, lora_cfg, fused=False), mb, k)
-            return total, (count, sums)
+        keys = jax.vmap(lambda i: jax.random.fold_in(step_keys(state), i))(jnp.arange(micro))
 
         def body(acc, xs):
             mb, k = xs
-            (total, (count, sums)), grads = jax.value_and_grad(compute, has_aux=True)(state["trainable"], mb, k)
-            return jax.tree.map(jnp.add, acc, (grads, total, count, sums)), None
+            return jax.tree.map(jnp.add, acc, micro_gradients(loss_fn, lora_cfg, state, mb, k)), None
 
-        zero_grads = jax.tree.map(jnp.zeros_like, state["trainable"])
-        t0, (c0, s0) = jax.eval_shape(compute, state["trainable"], jax.tree.map(lambda x: x[0], batch), step_key)
-        zeros = lambda s: jnp.zeros(s.shape, s.dtype)
-        init = (zero_grads, zeros(t0), zeros(c0), jax.tree.map(zeros, s0))
-        (grads, total, count, sums), _ = jax.lax.scan(body, init, (batch, jax.random.split(step_key, micro)))
-        grads = jax.tree.map(lambda g: g / jnp.maximum(count, 1).astype(g.dtype), grads)
-        trained = [g for g, lab in zip(jax.tree.leaves(grads), jax.tree.leaves(labels(grads, lora_cfg))) if lab != "frozen"]
-        grad_norm = _global_norm(trained)
-        finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
-        updates, opt = tx.update(grads, state["opt"], state["trainable"])
-        # The state keeps its dtypes (optax can promote bf16 moments to float32 through a float32 scalar):
-        # otherwise pure bf16 would silently hold float32 moments and the step would compile twice.
-        opt = jax.tree.map(lambda new, old: new.astype(old.dtype), opt, state["opt"])
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # an elementwise select, fused
-        new = {**state, "trainable": keep(optax.apply_updates(state["trainable"], updates), state["trainable"]),
-               "opt": keep(opt, state["opt"]), "step": state["step"] + 1, "rng": jax.random.key_data(key)}
-        skipped = jnp.where(finite, 0.0, 1.0).astype(jnp.float32)
-        return new, {**sums, "count": count, "grad_norm": grad_norm, "skipped": skipped}
+        init = zero_gradients(loss_fn, lora_cfg, state, jax.tree.map(lambda x: x[0], batch), keys[0])
+        acc, _ = jax.lax.scan(body, init, (batch, keys))
+        return apply_gradients(tx, lora_cfg, state, acc)
 
     return train_step
 

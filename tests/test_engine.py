@@ -215,7 +215,7 @@ def test_gradient_accumulation_gives_the_whole_batch_step(models, prompts):
     for n in (1, 4):
         side = ModelSide(optim=OptimConfig(learning_rate=1e-2, warmup_steps=0, schedule="constant", eps=1e-4,
                                            gradient_accumulation_steps=n))
-        e = engine(models, one, eos, actor=side, critic=side, enable_ema=False)
+        e = engine(models, one, eos, actor=side, critic=side, enable_ema=False, max_tokens_per_micro_batch=0)  # padded
         exp = e.generate_experience(batch)
         exps.append(host(exp))
         runs.append((e.train_rlhf(exp), host(e.state)))
@@ -230,7 +230,7 @@ def test_gradient_accumulation_gives_the_whole_batch_step(models, prompts):
             np.testing.assert_allclose(a, b, atol=1e-4, err_msg=path_str(path))
     side = ModelSide(optim=OptimConfig(learning_rate=1e-2, gradient_accumulation_steps=3))
     with pytest.raises(ValueError, match="batch_size 8 is not divisible by critic.optim.gradient_accumulation_steps 3"):
-        engine(models, one, eos, critic=side, enable_ema=False).train_rlhf(exp)
+        engine(models, one, eos, critic=side, enable_ema=False, max_tokens_per_micro_batch=0).train_rlhf(exp)
 
 
 def test_each_phase_is_marked_in_a_profile_with_its_measured_time(models, prompts, tmp_path):

@@ -27,11 +27,11 @@ def family(config):
         raise TypeError(f"not a model config of a known family ({', '.join(FAMILIES)}): {type(config).__name__}") from None
 
 
-def logits(config, params, input_ids, attention_mask, *, dropout_rng=None, last: int = 0):
+def logits(config, params, input_ids, attention_mask, *, dropout_rng=None, last: int = 0, at=None):
     """Next-token logits [B, T, V] in float32; with `last` > 0 only those of the last `last` positions
     [B, last, V] (the LM head, the largest product of a small model, runs on those only). Dropout runs only
     when `dropout_rng` is given."""
-    return family(config).logits(config, params, input_ids, attention_mask, dropout_rng=dropout_rng, last=last)
+    return family(config).logits(config, params, input_ids, attention_mask, dropout_rng=dropout_rng, last=last, at=at)
 
 
 def values(config, params, input_ids, attention_mask, *, dropout_rng=None):

@@ -320,12 +320,14 @@ def carry_out(h, cache):
 # ------------------------------------------------------------------------------------ functional API
 
 
-def apply(model_cls, config, params, input_ids, attention_mask, *, value_head: bool, dropout_rng=None, last: int = 0):
+def apply(model_cls, config, params, input_ids, attention_mask, *, value_head: bool, dropout_rng=None, last: int = 0,
+          at=None):
     """Logits [B, T, V] (or values [B, T] with value_head) in float32; dropout only with `dropout_rng`; `last` > 0:
-    the head runs on the last `last` positions only (logits [B, last, V])."""
+    the head runs on the last `last` positions only (logits [B, last, V]); `at` [B, A]: on those positions of each
+    row only (logits [B, A, V])."""
     model = model_cls(config, value_head=value_head, deterministic=dropout_rng is None, last=last)
     rngs = None if dropout_rng is None else {"dropout": dropout_rng}
-    return model.apply({"params": params}, input_ids, attention_mask, rngs=rngs)
+    return model.apply({"params": params}, input_ids, attention_mask, head_at=at, rngs=rngs)
 
 
 def apply_with_cache(model_cls, config, params, input_ids, positions, cache, last: int = 0):

@@ -249,7 +249,7 @@ class Llama(nn.Module):
     last: int = 0  # > 0: the head runs on the last `last` positions only
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask, cache=None, positions=None):
+    def __call__(self, input_ids, attention_mask, cache=None, positions=None, head_at=None):
         c = self.config
         model = LlamaModel(c, self.deterministic, name="model")
         h = model(input_ids, attention_mask, cache, positions)
@@ -257,6 +257,8 @@ class Llama(nn.Module):
             h, cache = h
         if self.last:
             h = h[:, -self.last:]
+        if head_at is not None:  # [B, A] positions: the head runs there only (packed rows: each row's answer)
+            h = jnp.take_along_axis(h, head_at[..., None], axis=1)
         head = None if c.tie_word_embeddings else LMHead(c.vocab_size, name="lm_head")
         if self.value_head:
             out = common.value_head(h, c.compute_dtype)
@@ -269,11 +271,12 @@ class Llama(nn.Module):
         return out if cache is None else (out, cache)
 
 
-def logits(config: LlamaConfig, params: Any, input_ids, attention_mask, *, dropout_rng=None, last: int = 0):
-    """Next-token logits [B, T, V] in float32 (of the last `last` positions if > 0). Dropout runs only when
-    `dropout_rng` is given."""
+def logits(config: LlamaConfig, params: Any, input_ids, attention_mask, *, dropout_rng=None, last: int = 0,
+           at=None):
+    """Next-token logits [B, T, V] in float32 (of the last `last` positions if > 0; of positions `at` [B, A] if given).
+    Dropout runs only when `dropout_rng` is given."""
     return common.apply(Llama, config, params, input_ids, attention_mask, value_head=False, dropout_rng=dropout_rng,
-                        last=last)
+                        last=last, at=at)
 
 
 def values(config: LlamaConfig, params: Any, input_ids, attention_mask, *, dropout_rng=None):

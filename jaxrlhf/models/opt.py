@@ -247,13 +247,15 @@ class OPT(nn.Module):
     last: int = 0  # > 0: the head runs on the last `last` positions only
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask, cache=None, positions=None):
+    def __call__(self, input_ids, attention_mask, cache=None, positions=None, head_at=None):
         decoder = OPTDecoder(self.config, self.deterministic, name="decoder")
         h = decoder(input_ids, attention_mask, cache, positions)  # [B, T, E] (and the cache)
         if cache is not None:
             h, cache = h
         if self.last:
             h = h[:, -self.last:]
+        if head_at is not None:  # [B, A] positions: the head runs there only (packed rows: each row's answer)
+            h = jnp.take_along_axis(h, head_at[..., None], axis=1)
         if self.value_head:
             out = common.value_head(h, self.config.compute_dtype)
         else:  # the tied LM head: the embedding [V, E]
@@ -261,11 +263,12 @@ class OPT(nn.Module):
         return out if cache is None else (out, cache)
 
 
-def logits(config: OPTConfig, params: Any, input_ids, attention_mask, *, dropout_rng=None, last: int = 0):
-    """Next-token logits [B, T, V] in float32 (of the last `last` positions if > 0). Dropout runs only when
-    `dropout_rng` is given."""
+def logits(config: OPTConfig, params: Any, input_ids, attention_mask, *, dropout_rng=None, last: int = 0,
+           at=None):
+    """Next-token logits [B, T, V] in float32 (of the last `last` positions if > 0; of positions `at` [B, A] if given).
+    Dropout runs only when `dropout_rng` is given."""
     return common.apply(OPT, config, params, input_ids, attention_mask, value_head=False, dropout_rng=dropout_rng,
-                        last=last)
+                        last=last, at=at)
 
 
 def values(config: OPTConfig, params: Any, input_ids, attention_mask, *, dropout_rng=None):
