@@ -182,14 +182,17 @@ def plan(cfg, actor_config, critic_config, mesh, *, batch: int, prompt_len: int,
     gather_c = 0 if N == 1 else 2 * c["master"] // critic_config.num_hidden_layers
     # the generation copy is built one layer at a time (generate.decode_params): one layer's FSDP shards gathered
     switch = 0 if N == 1 else a["master"] * N // actor_config.num_hidden_layers
-    # a training step runs one micro-batch at a time (gradient_accumulation_steps), summing into a second gradient tree
-    micro = lambda n, side: -(-n // (N * side.optim.gradient_accumulation_steps))
+    # a training step runs one micro-batch at a time, summing into a second gradient tree: gradient_accumulation_steps
+    # of them, or packed (max_tokens_per_micro_batch) at most budget // T rows of the widest width T per device
+    budget = getattr(cfg, "max_tokens_per_micro_batch", 0)
+    micro = lambda n, side: (min(max(budget // T, 1), 2 ** math.ceil(math.log2(-(-n // N)))) if budget
+                             else -(-n // (N * side.optim.gradient_accumulation_steps)))
     # the actor's log-probs take the LM head on the answer's positions only (engine._answer_logprobs); scoring runs
     # in the actor's micro-batches (engine._score)
     act = lambda config, side, value_head, train, n=batch, length=T, head_len=G + 1: activations(
         config, micro(n, side if train else cfg.actor), length, train=train, remat=side.remat, value_head=value_head,
         backend=backend, head_len=head_len)
-    grads = lambda x, side: x["gradients"] * (2 if side.optim.gradient_accumulation_steps > 1 else 1)
+    grads = lambda x, side: x["gradients"] * (2 if budget or side.optim.gradient_accumulation_steps > 1 else 1)
     items = {
         "actor weights": a["weights"], "actor optimizer": a["optimizer"],
         "critic weights": c["weights"], "critic optimizer": c["optimizer"],
@@ -223,7 +226,8 @@ def plan(cfg, actor_config, critic_config, mesh, *, batch: int, prompt_len: int,
     for phase, held in phases.items():
         held[:0] = resident + [i for i, on in offloaded.items() if on and uses[i] == phase]
     notes = [f"{N} device(s), inference_tp_size {tp}, batch {batch}, {prompt_len} + {G} tokens, precision "
-             f"{cfg.precision}, backend {backend}; offloaded to host: "
+             f"{cfg.precision}, backend {backend}, micro-batches "
+             + (f"of {budget} tokens per device" if budget else "of gradient_accumulation_steps") + "; offloaded to host: "
              + (", ".join(i for i, on in offloaded.items() if on) or "nothing")]
     return Plan(items, phases, capacity, notes, host=sum(items[i] for i, on in offloaded.items() if on))
 
@@ -288,8 +292,12 @@ def alternatives(cfg, mesh, actor_config, critic_config, backend=None) -> list[t
         options.append(("offload (actor.offload critic.offload offload_reference_model offload_reward_model =true)",
                         replace(cfg, **sides(offload=True), offload_reference_model=True, offload_reward_model=True), mesh))
     N, tp = mesh.size, mesh.shape["model"]
+    budget, T = getattr(cfg, "max_tokens_per_micro_batch", 0), cfg.data.max_prompt_len + cfg.max_answer_len
+    while budget and budget // 2 >= T:
+        budget //= 2
+        options.append((f"max_tokens_per_micro_batch={budget}", replace(cfg, max_tokens_per_micro_batch=budget), mesh))
     k = 2
-    while (cfg.batch_size // N) % k == 0:
+    while not cfg.max_tokens_per_micro_batch and (cfg.batch_size // N) % k == 0:
         optim = lambda n: replace(getattr(cfg, n).optim, gradient_accumulation_steps=k)
         options.append((f"gradient_accumulation_steps={k} (actor.optim. and critic.optim.)",
                         replace(cfg, **{n: replace(getattr(cfg, n), optim=optim(n)) for n in ("actor", "critic")}), mesh))
@@ -309,6 +317,11 @@ def alternatives(cfg, mesh, actor_config, critic_config, backend=None) -> list[t
 def check(cfg, mesh, actor_config=None, critic_config=None, backend=None) -> Plan:
     """Refuse a Step 3 config whose plan does not fit the device, before anything is loaded or compiled: the
     message names the phase, the largest item and what each option would need."""
+    T = cfg.data.max_prompt_len + cfg.max_answer_len
+    if 0 < cfg.max_tokens_per_micro_batch < T:
+        raise ConfigError(f"max_tokens_per_micro_batch {cfg.max_tokens_per_micro_batch} is below one sequence's "
+                          f"data.max_prompt_len + max_answer_len = {T} tokens: set it to at least {T} (0: padded "
+                          "micro-batches of gradient_accumulation_steps)")
     actor_config = actor_config or model_config(cfg, cfg.actor)
     critic_config = critic_config or model_config(cfg, cfg.critic)
     p = ppo_plan(cfg, mesh, actor_config, critic_config, backend)

@@ -174,3 +174,22 @@ def test_the_eight_gpu_configurations_of_the_node_benchmark():
     assert plan(8, 8, "actor.model=random:opt-66b", "batch_size=128", "inference_tp_size=8", "actor.lora.dim=128",
                 "actor.lora.only_optimize_lora=true", *steps).fits
     assert not plan(1, 1, "actor.model=random:opt-13b", "batch_size=64", "inference_tp_size=1", *steps).fits
+
+
+def test_a_token_budget_below_one_sequence_is_refused_and_a_smaller_one_is_an_option(tmp_path):
+    from jaxrlhf import ppo
+
+    args = ["actor.model=random:opt-1.3b", "critic.model=random:opt-350m", "batch_size=8", f"output_dir={tmp_path}",
+            "tokenizer=nowhere", "data.max_prompt_len=256", "max_answer_len=256"]
+    cfg = load(ppo.PPOConfig, None, args + ["max_tokens_per_micro_batch=500"])
+    with pytest.raises(ConfigError, match="max_tokens_per_micro_batch 500 is below one sequence's data.max_prompt_len "
+                                          r"\+ max_answer_len = 512 tokens: set it to at least 512"):
+        memory_plan.check(cfg, make_mesh(1, jax.devices()[:1]))
+    # A budget that does not fit: the plan offers smaller ones (their activations scale with the rows per micro-batch)
+    cfg = load(ppo.PPOConfig, None, args + ["max_tokens_per_micro_batch=65536", "batch_size=256", "device_memory_gib=80",
+                                            "precision=pure_bf16"])
+    with pytest.raises(ConfigError) as e:
+        memory_plan.check(cfg, make_mesh(1, jax.devices()[:1]), backend="gpu")
+    assert "in actor_step" in str(e.value)
+    line = next(l for l in str(e.value).splitlines() if l.startswith("  max_tokens_per_micro_batch="))
+    assert line.endswith("-- fits"), line

@@ -105,7 +105,8 @@ def ours(args, actor: str, critic: str, B: int, precision: str, lora: int) -> di
                                 remat=args.remat, dropout=0.0)
     cfg = EngineConfig(actor=side(9.65e-6), critic=side(5e-6), precision=precision, max_answer_len=args.new,
                        inference_tp_size=args.tp, enable_ema=False, old_logprobs_from_generation=args.old_from_generation,
-                       decode_slots=args.slots, refill_size=args.refill)
+                       decode_slots=args.slots, refill_size=args.refill, max_tokens_per_micro_batch=args.tokens,
+                       packed_width_multiple=args.width_multiple)
     need = plan(cfg, configs[0], configs[1], mesh, batch=B, prompt_len=args.prompt, capacity=capacity())
     if not need.fits:  # what `python -m jaxrlhf.ppo` refuses before loading anything; no device time spent on it
         return {"error": f"does not fit (jaxrlhf.plan): {need.peak / 2**30:.1f} GiB in {need.peak_phase}, "
@@ -270,6 +271,9 @@ def main():
                     "(e.g. ../shared/assets/data/hh-rlhf/hh_lengths.json); default: every row --prompt + --new")
     ap.add_argument("--slots", type=int, default=0, help="ours: decode slots (0: one per prompt; fewer: continuous batching)")
     ap.add_argument("--refill", type=int, default=0, help="ours: prompts prefilled at a time into freed slots (0: slots / 8)")
+    ap.add_argument("--tokens", type=int, default=16384, help="ours: max_tokens_per_micro_batch (packed scoring and "
+                    "training; 0: padded micro-batches of --micro-batch rows)")
+    ap.add_argument("--width-multiple", type=int, default=64, help="ours: packed_width_multiple")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--torch-micro-batch", type=int, default=16)
