@@ -174,7 +174,8 @@ def plan(cfg, actor_config, critic_config, mesh, *, batch: int, prompt_len: int,
     T = prompt_len + G
     a = _model(actor_config, cfg.actor, cfg.precision, mesh, value_head=False)
     c = _model(critic_config, cfg.critic, cfg.precision, mesh, value_head=True)
-    rows, gen_rows = -(-batch // N), -(-batch // (N // tp))
+    # generation holds a cache row per decode slot (continuous batching: decode_slots < batch)
+    rows, gen_rows = -(-batch // N), -(-min(getattr(cfg, "decode_slots", 0) or batch, batch) // (N // tp))
     cache = init_cache_bytes(actor_config, gen_rows, T, tp)
     head = gen_rows * -(-actor_config.vocab_size // tp) * 4  # the prefill's fp32 logits (the last position only)
     # FSDP gathers each layer's weights as the scan reaches it: two layers in flight (none on one device)
