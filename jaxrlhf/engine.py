@@ -41,6 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxrlhf import losses, packing
 from jaxrlhf.config import check_fields
 from jaxrlhf.data import place
+from jaxrlhf.distributed import to_host
 from jaxrlhf.generate import decode_params, generate
 from jaxrlhf.lora import LoRAConfig, adapted_mask
 from jaxrlhf.models import OPTConfig, logits, values
@@ -624,7 +625,7 @@ class HybridEngine:
 
     def _micro_batches(self, exp: dict) -> list:
         """The packed micro-batches of an experience (packing.plan on its rows' real lengths; the same every time)."""
-        lengths = np.asarray(jax.device_get(jnp.sum(exp["seq_mask"], axis=1)))
+        lengths = np.asarray(to_host(jnp.sum(exp["seq_mask"], axis=1)))  # whole on every process: one plan for all
         return packing.plan(lengths, self.cfg.max_tokens_per_micro_batch, self.mesh.size, self.cfg.packed_width_multiple,
                             max_width=exp["seq"].shape[1])
 
