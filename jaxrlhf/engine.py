@@ -42,7 +42,7 @@ from jaxrlhf import losses, packing
 from jaxrlhf.config import check_fields
 from jaxrlhf.data import place
 from jaxrlhf.distributed import to_host
-from jaxrlhf.generate import decode_params, generate
+from jaxrlhf.generate import DECODE_SLOTS, decode_params, generate
 from jaxrlhf.lora import LoRAConfig, adapted_mask
 from jaxrlhf.models import OPTConfig, logits, values
 from jaxrlhf.sharding import AXES, batch_sharding, check_tp, reshard, shardings_for
@@ -83,8 +83,9 @@ class EngineConfig:
     top_k: int = 0
     #: sample from the smallest set of tokens holding this probability (1: off)
     top_p: float = 1.0
-    #: decode slots of generation (0: one per prompt). Fewer slots than prompts is continuous batching: a slot whose
-    #: answer ended takes the next waiting prompt, so decode steps go to live rows (real answers are short and uneven)
+    #: decode slots of generation (0: 256, or one per prompt in a smaller batch). Fewer slots than prompts is
+    #: continuous batching: a slot whose answer ended takes the next waiting prompt, so decode steps go to live rows
+    #: (real answers are short and uneven) and the KV cache holds only the slots' rows
     decode_slots: int = 0
     #: prompts prefilled at a time into freed slots (0: decode_slots / 8)
     refill_size: int = 0
@@ -579,7 +580,7 @@ class HybridEngine:
         def answer(params):
             gen = generate(self.actor_config, params, ids, mask, key, max_new_tokens=cfg.max_answer_len,
                            temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, eos_id=self.eos_id,
-                           pad_id=self.pad_id, limits=prompt_batch.get("answer_limits"), slots=cfg.decode_slots,
+                           pad_id=self.pad_id, limits=prompt_batch.get("answer_limits"), slots=cfg.decode_slots or DECODE_SLOTS,
                            refill=cfg.refill_size, mesh=mesh)
             return gen.tokens, gen.mask, gen.logprobs
 

@@ -103,6 +103,11 @@ def decode_params(config, params: Any, mesh=None) -> Any:
     return out
 
 
+# The decode slots Step 3 generates with unless told (EngineConfig.decode_slots): measured at HH-RLHF lengths on one
+# H200 (bench/README.md, Step 3 at real lengths), a batch of 768 over 256 refilled slots against a batch of 256.
+DECODE_SLOTS = 256
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """How the next token is drawn. temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off."""

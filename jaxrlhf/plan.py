@@ -30,6 +30,7 @@ import numpy as np
 from jax.sharding import AbstractMesh
 
 from jaxrlhf.config import ConfigError
+from jaxrlhf.generate import DECODE_SLOTS
 from jaxrlhf.lora import adapted_mask
 from jaxrlhf.models import param_shapes
 from jaxrlhf.sharding import AXES, partition_spec, path_str
@@ -175,7 +176,7 @@ def plan(cfg, actor_config, critic_config, mesh, *, batch: int, prompt_len: int,
     a = _model(actor_config, cfg.actor, cfg.precision, mesh, value_head=False)
     c = _model(critic_config, cfg.critic, cfg.precision, mesh, value_head=True)
     # generation holds a cache row per decode slot (continuous batching: decode_slots < batch)
-    rows, gen_rows = -(-batch // N), -(-min(getattr(cfg, "decode_slots", 0) or batch, batch) // (N // tp))
+    rows, gen_rows = -(-batch // N), -(-min(getattr(cfg, "decode_slots", 0) or DECODE_SLOTS, batch) // (N // tp))
     cache = init_cache_bytes(actor_config, gen_rows, T, tp)
     head = gen_rows * -(-actor_config.vocab_size // tp) * 4  # the prefill's fp32 logits (the last position only)
     # FSDP gathers each layer's weights as the scan reaches it: two layers in flight (none on one device)
