@@ -434,7 +434,7 @@ def _zeros(s: Static, name: str, W: int, state, exp, rows):
     return (_fsdp(acc[0], s.mesh), *acc[1:])
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3, 4))
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
 def _apply(s: Static, name: str, state, ema, acc):
     """The optimizer step from accumulated gradients (trainer.apply_gradients), and the actor's EMA."""
     state, metrics = apply_gradients(s.tx(name), s.side(name).lora, state, acc)
