@@ -11,7 +11,7 @@ memory, effective TFLOP/s per GPU by DeepSpeed-Chat's count (BENCHMARKS.md: 2·N
 forward, 6·N for every forward + backward, over the whole iteration's wall time) and its fraction of the
 bf16 matmul rate measured in the run.
 
-Theirs (same process, same GPU): transformers' OPT in pure bf16: actor, critic (OPTModel + a value head),
+Theirs (same process, same GPU): transformers' own models of the same shapes (OPT or Llama) in pure bf16: actor, critic (OPTModel + a value head),
 a frozen reference copy and a frozen reward copy; HF `generate` with its static cache (compiled by
 transformers); scoring and both updates micro-batched; torch AdamW (fused); the same PPO losses.
 `--lengths FILE` (real lengths, BENCHMARKS.md): each row draws a (prompt, answer) token-length pair from FILE
@@ -49,16 +49,22 @@ import numpy as np  # noqa: E402
 from jaxrlhf.engine import EngineConfig, HybridEngine, ModelSide  # noqa: E402
 from jaxrlhf.lora import LoRAConfig  # noqa: E402
 from jaxrlhf.plan import capacity, plan  # noqa: E402
-from jaxrlhf.models.opt import PRESETS, OPTConfig, init_params, param_shapes  # noqa: E402
+from jaxrlhf.models import init_params, llama, opt, param_shapes, preset  # noqa: E402
 from jaxrlhf.sharding import make_mesh, shardings_for  # noqa: E402
 from jaxrlhf.trainer import OptimConfig  # noqa: E402
 from tools import common  # noqa: E402
 
+PRESETS = {**opt.PRESETS, **llama.PRESETS}  # actor and critic: any family's shape (e.g. --actor tinyllama-1.1b)
 PHASES = ("reshard", "generate", "score", "advantages", "actor_step", "critic_step")
 
 
 def n_params(name: str, value_head: bool = False) -> int:
-    return sum(x.size for x in jax.tree.leaves(param_shapes(OPTConfig(**PRESETS[name]), value_head=value_head)))
+    return sum(x.size for x in jax.tree.leaves(param_shapes(preset(name), value_head=value_head)))
+
+
+def vocab(*names: str) -> int:
+    """Token ids every model of `names` knows (random prompts draw below it)."""
+    return min(preset(n).vocab_size for n in names)
 
 
 def effective_flops(actor: str, critic: str, B: int, L: int, ppo_epochs: int = 1) -> float:
@@ -93,7 +99,7 @@ def ours(args, actor: str, critic: str, B: int, precision: str, lora: int) -> di
     compute = "float32" if precision == "fp32" else "bfloat16"
     configs, params = [], []
     for name, head in ((actor, False), (critic, True)):
-        config = OPTConfig(**PRESETS[name], dtype=compute, dropout=0.0)
+        config = preset(name, dtype=compute, dropout=0.0)
         configs.append(config)
         # made sharded over the mesh (an OPT-66B would not fit one device), then gathered to the host as a checkpoint is
         shardings = shardings_for(param_shapes(config, value_head=head), "fsdp", mesh)
@@ -114,7 +120,7 @@ def ours(args, actor: str, critic: str, B: int, precision: str, lora: int) -> di
     engine = HybridEngine(cfg, mesh, (configs[0], params[0]), (configs[1], params[1]), total_steps=1000,
                           eos_id=-1, pad_id=1)  # EOS never matches: every answer has its full length
     del params
-    batch = prompt_batch(B, args.prompt, *draw_lengths(args.lengths, B, args.prompt, args.new))
+    batch = prompt_batch(B, args.prompt, *draw_lengths(args.lengths, B, args.prompt, args.new), vocab(actor, critic))
     times, phases = [], []
     for i in range(args.repeats + 1):  # the first iteration compiles
         engine.timings.clear()
@@ -158,14 +164,20 @@ def theirs(args, actor: str, critic: str, B: int) -> dict:
     """The same iteration in plain PyTorch + transformers, pure bf16."""
     import torch
     import torch.nn.functional as F
-    from transformers import OPTConfig as HFConfig, OPTForCausalLM, OPTModel
+    import transformers
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     bf16 = torch.bfloat16
-    mk = lambda name: HFConfig(**PRESETS[name], attn_implementation="sdpa", dropout=0.0)
-    actor_m = OPTForCausalLM(mk(actor)).to(dev, bf16)
-    ref_m = OPTForCausalLM(mk(actor)).to(dev, bf16).eval().requires_grad_(False)
-    critic_m, reward_m = OPTModel(mk(critic)).to(dev, bf16), OPTModel(mk(critic)).to(dev, bf16).eval().requires_grad_(False)
+
+    def mk(name: str, head: str):  # transformers' own model of a preset's shape: "ForCausalLM" or "Model"
+        family = "Llama" if name in llama.PRESETS else "OPT"
+        config = getattr(transformers, f"{family}Config")(**PRESETS[name], attn_implementation="sdpa",
+                                                          **({"dropout": 0.0} if family == "OPT" else {}))
+        return getattr(transformers, f"{family}{head}")(config).to(dev, bf16)
+
+    actor_m = mk(actor, "ForCausalLM")
+    ref_m = mk(actor, "ForCausalLM").eval().requires_grad_(False)
+    critic_m, reward_m = mk(critic, "Model"), mk(critic, "Model").eval().requires_grad_(False)
     proj = PRESETS[critic].get("word_embed_proj_dim", PRESETS[critic]["hidden_size"])
     v_head = torch.nn.Linear(proj, 1, bias=False).to(dev, bf16)
     r_head = torch.nn.Linear(proj, 1, bias=False).to(dev, bf16).requires_grad_(False)
@@ -173,7 +185,7 @@ def theirs(args, actor: str, critic: str, B: int) -> dict:
     opt_c = torch.optim.AdamW([*critic_m.parameters(), *v_head.parameters()], lr=5e-6, betas=(0.9, 0.95), fused=dev == "cuda")
     mb = args.torch_micro_batch
     P, G = args.prompt, args.new
-    batch = prompt_batch(B, P, *draw_lengths(args.lengths, B, P, G))
+    batch = prompt_batch(B, P, *draw_lengths(args.lengths, B, P, G), vocab(actor, critic))
     prompts, prompt_mask = (torch.tensor(batch[k], device=dev, dtype=torch.long) for k in ("prompt_ids", "prompt_mask"))
     limits = torch.tensor(batch["answer_limits"], device=dev)
     EOS = 2
