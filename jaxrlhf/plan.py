@@ -414,7 +414,8 @@ def measure(engine, prompt_batch: dict) -> dict[str, int]:
                mock.patch.object(generate_mod, "_generate", probe(generate_mod._generate))]
     patches += [mock.patch.object(generate_mod, n, probe(getattr(generate_mod, n))) for n in ("_decode_one_layer", "_decode_rest")]
     patches += [mock.patch.object(engine_mod, n, probe(getattr(engine_mod, n)))
-                for n in ("_score", "_advantages", "_actor_update", "_critic_update")]
+                for n in ("_score", "_advantages", "_actor_update", "_critic_update",  # padded micro-batches
+                          "_experience_jit", "_score_packed", "_zeros", "_accumulate", "_apply")]  # packed
     for p in patches:
         p.start()
     try:

@@ -228,7 +228,7 @@ def test_step3_raises_alarms_when_the_actor_degenerates(folders, tmp_path, monke
             m = (np.arange(t.shape[1]) < 3).astype(np.int32)[None].repeat(len(t), 0)
         else:
             t[:], m = q, np.ones_like(t, np.int32)
-        return Generation(jax.numpy.asarray(t), jax.numpy.asarray(m), gen.logprobs)
+        return Generation(jax.numpy.asarray(t), jax.numpy.asarray(m), gen.logprobs, gen.steps)
 
     monkeypatch.setattr(engine, "generate", scripted)
     data = DataConfig(data_path=("synthetic:600",), max_seq_len=32, max_prompt_len=24, cache_dir=str(root / "cache"))

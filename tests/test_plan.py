@@ -48,14 +48,18 @@ def prompts(seed=0):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("precision,remat,lora", [("bf16", False, 0), ("fp32", True, 8)])
-def test_plan_within_15_percent_of_the_measured_peak_of_every_phase(precision, remat, lora):
-    engine, cfg, actor, critic, mesh = build(precision, remat, lora)
+@pytest.mark.parametrize("budget", [0, 16384], ids=["padded", "packed"])
+def test_plan_within_15_percent_of_the_measured_peak_of_every_phase(precision, remat, lora, budget):
+    """Padded micro-batches: within 15 %. Packed (max_tokens_per_micro_batch): the plan counts the widest width a
+    micro-batch may have, so it may be above what a batch of shorter rows takes, never below by more than 15 %."""
+    engine, cfg, actor, critic, mesh = build(precision, remat, lora, max_tokens_per_micro_batch=budget)
     measured = memory_plan.measure(engine, prompts())
     p = memory_plan.plan(cfg, actor, critic, mesh, batch=B, prompt_len=PROMPT)
     errors = {ph: p.phase_bytes(ph) / measured[ph] - 1 for ph in p.phases}
     print({ph: f"{e:+.1%}" for ph, e in errors.items()})
-    assert all(abs(e) <= 0.15 for e in errors.values()), errors
-    assert abs(p.peak / max(measured.values()) - 1) <= 0.15
+    above = 0.15 if not budget else 0.3
+    assert all(-0.15 <= e <= above for e in errors.values()), errors
+    assert -0.15 <= p.peak / max(measured.values()) - 1 <= above
 
 
 @pytest.mark.slow
@@ -117,9 +121,10 @@ def test_offloaded_runs_give_the_same_losses_as_device_resident_ones_and_phases_
         for i in range(2):  # release between phases: only the experience outlives generation, nothing the steps
             device, start = jax.devices()[0], memory_plan.device_bytes(jax.devices()[0])
             exp = engine.generate_experience(prompts(i))
-            assert memory_plan.device_bytes(device) - start == tree_bytes(exp)
+            own = tree_bytes({k: v for k, v in exp.items() if k != "kl_coef"})  # kl_coef: the state's own scalar
+            assert 0 <= memory_plan.device_bytes(device) - start - own <= 64  # a scalar or two at most
             runs[offload].append(engine.train_rlhf(exp))
-            assert 0 <= memory_plan.device_bytes(device) - start - tree_bytes(exp) <= 64  # a scalar or two at most
+            assert 0 <= memory_plan.device_bytes(device) - start - own <= 64  # a scalar or two at most
             del exp
         if offload:  # between uses everything offloaded is in host memory
             trees = (engine.ref_own, engine.reward_own, engine.state["actor"]["opt"], engine.state["critic"]["opt"])
@@ -163,14 +168,16 @@ def test_the_eight_gpu_configurations_of_the_node_benchmark():
                                          "max_answer_len=256", "device_memory_gib=104.9", *extra])
         return memory_plan.ppo_plan(cfg, memory_plan.abstract_mesh(devices, tp), backend="gpu")
 
-    steps = ["actor.optim.gradient_accumulation_steps=8", "critic.optim.gradient_accumulation_steps=8"]
+    # 8 sequences of 512 tokens per device in each micro-batch, as the node benchmark's --micro-batch
+    steps = ["max_tokens_per_micro_batch=4096"]
     p = plan(8, 2, "actor.model=random:opt-13b", "batch_size=512", "inference_tp_size=2", *steps)
     assert p.fits, p.table()
-    # 40 layers x 128 rows per data group x 20 of 40 heads x 512 slots x 128 x (K, V) x 2 bytes
-    assert p.items["KV cache"] == 40 * 128 * 20 * 512 * 128 * 2 * 2
+    # 40 layers x 64 rows per data group (256 decode slots over 4 groups) x 20 of 40 heads x 512 slots x 128 x (K, V)
+    # x 2 bytes
+    assert p.items["KV cache"] == 40 * 64 * 20 * 512 * 128 * 2 * 2
     n = sum(x.size for x in jax.tree.leaves(param_shapes(preset("opt-13b"))))
     assert abs(p.items["actor weights"] - 2 * n / 8) < 2 * n / 8 * 0.01  # bf16, split over 8 (up to rounding)
-    assert 50 * 2**30 < p.peak < 70 * 2**30
+    assert 35 * 2**30 < p.peak < 70 * 2**30
     assert plan(8, 8, "actor.model=random:opt-66b", "batch_size=128", "inference_tp_size=8", "actor.lora.dim=128",
                 "actor.lora.only_optimize_lora=true", *steps).fits
     assert not plan(1, 1, "actor.model=random:opt-13b", "batch_size=64", "inference_tp_size=1", *steps).fits
