@@ -10,20 +10,24 @@
 
     generate_experience(prompts [B, P] left-padded):
         one layer at a time: fuse LoRA, cast to the compute dtype, reshard to the "tp" layout, give each layer its
-        own arrays (generate.decode_params) ──generate──► answers [B, G]
-        ──drop the generation copy (the KV cache lives only inside the compiled generate call)──►
-        score in the FSDP layout, no gradients: old log-probs, reference log-probs, critic values, reward score
+        own arrays (generate.decode_params) ──generate (early exit; decode_slots refilled from the batch)──►
+        answers [B, G] ──drop the generation copy (the KV cache lives only inside the compiled generate call)──►
+        score in the FSDP layout, no gradients: old log-probs, reference log-probs, critic values, reward score,
+        in packed micro-batches (jaxrlhf.packing: rows sorted by length, cut to their width, a token budget each)
         ──► the adaptive KL coefficient's step (once per generation batch; the batch keeps the one it was scored under)
     train_rlhf(experience[, unsupervised batch]):
-        rewards (KL penalty + clipped score) ──► GAE ──► actor PPO step (+ unsup_coef * LM loss) ──► EMA
-        ──► critic step;  states donated
+        rewards (KL penalty + clipped score) ──► GAE (on the padded [B, G] block) ──► actor PPO step
+        (+ unsup_coef * LM loss): gradients summed over the packed micro-batches, divided once ──► EMA
+        ──► critic step the same way;  states donated
+    (max_tokens_per_micro_batch=0: padded micro-batches of gradient_accumulation_steps instead, in one program each)
 
 Offload (ModelSide.offload, offload_reference_model, offload_reward_model): those trees live in pinned host
 memory and are copied to the device for the program that uses them (an optimizer state for its model's step,
 the reference and reward leaves for scoring), then freed there. jaxrlhf.plan counts them in those phases only.
 
-Answer token g sits at sequence position P + g: its log-prob comes from the logits at P + g - 1, and its
-value is the critic's output there too (the state the token was chosen in), as in DeepSpeed-Chat.
+Answer token g sits at sequence position P + g (packed: prompt length + g): its log-prob comes from the logits one
+position earlier, and its value is the critic's output there too (the state the token was chosen in), as in
+DeepSpeed-Chat.
 """
 
 from __future__ import annotations
