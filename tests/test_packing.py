@@ -65,8 +65,9 @@ LLAMA = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hid
 
 @pytest.mark.parametrize("family", ["opt", "llama"])
 def test_packed_equals_padded_experience_losses_and_updates(family):
-    """Two engines, one packed (micro-batches of several widths) and one padded: the same experience, then two PPO
-    epochs with the mixture loss: the same losses, gradient norms and weights after each step (LoRA actor, FSDP)."""
+    """Two engines, one packed (micro-batches of several widths; continuous batching in 8 decode slots) and one padded
+    (a slot per prompt): the same experience, then two PPO epochs with the mixture loss: the same losses, gradient
+    norms and weights after each step (LoRA actor, FSDP)."""
     actor_cfg, critic_cfg = OPT if family == "opt" else (LLAMA, LLAMA)
     actor = jax.device_get(init_params(actor_cfg, jax.random.key(0), std=0.3))
     critic = jax.device_get(init_params(critic_cfg, jax.random.key(1), value_head=True, std=0.3))
@@ -80,7 +81,9 @@ def test_packed_equals_padded_experience_losses_and_updates(family):
     for budget in (0, 12):  # 12 tokens per device: one row per device in micro-batches of widths 11 and 8
         cfg = EngineConfig(actor=ModelSide(optim=optim, lora=LoRAConfig(dim=4)), critic=ModelSide(optim=optim),
                            precision="fp32", max_answer_len=5, enable_ema=True, seed=3, unsup_coef=0.5,
-                           max_tokens_per_micro_batch=budget, packed_width_multiple=4)
+                           max_tokens_per_micro_batch=budget, packed_width_multiple=4,
+                           # the packed engine also generates in 8 slots refilled 4 at a time: the same answers
+                           decode_slots=8 if budget else 0, refill_size=4)
         engine = HybridEngine(cfg, mesh, (actor_cfg, actor), (critic_cfg, critic), total_steps=10, eos_id=-1, pad_id=1)
         exp = engine.generate_experience({"prompt_ids": ids, "prompt_mask": mask, "answer_limits": limits})
         if budget:
