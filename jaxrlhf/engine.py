@@ -297,7 +297,7 @@ def _score_rows(s: Static, state, ref_own, reward_own, e):
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=6)
 def _score_packed(s: Static, W: int, state, ref_own, reward_own, exp, out, rows):
     """One packed micro-batch of rows `rows` scored (_score_rows) and written into the batch's `out`."""
-    part = _score_rows(s, state, ref_own, reward_own, _rows(packing.pack(exp, rows, W), s.mesh))
+    part = _score_rows(s, state, ref_own, reward_own, _packed(s, exp, rows, W))
     return _rows(packing.unpack(out, part, rows), s.mesh)
 
 
@@ -416,12 +416,17 @@ def _loss(s: Static, name: str, exp):
     return _actor_loss(s, _lm_weight(exp)) if name == "actor" else _critic_loss(s)
 
 
+def _packed(s: Static, exp, rows, W: int):
+    """Rows `rows` of the experience as one packed micro-batch of width W (packing.pack), rows over all devices."""
+    return _rows(packing.pack({k: v for k, v in exp.items() if k != "unsup"}, rows, W), s.mesh)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=4)
 def _accumulate(s: Static, name: str, W: int, state, acc, exp, rows, index):
     """`acc` plus one packed micro-batch's gradients and loss sums (W > 0: rows `rows` of the experience; W = 0: rows
     `rows` of exp["unsup"], the actor's mixture loss); `index`: the micro-batch's number in the step (its key)."""
     if W:
-        mb = _rows(packing.pack({k: v for k, v in exp.items() if k != "unsup"}, rows, W), s.mesh)
+        mb = _packed(s, exp, rows, W)
     else:
         mb = {"unsup": _rows(jax.tree.map(lambda x: x[rows], exp["unsup"]), s.mesh)}
     key = jax.random.fold_in(step_keys(state), index)
@@ -433,7 +438,7 @@ def _accumulate(s: Static, name: str, W: int, state, acc, exp, rows, index):
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _zeros(s: Static, name: str, W: int, state, exp, rows):
     """The accumulator _accumulate adds micro-batches into, zeros, gradients in the FSDP layout."""
-    mb = packing.pack({k: v for k, v in exp.items() if k != "unsup"}, rows, W)
+    mb = _packed(s, exp, rows, W)
     acc = zero_gradients(_loss(s, name, exp), s.side(name).lora, state, mb, step_keys(state))
     return (_fsdp(acc[0], s.mesh), *acc[1:])
 

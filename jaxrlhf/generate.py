@@ -211,15 +211,14 @@ def _generate(config, params, input_ids, attention_mask, key, limits, *, max_new
         return {**state, "out": out, "row": put(state["row"], prompts), "g": put(state["g"], jnp.ones_like(prompts)),
                 "token": put(state["token"], token), "done": put(state["done"], ends)}
 
-    # The first B prompts fill the slots; the cache has room for a whole prompt and answer in every slot.
-    first = jnp.minimum(jnp.arange(B), N)
+    # The first B prompts (B <= N) fill the slots; the cache has room for a whole prompt and answer in every slot.
+    first = jnp.arange(B)
     logits, cache = prefill(first, Pn + G)
     outputs = (jnp.full((N + 1, G), pad_id, jnp.int32), jnp.zeros((N + 1, G), jnp.float32),
                jnp.zeros((N + 1, G), jnp.int32))
     state = {"cache": cache, "row": first, "g": jnp.zeros((B,), jnp.int32), "token": jnp.zeros((B,), jnp.int32),
-             "done": jnp.ones((B,), bool), "out": outputs, "next": jnp.int32(min(B, N)), "steps": jnp.int32(0)}
-    state = start_rows(state, jnp.arange(B), first, logits)
-    state["done"] = state["done"] | (first == N)
+             "done": jnp.ones((B,), bool), "out": outputs, "next": jnp.int32(B), "steps": jnp.int32(0)}
+    state = start_rows(state, first, first, logits)
 
     def step(_, state):
         """Every slot advances one token: the last token goes in at its own slot, the next one comes out."""
