@@ -18,7 +18,7 @@ The waits need every program resident at once: one grid of 128 programs, one per
 interpret mode runs programs one after another, so there `fused_tail` runs one call per phase (no waits): the CPU
 checks the arithmetic, the fix-ups and the counters, not the waits.
 
-    PROBE=bench/results/decode-tail-persistent-probe-20261202.py
+    PROBE=bench/probes/decode-tail-persistent-probe-20261202.py
     PYTHONPATH=. python $PROBE lower            # CPU: both kernels lower for an abstract H200 (Triton)
     PYTHONPATH=. python $PROBE cpu              # CPU: fused_tail in interpret mode, one call a phase, against XLA
     PYTHONPATH=. XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python $PROBE bench [--parts] [--out DIR]

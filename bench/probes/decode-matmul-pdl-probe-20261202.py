@@ -3,9 +3,9 @@ decode products? 24 layers of
 fc1 (2048 -> 8192) then fc2 (8192 -> 2048), 64 rows, each product one Mosaic GPU kernel (session 15's probe);
 with pdl each kernel calls griddepcontrol.launch_dependents then griddepcontrol.wait first (so the next kernel may
 be launched while this one runs; its reads of x wait for this one's end). Wall time per layer over 8 passes.
-    PYTHONPATH=. python bench/results/decode-matmul-pdl-probe-20261202.py lower   # CPU: lowers, uses_pdl set
+    PYTHONPATH=. python bench/probes/decode-matmul-pdl-probe-20261202.py lower   # CPU: lowers, uses_pdl set
     XLA_FLAGS="--xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true" OUT=DIR TAG=-pdlflags \
-        PYTHONPATH=. python bench/results/decode-matmul-pdl-probe-20261202.py      # GPU"""
+        PYTHONPATH=. python bench/probes/decode-matmul-pdl-probe-20261202.py      # GPU"""
 import functools, importlib.util, json, os, sys, tempfile
 sys.path.insert(0, ".")
 import jax, jax.numpy as jnp

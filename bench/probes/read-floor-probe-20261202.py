@@ -3,7 +3,7 @@ XLA's row sum (a reduction kernel that reads every byte once and writes a few KB
 each size in one jitted program (more bytes than the 50 MB L2), device µs per kernel from a profile. Against the
 decode products' 11.2 µs for fc1's 33.5 MB (bench/README.md), and the 4 GiB read that tools.common.read_bandwidth
 calls the roofline.
-    XLA_FLAGS=--xla_gpu_enable_triton_gemm=false PYTHONPATH=. python bench/results/read-floor-probe-20261202.py OUT_DIR
+    XLA_FLAGS=--xla_gpu_enable_triton_gemm=false PYTHONPATH=. python bench/probes/read-floor-probe-20261202.py OUT_DIR
 """
 import json
 import os

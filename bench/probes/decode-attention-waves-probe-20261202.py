@@ -4,7 +4,7 @@ program per (row, head), 6 resident per SM (shared memory), so 132 SMs hold 792:
 waves. If a call's time follows the number of whole waves, it is flat over batches 50-74 (3 waves) and jumps after;
 if it follows the bytes, it grows linearly. Per batch: µs per call (64 chained calls in one jitted loop), the
 bytes of the valid K and V slots, TB/s.
-    XLA_FLAGS=--xla_gpu_enable_triton_gemm=false PYTHONPATH=. python bench/results/decode-attention-waves-probe-20261202.py OUT_DIR
+    XLA_FLAGS=--xla_gpu_enable_triton_gemm=false PYTHONPATH=. python bench/probes/decode-attention-waves-probe-20261202.py OUT_DIR
 """
 import json
 import os

@@ -12,7 +12,7 @@ against the same chain through kernels.decode_matmul (Triton; fc2's partials sum
 decode step runs now. `steps=3` makes a program small enough (~100 KB of shared memory) that two fit on an SM, so a
 dependent program can start its weight loads beside a running one; `steps=6` (~200 KB) only where one has exited.
 
-    PROBE=bench/results/decode-ffn-pdl-probe-20261202.py
+    PROBE=bench/probes/decode-ffn-pdl-probe-20261202.py
     PYTHONPATH=. python $PROBE lower           # CPU: lowers for CUDA, uses_pdl set where pdl
     PYTHONPATH=. python $PROBE cpu             # CPU: the pipelines in Mosaic GPU's interpreter against float32
     DRY=1 PYTHONPATH=. python $PROBE bench     # CPU: the harness on the Triton path, one layer

@@ -16,7 +16,7 @@ OPT-1.3B's heads (32 of 64, multi-head), bf16. Every figure is device µs per ke
   the key written before the queries are computed, as the package does ("early"), and the package's unused
   operands passed too (x, cos, sin: "extra").
 
-    XLA_FLAGS=--xla_gpu_enable_triton_gemm=false PYTHONPATH=. python bench/results/decode-attention-fixed-probe-20261202.py OUT_DIR [ONLY]
+    XLA_FLAGS=--xla_gpu_enable_triton_gemm=false PYTHONPATH=. python bench/probes/decode-attention-fixed-probe-20261202.py OUT_DIR [ONLY]
 On the CPU (interpret mode) the same script checks the stream kernel against jnp and runs each variant once at
 tiny shapes; it times nothing.
 """

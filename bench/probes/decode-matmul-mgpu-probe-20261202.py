@@ -2,8 +2,8 @@
 emit_pipeline of `steps` buffers, wgmma into a float32 accumulator, one warpgroup per program owning tile_n output
 columns of one of `split` shares of K) against kernels.decode_matmul's Triton kernel, on 24 distinct weights per
 shape, device time per call from a profile. HOT=1: all 24 calls on one weight (read from L2) instead.
-    PYTHONPATH=. python bench/results/decode-matmul-mgpu-probe-20261202.py bench   (on the GPU; ROWS=64 default)
-    PYTHONPATH=. python bench/results/decode-matmul-mgpu-probe-20261202.py lower   (CPU: lowers three variants)
+    PYTHONPATH=. python bench/probes/decode-matmul-mgpu-probe-20261202.py bench   (on the GPU; ROWS=64 default)
+    PYTHONPATH=. python bench/probes/decode-matmul-mgpu-probe-20261202.py lower   (CPU: lowers three variants)
 (The cuBLAS rows of the cold run are not valid: XLA merged the 24 products that shared x into one.)"""
 import functools, json, os, sys
 import jax, jax.numpy as jnp
