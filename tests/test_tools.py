@@ -204,3 +204,40 @@ def test_real_length_draws_and_both_sides_forcing_them(tmp_path):
     ours = generate(config, params, batch["prompt_ids"][:8], batch["prompt_mask"][:8], jax.random.key(0),
                     max_new_tokens=7, eos_id=-1, limits=batch["answer_limits"][:8])
     np.testing.assert_array_equal(np.asarray(ours.mask).sum(1), batch["answer_limits"][:8])
+
+
+def test_bench_summary_reads_the_latest_unlabelled_result_of_each_benchmark(tmp_path):
+    """tools/bench_summary.py: one row per benchmark and name, from its newest file without a label."""
+    from tools import bench_summary
+
+    results, readme = tmp_path / "results", tmp_path / "README.md"
+    (results / "ppo").mkdir(parents=True)
+    (results / "generate").mkdir()
+    ppo_run = lambda ours, peer: {"batch": 768, "ours_pure_bf16": {"samples_per_s": ours, "real_tokens_per_s": 16763.8},
+                                  "torch_hf_pure_bf16": {"samples_per_s": peer}}
+    env = {"device": "NVIDIA H200", "device_count": 1}
+    for name, ours, date in [("ppo-opt-1.3b-lengths-20261203-063407", 61.6, "2026-12-03T06:34"),
+                             ("ppo-opt-1.3b-lengths-20261203-072331", 125.4, "2026-12-03T07:23"),
+                             ("ppo-opt-1.3b-lengths-20261203-080000-profile", 99.0, "2026-12-03T08:00")]:
+        (results / "ppo" / f"{name}.json").write_text(json.dumps({**env, "date": date, "runs": [ppo_run(ours, 38.7)]}))
+    generate = {"device": "NVIDIA H200", "device_count": 2, "date": "2026-12-03T06:29:11+00:00", "runs": [
+        {"batch": 64, "ours": {"ms_per_step": 2.4630, "roofline_fraction": 0.68}, "hf_static": {"ms_per_step": 5.33}}]}
+    (results / "generate" / "generate-opt-1.3b-20261203-062911.json").write_text(json.dumps(generate))
+    (results / "generate" / "generate-llama-7b-gqa-20261202-173044.json").write_text(json.dumps({"runs": "old"}))
+
+    text = bench_summary.table(results, tmp_path)
+    rows = text.splitlines()[2:]
+    assert len(rows) == 3
+    assert rows[0].startswith("| generate | generate-llama-7b-gqa | (not read: AttributeError")
+    assert rows[1] == ("| generate | generate-opt-1.3b | B=64: 2.46 ms/step (1.47× roofline); HF static 5.33 | "
+                       "2 × NVIDIA H200 | 2026-12-03 | [generate-opt-1.3b-20261203-062911.json]"
+                       "(results/generate/generate-opt-1.3b-20261203-062911.json) |")
+    assert rows[2] == ("| ppo | ppo-opt-1.3b-lengths | B=768: 125.4 samples/s, 16,764 real tokens/s; PyTorch+HF 38.7 "
+                       "(3.24×) | NVIDIA H200 | 2026-12-03 | [ppo-opt-1.3b-lengths-20261203-072331.json]"
+                       "(results/ppo/ppo-opt-1.3b-lengths-20261203-072331.json) |")
+
+    readme.write_text("# bench\n\nintro\n\n" + bench_summary.START + "\nold table\n" + bench_summary.END + "\n\nafter\n")
+    updated = bench_summary.update(readme, text)
+    assert updated.startswith("# bench\n\nintro\n\n") and updated.endswith("\n\nafter\n")
+    assert "old table" not in updated and text in updated
+    assert bench_summary.update(tmp_path / "none.md", "T") == f"{bench_summary.START}\nT\n{bench_summary.END}\n"

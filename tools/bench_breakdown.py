@@ -73,7 +73,7 @@ def main():
         result["runs"][name] = t
         scale = f" (x {config.num_hidden_layers} = {t['median_s'] * config.num_hidden_layers * 1e3:.1f} ms)" if "layer" in name else ""
         print(f"{name:26s} {t['median_s'] * 1e3:8.2f} ms{scale}", flush=True)
-    common.write(f"breakdown-{args.model}", result, args.out)
+    common.write("breakdown", f"breakdown-{args.model}", result, args.out)
 
 
 if __name__ == "__main__":

@@ -197,7 +197,7 @@ def main():
                                         + f", err {err:.0e})")
                         result["runs"].append(run)
                         print(" | ".join(line), flush=True)
-    common.write("decode-attention", result, args.out)
+    common.write("decode-attention", "decode-attention", result, args.out)
 
 
 def q_bytes(q):

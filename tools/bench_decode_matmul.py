@@ -97,7 +97,7 @@ def main():
     ap.add_argument("--loops", type=int, default=8, help="passes over the layers per timed call")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="add each form's kernels by device time")
-    ap.add_argument("--out", default=None, help="results directory (default bench/results)")
+    ap.add_argument("--out", default=None, help="results directory (default bench/results/decode-matmul)")
     args = ap.parse_args()
     preset = opt.PRESETS[args.model]
     D, F, L = preset["hidden_size"], preset["ffn_dim"], args.layers or preset["num_hidden_layers"]
@@ -129,7 +129,7 @@ def main():
         print(f"rows {M:3d}: kernel {run['kernel']['us_per_layer']:7.2f} us/layer{ratio('kernel')}, "
               f"xla {run['xla']['us_per_layer']:7.2f}{ratio('xla')}, speed-up {run['speedup']:.2f}x, "
               f"max rel err {run['max_rel_err']:.2e}", flush=True)
-    common.write(f"decode-matmul-{args.model}", result, args.out)
+    common.write("decode-matmul", f"decode-matmul-{args.model}", result, args.out)
 
 
 if __name__ == "__main__":

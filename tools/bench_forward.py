@@ -157,7 +157,7 @@ def main():
                 else:
                     print(f"B={B} {impl:10s} {key:22s} {t['error']}", flush=True)
         result["runs"].append(run)
-    common.write(f"forward-{args.model}", result, args.out)
+    common.write("forward", f"forward-{args.model}", result, args.out)
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def xla_reads(config, params, B: int, P: int, G: int, min_bytes: int = 2**18):
 def xla_read_time(config, params, B: int, P: int, G: int) -> dict:
     """The device time of `xla_reads` (its kernel launches and largest kernels too): a decode step's bytes read by
     XLA's own reduction kernels, one per matrix. The roofline divides those bytes by the bandwidth of one 4 GiB
-    read; a kernel of a few to a few hundred MB reads slower than that (~2 µs of ramp each, bench/README.md).
+    read; a kernel of a few to a few hundred MB reads slower than that (a ramp per kernel, docs/benchmarks.md).
     {"ms": None} on the CPU (no device trace)."""
     import tempfile
 
@@ -204,7 +204,7 @@ def main():
         for layout in args.layout:
             for decode in args.decode:
                 name = "ours" + ("" if decode == "pallas" else f"_{decode}") + ("" if layout == "decode" else "_model_layout")
-                trace = (Path(args.out or "bench/results") / (f"trace-generate-{B}" + ("" if name == "ours" else f"-{name}"))
+                trace = (Path(args.out or common.RESULTS / "generate") / (f"trace-generate-{B}" + ("" if name == "ours" else f"-{name}"))
                          if args.profile and decode == "pallas" else None)
                 run[name] = ours(config, layouts[layout], mesh, B, args.prompt, args.new, args.repeats, decode, trace)
         if mesh.size == 1:
@@ -230,7 +230,7 @@ def main():
         if args.check_tokens and mesh.shape["model"] > 1:
             run["tp_tokens_match"] = tp_tokens_match(config, params, mesh, B, args.prompt, args.new)
         result["runs"].append(run)
-        common.write(f"generate-{args.model}", result, args.out, stamp)  # what we have so far
+        common.write("generate", f"generate-{args.model}", result, args.out, stamp)  # what we have so far
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxrlhf import plan as memory_plan  # noqa: E402
-from jaxrlhf.engine import EngineConfig, HybridEngine, ModelSide  # noqa: E402
+from jaxrlhf.rl.engine import EngineConfig, HybridEngine, ModelSide  # noqa: E402
 from jaxrlhf.lora import LoRAConfig  # noqa: E402
 from jaxrlhf.models import init_params, preset  # noqa: E402
 from jaxrlhf.sharding import make_mesh  # noqa: E402
@@ -150,7 +150,7 @@ def main():
             row = json.loads(text) if text else {"name": name, "actor": actor, "batch": batch,
                                                  "error": f"the process ended with code {proc.returncode}"}
             result["runs"].append(row)
-            common.write("memory", result, args.out, stamp)
+            common.write("memory", "memory", result, args.out, stamp)
         return
     for name, actor, batch, lora, precision, offload in (r for r in runs if r[0] == args.only):
         try:

@@ -46,7 +46,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxrlhf.engine import EngineConfig, HybridEngine, ModelSide  # noqa: E402
+from jaxrlhf.rl.engine import EngineConfig, HybridEngine, ModelSide  # noqa: E402
 from jaxrlhf.lora import LoRAConfig  # noqa: E402
 from jaxrlhf.plan import capacity, plan  # noqa: E402
 from jaxrlhf.models import init_params, llama, opt, param_shapes, preset  # noqa: E402
@@ -133,7 +133,7 @@ def ours(args, actor: str, critic: str, B: int, precision: str, lora: int) -> di
     t = statistics.median(times)
     profile = {}
     if args.profile:  # the kernels of one more iteration by device time, per phase (HybridEngine marks them)
-        trace = Path(args.out or "bench/results") / f"trace-ppo-{actor}-{B}-{precision}"
+        trace = Path(args.out or common.RESULTS / "ppo") / f"trace-ppo-{actor}-{B}-{precision}"
         profile = {"profile": common.kernel_profile(lambda: engine.train_rlhf(engine.generate_experience(batch)), trace,
                                                     top=25)}
     real = int(batch["prompt_mask"].sum() + batch["answer_limits"].sum())
@@ -307,7 +307,7 @@ def main():
     result = {"benchmark": "ppo_step", **common.environment(), "args": vars(args), "runs": []}
     if args.find_max:
         result["largest_actor"] = find_max(args)
-        common.write("ppo-find-max", result, args.out)
+        common.write("ppo", "ppo-find-max", result, args.out)
         return
     from tools.bench_forward import matmul_ceiling
 
@@ -334,7 +334,7 @@ def main():
             elif isinstance(r, dict):
                 print(f"B={B:4d} {key:24s} {r['error']}", flush=True)
         result["runs"].append(row)
-        common.write(f"ppo-{args.actor}" + ("-lengths" if args.lengths else ""), result, args.out, stamp)
+        common.write("ppo", f"ppo-{args.actor}" + ("-lengths" if args.lengths else ""), result, args.out, stamp)
 
 
 if __name__ == "__main__":

@@ -125,14 +125,14 @@ def main():
     ap.add_argument("--models", nargs="+", default=["opt-1.3b", "opt-6.7b"], choices=sorted(PRESETS))
     ap.add_argument("--tp", type=int, nargs="+", default=None, help="generation tp sizes (default: all devices)")
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--out", default=None, help="results folder (default bench/results)")
+    ap.add_argument("--out", default=None, help="results folder (default bench/results/reshard)")
     args = ap.parse_args()
     result = {"benchmark": "reshard", **common.environment(), "device_bandwidth_Bps": device_bandwidth(), "runs": []}
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     for tp in args.tp or [jax.device_count()]:
         for name in args.models:
             result["runs"].append(bench_model(name, tp, args.repeats))
-            common.write("reshard", result, args.out, stamp)  # what we have so far (a time limit may stop the rest)
+            common.write("reshard", "reshard", result, args.out, stamp)  # what we have so far (a time limit may stop the rest)
 
 
 if __name__ == "__main__":

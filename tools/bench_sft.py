@@ -106,7 +106,7 @@ def main():
             print(f"{key:24s} {t['median_s'] * 1e3:8.1f} ms  {t['tokens_per_s']:9.0f} tok/s  {t['tflops']:6.0f} TFLOP/s  MFU {t['mfu']:.2f}", flush=True)
         else:
             print(f"{key:24s} {t['error']}", flush=True)
-    common.write(f"sft-{args.model}", result, args.out)
+    common.write("sft", f"sft-{args.model}", result, args.out)
 
 
 if __name__ == "__main__":

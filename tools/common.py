@@ -1,4 +1,4 @@
-"""Shared by the benchmarks: the environment record, robust timing, and writing bench/results/*.json."""
+"""Shared by the benchmarks: the environment record, robust timing, and writing bench/results/<benchmark>/*.json."""
 
 from __future__ import annotations
 
@@ -104,9 +104,9 @@ def kernel_totals(events: list[dict], top: int = 40, phase_prefix: str = "jaxrlh
 
 def read_bandwidth(size: int = 2**31, reads: int = 16) -> float:
     """Bytes read per second by sums over `size` bf16 (4 GiB), `reads` of them in one compiled loop: the roofline
-    of a read-bound kernel (decode attention, a decode step). One sum per call (~1.3 ms on the H200) measured
-    2.65-3.50 TB/s from run to run, the host's dispatch in the timing; the loop keeps the device busy for
-    ~20 ms. A copy (`a + 1`) reads and writes and runs well below it."""
+    of a read-bound kernel (decode attention, a decode step). One short sum per call put the host's dispatch in
+    the timing and varied from run to run; the loop keeps the device busy long enough. A copy (`a + 1`) reads and
+    writes and runs well below it (figures: docs/benchmarks.md)."""
     import jax.numpy as jnp
 
     a = jnp.ones((size,), jnp.bfloat16)
@@ -142,10 +142,10 @@ def torch_child(argv: list[str], keys) -> dict:
     return json.loads(child.stdout.strip().splitlines()[-1])
 
 
-def write(name: str, result: dict, out_dir: str | Path | None = None, stamp: str | None = None) -> Path:
-    """Write bench/results/NAME-STAMP.json (STAMP: now). Passing the same stamp again rewrites that file, so a
-    long benchmark can save what it has after each part."""
-    out = Path(out_dir) if out_dir else RESULTS
+def write(benchmark: str, name: str, result: dict, out_dir: str | Path | None = None, stamp: str | None = None) -> Path:
+    """Write bench/results/BENCHMARK/NAME-STAMP.json (or OUT_DIR/NAME-STAMP.json; STAMP: now). Passing the same stamp
+    again rewrites that file, so a long benchmark can save what it has after each part."""
+    out = Path(out_dir) if out_dir else RESULTS / benchmark
     out.mkdir(parents=True, exist_ok=True)
     stamp = stamp or datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = out / f"{name}-{stamp}.json"
