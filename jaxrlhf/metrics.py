@@ -1,40 +1,84 @@
-"""Metrics from process 0: JSON lines (metrics.jsonl) and TensorBoard events (tb/)."""
+"""Metrics from process 0: JSON lines (metrics.jsonl, always) and the trackers named in `report_to`:
 
+- `tensorboard`: TensorBoard events under tb/ (tensorboardX);
+- `wandb`: Weights & Biases (`pip install 'jaxrlhf[wandb]'`; its own settings from WANDB_PROJECT, WANDB_MODE=offline,
+  WANDB_DIR ..., the run files beside metrics.jsonl unless WANDB_DIR says otherwise);
+- `mlflow`: MLflow (`pip install 'jaxrlhf[mlflow]'`; the server from MLFLOW_TRACKING_URI, e.g. file:/tmp/mlruns).
+"""
+
+import importlib.util
 import json
+import os
+import sys
 from pathlib import Path
 
 import jax
 
+from jaxrlhf.config import ConfigError
+
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+
+
+def check_trackers(report_to: tuple[str, ...]):
+    """At start-up, before any model loads: a ConfigError for a tracker that is unknown or not installed."""
+    for name in report_to:
+        if name not in TRACKERS:
+            raise ConfigError(f"report_to: unknown tracker {name!r}; expected some of {list(TRACKERS)}")
+        if name != "tensorboard" and name not in sys.modules and importlib.util.find_spec(name) is None:
+            raise ConfigError(f"report_to: {name} is not installed; pip install 'jaxrlhf[{name}]' (or leave it out)")
+
 
 class MetricsLog:
-    """Metrics as JSON lines (metrics.jsonl) and TensorBoard events (tb/), from process 0 only."""
+    """Writes each step's scalar metrics to metrics.jsonl and to the trackers in `report_to`; `config` (the run's
+    settings, flat) goes to the trackers as the run's parameters."""
 
-    def __init__(self, out_dir: Path):
-        self.file = None
-        self.tb = None
+    def __init__(self, out_dir: Path, report_to: tuple[str, ...] = ("tensorboard",), config: dict | None = None):
+        self.file, self.tb, self.wandb, self.mlflow = None, None, None, None
         if jax.process_index() != 0:
             return
+        check_trackers(report_to)
         out_dir.mkdir(parents=True, exist_ok=True)
         self.file = open(out_dir / "metrics.jsonl", "a")
-        try:
-            from tensorboardX import SummaryWriter
+        if "tensorboard" in report_to:
+            try:
+                from tensorboardX import SummaryWriter
 
-            self.tb = SummaryWriter(str(out_dir / "tb"))
-        except ImportError:  # the GPU image has no tensorboardX; JSON lines still work
-            self.tb = None
+                self.tb = SummaryWriter(str(out_dir / "tb"))
+            except ImportError:  # a dependency, but an image without it still writes the JSON lines
+                pass
+        if "wandb" in report_to:
+            import wandb
+
+            self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "jaxrlhf"), name=out_dir.name,
+                                    dir=os.environ.get("WANDB_DIR", str(out_dir)), config=config)
+        if "mlflow" in report_to:
+            import mlflow
+
+            self.mlflow = mlflow
+            mlflow.start_run(run_name=out_dir.name)
+            if config:
+                mlflow.log_params(config)
 
     def write(self, step: int, split: str, metrics: dict):
         if self.file is None:
             return
         self.file.write(json.dumps({"step": step, "split": split, **metrics}) + "\n")
         self.file.flush()
+        scalars = {f"{split}/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}
         if self.tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)):
-                    self.tb.add_scalar(f"{split}/{k}", v, step)
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+        if self.mlflow is not None:
+            self.mlflow.log_metrics(scalars, step=step)
 
     def close(self):
         if self.file:
             self.file.close()
         if self.tb:
             self.tb.close()
+        if self.wandb:
+            self.wandb.finish()
+        if self.mlflow:
+            self.mlflow.end_run()

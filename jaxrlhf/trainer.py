@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxrlhf.config import ConfigError, check_fields
 from jaxrlhf.data import DataConfig
 from jaxrlhf.lora import LoRAConfig, adapted_mask, attach, fuse, init_lora
-from jaxrlhf.metrics import MetricsLog
+from jaxrlhf.metrics import MetricsLog, check_trackers
 from jaxrlhf.sharding import FSDP_AXES, make_mesh, path_str, shardings_for
 
 
@@ -101,6 +101,8 @@ class RunConfig:
     seed: int = 1234
     #: print and write metrics every this many steps
     log_every: int = 10
+    #: where metrics go besides metrics.jsonl: tensorboard, wandb, mlflow (see jaxrlhf/metrics.py)
+    report_to: tuple[str, ...] = ("tensorboard",)
     #: stop the run after this many steps in a row skipped for a non-finite loss or gradient norm
     max_skipped_steps: int = 10
     optim: OptimConfig = OptimConfig()
@@ -110,6 +112,7 @@ class RunConfig:
     def __post_init__(self):
         check_fields(self, batch_size=">= 1", epochs=">= 1", max_steps=">= 0", eval_every=">= 0", eval_batches=">= 0",
                      save_every=">= 0", keep_checkpoints=">= 1", dropout="[0, 1)", tp=">= 1", log_every=">= 1")
+        check_trackers(self.report_to)
 
 
 # -------------------------------------------------------------------------------------------- optimizer
@@ -321,7 +324,7 @@ RUN_SETTINGS = "run_config.json"
 # Settings that may differ between the starts of one run: they steer logging, saving and evaluation, not the weights.
 BOOKKEEPING = ("resume", "output_dir", "log_every", "save_every", "keep_checkpoints", "max_skipped_steps", "eval_every",
                "eval_batches", "sample_prompts", "sample_tokens", "score_file", "print_answers", "alarms",
-               "device_memory_gib", "data.cache_dir")
+               "device_memory_gib", "data.cache_dir", "report_to")
 # The run's length may change too: the saved state then continues to the new end (a finished run is extended).
 LENGTH = ("max_steps", "epochs")
 
@@ -541,7 +544,7 @@ def fit(run: RunConfig, state, loss_fn: LossFn, tx, train_batches, eval_batches_
     state = jax.device_put(state, shardings)
     step_fn = jax.jit(make_train_step(loss_fn, tx, run.lora), out_shardings=(shardings, None), donate_argnums=0)
     eval_fn = jax.jit(make_eval_step(loss_fn, run.lora))
-    metrics_log = MetricsLog(out)
+    metrics_log = MetricsLog(out, run.report_to, settings(run))
     records = []
 
     def evaluate(step):
