@@ -26,6 +26,7 @@ from jaxrlhf.config import ConfigError, check_fields, run_cli
 from jaxrlhf.distributed import to_host
 from jaxrlhf.data import Batches, DataConfig, prepare
 from jaxrlhf import plan as memory_plan
+from jaxrlhf.metrics import check_trackers
 from jaxrlhf.engine import EngineConfig, HybridEngine, ModelSide, check_accumulation
 from jaxrlhf.sharding import make_mesh
 from jaxrlhf.trainer import (MetricsLog, RunConfig, SkipCounter, checkpoint_manager, load_model, precision_warning,
@@ -55,6 +56,8 @@ class PPOConfig(EngineConfig):
     unsup_batch_size: int = 0
     #: print and write metrics every this many iterations
     log_every: int = 1
+    #: where metrics go besides metrics.jsonl: tensorboard, wandb, mlflow (see jaxrlhf/metrics.py)
+    report_to: tuple[str, ...] = ("tensorboard",)
     #: save the training state every this many iterations (0: only at the end)
     save_every: int = 0
     #: training states kept on disk (the newest)
@@ -80,6 +83,7 @@ class PPOConfig(EngineConfig):
         if self.max_steps < 0 or self.save_every < 0 or self.unsup_batch_size < 0:
             raise ValueError("max_steps, save_every and unsup_batch_size must be >= 0")
         check_fields(self, keep_checkpoints=">= 1", device_memory_gib=">= 0")
+        check_trackers(self.report_to)
 
 
 def check(cfg: PPOConfig, mesh):
@@ -230,7 +234,7 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
         save_state(manager, engine.state, {name: b.state() for name, b in sources.items()}, step=int(engine.state["iteration"]))
 
     synthetic = all(p.startswith("synthetic") for p in cfg.data.data_path)
-    metrics_log, records = MetricsLog(out), []
+    metrics_log, records = MetricsLog(out, cfg.report_to, settings(cfg, INPUTS)), []
     start = int(engine.state["iteration"]) // cfg.generation_batches
     if start > iterations:
         raise ConfigError(f"{out / 'state'}: the saved run is at iteration {start}, past this run's {iterations} "
