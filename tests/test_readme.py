@@ -1,0 +1,198 @@
+"""Every command of README.md and every usage line of configs/*.yaml runs.
+
+The README's ```bash blocks run in order, in one scratch folder (a later example reads an earlier one's outputs),
+on CPU JAX. Two kinds of change are made to a command before it runs:
+- STAND_INS: a path that stands for something a CPU test does not have (`/data/opt-1.3b`, a Hugging Face folder of
+  a real model) becomes a tiny one that an earlier example wrote (the built-in run's Step 1 model);
+- SHRINK: overrides appended to a long command, only ones that make it smaller (steps, batch, lengths, prompts).
+The ```python block runs as a script on 8 virtual devices. The ```sh block (GPU benchmarks) and the install lines are
+checked as text: each tool and flag exists, each pip extra is in pyproject.toml.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from conftest import ASSETS
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+# What a CPU test puts in place of a real model folder: the built-in run's outputs (written by the README's
+# first command, `python -m jaxrlhf.train`, into the scratch folder's runs/train).
+STAND_INS = {
+    "/data/opt-1.3b": "runs/train/actor-models/model",
+    "/data/opt-350m": "runs/train/reward-models/model",
+    "PATH/TO/opt-1.3b": "runs/train/actor-models/model",
+    "PATH/TO/opt-350m": "runs/train/reward-models/model",
+    "OUT/": "runs/train/",
+    "../shared/assets": str(ASSETS),
+}
+# The built-in task at the built-in models' 64 positions, for commands whose config names hub datasets.
+TINY_DATA = ["data.data_path=[synthetic:6000]", "data.max_seq_len=32", "data.max_prompt_len=24"]
+STEP = ["max_steps=2", "batch_size=8", "eval_batches=1"]
+SHRINK = {
+    "jaxrlhf.train": ["sft.max_steps=40", "reward.max_steps=20", "ppo.max_steps=2", "eval_prompts=16", "eval_samples=1"],
+    "jaxrlhf.train --actor-model": TINY_DATA + ["sft.max_steps=2", "sft.batch_size=8", "reward.max_steps=2",
+                                                "reward.batch_size=8", "ppo.max_steps=1", "ppo.batch_size=8",
+                                                "ppo.max_answer_len=8", "eval_prompts=8", "eval_samples=1"],
+    "jaxrlhf.train configs/train.yaml": TINY_DATA + ["sft.max_steps=2", "sft.batch_size=8", "reward.max_steps=2",
+                                                 "reward.batch_size=8", "ppo.max_steps=1", "ppo.batch_size=8",
+                                                 "ppo.max_answer_len=8", "eval_prompts=8", "eval_samples=1",
+                                                 "output_dir=runs/train-config"],
+    "jaxrlhf.train configs/stories.yaml": ["sft.max_steps=5", "reward.max_steps=5", "ppo.max_steps=1",
+                                           "eval_prompts=8", "eval_samples=1"],
+    "jaxrlhf.sft": TINY_DATA + STEP,
+    "jaxrlhf.reward": TINY_DATA + STEP,
+    "jaxrlhf.ppo": TINY_DATA + ["max_steps=1", "batch_size=8", "max_answer_len=8"],
+    "jaxrlhf.eval": ["num_prompts=16", "ppl_rows=16", "rm_pairs=16"],
+    "jaxrlhf.eval configs/eval.yaml": TINY_DATA + ["max_answer_len=8", "num_prompts=16", "ppl_rows=16", "rm_pairs=16",
+                                                   "output_dir=runs/eval-config"],
+}
+STDIN = {"jaxrlhf.chat": "Sort these letters: c a b\nclear\nquit\n"}
+
+
+def fenced(text: str, lang: str) -> list[str]:
+    """The bodies of the ```LANG blocks of a Markdown text."""
+    return re.findall(rf"^```{lang}\n(.*?)^```", text, re.S | re.M)
+
+
+def commands(block: str) -> list[list[str]]:
+    """Shell words of each command in a block: continuation lines joined, comments and blank lines dropped."""
+    out = []
+    for line in block.replace("\\\n", " ").splitlines():
+        words = shlex.split(line, comments=True)
+        if words:
+            out.append(words)
+    return out
+
+
+def usage_lines(config: Path) -> list[list[str]]:
+    """The commands in a config's header comment (`# python -m ...`, continued with a trailing backslash)."""
+    header = []
+    for line in config.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line.lstrip("#").strip())
+    text = "\n".join(header).replace("\\\n", " ")
+    return [shlex.split(line.split("[key=value")[0]) for line in text.splitlines() if line.startswith("python -m ")]
+
+
+def prepare(words: list[str]) -> tuple[list[str], str | None]:
+    """A README command as this test runs it: stand-ins put in, shrinking overrides appended, its stdin."""
+    words = [_stand_in(w) for w in words]
+    assert words[:2] == ["python", "-m"], f"not a `python -m` command: {shlex.join(words)}"
+    module, rest = words[2], words[3:]
+    yaml = [w for w in rest if w.endswith(".yaml")]
+    keys = [f"{module} {yaml[0]}"] * bool(yaml) + [f"{module} {rest[0]}"] * bool(rest) + [module]
+    extra = next((SHRINK[k] for k in keys if k in SHRINK), [])
+    given = {w.split("=", 1)[0] for w in rest if "=" in w and not w.startswith("-")}
+    extra = [e for e in extra if e.split("=", 1)[0] not in given]  # the command's own value stays
+    return [sys.executable, "-m", module, *rest, *extra], STDIN.get(module)
+
+
+def _stand_in(word: str) -> str:
+    for old, new in STAND_INS.items():
+        word = word.replace(old, new)
+    return word
+
+
+def run(argv: list[str], cwd: Path, stdin: str | None = None, env: dict | None = None, timeout: int = 1500):
+    # as a user runs it: CPU JAX with its one device (not the 8 that tests/conftest.py gives this process)
+    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "JAX_PLATFORMS": "cpu", **(env or {})}
+    done = subprocess.run(argv, cwd=cwd, input=stdin, capture_output=True, text=True, env=env, timeout=timeout)
+    tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-30:])
+    assert done.returncode == 0, f"`{shlex.join(argv[1:])}` (in {cwd}) exited {done.returncode}:\n{tail}"
+    return done
+
+
+def readme_commands() -> list[list[str]]:
+    return [c for block in fenced(README.read_text(), "bash") for c in commands(block)]
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory) -> Path:
+    """A folder to run in: configs/ linked in, runs/ written there."""
+    folder = tmp_path_factory.mktemp("readme")
+    (folder / "configs").symlink_to(ROOT / "configs")
+    return folder
+
+
+def test_install_lines_name_extras_that_exist():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"].get("optional-dependencies", {})
+    text = README.read_text()
+    named = re.findall(r"pip install -e '\.\[([a-z,]+)\]'", text)
+    assert "cuda" in {n for group in named for n in group.split(",")}, "the README documents no GPU install"
+    for group in named:
+        for name in group.split(","):
+            assert name in extras, f"README installs the extra {name!r}; pyproject.toml has {sorted(extras)}"
+    assert "python3.12 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/python -m jaxrlhf.train" in text
+
+
+def test_gpu_commands_name_tools_and_flags_that_exist():
+    """The benchmark commands (```sh) run on the GPU machine only: each tool exists and takes each flag."""
+    checked = 0
+    for block in fenced(README.read_text(), "sh"):
+        for words in commands(block):
+            tools = [w for w in words if w.startswith("tools/") and w.endswith(".py")]
+            if not tools:
+                continue
+            source = (ROOT / tools[0]).read_text()
+            for flag in (w for w in words if w.startswith("--")):
+                assert f'"{flag}"' in source, f"{tools[0]} takes no {flag} (README: {shlex.join(words)})"
+            checked += 1
+    assert checked >= 5
+
+
+def test_every_config_usage_line_is_a_readme_command_or_runs_below():
+    """Each config's usage line is one of the README's commands, or it is in CONFIG_ONLY (run by the slow test)."""
+    readme = {shlex.join(c) for c in readme_commands()}
+    for config in sorted((ROOT / "configs").glob("*.yaml")):
+        lines = usage_lines(config)
+        assert lines, f"{config.name}: no usage line (`# python -m jaxrlhf.... {config.relative_to(ROOT)} ...`)"
+        for words in lines:
+            assert shlex.join(words) in readme or shlex.join(words) in CONFIG_ONLY, (config.name, shlex.join(words))
+
+
+# Usage lines of configs that the README does not show; the slow test runs them after the README's commands.
+CONFIG_ONLY = [
+    "python -m jaxrlhf.eval --models OUT/actor-models/model OUT/step3-models/actor OUT/step3-models/actor_ema "
+    "--reward-model OUT/reward-models/model configs/eval.yaml",
+    "python -m jaxrlhf.inspect configs/inspect.yaml",
+    "python -m jaxrlhf.train --actor-model /data/opt-1.3b --reward-model /data/opt-350m configs/train.yaml",
+]
+
+
+@pytest.mark.slow
+def test_readme_commands_run(scratch):
+    """Every ```bash command of the README in order, then the configs' own usage lines, in one scratch folder."""
+    ran = []
+    for words in readme_commands() + [shlex.split(c) for c in CONFIG_ONLY]:
+        if words[:2] != ["python", "-m"]:
+            continue  # the install lines: test_install_lines_name_extras_that_exist
+        if words[2] == "jaxrlhf.convert" and not ASSETS.is_dir():
+            pytest.skip(f"{ASSETS} is missing (stories260K): set JAXRLHF_ASSETS")
+        argv, stdin = prepare(words)
+        run(argv, scratch, stdin)
+        ran.append(words[2])
+    assert (scratch / "runs/train/step3-models/actor/config.json").is_file()
+    assert "win rate" in (scratch / "runs/eval/report.md").read_text()
+    assert {"jaxrlhf.train", "jaxrlhf.sft", "jaxrlhf.reward", "jaxrlhf.ppo", "jaxrlhf.eval", "jaxrlhf.chat",
+            "jaxrlhf.plan", "jaxrlhf.inspect", "jaxrlhf.data", "jaxrlhf.convert"} <= set(ran)
+
+
+@pytest.mark.slow
+def test_readme_python_example_runs(scratch):
+    (block,) = fenced(README.read_text(), "python")
+    script = scratch / "readme_example.py"
+    script.write_text(block)
+    done = run([sys.executable, str(script)], scratch, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    assert "(4, 4, 50272) (4, 8)" in done.stdout
