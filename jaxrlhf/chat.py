@@ -10,7 +10,6 @@ turn. Type `clear` to start a new conversation and `quit` to leave.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import Callable
 
 import jax
@@ -108,13 +107,14 @@ def chat(cfg: ChatConfig, read: Callable[[str], str] | None = None, write: Calla
     return log
 
 
+def flags(parser):
+    """DeepSpeed-Chat's flags, the same as the settings path= and max_new_tokens=."""
+    parser.add_argument("--path", help="the model folder (e.g. OUT/step3-models/actor)")
+    parser.add_argument("--max-new-tokens", "--max_new_tokens", dest="max_new_tokens", type=int, metavar="N")
+
+
 def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    for flag in ("--path", "--max_new_tokens", "--max-new-tokens"):  # DeepSpeed-Chat's flags, as key=value
-        while flag in argv[:-1]:
-            i = argv.index(flag)
-            argv[i : i + 2] = [f"{flag.lstrip('-').replace('-', '_')}={argv[i + 1]}"]
-    run_cli(ChatConfig, __doc__, "python -m jaxrlhf.chat", chat, argv)
+    run_cli(ChatConfig, __doc__, "python -m jaxrlhf.chat", chat, argv, flags=flags)
 
 
 if __name__ == "__main__":

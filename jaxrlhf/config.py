@@ -1,10 +1,10 @@
 """Run configuration: frozen dataclasses, filled from a YAML file and then `dotted.key=value` overrides.
 
-    python -m jaxrlhf.<entry> [CONFIG.yaml] [section.field=value ...]
+    python -m jaxrlhf.<entry> [CONFIG.yaml] [section.field=value ...] [--flags ...]   (in any order)
 
 Unknown keys are errors that name the file and line; values are checked against the field types
-before anything is compiled. Each field's help text is the comment `#: ...` on the line above it,
-which `--help` prints with the default.
+before anything is compiled. Each field's help text is the comment `#: ...` on the line above it:
+`--help` prints the main settings with it, `--help-all` every setting with its default.
 """
 
 from __future__ import annotations
@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import json
 import math
 import os
 import re
 import sys
+import textwrap
 import types
 import typing
 from pathlib import Path
@@ -240,8 +242,9 @@ def _set_dotted(tree: dict, dotted: str, value: Any):
     tree[leaf] = value
 
 
-def load(cls, config_file: str | None = None, overrides: list[str] = ()):
-    """`cls` filled from its defaults, then `config_file` (YAML), then `key=value` overrides (YAML values)."""
+def load(cls, config_file: str | None = None, overrides: list[str] = (), default=None):
+    """`cls` filled from its defaults (or the instance `default`), then `config_file` (YAML), then `key=value`
+    overrides (YAML values)."""
     values, where = {}, {}
     if config_file is not None:
         path = Path(config_file)
@@ -255,50 +258,114 @@ def load(cls, config_file: str | None = None, overrides: list[str] = ()):
         value = parse_yaml(raw, f"command line: '{key.strip()}'", lines=False)[0] if raw.strip() else ""
         _set_dotted(values, key.strip(), value)
         where[key.strip()] = "command line"
-    return build(cls, values, where)
+    return build(cls, values, where, default=default)
 
 
-def _help_lines(cls, prefix="") -> list[str]:
-    lines, doc = [], field_help(cls)
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            lines += _help_lines(hints[f.name], prefix + f.name + ".")
+# ---------------------------------------------------------------------------------------------- command line
+
+# The settings a newcomer sets first: `--help` shows these (where a key recurs, at its shallowest depth) and names the
+# sections; `--help-all` shows every setting with its default and help, section by section.
+MAIN = ("model", "path", "models", "tokenizer", "actor_model", "reward_model", "deployment_type", "steps", "data_path",
+        "prompt", "output_dir", "batch_size", "max_steps", "optim.learning_rate", "max_new_tokens")
+WIDTH = 118
+
+
+def _settings(obj, prefix=""):
+    """(section, dotted key, default, help) of every setting of the config `obj`, section by section."""
+    doc, nested = field_help(type(obj)), []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            nested.append((value, prefix + f.name + "."))
         else:
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"  {prefix + f.name} = {default!r}\n      {doc.get(f.name, '')}")
-    return lines
+            yield prefix[:-1], prefix + f.name, value, doc.get(f.name, "")
+    for value, sub in nested:
+        yield from _settings(value, sub)
 
 
-def parse_cli(cls, description: str, argv: list[str] | None = None, prog: str | None = None):
-    """Parse `[CONFIG.yaml] [key=value ...]` for the entry point whose options are `cls`; exits on errors.
+def settings_help(cls, full: bool = False) -> str:
+    """The settings of `cls` by section: the main ones with one line of help, or (`full`) all with their help."""
+    rows, root = list(_settings(cls())), cls.__name__.removesuffix("Config").lower()
+    main = lambda key: next((m for m in MAIN if key == m or key.endswith("." + m)), None)  # noqa: E731
+    depth = {}
+    for _, key, _, _ in rows:
+        depth[main(key)] = min(depth.get(main(key), 99), key.count("."))
+    if not full:
+        rows = [r for r in rows if main(r[1]) and r[1].count(".") == depth[main(r[1])]]
+    out, section = [], None
+    for sec, key, default, doc in rows:
+        if sec != section:
+            out.append(f" {sec or root}:")
+            section = sec
+        line = f"  {key} = {default!r}"
+        out.append(f"{line}\n      {doc}" if full else (f"{line:34} {doc}" if doc else line)[:WIDTH])
+    head = "settings (in CONFIG.yaml or as key=value; values are YAML)"
+    if full:
+        return f"{head}, by section:\n" + "\n".join(out)
+    sections = {}
+    for sec, *_ in _settings(cls()):
+        sections[sec or root] = sections.get(sec or root, 0) + 1
+    more = "every setting (--help-all): " + ", ".join(f"{s} ({n})" for s, n in sections.items())
+    return f"{head}; the main ones:\n" + "\n".join(out) + "\n" + textwrap.fill(more, WIDTH, subsequent_indent="  ")
 
-    The multi-process flags (`jaxrlhf.distributed`) are read here too, and the process joins the others."""
+
+class _HelpAll(argparse.Action):
+    def __init__(self, option_strings, dest, cls=None, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="show every setting, with its default and help, and exit")
+        self.cls = cls
+
+    def __call__(self, parser, *args):
+        parser.epilog = settings_help(self.cls, full=True)
+        parser.print_help()
+        parser.exit()
+
+
+def parse_cli(cls, description: str, argv: list[str] | None = None, prog: str | None = None, flags=None,
+              preset=None, processes: bool = True):
+    """Parse `[CONFIG.yaml] [key=value ...]` and the options that `flags(parser)` adds, in any order, for the entry
+    point whose settings are `cls`: (settings, the parsed options); exits 2 on errors. An option whose `dest` is a
+    settings key (`dest="data.data_path"`) sets it, before the key=value overrides. `preset(settings)` may give
+    defaults to load again on top of (the deployment presets). With `processes`, the multi-process flags
+    (`jaxrlhf.distributed`) are read too, and the process joins the others."""
     from jaxrlhf import distributed
 
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description=description,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="settings (set in CONFIG.yaml or as key=value; values are YAML):\n" + "\n".join(_help_lines(cls)),
-    )
-    parser.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
-    distributed.add_arguments(parser)
-    ns = parser.parse_args(argv)
-    args = ns.args
-    config_file = args[0] if args and "=" not in args[0] else None
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=settings_help(cls),
+                                     usage="%(prog)s [options] [CONFIG.yaml] [key=value ...]",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--help-all", action=_HelpAll, cls=cls)
+    parser.add_argument("args", nargs="*", metavar="CONFIG.yaml, key=value", help="settings (the main ones below)")
+    if flags:
+        flags(parser)
+    if processes:
+        distributed.add_arguments(parser)
+    ns = parser.parse_intermixed_args(argv)
+    keys = {key for _, key, _, _ in _settings(cls())}
+    for dest, value in vars(ns).items():  # "--models A B key=value": a list-valued option took the overrides
+        if isinstance(value, list) and dest != "args":
+            stray = [a for a in value if isinstance(a, str) and ("=" in a or a.endswith((".yaml", ".yml")))
+                     and not Path(a).is_dir()]
+            setattr(ns, dest, [a for a in value if a not in stray])
+            ns.args += stray
+    files = [a for a in ns.args if "=" not in a]
+    overrides = [f"{k}={json.dumps(v)}" for k, v in vars(ns).items() if k in keys and v is not None]
+    overrides += [a for a in ns.args if "=" in a]
     try:
-        cfg = load(cls, config_file, args[1:] if config_file else args)
-        distributed.initialize(ns.coordinator_address, ns.num_processes, ns.process_id)
-        return cfg
+        if len(files) > 1:
+            raise ConfigError(f"command line: one CONFIG.yaml at most, got {' and '.join(files)}")
+        cfg = load(cls, files[0] if files else None, overrides)
+        base = preset(cfg) if preset else None
+        if base is not None:  # the preset first, then the file and the command line again on top of it
+            cfg = load(cls, files[0] if files else None, overrides, default=base)
+        if processes:
+            distributed.initialize(ns.coordinator_address, ns.num_processes, ns.process_id)
+        return cfg, ns
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
-# XLA flags the entry points add unless the user already set them (they act only before JAX starts):
-# on the H200, cuBLAS for every GEMM made the OPT-1.3B training step 8 % faster than XLA's Triton GEMMs
-# (86.2 vs 93.6 ms, bench/results/sft-opt-1.3b-20261130-0925*.json).
+# XLA flags the entry points add unless the user already set them (they act only before JAX starts): cuBLAS for every
+# GEMM trained OPT-1.3B faster than XLA's Triton GEMMs on the H200.
 DEFAULT_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false",)
 
 
@@ -309,13 +376,12 @@ def default_xla_flags():
         os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
 
 
-def run_cli(cls, doc: str, prog: str, fn, argv: list[str] | None = None):
+def run_cli(cls, doc: str, prog: str, fn, argv: list[str] | None = None, flags=None):
     """An entry point: parse the settings, run `fn(settings)`, and turn a bad input into one line and exit 2."""
     default_xla_flags()
-    cfg = parse_cli(cls, doc.split("\n\n")[0], argv, prog=prog)
+    cfg, _ = parse_cli(cls, doc.split("\n\n")[0], argv, prog=prog, flags=flags)
     try:
         return fn(cfg)
     except ValueError as e:  # ConfigError, DataError, CheckpointError and LayoutError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-

@@ -18,7 +18,6 @@ and training.png, frontier.png, lengths.png, win_rates.png. The held-out sets ar
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -494,34 +493,23 @@ def pipeline_report(step1, reward_model, step3: dict, metrics, out_dir, data: Da
     return run(cfg, log=log)["report"]
 
 
-def parse(argv: list[str] | None) -> EvalConfig:
-    """--models/--names/--reward-model/--prompts/--reference/--metrics/--output-dir, then [CONFIG.yaml] [key=value ...]."""
-    from jaxrlhf.config import _help_lines, load
-
-    parser = argparse.ArgumentParser(prog="python -m jaxrlhf.eval", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="settings (set in CONFIG.yaml or as key=value; values are YAML):\n"
-                                     + "\n".join(_help_lines(EvalConfig)))
-    parser.add_argument("--models", nargs="+")
+def flags(parser):
+    """The options, the same as the settings of their names (--prompts: data.data_path)."""
+    parser.add_argument("--models", nargs="+", metavar="DIR")
     parser.add_argument("--names", nargs="+")
-    parser.add_argument("--reward-model", "--reward_model")
-    parser.add_argument("--prompts", help="the dataset of the held-out prompts (data.data_path), e.g. synthetic:6000")
-    parser.add_argument("--reference")
-    parser.add_argument("--metrics")
-    parser.add_argument("--output-dir", "--output_dir")
-    parser.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
-    ns = parser.parse_args(argv)
-    for flag in ("models", "names"):  # "--models A B key=value" or "... CONFIG.yaml": argparse gave those to the flag
-        given = getattr(ns, flag) or []
-        stray = [a for a in given if ("=" in a or a.endswith((".yaml", ".yml"))) and not Path(a).is_dir()]
-        if stray:
-            setattr(ns, flag, [a for a in given if a not in stray])
-            ns.args = stray + ns.args
-    config_file = ns.args[0] if ns.args and "=" not in ns.args[0] else None
-    flags = {"models": ns.models, "names": ns.names, "reward_model": ns.reward_model, "reference": ns.reference,
-             "metrics": ns.metrics, "output_dir": ns.output_dir, "data.data_path": [ns.prompts] if ns.prompts else None}
-    overrides = [f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None]
-    return load(EvalConfig, config_file, overrides + (ns.args[1:] if config_file else ns.args))
+    parser.add_argument("--reward-model", "--reward_model", dest="reward_model", metavar="DIR")
+    parser.add_argument("--prompts", dest="data.data_path", type=lambda s: [s],
+                        help="the dataset of the held-out prompts (data.data_path), e.g. synthetic:6000")
+    parser.add_argument("--reference", metavar="DIR")
+    parser.add_argument("--metrics", metavar="FILE")
+    parser.add_argument("--output-dir", "--output_dir", dest="output_dir", metavar="DIR")
+
+
+def parse(argv: list[str] | None) -> EvalConfig:
+    """--models/--names/--reward-model/--prompts/--reference/--metrics/--output-dir and [CONFIG.yaml] [key=value ...]."""
+    from jaxrlhf.config import parse_cli
+
+    return parse_cli(EvalConfig, __doc__.split("\n\n")[0], argv, "python -m jaxrlhf.eval", flags, processes=False)[0]
 
 
 def main(argv=None):

@@ -428,21 +428,16 @@ def measure(engine, prompt_batch: dict) -> dict[str, int]:
 
 def main(argv=None):
     """python -m jaxrlhf.plan CONFIG [key=value ...] [--devices N]: print the plan of a Step 3 config."""
-    import argparse
-
-    from jaxrlhf.config import load
+    from jaxrlhf.config import parse_cli
     from jaxrlhf.ppo import PPOConfig
     from jaxrlhf.sharding import make_mesh
 
-    ap = argparse.ArgumentParser(prog="python -m jaxrlhf.plan", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
-    ap.add_argument("--devices", type=int, default=0, help="plan for this many devices (default: the ones here)")
-    ap.add_argument("--backend", default=None, help="gpu, tpu or cpu (default: this machine's)")
-    ns = ap.parse_args(argv)
-    config_file = ns.args[0] if ns.args and "=" not in ns.args[0] else None
+    def flags(parser):
+        parser.add_argument("--devices", type=int, default=0, help="plan for this many devices (default: the ones here)")
+        parser.add_argument("--backend", default=None, help="gpu, tpu or cpu (default: this machine's)")
+
+    cfg, ns = parse_cli(PPOConfig, __doc__.split("\n\n")[0], argv, "python -m jaxrlhf.plan", flags, processes=False)
     try:
-        cfg = load(PPOConfig, config_file, ns.args[1:] if config_file else ns.args)
         mesh = abstract_mesh(ns.devices, cfg.inference_tp_size) if ns.devices else make_mesh(cfg.inference_tp_size)
         actor, critic = model_config(cfg, cfg.actor), model_config(cfg, cfg.critic)
         p = ppo_plan(cfg, mesh, actor, critic, ns.backend)

@@ -66,12 +66,32 @@ def test_errors_name_the_file_line_and_key(tmp_path):
         load(Run, str(tmp_path / "nope.yaml"))
 
 
-def test_help_lists_every_setting_with_its_comment(capsys):
+def test_help_shows_the_main_settings_and_help_all_every_one_by_section(capsys):
     assert field_help(Run) == {"out": "where outputs go"}
     with pytest.raises(SystemExit):
         parse_cli(Run, "demo", ["--help"])
     text = capsys.readouterr().out
-    assert "optim.lr = 1e-05" in text and "peak learning rate" in text and "steps = 10" in text
+    assert "steps = 10" in text and "every setting (--help-all): run (4), optim (2)" in text
+    assert "optim.lr" not in text and "tags" not in text
+    with pytest.raises(SystemExit):
+        parse_cli(Run, "demo", ["--help-all"])
+    text = capsys.readouterr().out
+    assert " optim:\n  optim.lr = 1e-05\n      peak learning rate\n  optim.schedule = 'cosine'" in text
+    assert " run:\n  out = 'runs'\n      where outputs go" in text and "tags = ()" in text
+
+
+def test_a_config_file_flags_and_overrides_go_in_any_order(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("out: here\nsteps: 3\n")
+
+    def flags(parser):
+        parser.add_argument("--steps", dest="steps", type=int)
+        parser.add_argument("--tags", dest="tags", nargs="+")
+
+    want = Run(out="here", steps=5, tags=("a",), optim=Optim(lr=2.0))
+    for argv in ([str(f), "--steps", "5", "optim.lr=2", "--tags", "a"], ["optim.lr=2", "--tags", "a", str(f), "--steps", "5"],
+                 ["--tags", "a", "optim.lr=2", str(f), "--steps", "4", "steps=5"]):  # key=value after the flag wins
+        assert parse_cli(Run, "demo", argv, flags=flags)[0] == want, argv
 
 
 def test_cli_errors_exit_with_a_message(capsys):

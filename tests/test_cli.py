@@ -1,0 +1,50 @@
+"""Every entry point's --help: short, grouped by section, naming its main settings; --help-all lists them all."""
+
+import importlib
+
+import pytest
+
+from jaxrlhf.config import _settings
+
+# entry point -> (its settings class, words its short --help must show)
+ENTRY_POINTS = {
+    "sft": ("SFTConfig", ["model = ", "data.data_path", "optim.learning_rate", "every setting (--help-all)"]),
+    "reward": ("RewardConfig", ["model = ", "data.data_path", "optim.learning_rate"]),
+    "ppo": ("PPOConfig", ["actor.model", "critic.model", "data.data_path", "batch_size"]),
+    "train": ("TrainConfig", ["--actor-model", "--step", "actor_model = ", "deployment_type", "sft.optim.learning_rate"]),
+    "eval": ("EvalConfig", ["--models", "--prompts", "models = ", "reward_model"]),
+    "chat": ("ChatConfig", ["--path", "--max-new-tokens", "path = ", "max_new_tokens"]),
+    "plan": ("PPOConfig", ["--devices", "--backend", "actor.model", "critic.model"]),
+    "inspect": ("InspectConfig", ["model = ", "prompt"]),
+    "data": ("PrepareConfig", ["tokenizer", "data.data_path"]),
+    "convert": (None, ["llama2c"]),
+}
+
+
+def _help(name: str, flag: str, capsys, monkeypatch) -> str:
+    monkeypatch.setenv("COLUMNS", "120")
+    module = importlib.import_module(f"jaxrlhf.{name}" if name != "data" else "jaxrlhf.data.__main__")
+    with pytest.raises(SystemExit) as e:
+        module.main([flag])
+    assert e.value.code == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_help_is_short_and_names_the_main_settings(name, capsys, monkeypatch):
+    text = _help(name, "--help", capsys, monkeypatch)
+    assert len(text.splitlines()) < 60, text
+    for word in ENTRY_POINTS[name][1]:
+        assert word in text, f"{name} --help lacks {word!r}:\n{text}"
+
+
+@pytest.mark.parametrize("name", [n for n, (cls, _) in ENTRY_POINTS.items() if cls])
+def test_help_all_lists_every_setting_by_section(name, capsys, monkeypatch):
+    text = _help(name, "--help-all", capsys, monkeypatch)
+    module = importlib.import_module(f"jaxrlhf.{name}" if name != "data" else "jaxrlhf.data.__main__")
+    cls = getattr(module, ENTRY_POINTS[name][0], None) or getattr(importlib.import_module("jaxrlhf.ppo"), "PPOConfig")
+    rows = list(_settings(cls()))
+    for section, key, default, _ in rows:
+        assert f"\n  {key} = {default!r}\n" in text, f"{name} --help-all lacks {key}"
+    sections = {s for s, *_ in rows if s}
+    assert all(f"\n {s}:\n" in text for s in sections)
