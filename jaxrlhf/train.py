@@ -17,7 +17,6 @@ gold reward of the Step 1 model and of the final actor on held-out prompts, with
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -31,7 +30,7 @@ import jax
 import numpy as np
 
 from jaxrlhf.checkpoint import export_manifest
-from jaxrlhf.config import ConfigError, build, default_xla_flags, load
+from jaxrlhf.config import ConfigError, build, default_xla_flags, parse_cli
 from jaxrlhf.data import DataConfig
 from jaxrlhf.engine import ModelSide
 from jaxrlhf.ppo import PPOConfig
@@ -244,64 +243,34 @@ def run(cfg: TrainConfig, log=print, mesh=None) -> dict:
     return result
 
 
-def parse(argv: list[str] | None) -> TrainConfig:
-    """DeepSpeed-Chat's flags (--actor-model, --reward-model, --deployment-type, --step, --output-dir), then
-    [CONFIG.yaml] [key=value ...]; the flags and the preset become overrides under the config machinery."""
-    from jaxrlhf import distributed
-    from jaxrlhf.config import _help_lines
-
-    parser = argparse.ArgumentParser(prog="python -m jaxrlhf.train", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="settings (set in CONFIG.yaml or as key=value; values are YAML):\n"
-                                     + "\n".join(_help_lines(TrainConfig)))
-    parser.add_argument("--actor-model", "--actor_model")
-    parser.add_argument("--reward-model", "--reward_model")
-    parser.add_argument("--deployment-type", "--deployment_type", choices=list(DEPLOYMENTS))
-    parser.add_argument("--step", type=int, action="append", metavar="{1,2,3} ...")
-    parser.add_argument("--output-dir", "--output_dir")
-    parser.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
-    distributed.add_arguments(parser)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    for i in range(len(argv) - 1, 0, -1):  # "--step 1 2 3" -> "--step 1 --step 2 --step 3"
-        if argv[i].isdigit() and argv[i - 1] != "--step" and "--step" in argv[:i] and argv[i - 1].isdigit():
-            argv.insert(i, "--step")
-    ns = parser.parse_args(argv)
-    config_file = ns.args[0] if ns.args and "=" not in ns.args[0] else None
-    overrides = ns.args[1:] if config_file else ns.args
-    flags = {"actor_model": ns.actor_model, "reward_model": ns.reward_model, "deployment_type": ns.deployment_type,
-             "steps": ns.step, "output_dir": ns.output_dir}
-    overrides = [f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None] + overrides
-    cfg = load(TrainConfig, config_file, overrides)
-    distributed.initialize(ns.coordinator_address, ns.num_processes, ns.process_id)
-    preset = DEPLOYMENTS[cfg.deployment_type]
-    if preset:  # the preset first, then the file and the command line again on top of it
-        base = build(TrainConfig, _nested(preset))
-        cfg = _reload(base, config_file, overrides)
-    return cfg
+def flags(parser):
+    """DeepSpeed-Chat's flags, the same as the settings of their names."""
+    parser.add_argument("--actor-model", "--actor_model", dest="actor_model", metavar="DIR")
+    parser.add_argument("--reward-model", "--reward_model", dest="reward_model", metavar="DIR")
+    parser.add_argument("--deployment-type", "--deployment_type", dest="deployment_type", choices=list(DEPLOYMENTS),
+                        metavar="NAME", help=", ".join(DEPLOYMENTS))
+    # "--step 1 2 3"; what is not a number is a key=value or CONFIG.yaml that the list took (parse_cli hands it back)
+    parser.add_argument("--step", dest="steps", nargs="+", action="extend", metavar="{1,2,3}",
+                        type=lambda s: int(s) if s.isdigit() else s)
+    parser.add_argument("--output-dir", "--output_dir", dest="output_dir", metavar="DIR")
 
 
-def _nested(dotted: dict) -> dict:
-    out: dict = {}
-    for key, value in dotted.items():
+def _preset(cfg: TrainConfig) -> TrainConfig | None:
+    """The deployment preset's settings, which the file and the command line then override."""
+    dotted, tree = DEPLOYMENTS[cfg.deployment_type], {}
+    for key, value in (dotted or {}).items():
         *parents, leaf = key.split(".")
-        node = out
+        node = tree
         for p in parents:
             node = node.setdefault(p, {})
         node[leaf] = value
-    return out
+    return build(TrainConfig, tree) if dotted else None
 
 
-def _reload(base: TrainConfig, config_file: str | None, overrides: list[str]) -> TrainConfig:
-    """`load` on top of `base` instead of the class defaults."""
-    from jaxrlhf.config import _set_dotted, _yaml_with_lines
-    import yaml
-
-    values, where = ({}, {}) if config_file is None else _yaml_with_lines(Path(config_file))
-    for item in overrides:
-        key, raw = item.split("=", 1)
-        _set_dotted(values, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
-        where[key.strip()] = "command line"
-    return build(TrainConfig, values, where, default=base)
+def parse(argv: list[str] | None) -> TrainConfig:
+    """DeepSpeed-Chat's flags (--actor-model, --reward-model, --deployment-type, --step, --output-dir) and
+    [CONFIG.yaml] [key=value ...], in any order, on top of the deployment preset."""
+    return parse_cli(TrainConfig, __doc__.split("\n\n")[0], argv, "python -m jaxrlhf.train", flags, _preset)[0]
 
 
 def main(argv=None):
