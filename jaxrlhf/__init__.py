@@ -1,7 +1,7 @@
 """jaxrlhf: DeepSpeed-Chat's three-step RLHF recipe in JAX/Flax, with a hybrid FSDP / tensor-parallel engine."""
 
 from jaxrlhf.checkpoint import CheckpointError, load_hf, save_hf
-from jaxrlhf.engine import EngineConfig, HybridEngine
+from jaxrlhf.rl import EngineConfig, HybridEngine
 from jaxrlhf.generate import generate
 from jaxrlhf.models import LlamaConfig, OPTConfig, init_params, logits, values
 from jaxrlhf.sharding import LayoutError, batch_sharding, describe, make_mesh, reshard, shardings_for

@@ -27,7 +27,8 @@ from jaxrlhf.distributed import to_host
 from jaxrlhf.data import Batches, DataConfig, prepare
 from jaxrlhf import plan as memory_plan
 from jaxrlhf.metrics import check_trackers
-from jaxrlhf.engine import EngineConfig, HybridEngine, ModelSide, check_accumulation
+from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide
+from jaxrlhf.rl.experience import check_accumulation
 from jaxrlhf.sharding import make_mesh
 from jaxrlhf.trainer import (MetricsLog, RunConfig, SkipCounter, checkpoint_manager, load_model, precision_warning,
                              restore_state, save_state, settings, start_run)

@@ -32,7 +32,7 @@ import numpy as np
 from jaxrlhf.checkpoint import export_manifest
 from jaxrlhf.config import ConfigError, build, default_xla_flags, parse_cli
 from jaxrlhf.data import DataConfig
-from jaxrlhf.engine import ModelSide
+from jaxrlhf.rl import ModelSide
 from jaxrlhf.ppo import PPOConfig
 from jaxrlhf.reward import RewardConfig
 from jaxrlhf.sft import SFTConfig

@@ -9,10 +9,10 @@ import pytest
 from helpers import POST_LN_PROJ, PRE_LN, left_padded_batch
 
 from jaxrlhf import OPTConfig, init_params, make_mesh
-from jaxrlhf.engine import EngineConfig, HybridEngine, ModelSide
+from jaxrlhf.rl.engine import EngineConfig, HybridEngine, ModelSide
 from jaxrlhf.lora import LoRAConfig
 from jaxrlhf.models.llama import LlamaConfig
-from jaxrlhf.packing import pack, plan, unpack
+from jaxrlhf.rl.packing import pack, plan, unpack
 from jaxrlhf.trainer import OptimConfig
 
 

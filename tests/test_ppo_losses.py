@@ -9,7 +9,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrlhf.losses import actor_loss, adaptive_kl_coef, compute_rewards, critic_loss, gae, sequence_kl, whiten
+from jaxrlhf.rl.losses import actor_loss, adaptive_kl_coef, compute_rewards, critic_loss, gae, sequence_kl, whiten
 
 MASK = jnp.array([[1, 1, 0], [1, 1, 1], [1, 0, 0]])
 

@@ -170,7 +170,7 @@ def test_a_run_driven_to_nan_stops_non_zero_and_exports_nothing(base, tmp_path, 
 
 
 def test_step3_and_scoring_need_a_trained_value_head(base, tmp_path, monkeypatch, capsys):
-    from jaxrlhf.engine import ModelSide
+    from jaxrlhf.rl.engine import ModelSide
     from jaxrlhf.ppo import PPOConfig, run as run_ppo
     from jaxrlhf.reward import main as reward_main
 

@@ -20,7 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf import losses
-from jaxrlhf.engine import EngineConfig, HybridEngine, ModelSide, _advantages, _answer_logprobs
+from jaxrlhf.rl import losses as ppo_losses
+from jaxrlhf.rl.engine import EngineConfig, HybridEngine, ModelSide
+from jaxrlhf.rl.experience import advantages, answer_logprobs
 from jaxrlhf.models import OPTConfig, init_params, logits
 from jaxrlhf.sharding import make_mesh
 from jaxrlhf.trainer import OptimConfig, make_train_step
@@ -38,8 +40,8 @@ def lm_mean(params, u):
 
 
 def ppo_mean(engine, params, exp):
-    lp = _answer_logprobs(ACTOR, params, exp)
-    return losses.actor_loss(lp, exp["logprobs"], exp["advantages"], exp["mask"], engine.cfg.clip_ratio)
+    lp = answer_logprobs(ACTOR, params, exp)
+    return ppo_losses.actor_loss(lp, exp["logprobs"], exp["advantages"], exp["mask"], engine.cfg.clip_ratio)
 
 
 def run(scheme: str, args) -> dict:
@@ -64,7 +66,7 @@ def run(scheme: str, args) -> dict:
         lm_ids = rng.integers(3, 64, (B, LM_LEN)).astype(np.int32)
         u = {"input_ids": lm_ids, "attention_mask": np.ones_like(lm_ids), "loss_mask": np.ones_like(lm_ids)}
         keys = ("seq", "seq_mask", "mask", "logprobs", "ref_logprobs", "values", "scores")
-        scored, _ = _advantages(engine.static, {k: exp[k] for k in keys}, exp["kl_coef"])
+        scored, _ = advantages(engine.static, {k: exp[k] for k in keys}, exp["kl_coef"])
         before = engine.actor_params()
         row = {"ppo_before": float(ppo_mean(engine, before, scored)), "lm_before": float(lm_mean(before, u)),
                "ppo_grad_norm": norm(grad_ppo(before, scored)), "lm_grad_norm": args.unsup_coef * norm(grad_lm(before, u))}

@@ -12,11 +12,11 @@
         one layer at a time: fuse LoRA, cast to the compute dtype, reshard to the "tp" layout, give each layer its
         own arrays (generate.decode_params) ──generate (early exit; decode_slots refilled from the batch)──►
         answers [B, G] ──drop the generation copy (the KV cache lives only inside the compiled generate call)──►
-        score in the FSDP layout, no gradients: old log-probs, reference log-probs, critic values, reward score,
-        in packed micro-batches (jaxrlhf.packing: rows sorted by length, cut to their width, a token budget each)
-        ──► the adaptive KL coefficient's step (once per generation batch; the batch keeps the one it was scored under)
+        score in the FSDP layout, no gradients (rl/experience.py): old log-probs, reference log-probs, critic values,
+        reward score, in packed micro-batches (rl/packing.py: rows sorted by length, cut to their width, a token
+        budget each) ──► the adaptive KL coefficient's step (once per generation batch; the batch keeps the one it was scored under)
     train_rlhf(experience[, unsupervised batch]):
-        rewards (KL penalty + clipped score) ──► GAE (on the padded [B, G] block) ──► actor PPO step
+        rewards (KL penalty + clipped score) ──► GAE (on the padded [B, G] block) ──► actor PPO step (rl/steps.py)
         (+ unsup_coef * LM loss): gradients summed over the packed micro-batches, divided once ──► EMA
         ──► critic step the same way;  states donated
     (max_tokens_per_micro_batch=0: padded micro-batches of gradient_accumulation_steps instead, in one program each)
@@ -24,16 +24,11 @@
 Offload (ModelSide.offload, offload_reference_model, offload_reward_model): those trees live in pinned host
 memory and are copied to the device for the program that uses them (an optimizer state for its model's step,
 the reference and reward leaves for scoring), then freed there. jaxrlhf.plan counts them in those phases only.
-
-Answer token g sits at sequence position P + g (packed: prompt length + g): its log-prob comes from the logits one
-position earlier, and its value is the critic's output there too (the state the token was chosen in), as in
-DeepSpeed-Chat.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Any, Literal
 
@@ -42,16 +37,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxrlhf import losses, packing
 from jaxrlhf.config import check_fields
 from jaxrlhf.data import place
 from jaxrlhf.distributed import to_host
 from jaxrlhf.generate import DECODE_SLOTS, decode_params, generate
 from jaxrlhf.lora import LoRAConfig, adapted_mask
-from jaxrlhf.models import OPTConfig, logits, values
-from jaxrlhf.sharding import AXES, batch_sharding, check_tp, reshard, shardings_for
-from jaxrlhf.trainer import (OptimConfig, apply_gradients, check_microbatches, create_state, effective_params, make_optimizer,
-                             make_train_step, micro_gradients, state_shardings, step_keys, zero_gradients)
+from jaxrlhf.rl import packing, steps
+from jaxrlhf.rl.experience import (Static, advantages, base_params, next_kl_coef, padded_experience_jit, row_layout, score,
+                                   score_packed, with_shared)
+from jaxrlhf.sharding import check_tp, reshard, shardings_for
+from jaxrlhf.trainer import OptimConfig, create_state, effective_params, state_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +89,7 @@ class EngineConfig:
     #: prompts prefilled at a time into freed slots (0: decode_slots / 8)
     refill_size: int = 0
     #: tokens per device in a micro-batch of scoring and of both training steps: the experience's rows sorted by
-    #: length and cut to the width they need (jaxrlhf.packing), not padded to max_prompt_len + max_answer_len, so
+    #: length and cut to the width they need (jaxrlhf.rl.packing), not padded to max_prompt_len + max_answer_len, so
     #: micro-batches are set by tokens, not rows (0: the padded path, micro-batches of gradient_accumulation_steps)
     max_tokens_per_micro_batch: int = 16384
     #: packed micro-batches are as wide as their longest row rounded up to this (fewer shapes to compile, more padding)
@@ -167,12 +162,9 @@ class EngineConfig:
                 raise ValueError(message)
 
 
+
+
 # --------------------------------------------------------------------------- weights shared with a frozen model
-
-
-def base_params(state):
-    """The base weights of a trainer state (trainable or frozen), adapters not applied."""
-    return {**state["frozen"], **state["trainable"]}["params"]
 
 
 def never_moves(state, lora: LoRAConfig):
@@ -187,12 +179,6 @@ def never_moves(state, lora: LoRAConfig):
 def own_leaves(host_params, shared_mask, dtype):
     """The leaves a frozen model must hold itself (None where it shares the trainable model's), in `dtype`."""
     return jax.tree.map(lambda x, shared: None if shared else np.asarray(x, dtype), host_params, shared_mask)
-
-
-def with_shared(own, state):
-    """The frozen model's full tree: its own leaves, and the trainable model's base leaves where it shares."""
-    return jax.tree.map(lambda mine, base: base if mine is None else mine, own, base_params(state),
-                        is_leaf=lambda x: x is None)
 
 
 def to_memory(tree, kind: str, donate: bool = False):
@@ -211,289 +197,19 @@ def tree_bytes(tree) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(tree))
 
 
-# ------------------------------------------------------------------------------- the compiled programs
-#
-# Module-level and keyed by `Static` (hashable), so two engines with the same settings and shapes (a run
-# and its resumption, or tests) compile once. Each program pins its outputs to the FSDP layout.
-
-
-@dataclasses.dataclass(frozen=True)
-class Static:
-    cfg: EngineConfig
-    actor: OPTConfig
-    critic: OPTConfig
-    total_steps: int
-    mesh: Any
-
-    def side(self, name: str) -> ModelSide:
-        return getattr(self.cfg, name)
-
-    def tx(self, name: str):
-        return make_optimizer(self.side(name).optim, self.total_steps, self.side(name).lora)
-
-
-def _fsdp(tree, mesh):
-    return jax.lax.with_sharding_constraint(tree, shardings_for(tree, "fsdp", mesh))
-
-
-def _rows(tree, mesh):
-    return jax.lax.with_sharding_constraint(tree, batch_sharding(mesh, "fsdp"))
-
-
-def _answer_logprobs(config, params, exp, key=None):
-    """[B, G]: log p of each answer token, from the logits one position earlier (the LM head runs on the
-    G + 1 last positions only; packed rows: on each row's head_at positions, jaxrlhf.packing)."""
-    if "head_at" in exp:
-        out = logits(config, params, exp["seq"], exp["seq_mask"], dropout_rng=key, at=exp["head_at"])
-        return packing.answer_logprobs(out, exp["answer"])
-    G = exp["mask"].shape[1]
-    out = logits(config, params, exp["seq"], exp["seq_mask"], dropout_rng=key, last=G + 1)
-    return losses.token_logprobs(out, exp["seq"][:, -G - 1:])
-
-
-def _answer_values(config, params, exp, key=None):
-    """[B, G]: the value of the state each answer token was chosen in (the position before it)."""
-    if "head_at" in exp:
-        out = values(config, params, exp["seq"], exp["seq_mask"], dropout_rng=key)
-        return jnp.take_along_axis(out, exp["head_at"], axis=1)
-    G = exp["mask"].shape[1]
-    return values(config, params, exp["seq"], exp["seq_mask"], dropout_rng=key)[:, -G - 1 : -1]
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _fused(s: Static, actor):
-    """The actor's weights as it runs (LoRA fused), float32, in the FSDP layout: the EMA's starting point. The EMA
-    is float32 under every precision: in bf16, ema + 0.008 * (actor - ema) rounds most of each step away."""
-    return _fsdp(jax.tree.map(lambda x: x.astype(jnp.float32), effective_params(actor, s.cfg.actor.lora)), s.mesh)
-
-
-def _experience(s: Static, prompt_ids, prompt_mask, tokens, mask):
-    """The padded experience block: seq, seq_mask [B, P + G] (prompt then answer), mask [B, G]."""
-    return _rows({"seq": jnp.concatenate([prompt_ids, tokens], 1), "seq_mask": jnp.concatenate([prompt_mask, mask], 1),
-                  "mask": mask}, s.mesh)
-
-
-_experience_jit = jax.jit(_experience, static_argnums=0)
-
-
-def _score_rows(s: Static, state, ref_own, reward_own, e):
-    """Old log-probs (unless generation's are used), reference log-probs and values [rows, G] and reward scores [rows]
-    of padded or packed rows `e`."""
-    cfg, m = s.cfg, e["mask"]
-    actor, critic = state["actor"], state["critic"]
-    out = {}
-    if not cfg.old_logprobs_from_generation:
-        out["logprobs"] = _answer_logprobs(s.actor, effective_params(actor, cfg.actor.lora, fused=False), e) * m
-    out["ref_logprobs"] = _answer_logprobs(s.actor, with_shared(ref_own, actor), e) * m
-    out["values"] = _answer_values(s.critic, effective_params(critic, cfg.critic.lora, fused=False), e) * m
-    reward = values(s.critic, with_shared(reward_own, critic), e["seq"], e["seq_mask"])
-    # the answer's last real token (EOS if it ended): packed, one column after the head's position for its last token
-    first = e["head_at"][:, 0] + 1 if "head_at" in e else e["seq"].shape[1] - m.shape[1]
-    last = first + jnp.sum(m, axis=1) - 1
-    out["scores"] = jnp.take_along_axis(reward, last[:, None], axis=1)[:, 0]
-    return out
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=6)
-def _score_packed(s: Static, W: int, state, ref_own, reward_own, exp, out, rows):
-    """One packed micro-batch of rows `rows` scored (_score_rows) and written into the batch's `out`."""
-    part = _score_rows(s, state, ref_own, reward_own, _packed(s, exp, rows, W))
-    return _rows(packing.unpack(out, part, rows), s.mesh)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _score(s: Static, state, ref_own, reward_own, prompt_ids, prompt_mask, tokens, mask, gen_logprobs):
-    """The experience of one batch (see HybridEngine.generate_experience), rows over all devices. `state` holds the
-    actor's and critic's weights only (their optimizer states may be in host memory). Scored in the actor's
-    micro-batches (its gradient_accumulation_steps), one after the other, as the training steps run: the
-    activations (the LM head's [rows, G + 1, V] float32 logits above all) are one micro-batch's."""
-    cfg = s.cfg
-    exp = _experience(s, prompt_ids, prompt_mask, tokens, mask)
-    score = functools.partial(_score_rows, s, state, ref_own, reward_own)
-    if s.side("actor").optim.gradient_accumulation_steps > 1:
-        exp.update(_whole_batch(jax.lax.map(score, _micro_batches(s, "actor", exp))))
-    else:
-        exp.update(score(exp))
-    if cfg.old_logprobs_from_generation:
-        exp["logprobs"] = gen_logprobs * mask
-    return _rows(exp, s.mesh)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _next_kl_coef(s: Static, kl_coef, exp):
-    """The adaptive KL controller's step on one scored batch (losses.adaptive_kl_coef)."""
-    kl = losses.sequence_kl(exp["logprobs"], exp["ref_logprobs"], exp["mask"])
-    return losses.adaptive_kl_coef(kl_coef, kl, s.cfg.kl_target, s.cfg.kl_horizon, exp["mask"].shape[0])
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _advantages(s: Static, exp, kl_coef):
-    """The experience plus rewards (with the KL coefficient the batch was scored under), advantages and returns,
-    and the batch's figures."""
-    cfg = s.cfg
-    rewards = losses.compute_rewards(exp["logprobs"], exp["ref_logprobs"], exp["scores"], exp["mask"], kl_coef, cfg.clip_score)
-    adv, ret = losses.gae(exp["values"], rewards, exp["mask"], cfg.gamma, cfg.lam)
-    if cfg.whiten_advantages:
-        adv = losses.whiten(adv, exp["mask"])
-    m = exp["mask"].astype(jnp.float32)
-    stats = {"reward": jnp.mean(exp["scores"]), "kl": losses.sequence_kl(exp["logprobs"], exp["ref_logprobs"], m),
-             "answer_len": jnp.mean(m.sum(1)), "advantage": losses.masked_mean(adv, m),
-             "return": losses.masked_mean(ret, m), "value": losses.masked_mean(exp["values"], m)}
-    return {**exp, "advantages": adv, "returns": ret}, stats
-
-
-def check_accumulation(cfg: EngineConfig, batch_size: int, n_devices: int):
-    """Each side's gradient_accumulation_steps must split the batch into micro-batches that split over the devices."""
-    for name in ("actor", "critic"):
-        check_microbatches(batch_size, getattr(cfg, name).optim.gradient_accumulation_steps, n_devices,
-                           f"{name}.optim.gradient_accumulation_steps")
-
-
-def _micro_batches(s: Static, name: str, exp):
-    """Every leaf [B, ...] as [n, B / n, ...]: micro-batch i holds rows i, i + n, ..., so no row leaves its device."""
-    n = s.side(name).optim.gradient_accumulation_steps
-    check_accumulation(s.cfg, exp["mask"].shape[0], s.mesh.size)
-    split = lambda x: jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
-    return jax.lax.with_sharding_constraint(jax.tree.map(split, exp), NamedSharding(s.mesh, P(None, AXES)))
-
-
-def _whole_batch(parts):
-    """_micro_batches' inverse: every leaf [n, B / n, ...] back to [B, ...] in the original row order."""
-    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:]), parts)
-
-
-def _one_step(s: Static, name: str, loss_fn, state, exp):
-    """One optimizer step of the actor or critic on the whole batch, accumulated over its micro-batches."""
-    step = make_train_step(loss_fn, s.tx(name), s.side(name).lora)
-    state, metrics = step(state, _micro_batches(s, name, exp))
-    return jax.lax.with_sharding_constraint(state, state_shardings(state, s.mesh)), metrics
-
-
-def _actor_loss(s: Static, lm_weight=None):
-    """The actor's loss on a micro-batch: its PPO sum over answer tokens (padded or packed rows), and with an "unsup"
-    batch unsup_coef times its LM sum weighted by `lm_weight` (see _actor_update); count: the answer tokens."""
-    cfg = s.cfg
-
-    def loss_fn(params, mb, key):
-        loss, tokens, metrics = 0.0, jnp.zeros((), jnp.float32), {}
-        if "seq" in mb:
-            lp = _answer_logprobs(s.actor, params, mb, key)
-            tokens = jnp.sum(mb["mask"]).astype(jnp.float32)
-            loss = losses.actor_loss(lp, mb["logprobs"], mb["advantages"], mb["mask"], cfg.clip_ratio) * tokens  # a sum
-        metrics["actor_loss"] = jnp.asarray(loss, jnp.float32)
-        if lm_weight is not None:  # DeepSpeed-Chat's mixture training, here in the same step (README: where we differ)
-            lm = jnp.zeros((), jnp.float32)
-            if "unsup" in mb:
-                u = mb["unsup"]
-                out = logits(s.actor, params, u["input_ids"], u["attention_mask"], dropout_rng=key)
-                lm = losses.lm_loss(out, u["input_ids"], u["loss_mask"])[0] * lm_weight
-            metrics["unsup_loss"] = lm
-            loss = loss + cfg.unsup_coef * lm
-        return loss, tokens, metrics
-
-    return loss_fn
-
-
-def _critic_loss(s: Static):
-    def loss_fn(params, mb, key):
-        v = _answer_values(s.critic, params, mb, key)
-        tokens = jnp.sum(mb["mask"]).astype(jnp.float32)
-        loss = losses.critic_loss(v, mb["values"], mb["returns"], mb["mask"], s.cfg.clip_value) * tokens
-        return loss, tokens, {"critic_loss": loss}
-
-    return loss_fn
-
-
-def _lm_weight(exp):
-    """The whole batch's answer tokens / LM targets: a micro-batch's LM sum times it, divided with the PPO sums by the
-    answer tokens, is the LM loss's mean over all targets (_actor_update)."""
-    if "unsup" not in exp:
-        return None
-    return jnp.sum(exp["mask"]).astype(jnp.float32) / jnp.maximum(jnp.sum(losses.lm_targets(exp["unsup"]["loss_mask"])), 1)
-
-
-def _loss(s: Static, name: str, exp):
-    return _actor_loss(s, _lm_weight(exp)) if name == "actor" else _critic_loss(s)
-
-
-def _packed(s: Static, exp, rows, W: int):
-    """Rows `rows` of the experience as one packed micro-batch of width W (packing.pack), rows over all devices."""
-    return _rows(packing.pack({k: v for k, v in exp.items() if k != "unsup"}, rows, W), s.mesh)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=4)
-def _accumulate(s: Static, name: str, W: int, state, acc, exp, rows, index):
-    """`acc` plus one packed micro-batch's gradients and loss sums (W > 0: rows `rows` of the experience; W = 0: rows
-    `rows` of exp["unsup"], the actor's mixture loss); `index`: the micro-batch's number in the step (its key)."""
-    if W:
-        mb = _packed(s, exp, rows, W)
-    else:
-        mb = {"unsup": _rows(jax.tree.map(lambda x: x[rows], exp["unsup"]), s.mesh)}
-    key = jax.random.fold_in(step_keys(state), index)
-    grads = micro_gradients(_loss(s, name, exp), s.side(name).lora, state, mb, key)
-    acc = jax.tree.map(jnp.add, acc, grads)
-    return (_fsdp(acc[0], s.mesh), *acc[1:])
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _zeros(s: Static, name: str, W: int, state, exp, rows):
-    """The accumulator _accumulate adds micro-batches into, zeros, gradients in the FSDP layout."""
-    mb = _packed(s, exp, rows, W)
-    acc = zero_gradients(_loss(s, name, exp), s.side(name).lora, state, mb, step_keys(state))
-    return (_fsdp(acc[0], s.mesh), *acc[1:])
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
-def _apply(s: Static, name: str, state, ema, acc):
-    """The optimizer step from accumulated gradients (trainer.apply_gradients), and the actor's EMA."""
-    state, metrics = apply_gradients(s.tx(name), s.side(name).lora, state, acc)
-    state = jax.lax.with_sharding_constraint(state, state_shardings(state, s.mesh))
-    return state, _ema_update(s, state, ema, metrics), metrics
-
-
-def _ema_update(s: Static, actor, ema, metrics):
-    """ema <- decay ema + (1 - decay) actor (float32), unless the trainer's non-finite guard skipped the step."""
-    if ema is None:
-        return None
-    cfg = s.cfg
-    fused = effective_params(actor, cfg.actor.lora)
-    new = jax.tree.map(lambda e, a: cfg.ema_decay * e + (1 - cfg.ema_decay) * a.astype(e.dtype), ema, fused)
-    if "skipped" in metrics:  # the trainer's non-finite guard skipped the actor step: the EMA stays too
-        new = jax.tree.map(lambda n, e: jnp.where(metrics["skipped"] > 0, e, n), new, ema)
-    return _fsdp(new, s.mesh)
-
-
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
-def _actor_update(s: Static, actor, ema, exp):
-    """The actor's PPO step (+ the mixture LM loss) and the EMA update.
-
-    The step's gradient is the whole batch's, however it is cut into micro-batches: the PPO loss's mean over all
-    the batch's answer tokens plus unsup_coef times the LM loss's mean over all the unsupervised batch's targets.
-    The trainer sums the micro-batches' totals and divides once by their summed count, the answer tokens; so a
-    micro-batch's LM sum enters weighted by the whole batch's answer tokens / LM targets."""
-    actor, metrics = _one_step(s, "actor", _actor_loss(s, _lm_weight(exp)), actor, exp)
-    return actor, _ema_update(s, actor, ema, metrics), metrics
-
-
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
-def _critic_update(s: Static, critic, exp):
-    """The critic's clipped value-loss step."""
-    return _one_step(s, "critic", _critic_loss(s), critic, exp)
-
-
 # ---------------------------------------------------------------------------------------------- the engine
 
 
 class HybridEngine:
     """Actor, critic, reference and reward model on `mesh` (see the module docstring).
 
-    `actor` and `critic` are (OPTConfig, host params) pairs: the Step 1 model and the Step 2 reward model
+    `actor` and `critic` are (model config, host params) pairs: the Step 1 model and the Step 2 reward model
     (with its value head). `total_steps` is the number of optimizer steps each of actor and critic will take
     (for the learning-rate schedules). `self.state` is everything that training changes, one pytree (what
     Orbax saves); the frozen models' own leaves are rebuilt from the same folders on resume.
     """
 
-    def __init__(self, cfg: EngineConfig, mesh, actor: tuple[OPTConfig, Any], critic: tuple[OPTConfig, Any], *,
+    def __init__(self, cfg: EngineConfig, mesh, actor: tuple[Any, Any], critic: tuple[Any, Any], *,
                  total_steps: int, eos_id: int | None = None, pad_id: int | None = None):
         self.cfg, self.mesh = cfg, mesh
         (self.actor_config, actor_params), (self.critic_config, critic_params) = actor, critic
@@ -520,7 +236,7 @@ class HybridEngine:
         self.state = {"actor": actor_state, "critic": critic_state, "kl_coef": self._replicated(np.float32(cfg.kl_coef)),
                       "iteration": self._replicated(np.int32(0))}
         if cfg.enable_ema:
-            self.state["ema"] = _fused(self.static, actor_state)
+            self.state["ema"] = steps.fused_actor(self.static, actor_state)
         self.timings: dict[str, float] = {}
         self.reshard_bytes = 0
         if cfg.offload_reference_model:
@@ -604,7 +320,7 @@ class HybridEngine:
         if cfg.max_tokens_per_micro_batch:
             exp = self._timed("score", self._score_packed, weights, frozen, ids, mask, tokens, answer_mask, gen_logprobs)
         else:
-            exp = self._timed("score", _score, self.static, weights, *frozen, ids, mask, tokens, answer_mask, gen_logprobs)
+            exp = self._timed("score", score, self.static, weights, *frozen, ids, mask, tokens, answer_mask, gen_logprobs)
         for tree, on in zip(frozen, (cfg.offload_reference_model, cfg.offload_reward_model)):
             for leaf in jax.tree.leaves(tree) if on else ():
                 leaf.delete()
@@ -614,21 +330,21 @@ class HybridEngine:
         # steps once per generation batch, on this batch's KL (Ziegler et al. 2019; TRL's PPOTrainer).
         exp["kl_coef"] = self.state["kl_coef"]
         if cfg.kl_target is not None:
-            self.state["kl_coef"] = _next_kl_coef(self.static, self.state["kl_coef"], exp)
+            self.state["kl_coef"] = next_kl_coef(self.static, self.state["kl_coef"], exp)
         self.state["iteration"] = self.state["iteration"] + 1
         return exp
 
     def _score_packed(self, weights, frozen, ids, mask, tokens, answer_mask, gen_logprobs):
-        """The experience scored in packed micro-batches of max_tokens_per_micro_batch (jaxrlhf.packing)."""
+        """The experience scored in packed micro-batches of max_tokens_per_micro_batch (jaxrlhf.rl.packing)."""
         s, B, G = self.static, *answer_mask.shape
-        exp = _experience_jit(s, ids, mask, tokens, answer_mask)
+        exp = padded_experience_jit(s, ids, mask, tokens, answer_mask)
         micro = self._micro_batches(exp)
         zeros = {k: jnp.zeros((B, G), jnp.float32) for k in ("logprobs", "ref_logprobs", "values")}
-        out = _rows({**({} if self.cfg.old_logprobs_from_generation else {"logprobs": zeros["logprobs"]}),
+        out = row_layout({**({} if self.cfg.old_logprobs_from_generation else {"logprobs": zeros["logprobs"]}),
                      "ref_logprobs": zeros["ref_logprobs"], "values": zeros["values"], "scores": jnp.zeros((B,), jnp.float32)},
                     self.mesh)
         for W, rows in micro:
-            out = _score_packed(s, W, weights, *frozen, exp, out, rows)
+            out = score_packed(s, W, weights, *frozen, exp, out, rows)
         if self.cfg.old_logprobs_from_generation:
             out["logprobs"] = gen_logprobs * answer_mask
         return {**exp, **out}
@@ -644,15 +360,15 @@ class HybridEngine:
         batch in gradient_accumulation_steps parts): gradients summed, divided once (trainer.apply_gradients)."""
         s, state = self.static, self.state[name]
         micro = exp.pop("micro_batches")
-        acc = _zeros(s, name, micro[0][0], state, exp, micro[0][1])
+        acc = steps.zero_accumulator(s, name, micro[0][0], state, exp, micro[0][1])
         for i, (W, rows) in enumerate(micro):
-            acc = _accumulate(s, name, W, state, acc, exp, rows, i)
+            acc = steps.accumulate(s, name, W, state, acc, exp, rows, i)
         if name == "actor" and "unsup" in exp:
             n = s.side("actor").optim.gradient_accumulation_steps
             rows = len(exp["unsup"]["input_ids"])
             for i in range(n):  # rows i, i + n, ...: as the padded path cuts it (_micro_batches)
-                acc = _accumulate(s, name, 0, state, acc, exp, np.arange(i, rows, n, dtype=np.int32), len(micro) + i)
-        return _apply(s, name, state, self.state.get("ema") if name == "actor" else None, acc)
+                acc = steps.accumulate(s, name, 0, state, acc, exp, np.arange(i, rows, n, dtype=np.int32), len(micro) + i)
+        return steps.apply(s, name, state, self.state.get("ema") if name == "actor" else None, acc)
 
     def train_rlhf(self, experience: dict, unsupervised: dict | None = None) -> dict:
         """One PPO step of the actor (plus the mixture LM loss on `unsupervised`, a Step 1-style batch) and one
@@ -660,7 +376,7 @@ class HybridEngine:
         exp = {k: experience[k] for k in ("seq", "seq_mask", "mask", "logprobs", "ref_logprobs", "values", "scores")}
         if unsupervised is not None:
             exp["unsup"] = place(unsupervised, self.mesh, "fsdp") if isinstance(unsupervised["input_ids"], np.ndarray) else unsupervised
-        exp, stats = self._timed("advantages", _advantages, self.static, exp, experience["kl_coef"])
+        exp, stats = self._timed("advantages", advantages, self.static, exp, experience["kl_coef"])
         packed = bool(self.cfg.max_tokens_per_micro_batch)
         if packed:
             exp["micro_batches"] = self._micro_batches(exp)
@@ -668,7 +384,7 @@ class HybridEngine:
         if packed:
             actor, ema, a = self._timed("actor_step", self._step_packed, "actor", dict(exp))
         else:
-            actor, ema, a = self._timed("actor_step", _actor_update, self.static, self.state["actor"], self.state.get("ema"),
+            actor, ema, a = self._timed("actor_step", steps.actor_update, self.static, self.state["actor"], self.state.get("ema"),
                                         exp)
         self.state.update(actor=actor, **({"ema": ema} if ema is not None else {}))
         self._opt_to("actor", "pinned_host")
@@ -676,7 +392,7 @@ class HybridEngine:
         if packed:
             critic, _, c = self._timed("critic_step", self._step_packed, "critic", {k: v for k, v in exp.items() if k != "unsup"})
         else:
-            critic, c = self._timed("critic_step", _critic_update, self.static, self.state["critic"], exp)
+            critic, c = self._timed("critic_step", steps.critic_update, self.static, self.state["critic"], exp)
         self.state["critic"] = critic
         self._opt_to("critic", "pinned_host")
         stats.update(actor_skipped=a["skipped"], critic_skipped=c["skipped"])  # the non-finite guard's flags (ppo.run counts them)

@@ -1,0 +1,186 @@
+"""Step 3's experience: the answers scored (old and reference log-probs, values, reward), the adaptive KL
+coefficient, rewards and advantages; padded rows or packed micro-batches (jaxrlhf.rl.packing).
+
+The programs here and in jaxrlhf.rl.steps are module-level and keyed by `Static` (hashable), so two engines with
+the same settings and shapes (a run and its resumption, or tests) compile once. Each pins its outputs to the FSDP
+layout. Answer token g sits at sequence position P + g (packed: prompt length + g): its log-prob comes from the
+logits one position earlier, and its value is the critic's output there too (the state the token was chosen in).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxrlhf.losses import masked_mean, token_logprobs
+from jaxrlhf.models import logits, values
+from jaxrlhf.rl import losses, packing
+from jaxrlhf.sharding import AXES, batch_sharding, shardings_for
+from jaxrlhf.trainer import check_microbatches, effective_params, make_optimizer
+
+
+# --------------------------------------------------------------------------- weights shared with a frozen model
+
+
+def base_params(state):
+    """The base weights of a trainer state (trainable or frozen), adapters not applied."""
+    return {**state["frozen"], **state["trainable"]}["params"]
+
+def with_shared(own, state):
+    """The frozen model's full tree: its own leaves, and the trainable model's base leaves where it shares."""
+    return jax.tree.map(lambda mine, base: base if mine is None else mine, own, base_params(state),
+                        is_leaf=lambda x: x is None)
+
+
+# ------------------------------------------------------------------------------------------- scoring
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """Everything the compiled programs depend on besides array shapes."""
+
+    cfg: Any  # EngineConfig
+    actor: Any  # the actor's model config
+    critic: Any
+    total_steps: int
+    mesh: Any
+
+    def side(self, name: str):
+        return getattr(self.cfg, name)
+
+    def tx(self, name: str):
+        return make_optimizer(self.side(name).optim, self.total_steps, self.side(name).lora)
+
+
+def fsdp_layout(tree, mesh):
+    return jax.lax.with_sharding_constraint(tree, shardings_for(tree, "fsdp", mesh))
+
+
+def row_layout(tree, mesh):
+    return jax.lax.with_sharding_constraint(tree, batch_sharding(mesh, "fsdp"))
+
+
+def answer_logprobs(config, params, exp, key=None):
+    """[B, G]: log p of each answer token, from the logits one position earlier (the LM head runs on the
+    G + 1 last positions only; packed rows: on each row's head_at positions, jaxrlhf.rl.packing)."""
+    if "head_at" in exp:
+        out = logits(config, params, exp["seq"], exp["seq_mask"], dropout_rng=key, at=exp["head_at"])
+        return packing.answer_logprobs(out, exp["answer"])
+    G = exp["mask"].shape[1]
+    out = logits(config, params, exp["seq"], exp["seq_mask"], dropout_rng=key, last=G + 1)
+    return token_logprobs(out, exp["seq"][:, -G - 1:])
+
+
+def answer_values(config, params, exp, key=None):
+    """[B, G]: the value of the state each answer token was chosen in (the position before it)."""
+    if "head_at" in exp:
+        out = values(config, params, exp["seq"], exp["seq_mask"], dropout_rng=key)
+        return jnp.take_along_axis(out, exp["head_at"], axis=1)
+    G = exp["mask"].shape[1]
+    return values(config, params, exp["seq"], exp["seq_mask"], dropout_rng=key)[:, -G - 1 : -1]
+
+
+def padded_experience(s: Static, prompt_ids, prompt_mask, tokens, mask):
+    """The padded experience block: seq, seq_mask [B, P + G] (prompt then answer), mask [B, G]."""
+    return row_layout({"seq": jnp.concatenate([prompt_ids, tokens], 1), "seq_mask": jnp.concatenate([prompt_mask, mask], 1),
+                  "mask": mask}, s.mesh)
+
+
+padded_experience_jit = jax.jit(padded_experience, static_argnums=0)
+
+
+def _score_rows(s: Static, state, ref_own, reward_own, e):
+    """Old log-probs (unless generation's are used), reference log-probs and values [rows, G] and reward scores [rows]
+    of padded or packed rows `e`."""
+    cfg, m = s.cfg, e["mask"]
+    actor, critic = state["actor"], state["critic"]
+    out = {}
+    if not cfg.old_logprobs_from_generation:
+        out["logprobs"] = answer_logprobs(s.actor, effective_params(actor, cfg.actor.lora, fused=False), e) * m
+    out["ref_logprobs"] = answer_logprobs(s.actor, with_shared(ref_own, actor), e) * m
+    out["values"] = answer_values(s.critic, effective_params(critic, cfg.critic.lora, fused=False), e) * m
+    reward = values(s.critic, with_shared(reward_own, critic), e["seq"], e["seq_mask"])
+    # the answer's last real token (EOS if it ended): packed, one column after the head's position for its last token
+    first = e["head_at"][:, 0] + 1 if "head_at" in e else e["seq"].shape[1] - m.shape[1]
+    last = first + jnp.sum(m, axis=1) - 1
+    out["scores"] = jnp.take_along_axis(reward, last[:, None], axis=1)[:, 0]
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=6)
+def score_packed(s: Static, W: int, state, ref_own, reward_own, exp, out, rows):
+    """One packed micro-batch of rows `rows` scored (_score_rows) and written into the batch's `out`."""
+    part = _score_rows(s, state, ref_own, reward_own, packed_rows(s, exp, rows, W))
+    return row_layout(packing.unpack(out, part, rows), s.mesh)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def score(s: Static, state, ref_own, reward_own, prompt_ids, prompt_mask, tokens, mask, gen_logprobs):
+    """The experience of one batch (see HybridEngine.generate_experience), rows over all devices. `state` holds the
+    actor's and critic's weights only (their optimizer states may be in host memory). Scored in the actor's
+    micro-batches (its gradient_accumulation_steps), one after the other, as the training steps run: the
+    activations (the LM head's [rows, G + 1, V] float32 logits above all) are one micro-batch's."""
+    cfg = s.cfg
+    exp = padded_experience(s, prompt_ids, prompt_mask, tokens, mask)
+    score = functools.partial(_score_rows, s, state, ref_own, reward_own)
+    if s.side("actor").optim.gradient_accumulation_steps > 1:
+        exp.update(_whole_batch(jax.lax.map(score, micro_batches(s, "actor", exp))))
+    else:
+        exp.update(score(exp))
+    if cfg.old_logprobs_from_generation:
+        exp["logprobs"] = gen_logprobs * mask
+    return row_layout(exp, s.mesh)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def next_kl_coef(s: Static, kl_coef, exp):
+    """The adaptive KL controller's step on one scored batch (losses.adaptive_kl_coef)."""
+    kl = losses.sequence_kl(exp["logprobs"], exp["ref_logprobs"], exp["mask"])
+    return losses.adaptive_kl_coef(kl_coef, kl, s.cfg.kl_target, s.cfg.kl_horizon, exp["mask"].shape[0])
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def advantages(s: Static, exp, kl_coef):
+    """The experience plus rewards (with the KL coefficient the batch was scored under), advantages and returns,
+    and the batch's figures."""
+    cfg = s.cfg
+    rewards = losses.compute_rewards(exp["logprobs"], exp["ref_logprobs"], exp["scores"], exp["mask"], kl_coef, cfg.clip_score)
+    adv, ret = losses.gae(exp["values"], rewards, exp["mask"], cfg.gamma, cfg.lam)
+    if cfg.whiten_advantages:
+        adv = losses.whiten(adv, exp["mask"])
+    m = exp["mask"].astype(jnp.float32)
+    stats = {"reward": jnp.mean(exp["scores"]), "kl": losses.sequence_kl(exp["logprobs"], exp["ref_logprobs"], m),
+             "answer_len": jnp.mean(m.sum(1)), "advantage": masked_mean(adv, m),
+             "return": masked_mean(ret, m), "value": masked_mean(exp["values"], m)}
+    return {**exp, "advantages": adv, "returns": ret}, stats
+
+
+def check_accumulation(cfg, batch_size: int, n_devices: int):
+    """Each side's gradient_accumulation_steps must split the batch into micro-batches that split over the devices."""
+    for name in ("actor", "critic"):
+        check_microbatches(batch_size, getattr(cfg, name).optim.gradient_accumulation_steps, n_devices,
+                           f"{name}.optim.gradient_accumulation_steps")
+
+
+def micro_batches(s: Static, name: str, exp):
+    """Every leaf [B, ...] as [n, B / n, ...]: micro-batch i holds rows i, i + n, ..., so no row leaves its device."""
+    n = s.side(name).optim.gradient_accumulation_steps
+    check_accumulation(s.cfg, exp["mask"].shape[0], s.mesh.size)
+    split = lambda x: jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
+    return jax.lax.with_sharding_constraint(jax.tree.map(split, exp), NamedSharding(s.mesh, P(None, AXES)))
+
+
+def _whole_batch(parts):
+    """micro_batches' inverse: every leaf [n, B / n, ...] back to [B, ...] in the original row order."""
+    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:]), parts)
+
+
+def packed_rows(s: Static, exp, rows, W: int):
+    """Rows `rows` of the experience as one packed micro-batch of width W (packing.pack), rows over all devices."""
+    return row_layout(packing.pack({k: v for k, v in exp.items() if k != "unsup"}, rows, W), s.mesh)
+

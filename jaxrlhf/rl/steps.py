@@ -1,0 +1,140 @@
+"""Step 3's training programs: the actor's PPO step (plus the mixture LM loss) with its EMA, and the critic's
+clipped value step; over padded micro-batches in one program, or packed micro-batches accumulated one at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxrlhf.losses import lm_loss, lm_targets
+from jaxrlhf.models import logits
+from jaxrlhf.rl import losses
+from jaxrlhf.rl.experience import (Static, answer_logprobs, answer_values, fsdp_layout, micro_batches, packed_rows,
+                                   row_layout)
+from jaxrlhf.trainer import (apply_gradients, effective_params, make_train_step, micro_gradients, state_shardings,
+                             step_keys, zero_gradients)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def fused_actor(s: Static, actor):
+    """The actor's weights as it runs (LoRA fused), float32, in the FSDP layout: the EMA's starting point. The EMA
+    is float32 under every precision: in bf16, ema + 0.008 * (actor - ema) rounds most of each step away."""
+    return fsdp_layout(jax.tree.map(lambda x: x.astype(jnp.float32), effective_params(actor, s.cfg.actor.lora)), s.mesh)
+
+
+def _one_step(s: Static, name: str, loss_fn, state, exp):
+    """One optimizer step of the actor or critic on the whole batch, accumulated over its micro-batches."""
+    step = make_train_step(loss_fn, s.tx(name), s.side(name).lora)
+    state, metrics = step(state, micro_batches(s, name, exp))
+    return jax.lax.with_sharding_constraint(state, state_shardings(state, s.mesh)), metrics
+
+
+def _actor_loss(s: Static, lm_weight=None):
+    """The actor's loss on a micro-batch: its PPO sum over answer tokens (padded or packed rows), and with an "unsup"
+    batch unsup_coef times its LM sum weighted by `lm_weight` (see actor_update); count: the answer tokens."""
+    cfg = s.cfg
+
+    def loss_fn(params, mb, key):
+        loss, tokens, metrics = 0.0, jnp.zeros((), jnp.float32), {}
+        if "seq" in mb:
+            lp = answer_logprobs(s.actor, params, mb, key)
+            tokens = jnp.sum(mb["mask"]).astype(jnp.float32)
+            loss = losses.actor_loss(lp, mb["logprobs"], mb["advantages"], mb["mask"], cfg.clip_ratio) * tokens  # a sum
+        metrics["actor_loss"] = jnp.asarray(loss, jnp.float32)
+        if lm_weight is not None:  # DeepSpeed-Chat's mixture training, here in the same step (README: where we differ)
+            lm = jnp.zeros((), jnp.float32)
+            if "unsup" in mb:
+                u = mb["unsup"]
+                out = logits(s.actor, params, u["input_ids"], u["attention_mask"], dropout_rng=key)
+                lm = lm_loss(out, u["input_ids"], u["loss_mask"])[0] * lm_weight
+            metrics["unsup_loss"] = lm
+            loss = loss + cfg.unsup_coef * lm
+        return loss, tokens, metrics
+
+    return loss_fn
+
+
+def _critic_loss(s: Static):
+    def loss_fn(params, mb, key):
+        v = answer_values(s.critic, params, mb, key)
+        tokens = jnp.sum(mb["mask"]).astype(jnp.float32)
+        loss = losses.critic_loss(v, mb["values"], mb["returns"], mb["mask"], s.cfg.clip_value) * tokens
+        return loss, tokens, {"critic_loss": loss}
+
+    return loss_fn
+
+
+def _lm_weight(exp):
+    """The whole batch's answer tokens / LM targets: a micro-batch's LM sum times it, divided with the PPO sums by the
+    answer tokens, is the LM loss's mean over all targets (actor_update)."""
+    if "unsup" not in exp:
+        return None
+    return jnp.sum(exp["mask"]).astype(jnp.float32) / jnp.maximum(jnp.sum(lm_targets(exp["unsup"]["loss_mask"])), 1)
+
+
+def _loss(s: Static, name: str, exp):
+    return _actor_loss(s, _lm_weight(exp)) if name == "actor" else _critic_loss(s)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=4)
+def accumulate(s: Static, name: str, W: int, state, acc, exp, rows, index):
+    """`acc` plus one packed micro-batch's gradients and loss sums (W > 0: rows `rows` of the experience; W = 0: rows
+    `rows` of exp["unsup"], the actor's mixture loss); `index`: the micro-batch's number in the step (its key)."""
+    if W:
+        mb = packed_rows(s, exp, rows, W)
+    else:
+        mb = {"unsup": row_layout(jax.tree.map(lambda x: x[rows], exp["unsup"]), s.mesh)}
+    key = jax.random.fold_in(step_keys(state), index)
+    grads = micro_gradients(_loss(s, name, exp), s.side(name).lora, state, mb, key)
+    acc = jax.tree.map(jnp.add, acc, grads)
+    return (fsdp_layout(acc[0], s.mesh), *acc[1:])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def zero_accumulator(s: Static, name: str, W: int, state, exp, rows):
+    """The accumulator accumulate adds micro-batches into, zeros, gradients in the FSDP layout."""
+    mb = packed_rows(s, exp, rows, W)
+    acc = zero_gradients(_loss(s, name, exp), s.side(name).lora, state, mb, step_keys(state))
+    return (fsdp_layout(acc[0], s.mesh), *acc[1:])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
+def apply(s: Static, name: str, state, ema, acc):
+    """The optimizer step from accumulated gradients (trainer.apply_gradients), and the actor's EMA."""
+    state, metrics = apply_gradients(s.tx(name), s.side(name).lora, state, acc)
+    state = jax.lax.with_sharding_constraint(state, state_shardings(state, s.mesh))
+    return state, _ema_update(s, state, ema, metrics), metrics
+
+
+def _ema_update(s: Static, actor, ema, metrics):
+    """ema <- decay ema + (1 - decay) actor (float32), unless the trainer's non-finite guard skipped the step."""
+    if ema is None:
+        return None
+    cfg = s.cfg
+    fused = effective_params(actor, cfg.actor.lora)
+    new = jax.tree.map(lambda e, a: cfg.ema_decay * e + (1 - cfg.ema_decay) * a.astype(e.dtype), ema, fused)
+    if "skipped" in metrics:  # the trainer's non-finite guard skipped the actor step: the EMA stays too
+        new = jax.tree.map(lambda n, e: jnp.where(metrics["skipped"] > 0, e, n), new, ema)
+    return fsdp_layout(new, s.mesh)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
+def actor_update(s: Static, actor, ema, exp):
+    """The actor's PPO step (+ the mixture LM loss) and the EMA update.
+
+    The step's gradient is the whole batch's, however it is cut into micro-batches: the PPO loss's mean over all
+    the batch's answer tokens plus unsup_coef times the LM loss's mean over all the unsupervised batch's targets.
+    The trainer sums the micro-batches' totals and divides once by their summed count, the answer tokens; so a
+    micro-batch's LM sum enters weighted by the whole batch's answer tokens / LM targets."""
+    actor, metrics = _one_step(s, "actor", _actor_loss(s, _lm_weight(exp)), actor, exp)
+    return actor, _ema_update(s, actor, ema, metrics), metrics
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def critic_update(s: Static, critic, exp):
+    """The critic's clipped value-loss step."""
+    return _one_step(s, "critic", _critic_loss(s), critic, exp)
+
