@@ -92,7 +92,7 @@ def prepare(words: list[str]) -> tuple[list[str], str | None]:
     assert words[:2] == ["python", "-m"], f"not a `python -m` command: {shlex.join(words)}"
     module, rest = words[2], words[3:]
     yaml = [w for w in rest if w.endswith(".yaml")]
-    keys = [f"{module} {yaml[0]}"] * bool(yaml) + [f"{module} {rest[0]}"] * bool(rest) + [module]
+    keys = ([f"{module} {yaml[0]}"] if yaml else []) + ([f"{module} {rest[0]}"] if rest else []) + [module]
     extra = next((SHRINK[k] for k in keys if k in SHRINK), [])
     given = {w.split("=", 1)[0] for w in rest if "=" in w and not w.startswith("-")}
     extra = [e for e in extra if e.split("=", 1)[0] not in given]  # the command's own value stays
@@ -152,30 +152,26 @@ def test_gpu_commands_name_tools_and_flags_that_exist():
     assert checked >= 5
 
 
-def test_every_config_usage_line_is_a_readme_command_or_runs_below():
-    """Each config's usage line is one of the README's commands, or it is in CONFIG_ONLY (run by the slow test)."""
+def config_commands() -> list[list[str]]:
+    """The configs' usage lines that are not already README commands."""
     readme = {shlex.join(c) for c in readme_commands()}
+    lines = [w for config in sorted((ROOT / "configs").glob("*.yaml")) for w in usage_lines(config)]
+    return [w for w in lines if shlex.join(w) not in readme]
+
+
+def test_every_config_has_a_usage_line():
     for config in sorted((ROOT / "configs").glob("*.yaml")):
         lines = usage_lines(config)
         assert lines, f"{config.name}: no usage line (`# python -m jaxrlhf.... {config.relative_to(ROOT)} ...`)"
-        for words in lines:
-            assert shlex.join(words) in readme or shlex.join(words) in CONFIG_ONLY, (config.name, shlex.join(words))
-
-
-# Usage lines of configs that the README does not show; the slow test runs them after the README's commands.
-CONFIG_ONLY = [
-    "python -m jaxrlhf.eval --models OUT/actor-models/model OUT/step3-models/actor OUT/step3-models/actor_ema "
-    "--reward-model OUT/reward-models/model configs/eval.yaml",
-    "python -m jaxrlhf.inspect configs/inspect.yaml",
-    "python -m jaxrlhf.train --actor-model /data/opt-1.3b --reward-model /data/opt-350m configs/train.yaml",
-]
+        assert all(f"configs/{config.name}" in shlex.join(w) for w in lines if "jaxrlhf.convert" not in w[2]
+                   and "jaxrlhf.data.stories" not in w[2]), (config.name, lines)
 
 
 @pytest.mark.slow
 def test_readme_commands_run(scratch):
     """Every ```bash command of the README in order, then the configs' own usage lines, in one scratch folder."""
     ran = []
-    for words in readme_commands() + [shlex.split(c) for c in CONFIG_ONLY]:
+    for words in readme_commands() + config_commands():
         if words[:2] != ["python", "-m"]:
             continue  # the install lines: test_install_lines_name_extras_that_exist
         if words[2] == "jaxrlhf.convert" and not ASSETS.is_dir():
@@ -196,3 +192,32 @@ def test_readme_python_example_runs(scratch):
     script.write_text(block)
     done = run([sys.executable, str(script)], scratch, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
     assert "(4, 4, 50272) (4, 8)" in done.stdout
+
+
+NOTEBOOK = ROOT / "docs" / "sharding.ipynb"
+
+
+def test_sharding_notebook_is_committed_executed():
+    import json
+
+    cells = [c for c in json.loads(NOTEBOOK.read_text())["cells"] if c["cell_type"] == "code"]
+    assert cells and all(c["outputs"] and c["execution_count"] for c in cells), "docs/sharding.ipynb: run it and save"
+    assert not [o for c in cells for o in c["outputs"] if o["output_type"] == "error"]
+
+
+@pytest.mark.slow
+def test_sharding_notebook_runs():
+    """docs/sharding.ipynb runs top to bottom and still shows what its text says. To re-execute it in place:
+    python -c "import nbformat, nbclient; nb = nbformat.read('docs/sharding.ipynb', 4);
+    nbclient.NotebookClient(nb, resources={'metadata': {'path': 'docs'}}).execute(); nbformat.write(nb, 'docs/sharding.ipynb')"
+    """
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "fsdp -> tp: {'all-gather': 20, 'all-to-all': 0, 'collective-permute': 0, 'all-reduce': 0}" in text
+    assert "tp -> fsdp: {'all-gather': 0, 'all-to-all': 0, 'collective-permute': 0, 'all-reduce': 0}" in text
+    assert "round trip exact: True" in text
+    assert "(8, 16, 64) float32 P(('data', 'model'),)" in text
