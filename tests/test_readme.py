@@ -221,3 +221,14 @@ def test_sharding_notebook_runs():
     assert "tp -> fsdp: {'all-gather': 0, 'all-to-all': 0, 'collective-permute': 0, 'all-reduce': 0}" in text
     assert "round trip exact: True" in text
     assert "(8, 16, 64) float32 P(('data', 'model'),)" in text
+
+
+def test_links_in_the_docs_point_to_files_that_exist():
+    """Every relative link of README.md, bench/README.md and docs/*.md names a file of the repository."""
+    pages = [README, ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    missing = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if not re.match(r"[a-z]+://", target) and not (page.parent / target).exists():
+                missing.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not missing, "\n".join(missing)
