@@ -203,8 +203,37 @@ def config_to_hf(config, torch_dtype: str) -> dict:
     return hf
 
 
+# What loading reads from a Hub model: configs, tokenizer files, and the weights (safetensors, else PyTorch's .bin).
+HUB_FILES = ["*.json", "*.txt", "tokenizer*"]
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """The folder that `path` names: itself if it is one, never asking the network; a Hugging Face Hub name (`org/name`,
+    not a folder here) downloaded into the Hub cache by huggingface_hub, or a CheckpointError saying why not."""
+    path = Path(path)
+    if path.is_dir() or path.is_absolute() or len(path.parts) != 2 or str(path).startswith("."):
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    name = path.as_posix()
+    try:
+        folder = Path(snapshot_download(name, allow_patterns=HUB_FILES + ["*.safetensors"]))
+        if not any(folder.glob("*.safetensors")):
+            folder = Path(snapshot_download(name, allow_patterns=HUB_FILES + ["pytorch_model*.bin"]))
+        return folder
+    except RepositoryNotFoundError:
+        raise CheckpointError(f"{name}: no such folder, nor a model on the Hugging Face Hub") from None
+    except Exception as e:  # offline (LocalEntryNotFoundError, HF_HUB_OFFLINE=1), unreachable, interrupted
+        raise CheckpointError(f"{name}: no such folder, and the Hugging Face Hub is unreachable ({one_line(e, 100)}); "
+                              f"download it where it is reachable (hf download {name} --local-dir DIR) and pass DIR "
+                              "instead") from None
+
+
 def read_config(path: str | os.PathLike, **overrides):
-    """Our config from `path/config.json` (plus run options such as dtype and remat as overrides)."""
+    """Our config from `path/config.json` (plus run options such as dtype and remat as overrides); `path` is a
+    folder or a Hub name (`resolve`)."""
+    path = resolve(path)
     file = Path(path) / CONFIG_FILE
     if not Path(path).is_dir():
         raise CheckpointError(f"{path}: not a folder; expected a Hugging Face checkpoint folder with {CONFIG_FILE}")
@@ -423,7 +452,7 @@ def load_hf(path: str | os.PathLike, dtype=None, **config_overrides) -> tuple[OP
     included when the folder has `value_head.safetensors` (a reward model or critic saved by jaxrlhf)
     or a DeepSpeed-Chat `v_head.weight` tensor. `config_overrides` set run options such as `remat=True`.
     """
-    path = Path(path)
+    path = resolve(path)
     if dtype is not None:
         config_overrides = {"dtype": np.dtype(dtype).name, **config_overrides}
     config = read_config(path, **config_overrides)
