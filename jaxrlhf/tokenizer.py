@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from jaxrlhf.checkpoint import CheckpointError
+from jaxrlhf.checkpoint import CheckpointError, resolve
 
 _HF_FILES = ("tokenizer.json", "tokenizer_config.json")
 _BPE_FILES = ("vocab.json", "merges.txt")
@@ -27,17 +27,19 @@ def opt_tokenizer(path: str | os.PathLike):
     if missing:
         raise CheckpointError(f"{path}: missing {' and '.join(missing)}; OPT's tokenizer needs vocab.json and merges.txt")
     return GPT2Tokenizer.from_pretrained(
-        str(path), bos_token="</s>", eos_token="</s>", unk_token="</s>", pad_token="<pad>", add_bos_token=True
+        str(path), bos_token="</s>", eos_token="</s>", unk_token="</s>", pad_token="<pad>", add_bos_token=True,
+        local_files_only=True,
     )
 
 
 def load_tokenizer(path: str | os.PathLike):
-    """The tokenizer saved in `path` (an HF folder), or OPT's built from `vocab.json` + `merges.txt` there."""
-    path = Path(path)
+    """The tokenizer saved in `path` (an HF folder or Hub name), or OPT's built from `vocab.json` + `merges.txt` there.
+    A local folder is read with local_files_only: transformers asks the Hub nothing."""
+    path = resolve(path)
     if any((path / f).is_file() for f in _HF_FILES):
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     if all((path / f).is_file() for f in _BPE_FILES):
         return opt_tokenizer(path)
     raise CheckpointError(

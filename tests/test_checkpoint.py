@@ -291,3 +291,81 @@ def test_non_finite_tensors_are_named(tiny, tmp_path):
     head["v_head.weight"][0, 0] = -np.inf
     save_file(head, str(folder / VALUE_HEAD_FILE))
     _one_line_error(folder, r"tensor v_head\.weight holds 1 non-finite value")
+
+
+# ---------------------------------------------------------------------------------------------- Hub names
+
+
+def _with_tokenizer(tiny, tmp_path):
+    from jaxrlhf.train import builtin_tokenizer
+
+    folder = _copy(tiny, "opt", tmp_path)
+    builtin_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_a_local_folder_never_asks_the_network(tiny, tmp_path, monkeypatch):
+    import socket
+
+    import huggingface_hub
+
+    from jaxrlhf.tokenizer import load_tokenizer
+
+    from jaxrlhf.train import builtin_tokenizer
+
+    folder, asked, want = _with_tokenizer(tiny, tmp_path), [], builtin_tokenizer()("a b c")["input_ids"]
+
+    def refuse(*args, **kwargs):  # an OSError, as a blocked network gives (transformers swallows some)
+        asked.append(args[:2])
+        raise OSError("network blocked by the test")
+
+    for owner, name in [(socket, "getaddrinfo"), (socket, "create_connection"), (socket.socket, "connect"),
+                        (huggingface_hub, "snapshot_download"), (huggingface_hub, "hf_hub_download")]:
+        monkeypatch.setattr(owner, name, refuse)
+    config, params = load_hf(folder)
+    assert load_tokenizer(folder)("a b c")["input_ids"] == want
+    assert config == load_hf(str(folder))[0] and asked == []
+
+
+def test_a_hub_name_offline_says_so_at_once(monkeypatch):
+    import time
+
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from jaxrlhf.tokenizer import load_tokenizer
+
+    def offline(*args, **kwargs):
+        raise LocalEntryNotFoundError("Cannot find an appropriate cached snapshot folder; the Hub is unreachable")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    start = time.perf_counter()
+    for load in (load_hf, load_tokenizer):
+        with pytest.raises(CheckpointError, match=r"^facebook/opt-1\.3b: no such folder, and the Hugging Face Hub is "
+                           r"unreachable \(.*\); download it where it is reachable \(hf download facebook/opt-1\.3b "
+                           r"--local-dir DIR\) and pass DIR instead$"):
+            load("facebook/opt-1.3b")
+    assert time.perf_counter() - start < 1.0
+    with pytest.raises(CheckpointError, match="/no/such/folder: not a folder"):  # a path is never a Hub name
+        load_hf("/no/such/folder")
+
+
+def test_a_hub_name_downloads_through_huggingface_hub(tiny, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    from jaxrlhf.tokenizer import load_tokenizer
+
+    folder, calls = _with_tokenizer(tiny, tmp_path), []
+
+    def snapshot_download(repo_id, allow_patterns=None, **kwargs):  # the Hub cache's snapshot folder
+        calls.append((repo_id, allow_patterns))
+        return str(folder)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.chdir(tmp_path)  # no folder facebook/opt-tiny here
+    config, params = load_hf("facebook/opt-tiny")
+    want_config, want = load_hf(folder)
+    assert config == want_config
+    jax.tree.map(np.testing.assert_array_equal, params, want)
+    assert load_tokenizer("facebook/opt-tiny")("a b")["input_ids"] == load_tokenizer(folder)("a b")["input_ids"]
+    assert calls[0] == ("facebook/opt-tiny", ["*.json", "*.txt", "tokenizer*", "*.safetensors"])
