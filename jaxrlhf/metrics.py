@@ -24,7 +24,7 @@ def check_trackers(report_to: tuple[str, ...]):
     for name in report_to:
         if name not in TRACKERS:
             raise ConfigError(f"report_to: unknown tracker {name!r}; expected some of {list(TRACKERS)}")
-        if name != "tensorboard" and name not in sys.modules and importlib.util.find_spec(name) is None:
+        if name != "tensorboard" and sys.modules.get(name) is None and importlib.util.find_spec(name) is None:
             raise ConfigError(f"report_to: {name} is not installed; pip install 'jaxrlhf[{name}]' (or leave it out)")
 
 
