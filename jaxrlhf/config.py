@@ -10,6 +10,7 @@ before anything is compiled. Each field's help text is the comment `#: ...` on t
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import inspect
 import json
@@ -267,7 +268,6 @@ def load(cls, config_file: str | None = None, overrides: list[str] = (), default
 # sections; `--help-all` shows every setting with its default and help, section by section.
 MAIN = ("model", "path", "models", "tokenizer", "actor_model", "reward_model", "deployment_type", "steps", "data_path",
         "prompt", "output_dir", "batch_size", "max_steps", "optim.learning_rate", "max_new_tokens")
-WIDTH = 118
 
 
 def _settings(obj, prefix=""):
@@ -286,38 +286,22 @@ def _settings(obj, prefix=""):
 def settings_help(cls, full: bool = False) -> str:
     """The settings of `cls` by section: the main ones with one line of help, or (`full`) all with their help."""
     rows, root = list(_settings(cls())), cls.__name__.removesuffix("Config").lower()
-    main = lambda key: next((m for m in MAIN if key == m or key.endswith("." + m)), None)  # noqa: E731
+    main = lambda key: next((m for m in MAIN if key == m or key.endswith("." + m)), None)
     depth = {}
     for _, key, _, _ in rows:
         depth[main(key)] = min(depth.get(main(key), 99), key.count("."))
-    if not full:
-        rows = [r for r in rows if main(r[1]) and r[1].count(".") == depth[main(r[1])]]
-    out, section = [], None
-    for sec, key, default, doc in rows:
-        if sec != section:
-            out.append(f" {sec or root}:")
-            section = sec
+    shown = rows if full else [r for r in rows if main(r[1]) and r[1].count(".") == depth[main(r[1])]]
+    out = ["settings (in CONFIG.yaml or as key=value; values are YAML)" + (", by section:" if full else "; the main ones:")]
+    for i, (section, key, default, doc) in enumerate(shown):
+        if i == 0 or section != shown[i - 1][0]:
+            out.append(f" {section or root}:")
         line = f"  {key} = {default!r}"
-        out.append(f"{line}\n      {doc}" if full else (f"{line:34} {doc}" if doc else line)[:WIDTH])
-    head = "settings (in CONFIG.yaml or as key=value; values are YAML)"
-    if full:
-        return f"{head}, by section:\n" + "\n".join(out)
-    sections = {}
-    for sec, *_ in _settings(cls()):
-        sections[sec or root] = sections.get(sec or root, 0) + 1
-    more = "every setting (--help-all): " + ", ".join(f"{s} ({n})" for s, n in sections.items())
-    return f"{head}; the main ones:\n" + "\n".join(out) + "\n" + textwrap.fill(more, WIDTH, subsequent_indent="  ")
-
-
-class _HelpAll(argparse.Action):
-    def __init__(self, option_strings, dest, cls=None, **kwargs):
-        super().__init__(option_strings, dest, nargs=0, help="show every setting, with its default and help, and exit")
-        self.cls = cls
-
-    def __call__(self, parser, *args):
-        parser.epilog = settings_help(self.cls, full=True)
-        parser.print_help()
-        parser.exit()
+        out.append(f"{line}\n      {doc}" if full else (f"{line:34} {doc}" if doc else line)[:118])
+    if not full:
+        count = collections.Counter(section or root for section, *_ in rows)
+        more = "every setting (--help-all): " + ", ".join(f"{s} ({n})" for s, n in count.items())
+        out.append(textwrap.fill(more, 118, subsequent_indent="  "))
+    return "\n".join(out)
 
 
 def parse_cli(cls, description: str, argv: list[str] | None = None, prog: str | None = None, flags=None,
@@ -332,12 +316,15 @@ def parse_cli(cls, description: str, argv: list[str] | None = None, prog: str | 
     parser = argparse.ArgumentParser(prog=prog, description=description, epilog=settings_help(cls),
                                      usage="%(prog)s [options] [CONFIG.yaml] [key=value ...]",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--help-all", action=_HelpAll, cls=cls)
+    parser.add_argument("--help-all", action="store_true", help="show every setting, with its default and help")
     parser.add_argument("args", nargs="*", metavar="CONFIG.yaml, key=value", help="settings (the main ones below)")
     if flags:
         flags(parser)
     if processes:
         distributed.add_arguments(parser)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help-all" in argv:
+        parser.epilog, argv = settings_help(cls, full=True), ["--help"]
     ns = parser.parse_intermixed_args(argv)
     keys = {key for _, key, _, _ in _settings(cls())}
     for dest, value in vars(ns).items():  # "--models A B key=value": a list-valued option took the overrides

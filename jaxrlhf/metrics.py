@@ -74,11 +74,7 @@ class MetricsLog:
             self.mlflow.log_metrics(scalars, step=step)
 
     def close(self):
-        if self.file:
-            self.file.close()
-        if self.tb:
-            self.tb.close()
-        if self.wandb:
-            self.wandb.finish()
-        if self.mlflow:
-            self.mlflow.end_run()
+        for done in (self.file and self.file.close, self.tb and self.tb.close, self.wandb and self.wandb.finish,
+                     self.mlflow and self.mlflow.end_run):
+            if done:
+                done()

@@ -2,6 +2,7 @@
 
 import json
 import sys
+import time
 import types
 
 import pytest
@@ -75,7 +76,11 @@ def test_weights_and_biases_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     _write(tmp_path / "run", ("wandb",), {"seed": 3})
     (run,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")  # what `wandb sync` uploads later
-    records = run.read_bytes()  # protobuf records: the keys are there as text (the values' exactness: the test above)
+    for _ in range(100):  # wandb's service process may still be writing it after finish()
+        if len(records := run.read_bytes()) > 100:
+            break
+        time.sleep(0.1)
+    # protobuf records: the keys are there as text (the values' exactness: the test above)
     assert all(key in records for key in (b"train/loss", b"train/lr", b"eval/loss", b"seed"))
     assert wandb.run is None  # finished
 
