@@ -436,8 +436,8 @@ def main(argv=None):
         parser.add_argument("--devices", type=int, default=0, help="plan for this many devices (default: the ones here)")
         parser.add_argument("--backend", default=None, help="gpu, tpu or cpu (default: this machine's)")
 
-    cfg, ns = parse_cli(PPOConfig, __doc__.split("\n\n")[0], argv, "python -m jaxrlhf.plan", flags, processes=False)
     try:
+        cfg, ns = parse_cli(PPOConfig, __doc__.split("\n\n")[0], argv, "python -m jaxrlhf.plan", flags, processes=False)
         mesh = abstract_mesh(ns.devices, cfg.inference_tp_size) if ns.devices else make_mesh(cfg.inference_tp_size)
         actor, critic = model_config(cfg, cfg.actor), model_config(cfg, cfg.critic)
         p = ppo_plan(cfg, mesh, actor, critic, ns.backend)
