@@ -307,7 +307,7 @@ def settings_help(cls, full: bool = False) -> str:
 def parse_cli(cls, description: str, argv: list[str] | None = None, prog: str | None = None, flags=None,
               preset=None, processes: bool = True):
     """Parse `[CONFIG.yaml] [key=value ...]` and the options that `flags(parser)` adds, in any order, for the entry
-    point whose settings are `cls`: (settings, the parsed options); exits 2 on errors. An option whose `dest` is a
+    point whose settings are `cls`: (settings, the parsed options), or a ConfigError. An option whose `dest` is a
     settings key (`dest="data.data_path"`) sets it, before the key=value overrides. `preset(settings)` may give
     defaults to load again on top of (the deployment presets). With `processes`, the multi-process flags
     (`jaxrlhf.distributed`) are read too, and the process joins the others."""
@@ -336,19 +336,15 @@ def parse_cli(cls, description: str, argv: list[str] | None = None, prog: str | 
     files = [a for a in ns.args if "=" not in a]
     overrides = [f"{k}={json.dumps(v)}" for k, v in vars(ns).items() if k in keys and v is not None]
     overrides += [a for a in ns.args if "=" in a]
-    try:
-        if len(files) > 1:
-            raise ConfigError(f"command line: one CONFIG.yaml at most, got {' and '.join(files)}")
-        cfg = load(cls, files[0] if files else None, overrides)
-        base = preset(cfg) if preset else None
-        if base is not None:  # the preset first, then the file and the command line again on top of it
-            cfg = load(cls, files[0] if files else None, overrides, default=base)
-        if processes:
-            distributed.initialize(ns.coordinator_address, ns.num_processes, ns.process_id)
-        return cfg, ns
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    if len(files) > 1:
+        raise ConfigError(f"command line: one CONFIG.yaml at most, got {' and '.join(files)}")
+    cfg = load(cls, files[0] if files else None, overrides)
+    base = preset(cfg) if preset else None
+    if base is not None:  # the preset first, then the file and the command line again on top of it
+        cfg = load(cls, files[0] if files else None, overrides, default=base)
+    if processes:
+        distributed.initialize(ns.coordinator_address, ns.num_processes, ns.process_id)
+    return cfg, ns
 
 
 # XLA flags the entry points add unless the user already set them (they act only before JAX starts): cuBLAS for every
@@ -366,9 +362,8 @@ def default_xla_flags():
 def run_cli(cls, doc: str, prog: str, fn, argv: list[str] | None = None, flags=None):
     """An entry point: parse the settings, run `fn(settings)`, and turn a bad input into one line and exit 2."""
     default_xla_flags()
-    cfg, _ = parse_cli(cls, doc.split("\n\n")[0], argv, prog=prog, flags=flags)
     try:
-        return fn(cfg)
+        return fn(parse_cli(cls, doc.split("\n\n")[0], argv, prog=prog, flags=flags)[0])
     except ValueError as e:  # ConfigError, DataError, CheckpointError and LayoutError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -95,8 +95,10 @@ def test_a_config_file_flags_and_overrides_go_in_any_order(tmp_path):
 
 
 def test_cli_errors_exit_with_a_message(capsys):
+    from jaxrlhf.config import run_cli
+
     with pytest.raises(SystemExit) as e:
-        parse_cli(Run, "demo", ["stepz=3"])
+        run_cli(Run, "demo", "demo", print, ["stepz=3"])
     assert e.value.code == 2
     assert "unknown key 'stepz' (did you mean steps?)" in capsys.readouterr().err
 
