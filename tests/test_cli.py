@@ -48,3 +48,12 @@ def test_help_all_lists_every_setting_by_section(name, capsys, monkeypatch):
         assert f"\n  {key} = {default!r}\n" in text, f"{name} --help-all lacks {key}"
     sections = {s for s, *_ in rows if s}
     assert all(f"\n {s}:\n" in text for s in sections)
+
+
+def test_ci_runs_the_readme_test_command():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text().split("### Tests", 1)[1]
+    command = readme.split("```bash\n", 1)[1].split("\n", 1)[0]
+    assert command in (root / ".ci" / "run").read_text().splitlines()
