@@ -8,8 +8,8 @@
     value_head.safetensors              <->     params["value_head"]  (reward model / critic only)
     tokenizer files                     <->     a transformers tokenizer
 
-The family is chosen by config.json's `model_type`. Each family's weights map through one declarative
-table (`_OPT_MODULES`, `_LLAMA_MODULES`): HF module name -> our path and kind. Linear weights are
+The family is chosen by config.json's `model_type`. Each family's weights map through its own declarative
+table (`HF.modules` in models/opt.py, models/llama.py): HF module name -> our path and kind. Linear weights are
 transposed ([out, in] -> [in, out]); per-layer tensors are stacked on a leading [L] axis. Every tensor's
 shape is checked, and a missing or unused tensor is an error that names it.
 
@@ -34,9 +34,8 @@ import jax
 import numpy as np
 
 from jaxrlhf.config import ConfigError, InputError, build, decode_utf8, one_line
-from jaxrlhf.models import param_shapes
-from jaxrlhf.models.llama import LlamaConfig
-from jaxrlhf.models.opt import OPTConfig
+from jaxrlhf.models import CONFIGS, FAMILIES, Backend, LlamaConfig, OPTConfig, param_shapes
+from jaxrlhf.models.common import HFNames
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -46,88 +45,13 @@ TORCH_INDEX = "pytorch_model.bin.index.json"
 VALUE_HEAD_FILE = "value_head.safetensors"
 VALUE_HEAD_KEY = "v_head.weight"
 
-# HF module name (under "model.") -> (our path, kind). "{i}" marks a per-layer module, stacked on axis 0.
-# Kinds: "embed" (weight), "linear" (weight transposed, optional bias), "norm" (weight -> scale, bias).
-_OPT_MODULES = {
-    "decoder.embed_tokens": ("decoder/embed_tokens", "embed"),
-    "decoder.embed_positions": ("decoder/embed_positions", "embed"),
-    "decoder.project_in": ("decoder/project_in", "linear"),
-    "decoder.project_out": ("decoder/project_out", "linear"),
-    "decoder.final_layer_norm": ("decoder/final_layer_norm", "norm"),
-    "decoder.layers.{i}.self_attn_layer_norm": ("decoder/layers/self_attn_layer_norm", "norm"),
-    "decoder.layers.{i}.self_attn.q_proj": ("decoder/layers/self_attn/q_proj", "linear"),
-    "decoder.layers.{i}.self_attn.k_proj": ("decoder/layers/self_attn/k_proj", "linear"),
-    "decoder.layers.{i}.self_attn.v_proj": ("decoder/layers/self_attn/v_proj", "linear"),
-    "decoder.layers.{i}.self_attn.out_proj": ("decoder/layers/self_attn/out_proj", "linear"),
-    "decoder.layers.{i}.final_layer_norm": ("decoder/layers/final_layer_norm", "norm"),
-    "decoder.layers.{i}.fc1": ("decoder/layers/fc1", "linear"),
-    "decoder.layers.{i}.fc2": ("decoder/layers/fc2", "linear"),
-}
-# Llama (LlamaForCausalLM): names are complete; lm_head exists only when the head is untied.
-_LLAMA_MODULES = {
-    "model.embed_tokens": ("model/embed_tokens", "embed"),
-    "model.norm": ("model/norm", "norm"),
-    "lm_head": ("lm_head", "linear"),
-    "model.layers.{i}.input_layernorm": ("model/layers/input_layernorm", "norm"),
-    "model.layers.{i}.post_attention_layernorm": ("model/layers/post_attention_layernorm", "norm"),
-    **{f"model.layers.{{i}}.self_attn.{n}": (f"model/layers/self_attn/{n}", "linear")
-       for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
-    **{f"model.layers.{{i}}.mlp.{n}": (f"model/layers/mlp/{n}", "linear") for n in ("gate_proj", "up_proj", "down_proj")},
-}
+# Each family's names: models/<family>.py's HF (models.common.HFNames). A module's kind says its tensors:
+# "embed" (weight), "linear" (weight transposed, optional bias), "norm" (weight -> scale, bias).
+_FORMATS = {model_type: fam.HF for model_type, fam in FAMILIES.items()}
 _TENSORS = {  # kind -> [(HF tensor suffix, our leaf name, transpose)]
     "embed": [("weight", "embedding", False)],
     "linear": [("weight", "kernel", True), ("bias", "bias", False)],
     "norm": [("weight", "scale", False), ("bias", "bias", False)],
-}
-# Prefixes under which HF-style OPT weights appear: OPTForCausalLM ("model."), OPTModel and the original
-# facebook/opt-* checkpoints (none), DeepSpeed-Chat's reward-model checkpoints (its attribute is spelled
-# "rwtranrsformer"; "rwtransformer" is accepted too).
-_PREFIXES = ("model.", "rwtranrsformer.", "rwtransformer.", "")
-
-# HF config.json keys that map onto OPTConfig fields (HF name -> our name).
-_OPT_CONFIG_KEYS = {
-    "vocab_size": "vocab_size",
-    "hidden_size": "hidden_size",
-    "num_hidden_layers": "num_hidden_layers",
-    "num_attention_heads": "num_attention_heads",
-    "ffn_dim": "ffn_dim",
-    "max_position_embeddings": "max_position_embeddings",
-    "word_embed_proj_dim": "word_embed_proj_dim",
-    "do_layer_norm_before": "do_layer_norm_before",
-    "_remove_final_layer_norm": "remove_final_layer_norm",
-    "enable_bias": "enable_bias",
-    "dropout": "dropout",
-    "attention_dropout": "attention_dropout",
-    "pad_token_id": "pad_token_id",
-    "bos_token_id": "bos_token_id",
-    "eos_token_id": "eos_token_id",
-}
-_LLAMA_CONFIG_KEYS = {
-    name: name
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
-                 "attention_bias", "mlp_bias", "attention_dropout", "pad_token_id", "bos_token_id", "eos_token_id")
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class _Format:
-    """How one family's HF folders look: its config class and keys, its name table, where names start."""
-
-    config_cls: type
-    architecture: str
-    config_keys: dict
-    modules: dict
-    prefixes: tuple  # prefixes under which the names of `modules` may appear when reading
-    save_prefix: str  # the prefix written (OPTForCausalLM's "model.")
-    root: str  # a tensor every checkpoint of the family has (finds the prefix)
-
-
-_FORMATS = {
-    "opt": _Format(OPTConfig, "OPTForCausalLM", _OPT_CONFIG_KEYS, _OPT_MODULES, _PREFIXES, "model.",
-                   "decoder.embed_tokens.weight"),
-    "llama": _Format(LlamaConfig, "LlamaForCausalLM", _LLAMA_CONFIG_KEYS, _LLAMA_MODULES, ("",), "",
-                     "model.embed_tokens.weight"),
 }
 
 
@@ -181,7 +105,7 @@ def config_from_hf(hf: dict, source: str = "config.json", **overrides):
         if theta is not None:
             fields["rope_theta"] = theta
     try:  # types as the config's fields declare them (a string hidden_size, a boolean layer count are refused)
-        return build(fmt.config_cls, {**fields, **overrides}, dict.fromkeys(fields, source))
+        return build(CONFIGS[model_type], {**fields, **overrides}, dict.fromkeys(fields, source))
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
 
@@ -350,7 +274,7 @@ def _leaf_names(config, with_value_head: bool):
         yield VALUE_HEAD_KEY, "value_head/kernel", None, True
 
 
-def _strip_prefix(tensors: dict[str, np.ndarray], fmt: _Format, source: str) -> dict[str, np.ndarray]:
+def _strip_prefix(tensors: dict[str, np.ndarray], fmt: HFNames, source: str) -> dict[str, np.ndarray]:
     for prefix in fmt.prefixes:
         if f"{prefix}{fmt.root}" in tensors:
             return {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in tensors.items()}
@@ -450,9 +374,11 @@ def load_hf(path: str | os.PathLike, dtype=None, **config_overrides) -> tuple[OP
 
     The compute dtype of the returned config follows `dtype` (float32 when None). The value head is
     included when the folder has `value_head.safetensors` (a reward model or critic saved by jaxrlhf)
-    or a DeepSpeed-Chat `v_head.weight` tensor. `config_overrides` set run options such as `remat=True`.
+    or a DeepSpeed-Chat `v_head.weight` tensor. `config_overrides` set run options such as `remat=True`; the model
+    runs with this machine's backend (models.Backend.detect) unless one is given.
     """
     path = resolve(path)
+    config_overrides = {"backend": dataclasses.asdict(Backend.detect()), **config_overrides}
     if dtype is not None:
         config_overrides = {"dtype": np.dtype(dtype).name, **config_overrides}
     config = read_config(path, **config_overrides)

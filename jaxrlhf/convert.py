@@ -7,8 +7,8 @@ tokenizer) that jaxrlhf and transformers both load.
     llama2.c .bin                               HF folder
     header: 7 int32 (dim, hidden, layers,       config.json (tie_word_embeddings: vocab_size > 0 in the header)
             heads, kv heads, vocab, seq len)
-    float32 arrays, nn.Linear [out, in]   ->    model.layers.{i}.self_attn.q_proj.weight ... (via checkpoint.py's
-                                                name table); q and k rows permuted from interleaved rotary
+    float32 arrays, nn.Linear [out, in]   ->    model.layers.{i}.self_attn.q_proj.weight ... (via the Llama
+                                                family's name table, llama.HF); q and k rows permuted from interleaved rotary
                                                 pairs (2i, 2i+1) to HF's halves (i, i + K/2)
     tokenizer .bin (score, bytes per piece) ->  tokenizer.json (SentencePiece BPE with byte fallback)
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxrlhf.checkpoint import CheckpointError, params_from_tensors, save_hf
-from jaxrlhf.models.llama import LlamaConfig
+from jaxrlhf.models import LlamaConfig
 from jaxrlhf.tokenizer import sentencepiece_bpe
 
 _HEADER = struct.Struct("<7i")

@@ -8,7 +8,7 @@
 Every model family runs through it (models/__init__.py picks the family from the config's type). The
 cache [L, slots, Hkv, P + G, K] (Hkv < H for grouped-query models such as Llama) is allocated once and carried
 through the loop (written with one dynamic_update_slice or scatter per layer and step, so XLA updates it in
-place; DESIGN.md measured 3.6x against passing per-layer caches through a scan). A row ends at its first EOS
+place, several times faster than passing per-layer caches through a scan). A row ends at its first EOS
 or at its own limit (`limits`); later tokens are pad and the answer mask is 0 there (1 up to and including the
 end). The loop exits once every row has ended: real answers are short and uneven, so a batch rarely needs its
 full `max_new_tokens` steps, and with fewer slots than prompts (continuous batching) no slot idles while one
@@ -20,7 +20,8 @@ row's valid slots are one range and a decode step's attention (our Pallas kernel
 
 `generate` runs the model's own parameters, or, faster, the decode layout that `decode_params` builds from
 them once (each layer its own arrays, shared-input products stacked; models/common.py says why): the Step 3
-engine generates with it, and so should any caller that generates more than once with the same weights.
+engine generates with it, and so should any caller that generates more than once with the same weights. The
+model runs "prefill" and "decode" calls (models.Mode: the layout, the mesh) with the config's backend.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrlhf.kernels.decode_attention import rows_axis
 from jaxrlhf.lora import fuse_attached
-from jaxrlhf.models import decode_layer, init_cache, logits_with_cache, positions_from_mask
+from jaxrlhf.models import Mode, decode_layer, in_decode_layout, init_cache, logits_with_cache, positions_from_mask
 from jaxrlhf.sharding import shardings_for
 
 
@@ -88,11 +89,11 @@ def decode_params(config, params: Any, mesh=None) -> Any:
     LoRA products, its gathered FSDP shards) exist at a time. The result is a new copy of the weights in the
     compute dtype; leaves that need no change may be `params`' own arrays. Pass it to `generate`.
     """
+    if in_decode_layout(params):
+        return params
     key = _layers_key(params)
     parent = params if key is None else params[key]
     layers = parent["layers"]
-    if isinstance(layers, (tuple, list)):
-        return params  # already in the decode layout
     # host (NumPy) leaves go to the device once, not once per layer's program
     layers = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jnp.asarray(x), layers)
     per_layer = tuple(_decode_one_layer(config, layers, jnp.int32(i), mesh)
@@ -103,8 +104,8 @@ def decode_params(config, params: Any, mesh=None) -> Any:
     return out
 
 
-# The decode slots Step 3 generates with unless told (EngineConfig.decode_slots): measured at HH-RLHF lengths on one
-# H200 (bench/README.md, Step 3 at real lengths), a batch of 768 over 256 refilled slots against a batch of 256.
+# The decode slots Step 3 generates with unless told (EngineConfig.decode_slots): measured at HH-RLHF lengths
+# (bench/README.md, Step 3 at real lengths), a batch of 768 over 256 refilled slots against a batch of 256.
 DECODE_SLOTS = 256
 
 
@@ -165,6 +166,8 @@ def _generate(config, params, input_ids, attention_mask, key, limits, *, max_new
     # One extra "prompt" N: the row of an empty slot. It never ends a loop (its slot counts as done), and what its
     # slot decodes is written to output row N, dropped at the end.
     real, limits = (jnp.concatenate([x, jnp.ones((1,), jnp.int32)]) for x in (real, limits))
+    layout = in_decode_layout(params)
+    prefilling, decoding = Mode("prefill", layout, mesh), Mode("decode", layout, mesh)
 
     def laid_out(cache):  # heads over "model", rows over "data" (if they split): the tensor-parallel layout
         if mesh is None:
@@ -199,7 +202,8 @@ def _generate(config, params, input_ids, attention_mask, key, limits, *, max_new
         valid = jnp.concatenate([mask.astype(bool), jnp.ones((len(prompts), S - Pn), bool)], axis=1)
         cache = laid_out(init_cache(config, valid, multiple=64 if S > Pn else 1))
         positions = jnp.maximum(positions_from_mask(mask), 0)
-        logits, cache = logits_with_cache(config, params, ids, positions, cache, last=1)  # the LM head on the last only
+        # the LM head on the last position only
+        logits, cache = logits_with_cache(config, params, ids, positions, cache, prefilling, last=1)
         return logits[:, -1], {n: cache[n] for n in ("k", "v", "start")}  # decode steps bring their own slots
 
     def start_rows(state, slots_at, prompts, logits):
@@ -224,7 +228,8 @@ def _generate(config, params, input_ids, attention_mask, key, limits, *, max_new
         """Every slot advances one token: the last token goes in at its own slot, the next one comes out."""
         row, g, done = state["row"], state["g"], state["done"]
         cache = {**state["cache"], "slot": Pn + g - 1}  # each row's own slot: prompt width + answer so far
-        logits, cache = logits_with_cache(config, params, state["token"][:, None], (real[row] + g - 1)[:, None], cache)
+        logits, cache = logits_with_cache(config, params, state["token"][:, None], (real[row] + g - 1)[:, None], cache,
+                                          decoding)
         cache = {n: cache[n] for n in ("k", "v", "start")}
         token, logprob, ends = pick(logits[:, 0], row, g)
         out = record(state["out"], jnp.where(done, N, row), g, token, logprob)
@@ -298,8 +303,6 @@ def generate(config, params: Any, input_ids, attention_mask, key, *, max_new_tok
                   pad_id=config.pad_token_id if pad_id is None else pad_id, force_length=force_length, slots=slots,
                   refill=refill, check_every=check_every, mesh=mesh)
     if mesh is None:
-        out = run()
-    else:
-        with jax.set_mesh(mesh):  # the decode kernel runs per shard of this mesh
-            out = run()
-    return Generation(*out)
+        return Generation(*run())
+    with jax.set_mesh(mesh):  # the program's arrays live on this mesh
+        return Generation(*run())

@@ -1,9 +1,9 @@
-"""`python -m jaxrlhf.inspect`: put an OPT checkpoint on the mesh, show both layouts, time the switch, generate.
+"""`python -m jaxrlhf.inspect`: put a checkpoint on the mesh, show both layouts, time the switch, generate.
 
 The first thing to run on a new machine: it shows the devices JAX sees, the parameter table of the
 training (FSDP) and generation (tensor-parallel) layouts with bytes per device, how long `reshard`
 takes each way, and a greedy continuation of a prompt. Without a checkpoint it uses random weights of
-a real OPT shape (no model hub needed); `save_to=DIR` writes that model as a Hugging Face folder.
+a released model's shape (no model hub needed); `save_to=DIR` writes that model as a Hugging Face folder.
 """
 
 from __future__ import annotations
@@ -22,16 +22,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxrlhf.checkpoint import CheckpointError, load_hf, save_hf
 from jaxrlhf.config import ConfigError, run_cli
 from jaxrlhf.generate import generate
-from jaxrlhf.models import logits
-from jaxrlhf.models.opt import PRESETS, OPTConfig, init_params, param_shapes
+from jaxrlhf.models import Backend, init_params, logits, param_shapes, preset
 from jaxrlhf.sharding import check_tp, describe, make_mesh, reshard, shardings_for
 from jaxrlhf.tokenizer import load_tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
 class InspectConfig:
-    #: a Hugging Face OPT checkpoint folder, or random:NAME for random weights of a real OPT shape
-    #: (NAME: opt-125m, opt-350m, opt-1.3b, opt-2.7b, opt-6.7b, opt-13b, opt-30b, opt-66b)
+    #: a Hugging Face OPT or Llama checkpoint folder, or random:NAME for random weights of a released shape
+    #: (NAME: opt-125m, opt-350m, opt-1.3b, ..., opt-66b, llama-2-7b, llama-7b-gqa, tinyllama-1.1b)
     model: str = "random:opt-125m"
     #: tokenizer folder (default: the model's own folder; without one, token ids are shown)
     tokenizer: str | None = None
@@ -54,7 +53,7 @@ def _next_token(config, params, ids, mask, t):
     return jnp.argmax(logits(config, params, ids, mask)[:, t - 1], axis=-1).astype(ids.dtype)
 
 
-def greedy_reference(config: OPTConfig, params, input_ids, attention_mask, max_new_tokens: int):
+def greedy_reference(config, params, input_ids, attention_mask, max_new_tokens: int):
     """Greedy continuation by recomputing the whole sequence per token: slow, cache-free, obviously right.
 
     input_ids / attention_mask [B, P] are left-padded; returns the new tokens [B, max_new_tokens].
@@ -81,17 +80,17 @@ def _timed(fn, repeats=5):
 def _load(cfg: InspectConfig, mesh):
     dtype = jnp.dtype(cfg.dtype)
     if cfg.model.startswith("random:"):
-        name = cfg.model.removeprefix("random:")
-        if name not in PRESETS:
-            raise ConfigError(f"model: unknown preset {name!r}; choose one of {', '.join(sorted(PRESETS))}")
-        config = OPTConfig(**PRESETS[name], dtype=cfg.dtype)
-        check_tp(config.num_attention_heads, mesh)
+        try:
+            config = preset(cfg.model.removeprefix("random:"), dtype=cfg.dtype, backend=Backend.detect())
+        except ValueError as e:
+            raise ConfigError(f"model: {e}") from None
+        check_tp(config.num_attention_heads, mesh, config.num_key_value_heads)
         # Initialise directly in the training layout: no device ever holds the whole model.
         out = shardings_for(param_shapes(config), "fsdp", mesh)
         params = jax.jit(partial(init_params, config, dtype=dtype), out_shardings=out)(jax.random.key(cfg.seed))
         return config, params, None
     config, host = load_hf(cfg.model, dtype=dtype)
-    check_tp(config.num_attention_heads, mesh)
+    check_tp(config.num_attention_heads, mesh, config.num_key_value_heads)
     try:
         tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
     except CheckpointError:

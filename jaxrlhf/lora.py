@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrlhf.config import check_fields
+from jaxrlhf.models.common import fused_kernel
 from jaxrlhf.sharding import path_str
 
 _LEAVES = ("lora_a", "lora_b")
@@ -211,13 +212,6 @@ def _fitting_adapters(params: Any, lora: Any, cfg: LoRAConfig) -> dict[str, dict
             )
     scale = cfg.scaling / cfg.dim
     return {m: {"lora_a": p["lora_a"], "lora_b": p["lora_b"].astype(jnp.float32) * scale} for m, p in adapters.items()}
-
-
-def fused_kernel(kernel, a, b_scaled):
-    """kernel + a @ b_scaled in float32, cast back to kernel's dtype ([..., in, out], batched over a leading L)."""
-    # HIGHEST: a true float32 product (not TF32) on GPUs; a rank-dim matmul, cheap next to the model.
-    delta = jnp.matmul(a.astype(jnp.float32), b_scaled.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-    return (kernel.astype(jnp.float32) + delta).astype(kernel.dtype)
 
 
 def attach(params: Any, lora: Any, cfg: LoRAConfig) -> Any:

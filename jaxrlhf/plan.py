@@ -78,7 +78,7 @@ def activations(config, rows: int, T: int, *, train: bool, remat: bool, value_he
     D, L, H = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
     F = getattr(config, "ffn_dim", None) or config.intermediate_size
     gated = 3 if config.model_type == "llama" else 2
-    xla_scores = config.attention == "xla" or backend != "gpu" or c == 4 or (train and config.attention_dropout > 0)
+    xla_scores = backend != "gpu" or c == 4 or (train and config.attention_dropout > 0)
     scores = H * T * T * 4 if xla_scores else 0  # one [H, T, T] fp32 array per sequence
     layer = T * (7 * D + gated * F) * c + 3.5 * scores  # one layer's saved tensors per sequence: scores, probs (2 dtypes)
     head = T * 4 if value_head else (head_len or T) * config.vocab_size * 4

@@ -14,8 +14,9 @@
                                        k/v split by KV heads, so each device keeps the KV heads its query heads
                                        read. The prompt batch splits over "data".
 
-Which dimension of a parameter is which is data: `PARAM_AXES` maps parameter paths to a logical axis
-per dimension; `TP_RULES` maps logical axes to mesh axes. A leaf that no entry covers is an error, never
+Which dimension of a parameter is which is data: each model family's `PARAM_AXES` (models/opt.py,
+models/llama.py; all of them: models.PARAM_AXES) maps parameter paths to a logical axis per dimension;
+`TP_RULES` here maps logical axes to mesh axes. A leaf that no entry covers is an error, never
 a silent replica. Optimizer-state trees shard like the parameters they mirror (paths end the same way);
 LoRA factors (`.../lora_a`, `.../lora_b`) take the axes of their kernel, with none on the rank dimension.
 """
@@ -31,44 +32,13 @@ from jax.experimental import mesh_utils
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from jaxrlhf.models import PARAM_AXES
+
 AXES = ("data", "model")
 LAYOUTS = ("fsdp", "tp")
 # FSDP splits a dimension over both axes with "model" major: device (d, m) then holds a piece of exactly
 # the slice that tensor parallelism gives it, so FSDP -> TP is an all-gather over "data" and nothing more.
 FSDP_AXES = ("model", "data")
-
-# Parameter path (a regex matched against the end of the '/'-joined path) -> logical axis per dimension.
-# First match wins.
-PARAM_AXES: list[tuple[str, tuple[str | None, ...]]] = [
-    (r"embed_tokens/embedding", ("vocab", "embed")),
-    (r"embed_positions/embedding", ("position", "embed")),
-    (r"project_(in|out)/kernel", ("embed", "embed")),
-    (r"layers/self_attn/[qkv]_proj/kernel", ("layers", "embed", "heads")),
-    (r"layers/self_attn/[qkv]_proj/bias", ("layers", "heads")),
-    (r"layers/self_attn/out_proj/kernel", ("layers", "heads", "embed")),
-    (r"layers/fc1/kernel", ("layers", "embed", "mlp")),
-    (r"layers/fc1/(bias|colsum)", ("layers", "mlp")),
-    (r"layers/fc2/kernel", ("layers", "mlp", "embed")),
-    (r"layers/(self_attn/out_proj|fc2)/bias", ("layers", "embed")),
-    (r"layers/\w+_layer_norm/(scale|bias)", ("layers", "embed")),
-    (r"final_layer_norm/(scale|bias)", ("embed",)),
-    (r"value_head/kernel", ("embed", None)),
-    # Llama (models/llama.py): k/v_proj are [D, Hkv * K], so "heads" splits the KV heads over "model" too.
-    (r"layers/self_attn/o_proj/kernel", ("layers", "heads", "embed")),
-    (r"layers/self_attn/o_proj/bias", ("layers", "embed")),
-    (r"layers/mlp/(gate|up)_proj/kernel", ("layers", "embed", "mlp")),
-    (r"layers/mlp/(gate|up)_proj/bias", ("layers", "mlp")),
-    (r"layers/mlp/down_proj/kernel", ("layers", "mlp", "embed")),
-    (r"layers/mlp/down_proj/bias", ("layers", "embed")),
-    (r"layers/(input|post_attention)_layernorm/scale", ("layers", "embed")),
-    (r"model/norm/scale", ("embed",)),
-    (r"lm_head/kernel", ("embed", "vocab")),
-    # The decode layout (models.common.stack_qkv, llama.decode_layer): q/k/v stacked per KV head, gate/up stacked.
-    (r"layers/self_attn/qkv_proj/kernel", ("layers", "embed", "heads", None)),
-    (r"layers/self_attn/qkv_proj/(bias|colsum)", ("layers", "heads", None)),
-    (r"layers/mlp/gate_up_proj/kernel", ("layers", "embed", None, "mlp")),
-    (r"layers/mlp/gate_up_proj/bias", ("layers", None, "mlp")),
-]
 
 # Generation layout: logical axis -> mesh axis. Logical axes not listed are replicated.
 TP_RULES = {"vocab": "model", "heads": "model", "mlp": "model"}
@@ -114,7 +84,7 @@ def logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
             if len(axes) != ndim:
                 raise LayoutError(f"{path}: has {ndim} dimensions, but the layout table expects {len(axes)} {axes}")
             return axes
-    raise LayoutError(f"{path}: no layout rule covers this parameter; add it to jaxrlhf.sharding.PARAM_AXES")
+    raise LayoutError(f"{path}: no layout rule covers this parameter; add it to its family's PARAM_AXES (models/)")
 
 
 def partition_spec(path: str, shape: tuple[int, ...], layout: str, mesh: Mesh) -> P:
@@ -175,8 +145,8 @@ def reshard(tree: Any, layout: str, mesh: Mesh, *, donate: bool = False) -> Any:
     """Move `tree` into `layout` on `mesh`.
 
     Device arrays move through a compiled identity with `out_shardings` (cached per set of target
-    shardings): XLA emits the collectives, so the bytes stay on the devices and cross the interconnect.
-    On two H200s this is ~200x faster than `jax.device_put` between shardings (DESIGN.md). Leaves that
+    shardings): XLA emits the collectives, so the bytes stay on the devices and cross the interconnect, far
+    faster than `jax.device_put` between shardings (tools/bench_reshard.py). Leaves that
     are already in place are passed through untouched (no copy). With `donate=True` the moved source
     buffers are freed as soon as the copy exists (XLA cannot alias buffers whose shard shapes differ, so
     this is done by hand), and the two layouts never stay in memory together.

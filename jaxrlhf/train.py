@@ -123,7 +123,7 @@ def builtin_model(folder: Path, seed: int, value_head: bool = False) -> Path:
     already: a new copy's manifest id would make the Step 1 run that started from it look changed). `value_head`
     adds a random one: a stand-in for a Step 2 output where its training does not matter (tests)."""
     from jaxrlhf.checkpoint import save_hf
-    from jaxrlhf.models.opt import OPTConfig, init_params
+    from jaxrlhf.models import OPTConfig, init_params
 
     if export_manifest(folder) is not None:
         return folder
@@ -144,7 +144,7 @@ def compare(cfg: TrainConfig, sft_model: Path, actor_model: Path, log=print) -> 
     from jaxrlhf.data import make_batch, prepare
     from jaxrlhf.generate import generate
     from jaxrlhf.losses import token_logprobs
-    from jaxrlhf.models.opt import logits
+    from jaxrlhf.models import logits
     from jaxrlhf.ppo import decode_rows
     from jaxrlhf.data.synthetic import gold_reward
     from jaxrlhf.tokenizer import load_tokenizer

@@ -471,7 +471,7 @@ def load_model(run: RunConfig, *, value_head: bool, fresh_head: bool = False):
     silently train against or report a random reward, so that is an error naming the folder.
     """
     from jaxrlhf.checkpoint import VALUE_HEAD_FILE, load_hf
-    from jaxrlhf.models.opt import PRESETS, OPTConfig, init_params
+    from jaxrlhf.models import Backend, init_params, preset
     from jaxrlhf.tokenizer import load_tokenizer
 
     if not run.model:
@@ -480,10 +480,7 @@ def load_model(run: RunConfig, *, value_head: bool, fresh_head: bool = False):
     compute = "float32" if run.precision == "fp32" else "bfloat16"
     key = jax.random.key(run.seed)
     if run.model.startswith("random:"):
-        name = run.model.removeprefix("random:")
-        if name not in PRESETS:
-            raise ValueError(f"model: unknown preset {name!r}; choose one of {', '.join(sorted(PRESETS))}")
-        config = OPTConfig(**PRESETS[name])
+        config = preset(run.model.removeprefix("random:"))  # any family's (opt-125m, llama-2-7b, ...)
         params = jax.device_get(init_params(config, key, value_head=value_head, dtype=dtype))
         if run.tokenizer is None:
             raise ValueError("tokenizer: required with a random model (e.g. a folder with OPT's vocab.json + merges.txt)")
@@ -497,7 +494,7 @@ def load_model(run: RunConfig, *, value_head: bool, fresh_head: bool = False):
         params = {**params, "value_head": {"kernel": np.asarray(head, dtype)}}
     if not value_head:
         params = {k: v for k, v in params.items() if k != "value_head"}
-    overrides = {"dtype": compute, "remat": run.remat}
+    overrides = {"dtype": compute, "remat": run.remat, "backend": Backend.detect()}
     if run.dropout is not None:
         overrides.update(dropout=run.dropout, attention_dropout=run.dropout)
     config = dataclasses.replace(config, **overrides)

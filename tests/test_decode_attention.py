@@ -11,7 +11,7 @@ from jaxrlhf import make_mesh
 from jaxrlhf.kernels.decode_attention import (DecodeAttentionConfig, decode_attention, decode_attention_reference,
                                              decode_step, fuses_step)
 
-KERNEL = DecodeAttentionConfig(implementation="pallas", block_s=16)
+KERNEL = DecodeAttentionConfig(implementation="pallas", block_s=16, interpret=True)
 
 
 def inputs(L, B, H, Hkv, S, K, dtype, seed):

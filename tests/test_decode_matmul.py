@@ -37,7 +37,7 @@ def test_the_ffn_in_product_equals_the_definition(M, K, N, dtype):
     """fc1: the folded LayerNorm's end (from the rows' sums), the bias and the ReLU inside the kernel."""
     x, w, colsum, bias = inputs(M, K, N, dtype, seed=M + K)
     layer_norm = (*stats(x), colsum, 1e-5)
-    got = decode_matmul(x, w, bias=bias, layer_norm=layer_norm, relu=True)
+    got = decode_matmul(x, w, bias=bias, layer_norm=layer_norm, relu=True, interpret=True)
     assert got.dtype == dtype and got.shape == (M, N)
     want = decode_matmul_reference(x, w, bias=bias, layer_norm=layer_norm, relu=True)
     tol = 1e-5 if dtype == jnp.float32 else 3e-2
@@ -57,7 +57,7 @@ def test_the_ffn_in_product_equals_the_definition(M, K, N, dtype):
 def test_the_split_product_equals_the_definition(M, K, N):
     """fc2: no epilogue, K split (4 ways at 1024 x 128, none at 256 x 64) and the float32 partials summed."""
     x, w, _, _ = inputs(M, K, N, jnp.float32, seed=K)
-    got = decode_matmul(x, w)
+    got = decode_matmul(x, w, interpret=True)
     assert got.dtype == jnp.float32 and got.shape == (M, N)
     np.testing.assert_allclose(np.asarray(got), np.asarray(decode_matmul_reference(x, w)), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(float(got[3, 5]), float(np.asarray(x[3], np.float64) @ np.asarray(w[:, 5], np.float64)),
@@ -71,17 +71,17 @@ def test_per_shard_and_bad_shapes():
     layer_norm = (*stats(x), colsum, 1e-5)
     with jax.set_mesh(mesh):
         got = jax.jit(lambda x, w, b, s, q, c: decode_matmul(x, w, bias=b, layer_norm=(s, q, c, 1e-5), relu=True,
-                                                             mesh=mesh))(x, w, bias, *layer_norm[:3])
-        split = jax.jit(lambda x, w: decode_matmul(x, w, mesh=mesh))(x, w)
+                                                             interpret=True, mesh=mesh))(x, w, bias, *layer_norm[:3])
+        split = jax.jit(lambda x, w: decode_matmul(x, w, interpret=True, mesh=mesh))(x, w)
     want = decode_matmul_reference(x, w, bias=bias, layer_norm=layer_norm, relu=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(split), np.asarray(decode_matmul_reference(x, w)), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match=r"expected x \[M, K\] and w \[K, N\]"):
-        decode_matmul(x, w[:128])
+        decode_matmul(x, w[:128], interpret=True)
     with pytest.raises(ValueError, match="48 rows and a 256 x 256 matrix per shard; the kernel takes 16, 32, 64 rows"):
-        decode_matmul(x[:48], w)
+        decode_matmul(x[:48], w, interpret=True)
     with pytest.raises(ValueError, match="16 rows and a 96 x 256 matrix per shard"):  # rows / 4, K / 2 per shard
-        jax.jit(lambda x, w: decode_matmul(x, w, mesh=mesh))(x[:, :192], w[:192])
+        jax.jit(lambda x, w: decode_matmul(x, w, interpret=True, mesh=mesh))(x[:, :192], w[:192])
 
 
 def test_kernel_lowers_to_triton_for_an_h200():

@@ -16,7 +16,7 @@ from jaxrlhf.data.synthetic import gold_answer, gold_reward
 from jaxrlhf.eval import EvalConfig, curves, final_number, gold_rewards, main, parse, plot_training, run, win_rate
 from jaxrlhf.generate import generate
 from jaxrlhf.losses import end_scores, token_logprobs
-from jaxrlhf.models.opt import OPTConfig, init_params, logits, values
+from jaxrlhf.models import OPTConfig, init_params, logits, values
 from jaxrlhf.train import BUILTIN_MODEL, builtin_tokenizer
 
 PROMPTS, G, REPEATED = 16, 16, " q"  # one generation batch; answers long enough to double a sorted list

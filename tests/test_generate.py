@@ -9,6 +9,9 @@ from helpers import POST_LN_PROJ, PRE_LN, all_eqns, kernel_calls, left_padded_ba
 from jaxrlhf import load_hf, logits, make_mesh, reshard
 from jaxrlhf.generate import Sampling, decode_params, generate, sample
 from jaxrlhf.inspect import greedy_reference
+from jaxrlhf.models import Backend
+
+KERNELS = Backend(decode_attention="pallas", interpret=True)  # the Pallas kernels in interpret mode
 
 
 @pytest.fixture(scope="module", params=[PRE_LN, POST_LN_PROJ], ids=["pre_ln", "post_ln_proj"])
@@ -117,7 +120,7 @@ def test_the_decode_kernel_gives_the_xla_tokens(model, tp):
     _, config, params = model
     ids, mask = left_padded_batch(config.vocab_size, [6, 2, 4, 5], T=6, seed=5)
     want = generate(config, params, ids, mask, jax.random.key(2), max_new_tokens=5, temperature=1.0)
-    kernel = dataclasses.replace(config, decode_attention="pallas")
+    kernel = dataclasses.replace(config, backend=KERNELS)
     mesh = make_mesh(tp=tp) if tp > 1 else None  # tp 1: no mesh, the kernel runs unwrapped
     tp_params = reshard(reshard(params, "fsdp", mesh), "tp", mesh) if mesh else params
     got = generate(kernel, tp_params, ids, mask, jax.random.key(2), max_new_tokens=5, temperature=1.0, mesh=mesh)
@@ -147,7 +150,7 @@ def test_the_ffn_kernels_give_the_xla_tokens(tmp_path, monkeypatch, tp):
                                                              "ffn_dim": 512, "num_hidden_layers": 2}))
     ids, mask = left_padded_batch(config.vocab_size, [6, 2, 4, 5] * 4, T=6, seed=7)
     want = generate(config, params, ids, mask, jax.random.key(3), max_new_tokens=4, temperature=1.0)
-    kernel = dataclasses.replace(config, decode_attention="pallas")
+    kernel = dataclasses.replace(config, backend=KERNELS)
     mesh = make_mesh(tp=tp, devices=jax.devices()[:tp]) if tp > 1 else None
     fast = decode_params(kernel, reshard(params, "fsdp", mesh) if mesh else params, mesh)
     run = lambda p: generate(kernel, p, ids, mask, jax.random.key(3), max_new_tokens=4, temperature=1.0, mesh=mesh)
@@ -291,7 +294,7 @@ def test_continuous_batching_under_tensor_parallelism_with_the_decode_kernels(mo
     key, G = jax.random.key(12), 7
     limits = np.array([7, 2, 5, 1, 7, 3, 6, 4], np.int32)
     want = generate(config, params, ids, mask, key, max_new_tokens=G, limits=limits)
-    kernel = dataclasses.replace(config, decode_attention="pallas")
+    kernel = dataclasses.replace(config, backend=KERNELS)
     mesh = make_mesh(tp=2)
     fast = decode_params(kernel, reshard(params, "fsdp", mesh), mesh)
     got = generate(kernel, fast, ids, mask, key, max_new_tokens=G, limits=limits, slots=4, refill=2, check_every=2,

@@ -13,7 +13,7 @@ from safetensors.numpy import load_file
 
 from jaxrlhf import LlamaConfig, load_hf, make_mesh, reshard, save_hf, shardings_for
 from jaxrlhf.generate import decode_params, generate
-from jaxrlhf.models import llama, param_shapes
+from jaxrlhf.models import Backend, init_params, llama, param_shapes
 
 # Grouped-query attention (4 query heads over 2 KV heads), untied head, a non-default rope_theta; and
 # plain multi-head attention with a tied head and biases (Qwen-style). 4 heads and vocab 64 split over tp 2.
@@ -68,6 +68,17 @@ def test_logits_match_transformers_fp32_left_padded(model):
     assert diff <= 1e-4
     # the head on the last 5 positions only (the engine's answer log-probs) gives those positions' logits
     np.testing.assert_allclose(np.asarray(jit_logits(config, params, ids, mask, last=5)), ours[:, -5:], atol=1e-5)
+
+
+def test_packed_sequences_give_the_logits_of_each_alone(model):
+    """Two sequences in one row (segment_ids, positions restarting in each): each attends within its own only."""
+    _, config, params = model
+    ids, _ = left_padded_batch(config.vocab_size, [7], T=7, seed=11)
+    packing = dict(segment_ids=np.array([[1, 1, 1, 2, 2, 2, 2]]), positions=np.array([[0, 1, 2, 0, 1, 2, 3]]))
+    packed = np.asarray(jit_logits(config, params, ids, np.ones_like(ids), **packing))[0]
+    for at in (slice(0, 3), slice(3, 7)):
+        alone = np.asarray(jit_logits(config, params, ids[:, at], np.ones_like(ids[:, at])))[0]
+        np.testing.assert_allclose(packed[at], alone, atol=1e-5)
 
 
 def test_round_trip_is_bit_identical_and_transformers_loads_it(model, tmp_path):
@@ -134,7 +145,7 @@ def test_tensor_parallel_generation_with_the_decode_kernel_gives_the_same_tokens
     k_spec = tp["model"]["layers"]["self_attn"]["k_proj"]["kernel"].sharding.spec
     assert tuple(k_spec) == (None, None, "model")  # KV heads split over "model"
     # The GPU's path: the Pallas decode kernel (interpreted on the CPU) per shard, 1 query-head pair per KV head.
-    kernel = dataclasses.replace(config, decode_attention="pallas")
+    kernel = dataclasses.replace(config, backend=Backend(decode_attention="pallas", interpret=True))
     out = generate(kernel, tp, ids, mask, jax.random.key(0), max_new_tokens=6, temperature=0.0, mesh=mesh)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(one.tokens))
     np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(one.logprobs), atol=1e-5)
@@ -168,7 +179,7 @@ def test_interleaved_rope_is_rotate_half_with_permuted_projections():
     from jaxrlhf.convert import interleaved_to_halves
 
     config = LlamaConfig(**GQA_UNTIED)
-    params = llama.init_params(config, jax.random.key(0), std=0.2)
+    params = init_params(config, jax.random.key(0), std=0.2)
     attn = params["model"]["layers"]["self_attn"]
     permute = lambda k, heads: jnp.stack([interleaved_to_halves(x.T, heads).T for x in k])  # noqa: E731
     halves = jax.tree.map(lambda x: x, params)
@@ -225,7 +236,7 @@ def test_which_kernels_a_decode_step_runs(model):
     ids, mask = left_padded_batch(config.vocab_size, [4, 2], T=4, seed=3)
     tokens = {}
     for impl in ("pallas", "xla"):
-        cfg = dataclasses.replace(config, decode_attention=impl)
+        cfg = dataclasses.replace(config, backend=Backend(decode_attention=impl, interpret=impl == "pallas"))
         run = lambda p: generate(cfg, p, ids, mask, jax.random.key(0), max_new_tokens=3, temperature=0.0).tokens
         fast = decode_params(cfg, jax.tree.map(jnp.asarray, params))
         program = str(jax.make_jaxpr(run)(fast))

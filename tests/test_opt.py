@@ -10,7 +10,7 @@ import pytest
 from helpers import POST_LN_PROJ, PRE_LN, hf_logits, jit_logits, left_padded_batch, make_hf_opt
 
 from jaxrlhf import load_hf, logits, values
-from jaxrlhf.models.opt import OPTConfig, init_params, positions_from_mask
+from jaxrlhf.models import Backend, Mode, OPTConfig, init_params, positions_from_mask
 
 
 @pytest.fixture(scope="module", params=[PRE_LN, POST_LN_PROJ], ids=["pre_ln", "post_ln_proj"])
@@ -53,6 +53,35 @@ def test_any_padding_pattern_gives_the_logits_of_the_real_tokens_alone(hf_folder
     assert np.isfinite(out).all()
 
 
+def test_packed_sequences_give_the_logits_of_each_alone(hf_folder):
+    """Two sequences packed in one left-padded row (segment_ids; positions restarting at 0 in each): each attends
+    within its segment only, so each gets the logits and values it gets alone."""
+    config, params = load_hf(hf_folder)
+    ids, _ = left_padded_batch(config.vocab_size, [7], T=7, seed=11)
+    a, b = ids[:, :3], ids[:, 3:]
+    row = np.concatenate([np.full((1, 2), config.pad_token_id, np.int32), a, b], 1)
+    mask = np.array([[0, 0, 1, 1, 1, 1, 1, 1, 1]], np.int32)
+    packing = dict(segment_ids=np.array([[0, 0, 1, 1, 1, 2, 2, 2, 2]]),
+                   positions=np.array([[-1, -1, 0, 1, 2, 0, 1, 2, 3]]))
+    packed = np.asarray(jax.jit(partial(logits, config))(params, row, mask, **packing))[0]
+    head = {**params, "value_head": {"kernel": jax.random.normal(jax.random.key(1), (config.word_embed_proj_dim, 1))}}
+    packed_values = np.asarray(jax.jit(partial(values, config))(head, row, mask, **packing))[0]
+    for seq, at in ((a, slice(2, 5)), (b, slice(5, 9))):
+        alone = np.asarray(jit_logits(config, params, seq, np.ones_like(seq)))[0]
+        np.testing.assert_allclose(packed[at], alone, atol=1e-5)
+        np.testing.assert_allclose(packed_values[at], np.asarray(values(config, head, seq, np.ones_like(seq)))[0],
+                                   atol=1e-5)
+
+
+def test_the_backend_is_detected_once_and_its_default_is_plain_xla():
+    assert Backend.detect() == Backend() == OPTConfig().backend  # the CPU: XLA attention, a rolled loop, no kernels
+    assert Backend.detect(decode_attention="pallas", scan_unroll=3) == Backend("xla", "pallas", True, 3)  # interpreted
+    with pytest.raises(ValueError, match="Backend.attention"):
+        Backend(attention="auto")  # "auto" is detect()'s to resolve, never the model's
+    with pytest.raises(ValueError, match="Mode.kind"):
+        Mode("generate")
+
+
 def test_positions_follow_the_mask():
     mask = jnp.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     np.testing.assert_array_equal(positions_from_mask(mask), [[-1, -1, 0, 1, 2], [0, 1, 2, 3, 4]])
@@ -78,13 +107,14 @@ def _value_and_grad(p, cfg, ids, mask):
     return jnp.sum(jax.nn.log_softmax(logits(cfg, p, ids, mask))[..., 5] * mask)
 
 
-@pytest.mark.parametrize("change", [{"remat": True}, {"scan_unroll": 2}, {"remat": True, "scan_unroll": 99}],
+@pytest.mark.parametrize("change", [{"remat": True}, {"backend": Backend(scan_unroll=2)},
+                                    {"remat": True, "backend": Backend(scan_unroll=0)}],
                          ids=["remat", "unroll", "remat_unrolled"])
 def test_remat_and_unrolling_change_neither_values_nor_gradients(hf_folder, change):
     config, params = load_hf(hf_folder)
     ids, mask = left_padded_batch(config.vocab_size, [6, 4], T=6)
 
-    plain = _value_and_grad(params, dataclasses.replace(config, scan_unroll=1), ids, mask)  # compiled once per variant
+    plain = _value_and_grad(params, dataclasses.replace(config, backend=Backend(scan_unroll=1)), ids, mask)
     other = _value_and_grad(params, dataclasses.replace(config, **change), ids, mask)
     np.testing.assert_allclose(plain[0], other[0], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(plain[1]), jax.tree.leaves(other[1])):

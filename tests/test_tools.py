@@ -74,7 +74,7 @@ def test_tp_tokens_match_on_the_cpu_mesh():
     from tools.bench_generate import tp_tokens_match
 
     config = OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
-                       max_position_embeddings=64, word_embed_proj_dim=32, dtype="bfloat16", decode_attention="xla")
+                       max_position_embeddings=64, word_embed_proj_dim=32, dtype="bfloat16")
     mesh = make_mesh(2, jax.devices()[:2])
     params = reshard(init_params(config, jax.random.key(0), std=0.5), "tp", mesh)
     result = tp_tokens_match(config, params, mesh, 4, 6, 8)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxrlhf.lora import LoRAConfig
-from jaxrlhf.models.opt import OPTConfig, init_params
+from jaxrlhf.models import OPTConfig, init_params
 from jaxrlhf.sft import sft_loss
 from jaxrlhf.sharding import make_mesh
 from jaxrlhf.trainer import (OptimConfig, create_state, init_state, make_optimizer, make_train_step, precision_warning,

@@ -19,7 +19,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxrlhf.losses import lm_loss  # noqa: E402
-from jaxrlhf.models.opt import PRESETS, OPTConfig, OPTLayer, init_params, logits  # noqa: E402
+from jaxrlhf.models import Backend, OPTConfig, init_params, logits  # noqa: E402
+from jaxrlhf.models.opt import PRESETS, OPTLayer  # noqa: E402
 from tools import common  # noqa: E402
 
 
@@ -31,7 +32,7 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     B, T = args.batch, args.seq
-    config = OPTConfig(**PRESETS[args.model], dtype="bfloat16", dropout=0.0)
+    config = OPTConfig(**PRESETS[args.model], dtype="bfloat16", dropout=0.0, backend=Backend.detect())
     params = jax.jit(lambda k: init_params(config, k, dtype=jnp.bfloat16))(jax.random.key(0))
     ids = jax.random.randint(jax.random.key(1), (B, T), 3, config.vocab_size)
     mask = jnp.ones_like(ids)

@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxrlhf.models.opt import PRESETS, OPTConfig, init_params, logits  # noqa: E402
+from jaxrlhf.models import Backend, OPTConfig, init_params, logits  # noqa: E402
+from jaxrlhf.models.opt import PRESETS  # noqa: E402
 from tools import common  # noqa: E402
 
 
@@ -123,7 +124,7 @@ def main():
     ap.add_argument("--attention", nargs="+", default=["auto"], choices=["auto", "cudnn", "xla"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    config = OPTConfig(**PRESETS[args.model], dtype="bfloat16", dropout=0.0)
+    config = OPTConfig(**PRESETS[args.model], dtype="bfloat16", dropout=0.0, backend=Backend.detect())
     params = jax.jit(lambda k: init_params(config, k, dtype=jnp.bfloat16))(jax.random.key(0))
     n = sum(x.size for x in jax.tree.leaves(params))
     ceiling = matmul_ceiling()
@@ -143,7 +144,7 @@ def main():
     for B in args.batch:
         run = {"batch": B, "tokens": B * args.seq}
         for attention in args.attention:
-            cfg = dataclasses.replace(config, attention=attention)
+            cfg = dataclasses.replace(config, backend=Backend.detect(attention=attention))
             run[f"ours_{attention}"] = ours(cfg, params, B, args.seq, args.repeats)
         if not args.no_hf:
             run["hf_torch"] = theirs(args.model, B, args.seq, args.repeats)

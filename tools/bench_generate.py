@@ -34,7 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from jaxrlhf.generate import Sampling, _generate, decode_params, generate  # noqa: E402
-from jaxrlhf.models import init_params, llama, opt, param_shapes, preset  # noqa: E402
+from jaxrlhf.models import Backend, init_params, llama, opt, param_shapes, preset  # noqa: E402
 from jaxrlhf.sharding import make_mesh, shardings_for  # noqa: E402
 from tools import common  # noqa: E402
 from tools.bench_reshard import device_bandwidth  # noqa: E402
@@ -89,7 +89,7 @@ def xla_read_time(config, params, B: int, P: int, G: int) -> dict:
 def ours(config, params, mesh, B, Pn, G, repeats, decode, profile_dir=None):
     """Seconds for the whole generation and for its prefill alone; with `profile_dir`, also the kernels of one
     whole generation by device time (common.kernel_profile). `params`: the model's tree or the decode layout."""
-    config = dataclasses.replace(config, decode_attention=decode)
+    config = dataclasses.replace(config, backend=dataclasses.replace(config.backend, decode_attention=decode))
     ids = jax.random.randint(jax.random.key(1), (B, Pn), 3, config.vocab_size)
     batch = jax.device_put((ids, jnp.ones_like(ids)), NamedSharding(mesh, P("data")))
     run = lambda n: (lambda: generate(config, params, *batch, jax.random.key(2), max_new_tokens=n, force_length=True,
@@ -163,7 +163,7 @@ def main():
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (the devices used: all)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--unroll", type=int, default=0, help="OPTConfig.scan_unroll (0: auto, no loop on a GPU)")
+    ap.add_argument("--unroll", type=int, default=0, help="Backend.scan_unroll (0: auto, no loop on a GPU)")
     ap.add_argument("--decode", nargs="+", default=["pallas", "xla"], choices=["pallas", "xla"],
                     help="our decode attention: the Pallas kernel and/or the plain-XLA path")
     ap.add_argument("--layout", nargs="+", default=["decode"], choices=["decode", "model"],
@@ -189,7 +189,7 @@ def main():
     if args.hf:
         print(f"transformers generate ({', '.join(args.hf)} cache) at batch {args.batch}, in a child process ...", flush=True)
     hf_runs = common.torch_child(argv, args.batch) if args.hf else {}
-    config = preset(args.model, dtype="bfloat16", scan_unroll=args.unroll)
+    config = preset(args.model, dtype="bfloat16", backend=Backend.detect(scan_unroll=args.unroll))
     mesh = make_mesh(args.tp)
     params = jax.jit(lambda k: init_params(config, k, dtype=jnp.bfloat16),
                      out_shardings=shardings_for(param_shapes(config), "tp", mesh))(jax.random.key(0))

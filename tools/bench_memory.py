@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 from jaxrlhf import plan as memory_plan  # noqa: E402
 from jaxrlhf.rl.engine import EngineConfig, HybridEngine, ModelSide  # noqa: E402
 from jaxrlhf.lora import LoRAConfig  # noqa: E402
-from jaxrlhf.models import init_params, preset  # noqa: E402
+from jaxrlhf.models import Backend, init_params, preset  # noqa: E402
 from jaxrlhf.sharding import make_mesh  # noqa: E402
 from jaxrlhf.trainer import OptimConfig  # noqa: E402
 from tools import common  # noqa: E402
@@ -59,7 +59,8 @@ def model(name: str, precision: str):
     dtype = "float32" if precision == "fp32" else "bfloat16"
     from jaxrlhf.models import OPTConfig
 
-    return OPTConfig(**TINY[name], dtype=dtype, dropout=0.0) if name in TINY else preset(name, dtype=dtype, dropout=0.0)
+    kw = dict(dtype=dtype, dropout=0.0, backend=Backend.detect())
+    return OPTConfig(**TINY[name], **kw) if name in TINY else preset(name, **kw)
 
 
 def engine_config(args, lora: int, precision: str, offload: bool) -> EngineConfig:

@@ -49,7 +49,7 @@ import numpy as np  # noqa: E402
 from jaxrlhf.rl.engine import EngineConfig, HybridEngine, ModelSide  # noqa: E402
 from jaxrlhf.lora import LoRAConfig  # noqa: E402
 from jaxrlhf.plan import capacity, plan  # noqa: E402
-from jaxrlhf.models import init_params, llama, opt, param_shapes, preset  # noqa: E402
+from jaxrlhf.models import Backend, init_params, llama, opt, param_shapes, preset  # noqa: E402
 from jaxrlhf.sharding import make_mesh, shardings_for  # noqa: E402
 from jaxrlhf.trainer import OptimConfig  # noqa: E402
 from tools import common  # noqa: E402
@@ -99,7 +99,7 @@ def ours(args, actor: str, critic: str, B: int, precision: str, lora: int) -> di
     compute = "float32" if precision == "fp32" else "bfloat16"
     configs, params = [], []
     for name, head in ((actor, False), (critic, True)):
-        config = preset(name, dtype=compute, dropout=0.0)
+        config = preset(name, dtype=compute, dropout=0.0, backend=Backend.detect())
         configs.append(config)
         # made sharded over the mesh (an OPT-66B would not fit one device), then gathered to the host as a checkpoint is
         shardings = shardings_for(param_shapes(config, value_head=head), "fsdp", mesh)

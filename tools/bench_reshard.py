@@ -25,7 +25,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jaxrlhf.models.opt import PRESETS, OPTConfig, init_params, param_shapes  # noqa: E402
+from jaxrlhf.models import OPTConfig, init_params, param_shapes  # noqa: E402
+from jaxrlhf.models.opt import PRESETS  # noqa: E402
 from jaxrlhf.sharding import _identity, make_mesh, reshard, shardings_for  # noqa: E402
 from tools import common  # noqa: E402
 

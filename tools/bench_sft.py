@@ -21,7 +21,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxrlhf.lora import LoRAConfig  # noqa: E402
-from jaxrlhf.models.opt import PRESETS, OPTConfig, init_params  # noqa: E402
+from jaxrlhf.models import Backend, OPTConfig, init_params  # noqa: E402
+from jaxrlhf.models.opt import PRESETS  # noqa: E402
 from jaxrlhf.sft import sft_loss  # noqa: E402
 from jaxrlhf.sharding import make_mesh  # noqa: E402
 from jaxrlhf.trainer import OptimConfig, create_state, make_optimizer, make_train_step, state_shardings  # noqa: E402
@@ -32,7 +33,8 @@ from tools.bench_forward import matmul_ceiling  # noqa: E402
 def ours(name, B, T, precision, remat, repeats, unroll=0):
     mesh = make_mesh(1, jax.devices()[:1])
     dtype = jnp.bfloat16 if precision == "pure_bf16" else jnp.float32
-    config = OPTConfig(**PRESETS[name], dtype="bfloat16", remat=remat, dropout=0.0, scan_unroll=unroll)
+    config = OPTConfig(**PRESETS[name], dtype="bfloat16", remat=remat, dropout=0.0,
+                       backend=Backend.detect(scan_unroll=unroll))
     params = jax.jit(lambda k: init_params(config, k, dtype=dtype))(jax.random.key(0))
     tx = make_optimizer(OptimConfig(learning_rate=1e-5), 1000)
     state = create_state(params, LoRAConfig(), tx, jax.random.key(1), mesh)
@@ -81,7 +83,7 @@ def main():
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--recipes", nargs="+", default=["bf16", "pure_bf16"], choices=["bf16", "pure_bf16", "fp32"])
     ap.add_argument("--remat", nargs="+", type=int, default=[0, 1], help="1: with per-layer remat, 0: without")
-    ap.add_argument("--unroll", nargs="+", type=int, default=[0], help="OPTConfig.scan_unroll values (0: auto)")
+    ap.add_argument("--unroll", nargs="+", type=int, default=[0], help="Backend.scan_unroll values (0: auto)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     B, T = args.batch, args.seq

@@ -16,9 +16,8 @@ where B x Hkv programs leave SMs idle) each program covers S / N slots and write
 unnormalised output, the running max and the normaliser), and a few jnp ops merge the N partials. It reads the layer straight out of the whole cache, so generation never copies a
 layer's cache out of the carried [L, ...] buffer. The G = H / Hkv queries of a KV head go through
 tensor-core matrix products, which need 16 rows: the kernel repeats its G queries 16 / G times in registers
-(padding them in memory cost a kernel per layer writing 16 / G times the queries: 0.26 ms of a 7.5 ms step at
-B = 256, H = 32) and keeps one copy of the result. Measured on the H200 the products beat elementwise
-products summed over K (the `use_dot=False` form) by 2x even when G = 1.
+(padding them in memory cost a kernel per layer writing 16 / G times the queries) and keeps one copy of the
+result. The products beat elementwise products summed over K (the `use_dot=False` form) even when G = 1.
 
 Under tensor parallelism (`decode_attention(..., mesh=mesh)` with a "model" axis) the kernel runs per shard
 with `shard_map`: each device holds its heads' queries and cache, and its rows if "data" splits the batch.
@@ -28,8 +27,7 @@ without the kernel (the switch `DecodeAttentionConfig(implementation="xla")`).
 `decode_step` is the same attention one step earlier in the layer: it takes the stacked q/k/v product itself
 (the decode layout's), finishes the norm folded into it (RMSNorm's 1 / rms, or LayerNorm's centring and scale),
 adds the bias, applies the rotary embedding, writes the new key and value into the cache in place and attends,
-in one kernel. Unfused, those are three or four small XLA
-kernels per layer around this one (on the H200, OPT-1.3B at batch 64: 2.67 -> 2.59 ms per decode step).
+in one kernel. Unfused, those are three or four small XLA kernels per layer around this one.
 """
 
 from __future__ import annotations
@@ -48,8 +46,8 @@ from jax.sharding import PartitionSpec as P
 class DecodeAttentionConfig:
     """Which implementation runs, and the kernel's tuning knobs."""
 
-    implementation: str = "auto"  # "auto" (the kernel on a GPU, XLA elsewhere), "pallas" or "xla"
-    # Defaults: the best of the sweep in tools/bench_decode_attention.py --tune on the H200.
+    implementation: str = "auto"  # "auto" (the kernel where the shapes suit it), "pallas" (always) or "xla" (never)
+    # Defaults: the best of the sweep in tools/bench_decode_attention.py --tune (bench/README.md).
     # cache slots per inner step, a power of two (smaller when S has fewer factors of 2); 0: auto, 64 slots, or
     # 4096 / head dim with grouped-query heads (32 of 128): the sweeps' best at each kind and head dim
     block_s: int = 0
@@ -62,7 +60,7 @@ class DecodeAttentionConfig:
     # first and last blocks are partly outside its range: at block_s = 64 and ~384 valid slots, whole blocks read
     # ~8 % more than the valid slots.
     mask_loads: bool = True
-    interpret: bool | None = None  # None: interpret mode when not on a GPU (CPU tests)
+    interpret: bool = False  # Pallas interpret mode (CPU tests; models.Backend.interpret)
 
     def __post_init__(self):
         if self.implementation not in ("auto", "pallas", "xla"):
@@ -77,8 +75,8 @@ class DecodeAttentionConfig:
             raise ValueError(f"num_splits: expected an int >= 0 (0: auto), got {self.num_splits!r}")
 
     def kernels_on(self) -> bool:
-        """Whether generation runs our Pallas kernels at all: "pallas", or "auto" on a GPU."""
-        return self.implementation == "pallas" or (self.implementation == "auto" and jax.default_backend() == "gpu")
+        """Whether generation runs our Pallas kernels at all ("pallas" or "auto")."""
+        return self.implementation != "xla"
 
     def use_kernel(self, head_dim: int, groups: int) -> bool:
         if self.implementation == "auto":  # Triton needs power-of-two block shapes
@@ -88,10 +86,7 @@ class DecodeAttentionConfig:
 
     def slots_per_block(self, head_dim: int, slots: int, groups: int = 1) -> int:
         """block_s, at most the largest power of two dividing S `slots`. Auto: 64 slots, or 4096 / head_dim (within
-        16..128) where `groups` query heads share a KV head. Measured on the H200 (tools/bench_decode_attention.py
-        --tune, batch 64): multi-head with head dim 128 (Llama-2-7B's attention), S = 2048, 64 slots 191.8 us a call
-        against 205.5 for 32 (at S = 512 102.4 against 103.7); grouped-query 8 of 32 heads of 128, S = 2048, 32
-        slots 139.6 against 148.4 for 64; head dim 64, 64 slots at S = 512 in both kinds."""
+        16..128) where `groups` query heads share a KV head: the best of tools/bench_decode_attention.py --tune."""
         block = self.block_s or (64 if groups == 1 else max(16, min(128, 4096 // head_dim)))
         return min(block, slots & -slots)
 
@@ -99,10 +94,9 @@ class DecodeAttentionConfig:
         """How many chunks of whole blocks each (row, KV head) is split into, given B x Hkv `programs`, S `slots`
         and the GPU's SM count `cores` (None: unknown, e.g. on the CPU): num_splits if set (fewer where chunks
         of whole blocks need fewer). Auto (0): double the splits while B x Hkv x splits is at most the SM
-        count (an SM with no program idles) and chunks keep >= 512 slots; else 1. Measured on the H200
-        (tools/bench_decode_attention.py --splits): at B x Hkv = 64-128 and S = 2048 this took 5-50 % off; at
-        S = 512, where a call is ~20 us of fixed costs, and at >= 256 programs, splitting gained no more than
-        it lost elsewhere (8 splits at 2048 programs: +36 %)."""
+        count (an SM with no program idles) and chunks keep >= 512 slots; else 1 (tools/bench_decode_attention.py
+        --splits: splitting pays at a few hundred programs over long caches, and costs at short caches or many
+        programs)."""
         block_s = self.slots_per_block(head_dim, slots, groups)
         splits = self.num_splits
         if not splits:
@@ -315,7 +309,7 @@ def _launch(config: DecodeAttentionConfig, head_dim: int, slots: int, groups: in
     block_s = config.slots_per_block(head_dim, slots, groups)
     if block_s < 16:
         raise ValueError(f"cache length {slots} must be a multiple of 16 for the kernel; allocate the cache rounded up")
-    interpret = config.interpret if config.interpret is not None else jax.default_backend() != "gpu"
+    interpret = config.interpret
     params = None if interpret else pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
     cores = None if interpret else getattr(jax.devices()[0], "core_count", None)
     return interpret, params, cores, block_s
@@ -411,8 +405,8 @@ def decode_step(qkv, k, v, start, slot, layer=0, *, rope=None, rms=None, layer_n
     - rms (x [B, D], eps): RMSNorm, each row times rsqrt(mean(x^2) + eps), x being the product's input
       (llama.decode_layer). Each program reduces x's row itself: no kernel before this one.
     - layer_norm (sums [B], squares [B], D, eps, colsum [Hkv, G + 2, K]): LayerNorm of rows of D values x whose sum
-      and sum of squares come computed (one reduction per row before this kernel: reduced in each of OPT-1.3B's 32
-      programs per row they cost 11 us of a 204 us call at batch 256), each row (row - mean(x) colsum) /
+      and sum of squares come computed (one reduction per row before this kernel, not one in each of the row's
+      programs), each row (row - mean(x) colsum) /
       sqrt(var(x) + eps), colsum being the column sums of the folded kernel (opt.decode_layer).
     bias (optional) [Hkv, G + 2, K]: added after the norm. rope (optional): (cos, sin) [B, K / 2], the rotary
     embedding of this token's position (rotate-half pairs (i, i + K / 2)), applied to q and k. The new key and value

@@ -5,12 +5,12 @@
     out   [M, N]  x @ w, then optionally a folded LayerNorm's end, a bias and a ReLU (OPT's fc1); or, split over K,
                   the float32 sum of `split` partial products (OPT's fc2: the sum fuses into the residual add after)
 
-At 64 rows cuBLAS reads OPT-1.3B's 8-34 MB matrices at 1.4-3.0 TB/s, and a decode step's FFN ran five kernels per
-layer: the LayerNorm's statistics, the normalised copy of h, fc1 (bias and ReLU in cuBLAS's epilogue), fc2 split
-over K, and cuBLAS's reduction of the split. Here fc1 reads h itself (the norm folded into its kernel, models.
+At 64 rows cuBLAS reads OPT-1.3B's FFN matrices well below the memory's bandwidth, and a decode step's FFN ran five
+kernels per layer: the LayerNorm's statistics, the normalised copy of h, fc1 (bias and ReLU in cuBLAS's epilogue), fc2
+split over K, and cuBLAS's reduction of the split. Here fc1 reads h itself (the norm folded into its kernel, models.
 common.fold_norm) and each program ends the norm from the rows' sums and sums of squares (one XLA reduction before
-it): LN(h) W + c = (h W' - mean(h) colsum) / std(h) + c'. (Summed in the kernel's loop over K instead, a call took
-17.3 us against 11.5.) fc2 writes `split` float32 partials, summed by the residual add's fusion.
+it): LN(h) W + c = (h W' - mean(h) colsum) / std(h) + c' (summing them in the kernel's loop over K was slower).
+fc2 writes `split` float32 partials, summed by the residual add's fusion.
 
 Each program owns BLOCK_N output columns (with a split, of a 1 / split share of K) and loops over K in blocks of
 BLOCK_K, its loads pipelined over NUM_STAGES buffers. Under tensor parallelism (`mesh` with a "model" axis) it runs
@@ -29,12 +29,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrlhf.kernels.decode_attention import rows_axis
 
-# The sweep's best on the H200 at 64 rows (one-off microbenchmark, bench/README.md): fc1 2048 x 8192 11.1 us a
-# call (cuBLAS with its bias + ReLU epilogue 11.4), fc2 8192 x 2048 split four ways 11.2 us (cuBLAS 11.9 plus 2.9
-# for its split-K reduction)
+# The sweep's best at 64 rows (tools/bench_decode_matmul.py, bench/README.md), for fc1 and fc2 alike
 BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 128, 4, 4
 ROWS = (16, 32, 64)  # tensor-core products need >= 16 rows; above 64 (not measured) cuBLAS runs
-MAX_PROGRAMS = 160  # a split over K doubles while the programs stay within about one wave of the H200's 132 SMs
+MAX_PROGRAMS = 160  # a split over K doubles while the programs stay within about one wave of a GPU's SMs
 
 
 def split_for(k: int, n: int) -> int:
@@ -107,18 +105,16 @@ def _pallas(x, w, norm, bias, *, eps, relu: bool, split: int, interpret: bool):
     )(*operands)
 
 
-def decode_matmul(x, w, *, bias=None, layer_norm=None, relu: bool = False, interpret: bool | None = None,
-                  mesh=None):
+def decode_matmul(x, w, *, bias=None, layer_norm=None, relu: bool = False, interpret: bool = False, mesh=None):
     """x [M, K] @ w [K, N] for a decode step (module docstring; the shapes per shard must pass `applies`). With bias
     [N], layer_norm (sums [M], squares [M]: x's row sums and sums of squares, float32; colsum [N] float32; eps: x
     is the norm's input, w and bias have its scale and shift folded in) or relu, the product is whole per program
     and ends in the kernel: x's dtype out. Without them K is split (split_for) and the float32 sum of the partials
-    is returned. interpret: None runs interpret mode when not on a GPU (CPU tests). `mesh` (with "data" and "model"
+    is returned. interpret: Pallas interpret mode (CPU tests). `mesh` (with "data" and "model"
     axes): per shard, rows over "data" where they divide; with an epilogue N over "model" (column-parallel, fc1),
     else K over "model" and the shards' sums all-reduced (row-parallel, fc2)."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
         raise ValueError(f"decode_matmul: expected x [M, K] and w [K, N], got {x.shape} and {w.shape}")
-    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
     norm, eps = (tuple(layer_norm[:3]), float(layer_norm[3])) if layer_norm is not None else (None, None)
     epilogue = bias is not None or layer_norm is not None or relu
 

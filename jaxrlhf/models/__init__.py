@@ -4,19 +4,26 @@
     OPT         OPTConfig     jaxrlhf.models.opt     "opt"
     Llama       LlamaConfig   jaxrlhf.models.llama   "llama"
 
-`logits(config, params, ...)` and the other functions below call the family of `config`, so the engine,
-the trainers and generation run every family through the same code.
+A family module owns its config, PRESETS, Hugging Face names (`HF`), sharding table (`PARAM_AXES`), decode layout
+(`decode_layer`) and forward (`Model`). The functions below call the family of `config`, so the engine, the
+trainers and generation run every family through the same code. Each call's kind is explicit: `logits` and
+`values` are "train" (given a dropout key) or "score" calls; `logits_with_cache` a "prefill" or "decode" call
+(`Mode`). How the machine runs them is the config's `backend` (`Backend.detect()` at start-up; default plain XLA).
 """
 
 from __future__ import annotations
 
-from jaxrlhf.models import llama, opt
-from jaxrlhf.models.common import positions_from_mask  # noqa: F401  (shared by every family)
+import jax
+
+from jaxrlhf.models import common, llama, opt
+from jaxrlhf.models.common import Backend, Mode, positions_from_mask  # noqa: F401  (the API's types)
 from jaxrlhf.models.llama import LlamaConfig
 from jaxrlhf.models.opt import OPTConfig
 
 FAMILIES = {"opt": opt, "llama": llama}  # config.json model_type -> module
 CONFIGS = {"opt": OPTConfig, "llama": LlamaConfig}
+# Every parameter path's logical axes (sharding.py): each family's table, then what they share.
+PARAM_AXES = [row for fam in FAMILIES.values() for row in fam.PARAM_AXES] + common.PARAM_AXES
 
 
 def family(config):
@@ -27,27 +34,29 @@ def family(config):
         raise TypeError(f"not a model config of a known family ({', '.join(FAMILIES)}): {type(config).__name__}") from None
 
 
-def logits(config, params, input_ids, attention_mask, *, dropout_rng=None, last: int = 0, at=None):
+def logits(config, params, input_ids, attention_mask, *, dropout_rng=None, last: int = 0, at=None, positions=None,
+           segment_ids=None):
     """Next-token logits [B, T, V] in float32; with `last` > 0 only those of the last `last` positions
-    [B, last, V] (the LM head, the largest product of a small model, runs on those only). Dropout runs only
-    when `dropout_rng` is given."""
-    return family(config).logits(config, params, input_ids, attention_mask, dropout_rng=dropout_rng, last=last, at=at)
+    [B, last, V] (the LM head, the largest product of a small model, runs on those only); `at` [B, A]: of those
+    positions of each row. Dropout runs only when `dropout_rng` is given (a "train" call, else "score").
+    positions and segment_ids [B, T]: several sequences packed in one row (each attends within its segment)."""
+    return common.apply(family(config).Model, config, params, input_ids, attention_mask, value_head=False,
+                        dropout_rng=dropout_rng, last=last, at=at, positions=positions, segment_ids=segment_ids)
 
 
-def values(config, params, input_ids, attention_mask, *, dropout_rng=None):
+def values(config, params, input_ids, attention_mask, *, dropout_rng=None, positions=None, segment_ids=None):
     """Value-head outputs [B, T] in float32 (reward model and critic); `params` must hold `value_head`."""
-    return family(config).values(config, params, input_ids, attention_mask, dropout_rng=dropout_rng)
+    return common.apply(family(config).Model, config, params, input_ids, attention_mask, value_head=True,
+                        dropout_rng=dropout_rng, positions=positions, segment_ids=segment_ids)
 
 
-def init_cache(config, valid, dtype=None, multiple: int = 64) -> dict:
-    """An empty KV cache [L, B, Hkv, S, K] for generation (see models/common.py)."""
-    return family(config).init_cache(config, valid, dtype, multiple)
+init_cache = common.init_cache  # an empty KV cache [L, B, Hkv, S, K] for generation (see models/common.py)
 
 
-def logits_with_cache(config, params, input_ids, positions, cache, last: int = 0):
+def logits_with_cache(config, params, input_ids, positions, cache, mode: Mode, last: int = 0):
     """Logits [B, T, V] of T new tokens written into the cache at cache["slot"] (of the last `last` positions
-    if > 0), and the updated cache."""
-    return family(config).logits_with_cache(config, params, input_ids, positions, cache, last)
+    if > 0), and the updated cache: a "prefill" or "decode" call (`mode`, with the decode layout and the mesh)."""
+    return common.apply_with_cache(family(config).Model, config, params, input_ids, positions, cache, mode, last)
 
 
 def decode_layer(config, layer: dict) -> dict:
@@ -55,20 +64,25 @@ def decode_layer(config, layer: dict) -> dict:
     return family(config).decode_layer(config, layer)
 
 
-def init_params(config, key, **kwargs):
-    """Random parameters of `config`'s family (value_head=, dtype=, std=)."""
-    return family(config).init_params(config, key, **kwargs)
+def in_decode_layout(params) -> bool:
+    """Whether `params` is in the decode layout (generate.decode_params: the layers a tuple of per-layer trees)."""
+    return any(isinstance(v, dict) and isinstance(v.get("layers"), (tuple, list)) for v in (params, *params.values()))
 
 
 def param_shapes(config, *, value_head: bool = False):
-    """The parameter tree of `config` as ShapeDtypeStructs, allocating nothing."""
-    return family(config).param_shapes(config, value_head=value_head)
+    """The parameter tree of `config` as ShapeDtypeStructs (float32), allocating nothing."""
+    return common.param_shapes(family(config).Model, config, value_head=value_head)
+
+
+def init_params(config, key, *, value_head: bool = False, dtype=jax.numpy.float32, std: float = 0.02):
+    """Random parameters of `config`'s family: normal(0, std) weights, zero biases, unit norm scales."""
+    return common.random_params(param_shapes(config, value_head=value_head), key, dtype=dtype, std=std)
 
 
 def preset(name: str, **overrides):
     """A config of a released architecture by name (opt-125m ... opt-66b, llama-2-7b, ...), random weights' shapes."""
-    for fam in FAMILIES.values():
+    for model_type, fam in FAMILIES.items():
         if name in fam.PRESETS:
-            return CONFIGS[fam.__name__.rpartition(".")[2]](**{**fam.PRESETS[name], **overrides})
+            return CONFIGS[model_type](**{**fam.PRESETS[name], **overrides})
     names = sorted(n for fam in FAMILIES.values() for n in fam.PRESETS)
-    raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(names)}")
+    raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(names)}")

@@ -5,14 +5,20 @@ Shape vocabulary (used in comments and einsum strings throughout jaxrlhf):
     B batch, T sequence, S cache slots, D model width, H query heads, Hkv key/value heads (Hkv divides H;
     query head h reads KV head h // (H / Hkv)), K head dim, F FFN width, V vocab, L layers.
 
-A family module (models/opt.py, models/llama.py) defines its config dataclass (the architecture from
-config.json plus the run options checked by `check_run_options`), one layer, and a top-level module
-`Model(config, value_head, deterministic)(input_ids, attention_mask, cache=None, positions=None)`; the
-functions here (`apply`, `apply_with_cache`, `param_shapes`, `random_params`, `init_cache`) do the rest.
+A family module (models/opt.py, models/llama.py) owns its config dataclass (the architecture from config.json
+plus dtype, remat, dropout and the `Backend`), its PRESETS, its Hugging Face name table (`HF`), its sharding table
+(`PARAM_AXES`), its decode layout (`decode_layer`) and its forward: a top-level module `Model(config, value_head,
+mode)(input_ids, attention_mask, cache=None, positions=None, head_at=None, segment_ids=None)`. The functions here
+(`apply`, `apply_with_cache`, `param_shapes`, `random_params`, `init_cache`) do the rest.
+
+What a call does is explicit: the model config carries the `Backend` (made once at start-up by `Backend.detect`;
+the default is plain XLA), and every module gets the call's `Mode` (train, score, prefill or decode; the decode
+layout; generation's mesh). Nothing below asks the platform, the global mesh or the shape of the parameter tree.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -24,22 +30,95 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxrlhf.kernels.decode_attention import (DecodeAttentionConfig, decode_attention, decode_step, fuses_step,
                                              rows_axis, rows_per_shard)
 from jaxrlhf.kernels import decode_matmul
-from jaxrlhf.lora import fused_kernel
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """How this machine runs the models: chosen once at start-up (`Backend.detect`), carried by the model config
+    (`config.backend`). The default is the portable path: plain XLA on any platform, no kernels."""
+
+    attention: str = "xla"  # training, scoring, prefill: "cudnn" (flash attention where cuDNN takes it) or "xla"
+    decode_attention: str = "xla"  # decode steps: "auto" (our Pallas kernels where the shapes suit), "pallas", "xla"
+    interpret: bool = False  # the Pallas kernels in interpret mode (CPU tests)
+    scan_unroll: int = 1  # layers per iteration of the loop over layers; 0: all of them (no loop)
+
+    def __post_init__(self):
+        if self.attention not in ("cudnn", "xla"):
+            raise ValueError(f"Backend.attention: expected 'cudnn' or 'xla', got {self.attention!r}")
+        if self.decode_attention not in ("auto", "pallas", "xla"):
+            raise ValueError(f"Backend.decode_attention: expected 'auto', 'pallas' or 'xla', got "
+                             f"{self.decode_attention!r}")
+        if self.scan_unroll < 0:
+            raise ValueError(f"Backend.scan_unroll: expected >= 0 (0: all layers), got {self.scan_unroll}")
+
+    @classmethod
+    def detect(cls, attention: str = "auto", decode_attention: str = "auto", scan_unroll: int = 0) -> Backend:
+        """This machine's backend, the one place that asks the platform. "auto" (and scan_unroll 0): on a GPU cuDNN
+        attention, the decode kernels and no loop over layers (faster steps for longer compiles); elsewhere plain
+        XLA and a rolled loop. Kernels asked for off a GPU run in interpret mode."""
+        gpu = jax.default_backend() == "gpu"
+        attention = ("cudnn" if gpu else "xla") if attention == "auto" else attention
+        decode = ("auto" if gpu else "xla") if decode_attention == "auto" else decode_attention
+        unroll = scan_unroll or (0 if gpu else 1)
+        return cls(attention, decode, interpret=not gpu and decode != "xla", scan_unroll=unroll)
+
+    @property
+    def kernels(self) -> DecodeAttentionConfig:
+        """The decode-attention kernel's settings (its implementation "xla": the kernels are off)."""
+        return DecodeAttentionConfig(implementation=self.decode_attention, interpret=self.interpret)
+
+
+KINDS = ("train", "score", "prefill", "decode")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """What one forward call does, passed to every layer (nothing below guesses it):
+
+        "train"    dropout on (the caller's key), no cache
+        "score"    no dropout, no cache
+        "prefill"  prompts' K/V written into an empty cache (slot 0); causal attention over the prompt
+        "decode"   one token per row at each row's own slot, attending over the cache (the decode kernels)
+
+    decode_layout: the parameters are in the decode layout (`decode_layer`, generate.decode_params). mesh:
+    generation's mesh, the decode kernels and the prefill's attention running per shard of it (None: unsharded)."""
+
+    kind: str = "score"
+    decode_layout: bool = False
+    mesh: Any = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"Mode.kind: expected one of {KINDS}, got {self.kind!r}")
+
+    @property
+    def deterministic(self) -> bool:
+        return self.kind != "train"
+
+    @property
+    def decoding(self) -> bool:
+        return self.kind == "decode"
+
+
+@dataclasses.dataclass(frozen=True)
+class HFNames:
+    """How one family's Hugging Face folders look (checkpoint.py reads and writes them through this)."""
+
+    architecture: str
+    config_keys: dict  # config.json key -> our config field
+    modules: dict  # HF module name -> (our path, kind); "{i}" marks a per-layer module, stacked on axis 0
+    prefixes: tuple  # prefixes under which the names of `modules` may appear when reading
+    save_prefix: str  # the prefix written (OPTForCausalLM's "model.")
+    root: str  # a tensor every checkpoint of the family has (finds the prefix)
+
+
 def check_run_options(config) -> None:
-    """Validate the run options every config carries: dtype, attention, decode_attention, scan_unroll, dropouts."""
+    """Validate the run options every config carries: dtype, dropouts (the backend validates itself)."""
     name = type(config).__name__
     if config.dtype not in DTYPES:
         raise ValueError(f"{name}.dtype: expected one of {sorted(DTYPES)}, got {config.dtype!r}")
-    if config.attention not in ("auto", "cudnn", "xla"):
-        raise ValueError(f"{name}.attention: expected 'auto', 'cudnn' or 'xla', got {config.attention!r}")
-    if config.decode_attention not in ("auto", "pallas", "xla"):
-        raise ValueError(f"{name}.decode_attention: expected 'auto', 'pallas' or 'xla', got {config.decode_attention!r}")
-    if config.scan_unroll < 0:
-        raise ValueError(f"{name}.scan_unroll: expected >= 0 (0: auto), got {config.scan_unroll}")
     for field in ("dropout", "attention_dropout"):
         if not 0.0 <= getattr(config, field) < 1.0:
             raise ValueError(f"{name}.{field}: expected a probability in [0, 1), got {getattr(config, field)}")
@@ -48,37 +127,43 @@ def check_run_options(config) -> None:
 # ------------------------------------------------------------------------------------------- attention
 
 
-def causal_attention(q, k, v, implementation: str = "auto"):
+def segment_mask(segment_ids):
+    """[B, 1, T, T]: token t may attend to token s of its row only within its own segment (None: no segments)."""
+    return None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+
+
+def causal_attention(q, k, v, implementation: str = "xla", segment_ids=None):
     """Causal softmax(q k^T) v through `jax.nn.dot_product_attention`; q [B, T, H, K], k, v [B, T, Hkv, K],
-    q pre-scaled.
+    q pre-scaled; with segment_ids [B, T] each token attends within its segment only (packed rows).
 
-    "cudnn" is cuDNN's flash attention (GPU, 16-bit dtypes; the [B, H, T, T] scores never exist in
-    memory); "xla" the plain XLA graph (scores in float32); "auto" takes cuDNN on a GPU with a 16-bit
-    dtype and XLA otherwise, or when cuDNN refuses the shapes. No mask tensor is passed (padding was
-    moved out of the way by the decoder): with one, cuDNN would also compute its gradient, a
-    [B, 1, T, T] tensor that made the backward pass 1.3x slower on the H200.
+    "cudnn" is cuDNN's flash attention (16-bit dtypes; the [B, H, T, T] scores never exist in memory), taken
+    where cuDNN accepts the dtype and shapes and no segments are given, else XLA; "xla" the plain XLA graph
+    (scores in float32). Padding needs no mask tensor (the decoder moved it out of the way): with one, cuDNN
+    would also compute its [B, 1, T, T] gradient, which slows the backward pass.
     """
-    if implementation == "auto":
-        if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
-            try:
-                return jax.nn.dot_product_attention(q, k, v, scale=1.0, is_causal=True, implementation="cudnn")
-            except (ValueError, NotImplementedError, RuntimeError):  # a shape or dtype cuDNN does not take
-                pass
-        implementation = "xla"
-    return jax.nn.dot_product_attention(q, k, v, scale=1.0, is_causal=True, implementation=implementation)
+    if implementation == "cudnn" and segment_ids is None and q.dtype in (jnp.bfloat16, jnp.float16):
+        try:
+            return jax.nn.dot_product_attention(q, k, v, scale=1.0, is_causal=True, implementation="cudnn")
+        except (ValueError, NotImplementedError, RuntimeError):  # a shape or dtype cuDNN does not take
+            pass
+    return jax.nn.dot_product_attention(q, k, v, mask=segment_mask(segment_ids), scale=1.0, is_causal=True,
+                                        implementation="xla")
 
 
-def dropout_attention(q, k, v, dropout: nn.Dropout):
+def dropout_attention(q, k, v, dropout: nn.Dropout, segment_ids=None):
     """Causal attention with dropout on the probabilities (training with attention_dropout > 0)."""
     B, T, H, K = q.shape
     qg = q.reshape(B, T, k.shape[2], H // k.shape[2], K)
     scores = jnp.einsum("bqhgk,bshk->bhgqs", qg, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores, jnp.finfo(jnp.float32).min)
+    allowed = jnp.tril(jnp.ones((T, T), bool))
+    if segment_ids is not None:
+        allowed = allowed & segment_mask(segment_ids)[:, :, None]  # [B, 1, 1, T, T]
+    scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
     probs = dropout(jax.nn.softmax(scores, axis=-1))
     return jnp.einsum("bhgqs,bshk->bqhgk", probs.astype(v.dtype), v).reshape(B, T, H, K)
 
 
-def cached_attention(q, k, v, cache, decode: str = "auto", prefill: str = "auto"):
+def cached_attention(q, k, v, cache, mode: Mode, backend: Backend):
     """Attention over a KV cache, writing this call's keys and values into it first (generation).
 
     q [B, T, H, K], k, v [B, T, Hkv, K] for T new tokens (the prompt at prefill, 1 when decoding); cache:
@@ -87,11 +172,11 @@ def cached_attention(q, k, v, cache, decode: str = "auto", prefill: str = "auto"
     row; or, decoding, [B]: each row's own slot), "start" [B] (each row's first valid slot: the slots before it are left padding). The write is one
     dynamic_update_slice into the cache carried through the loops, so XLA updates it in place.
 
-    A decode step (T = 1) runs the decode-attention kernel (`decode`: see kernels.decode_attention;
+    A decode step (T = 1) runs the decode-attention kernel (backend.decode_attention: see kernels.decode_attention;
     grouped-query heads included), which reads only the slots start .. slot of the layer, straight from the
-    whole cache. The prefill (T > 1) fills an empty cache (slot 0) with left-padded prompts: each row rolled
+    whole cache. The prefill fills an empty cache (slot 0) with left-padded prompts: each row rolled
     by its padding so that its real tokens come first is plain causal attention over the T tokens
-    (`causal_attention` with `prefill`: cuDNN's flash attention on a GPU, never a [B, H, T, S] score tensor;
+    (`causal_attention` with backend.attention: cuDNN's flash attention on a GPU, never a [B, H, T, S] score tensor;
     the padding, rolled to the end, computes outputs nobody reads), rolled back after; under tensor parallelism
     per shard (`shard_map`), like the decode kernel.
     Returns (out [B, T, H, K], cache with k and v updated).
@@ -100,23 +185,21 @@ def cached_attention(q, k, v, cache, decode: str = "auto", prefill: str = "auto"
     ck, cv = write_cache(cache["k"], k, layer, slot), write_cache(cache["v"], v, layer, slot)
     cache = {**cache, "k": ck, "v": cv}
     B, T, H, K = q.shape
-    mesh = generation_mesh()
-    if T == 1:
-        config = DecodeAttentionConfig(implementation=decode)
-        out = decode_attention(q[:, 0], ck, cv, cache["start"], slot + 1, layer, config=config, mesh=mesh)
+    mesh = mode.mesh
+    if mode.decoding:
+        out = decode_attention(q[:, 0], ck, cv, cache["start"], slot + 1, layer, config=backend.kernels, mesh=mesh)
         return out[:, None], cache
     t = jnp.arange(T)[None, :]
     roll = lambda x, by: jnp.take_along_axis(x, ((t + by[:, None]) % T)[:, :, None, None], axis=1)
     # k and v as the decode steps will read them back (the cache's dtype)
     k, v = (x.astype(ck.dtype).astype(q.dtype) for x in (k, v))
-    attend = lambda q, k, v: causal_attention(q, k, v, prefill)
+    attend = lambda q, k, v: causal_attention(q, k, v, backend.attention)
     if mesh is not None and mesh.size > 1:  # per shard, as the decode kernel: each device its heads (and rows)
         spec = jax.sharding.PartitionSpec(rows_axis(mesh, B), None, "model", None)
         attend = jax.shard_map(attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
     out = roll(attend(*(roll(x, cache["start"]) for x in (q, k, v))), -cache["start"])
     # The next layer waits for this layer's cache write: nothing else reads it here, and XLA deferred all the writes
-    # to the end of the prefill, holding every layer's K/V meanwhile (OPT-1.3B Step 3 at batch 512: a 98.9 GiB
-    # peak, 72.5 GiB with the barrier).
+    # to the end of the prefill, holding every layer's K/V meanwhile (a quarter more peak memory in Step 3).
     ck, cv, out = jax.lax.optimization_barrier((ck, cv, out))
     return out, {**cache, "k": ck, "v": cv}
 
@@ -131,27 +214,20 @@ def write_cache(c, x, layer, slot):
     return c.at[layer, jnp.arange(x.shape[0]), :, slot, :].set(x[:, 0], mode="promise_in_bounds")
 
 
-def generation_mesh():
-    """The mesh generate() sets around its program (None without one): the kernels run per shard of it."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return None if mesh.empty or "model" not in mesh.axis_names else mesh
-
-
-def fused_decode_step(module: nn.Module, h, cache, config, heads: int, kv_heads: int, norm=None, eps: float = 0.0,
-                      rope=None):
+def fused_decode_step(module: nn.Module, mode: Mode, h, cache, config, heads: int, kv_heads: int, norm=None,
+                      eps: float = 0.0, rope=None):
     """A decode step's q/k/v product and attention, the rest in one kernel (kernels.decode_attention.decode_step:
     the folded norm's end, the bias, the rotary embedding, the cache write and the attention). Returns (out
     [B, 1, H, K], cache), or None where it does not apply: not a decode step in the decode layout, or the kernel
     not in use or split (`fuses_step`). The caller then runs the unfused path, which on the GPU is one kernel each
-    for the rotary embedding and the two cache writes (0.17 ms of Llama-7B's step at batch 64). norm: the rows of
+    for the rotary embedding and the two cache writes. norm: the rows of
     a norm folded into qkv_proj (norm_rows: llama.decode_layer, opt.decode_layer), or None, with epsilon `eps`: an
     RMSNorm (no mean) is reduced inside the kernel from h, a LayerNorm's row sums come from one reduction before it
     (decode_step says why); the layer's own statistics are then dead code. rope (cos, sin) [B, K / 2], rotate-half."""
-    B, T, _ = h.shape
-    if cache is None or T != 1 or not module.has_variable("params", "qkv_proj"):
+    B = h.shape[0]
+    if not (mode.decoding and mode.decode_layout):
         return None
-    K, mesh = config.head_dim, generation_mesh()
-    kernel = DecodeAttentionConfig(implementation=config.decode_attention)
+    K, mesh, kernel = config.head_dim, mode.mesh, config.backend.kernels
     if not fuses_step(kernel, B, kv_heads, cache["k"].shape[3], K, heads // kv_heads, mesh):
         return None
     p = module.get_variable("params", "qkv_proj")
@@ -178,24 +254,24 @@ def row_sums(x):
     return jnp.sum(x, axis=-1), jnp.sum(x * x, axis=-1)
 
 
-def decode_product(module: nn.Module, name: str, x, config, decoding: bool, *, eps: float | None = None,
+def decode_product(module: nn.Module, mode: Mode, name: str, x, config, *, eps: float | None = None,
                    relu: bool = False):
     """A decode step's FFN product `name` (kernel [K, N], bias [N]) in one kernel (kernels.decode_matmul): [B, 1, N]
     in the compute dtype. eps: the product's LayerNorm is folded into it (fold_norm, opt.decode_layer) and x is
     the norm's input. With eps or relu the bias and the rest end the product inside the kernel (fc1); otherwise K
     is split and the partials' sum, plus the bias, fuses into what follows (fc2). None where it does not apply: not
-    a decode step (`decoding`: generation, with a cache; and T = 1), the kernels not in use, LoRA factors beside the
+    a decode step in the decode layout, the kernels not in use, LoRA factors beside the
     kernel, or a shape the kernel does not take (decode_matmul.applies, per shard); the caller then runs its usual
     product. Measured and not used (bench/README.md): OPT's out_proj and Llama's o_proj and down_proj, where the
     kernel's time does not pay for the residual add that cuBLAS runs in its epilogue."""
-    B, T, D = x.shape
-    if not decoding or T != 1 or not DecodeAttentionConfig(implementation=config.decode_attention).kernels_on():
+    B, _, D = x.shape
+    if not (mode.decoding and mode.decode_layout and config.backend.kernels.kernels_on()):
         return None
     p = module.get_variable("params", name)
     if p is None or "lora_a" in p:
         return None
     columns = eps is not None or relu  # the epilogue runs in the kernel: each shard its output columns (fc1)
-    mesh, (rows, k, n) = generation_mesh(), (B, *p["kernel"].shape)
+    mesh, (rows, k, n) = mode.mesh, (B, *p["kernel"].shape)
     if mesh is not None:
         rows = rows_per_shard(mesh, B)
         n, k = (n // mesh.shape["model"], k) if columns else (n, k // mesh.shape["model"])
@@ -207,19 +283,20 @@ def decode_product(module: nn.Module, name: str, x, config, decoding: bool, *, e
         layer_norm = (*row_sums(x), p["colsum"], eps)
     bias = p.get("bias")  # (in its own dtype: a cast before a kernel's operand is a kernel of its own)
     y = decode_matmul.decode_matmul(x.astype(dtype), p["kernel"].astype(dtype), bias=bias if columns else None,
-                                    layer_norm=layer_norm, relu=relu, mesh=mesh)
+                                    layer_norm=layer_norm, relu=relu, interpret=config.backend.interpret, mesh=mesh)
     if not columns and bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(dtype)[:, None]
 
 
-def attention(q, k, v, cache, config, deterministic: bool):
+def attention(q, k, v, cache, config, mode: Mode, segment_ids=None):
     """The attention a layer runs: cached (generation), plain causal, or with dropout (training). Returns (out, cache)."""
     if cache is not None:
-        return cached_attention(q, k, v, cache, config.decode_attention, config.attention)
-    if deterministic or config.attention_dropout == 0.0:
-        return causal_attention(q, k, v, config.attention), None
-    return dropout_attention(q, k, v, nn.Dropout(config.attention_dropout, deterministic=False)), None
+        return cached_attention(q, k, v, cache, mode, config.backend)
+    if mode.deterministic or config.attention_dropout == 0.0:
+        return causal_attention(q, k, v, config.backend.attention, segment_ids), None
+    dropout = nn.Dropout(config.attention_dropout, deterministic=False)
+    return dropout_attention(q, k, v, dropout, segment_ids), None
 
 
 # --------------------------------------------------------------------------------------- padding layout
@@ -245,14 +322,16 @@ def real_tokens_first(attention_mask):
     return jnp.argsort(attention_mask.astype(jnp.int32) == 0, axis=1, stable=True)
 
 
-def layout_inputs(input_ids, attention_mask, positions, cache):
-    """(input_ids, positions, order) as the decoder runs them. Without a cache the real tokens go first
-    (`order` undoes it later); with one the caller's positions are used as given and order is None."""
+def layout_inputs(input_ids, attention_mask, positions, cache, segment_ids=None):
+    """(input_ids, positions, segment_ids, order) as the decoder runs them. Without a cache the real tokens go first
+    (`order` undoes it later), positions counted from the mask unless given (packed rows: each segment's own);
+    with one the caller's positions are used as given and order is None."""
     if cache is not None:
-        return input_ids, positions, None
+        return input_ids, positions, None, None
     order = real_tokens_first(attention_mask)  # [B, T]
-    positions = jnp.take_along_axis(positions_from_mask(attention_mask), order, 1)
-    return jnp.take_along_axis(input_ids, order, 1), positions, order
+    positions = positions_from_mask(attention_mask) if positions is None else positions
+    first = lambda x: None if x is None else jnp.take_along_axis(x, order, 1)
+    return first(input_ids), first(positions), first(segment_ids), order
 
 
 def restore_layout(h, order):
@@ -271,24 +350,22 @@ def carries_adapters(module: nn.Module) -> bool:
     return any(getattr(path[-1], "key", None) == "lora_a" for path, _ in leaves)
 
 
-def run_layers(parent: nn.Module, layer_cls, config, deterministic: bool, h, cache, shared: dict | None = None,
-               name: str = "layers"):
-    """Run L copies of `layer_cls` under one `nn.scan` (optionally rematerialised per layer), or, when `parent`'s
-    parameters hold the layers as a tuple of per-layer trees (the decode layout, `decode_layer`), one after
+def run_layers(parent: nn.Module, layer_cls, config, mode: Mode, h, cache, shared: dict, name: str = "layers"):
+    """Run L copies of `layer_cls` under one `nn.scan` (optionally rematerialised per layer), or, in the decode
+    layout (`mode.decode_layout`: `parent`'s parameters hold the layers as a tuple of per-layer trees), one after
     the other in a Python loop.
 
     The layer's call is `(carry, layer_index, where) -> (carry, None)` with carry (h [B, T, D], kv) where
     kv is None or {"k", "v"} [L, B, Hkv, S, K] (carried, updated in place), and `where` what all layers
-    share: the cache fields ("slot", "start") when generating, plus `shared` (e.g. Llama's
+    share: the cache fields ("slot", "start") when generating, plus `shared` ("segment_ids", Llama's
     rotary tables). Returns (h, cache with the new k and v, or None).
     """
     kv = None if cache is None else {"k": cache["k"], "v": cache["v"]}
     where = {} if cache is None else {n: cache[n] for n in ("slot", "start")}
-    where.update(shared or {})
-    per_layer = parent.variables.get("params", {}).get(name)
-    if isinstance(per_layer, (tuple, list)):  # each layer its own arrays: no slice of a stacked [L, ...] leaf
-        for i, params in enumerate(per_layer):
-            (h, kv), _ = layer_cls(config, deterministic, parent=None).apply({"params": params}, (h, kv), jnp.int32(i), where)
+    where.update(shared)
+    if mode.decode_layout:  # each layer its own arrays: no slice of a stacked [L, ...] leaf
+        for i, params in enumerate(parent.variables["params"][name]):
+            (h, kv), _ = layer_cls(config, mode, parent=None).apply({"params": params}, (h, kv), jnp.int32(i), where)
         return h, (None if cache is None else {**cache, **kv})
     rolled = carries_adapters(parent)
     L = config.num_hidden_layers
@@ -300,16 +377,16 @@ def run_layers(parent: nn.Module, layer_cls, config, deterministic: bool, h, cac
         in_axes=(0, nn.broadcast),
         length=L,
         # `rolled` (LoRA attached): one layer per iteration, so one layer's fused kernels exist at a time; unrolled,
-        # XLA computed them all up front (OPT-30B's scoring asked for 75 GiB on the H200)
-        unroll=1 if rolled else min(config.scan_unroll or (L if jax.default_backend() == "gpu" else 1), L),
-    )(config, deterministic, name=name)
+        # XLA computed them all up front (OPT-30B's scoring ran out of memory)
+        unroll=1 if rolled else min(config.backend.scan_unroll or L, L),
+    )(config, mode, name=name)
     (h, kv), _ = layers((h, kv), jnp.arange(L), where)
     return h, (None if cache is None else {**cache, **kv})
 
 
 def layer_cache(kv, where, layer):
-    """The cache one layer sees (the carried k/v, the shared fields, its index), or None."""
-    return None if kv is None else {**kv, **where, "layer": layer}
+    """The cache one layer sees (the carried k/v, the cache fields of `where`, its index), or None."""
+    return None if kv is None else {**kv, "slot": where["slot"], "start": where["start"], "layer": layer}
 
 
 def carry_out(h, cache):
@@ -321,19 +398,21 @@ def carry_out(h, cache):
 
 
 def apply(model_cls, config, params, input_ids, attention_mask, *, value_head: bool, dropout_rng=None, last: int = 0,
-          at=None):
-    """Logits [B, T, V] (or values [B, T] with value_head) in float32; dropout only with `dropout_rng`; `last` > 0:
-    the head runs on the last `last` positions only (logits [B, last, V]); `at` [B, A]: on those positions of each
-    row only (logits [B, A, V])."""
-    model = model_cls(config, value_head=value_head, deterministic=dropout_rng is None, last=last)
+          at=None, positions=None, segment_ids=None):
+    """Logits [B, T, V] (or values [B, T] with value_head) in float32 of a "train" call (with `dropout_rng`: dropout
+    on) or a "score" call. `last` > 0: the head runs on the last `last` positions only (logits [B, last, V]); `at`
+    [B, A]: on those positions of each row only (logits [B, A, V]). positions [B, T] (default: counted from the mask)
+    and segment_ids [B, T] (tokens attend within their segment only): several sequences packed in a row."""
+    mode = Mode("score" if dropout_rng is None else "train")
+    model = model_cls(config, value_head=value_head, mode=mode, last=last)
     rngs = None if dropout_rng is None else {"dropout": dropout_rng}
-    return model.apply({"params": params}, input_ids, attention_mask, head_at=at, rngs=rngs)
+    return model.apply({"params": params}, input_ids, attention_mask, None, positions, at, segment_ids, rngs=rngs)
 
 
-def apply_with_cache(model_cls, config, params, input_ids, positions, cache, last: int = 0):
-    """Logits [B, T, V] (or [B, last, V]: see `apply`) of T new tokens at cache["slot"] .. + T - 1, and the cache
-    holding their K/V."""
-    out, cache = model_cls(config, last=last).apply({"params": params}, input_ids, None, cache, positions)
+def apply_with_cache(model_cls, config, params, input_ids, positions, cache, mode: Mode, last: int = 0):
+    """Logits [B, T, V] (or [B, last, V]: see `apply`) of a "prefill" or "decode" call (`mode`): T new tokens at
+    cache["slot"] .. + T - 1, and the cache holding their K/V."""
+    out, cache = model_cls(config, mode=mode, last=last).apply({"params": params}, input_ids, None, cache, positions)
     return out, {**cache, "slot": cache["slot"] + input_ids.shape[1]}
 
 
@@ -384,9 +463,8 @@ def lm_head(h, embedding):
 def float32_logits(equation: str, h, kernel):
     """einsum(equation, h, kernel) accumulated and returned in float32 (the log-softmax needs it), whose backward
     runs in h's dtype: the float32 cotangent is cast down first, as PyTorch's autocast does. JAX's own transpose
-    would multiply a float32 cotangent by a bf16 operand, which XLA runs as two float32 GEMMs (measured on the
-    H200, OPT-1.3B's Step 3 actor step at 512 x 512 tokens: 0.20 s of 3.7 s, against 0.04 s for the bf16
-    forward; 3.68 -> 3.55 s with this rule)."""
+    would multiply a float32 cotangent by a bf16 operand, which XLA runs as two float32 GEMMs (five times the
+    bf16 forward's time for OPT-1.3B's Step 3 actor step)."""
     return jnp.einsum(equation, h, kernel, preferred_element_type=jnp.float32)
 
 
@@ -417,6 +495,14 @@ def _dot(x, kernel, dtype):
     return jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype), (((x.ndim - 1,), (0,)), ((), ())))
 
 
+def fused_kernel(kernel, a, b_scaled):
+    """kernel + a @ b_scaled in float32, cast back to kernel's dtype ([..., in, out], batched over a leading L): a
+    LoRA adapter fused into its kernel (jaxrlhf.lora)."""
+    # HIGHEST: a true float32 product (not TF32) on GPUs; a rank-dim matmul, cheap next to the model.
+    delta = jnp.matmul(a.astype(jnp.float32), b_scaled.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return (kernel.astype(jnp.float32) + delta).astype(kernel.dtype)
+
+
 def _lora_dot(x, kernel, a, b_scaled, dtype):
     return checkpoint_name(_dot(x, fused_kernel(kernel, a, b_scaled), dtype), "lora_dot")
 
@@ -431,7 +517,7 @@ _lora_dot = jax.checkpoint(_lora_dot, policy=jax.checkpoint_policies.save_only_t
 class Dense(nn.Module):
     """flax's nn.Dense (params kernel [in, out], bias [out]; inputs and weights cast to `dtype`), plus LoRA:
     when the parameter tree carries lora_a and lora_b beside the kernel (lora.attach), the kernel is fused
-    here, for this layer only (lora.fused_kernel)."""
+    here, for this layer only (fused_kernel)."""
 
     features: int
     use_bias: bool = True
@@ -454,9 +540,8 @@ class Dense(nn.Module):
 # ------------------------------------------------------------------------------------ decode layout
 # Generation reads every weight once per step, so the weights it runs with are laid out for it (built by
 # generate.decode_params): each layer its own arrays, since a slice of a stacked [L, ...] leaf is a copy
-# before each matmul (measured on the H200: 0.9 ms of OPT-1.3B's 4.4 ms decode step), and the products that
-# share an input stacked into one kernel, since XLA otherwise concatenates their kernels before every step
-# (another 0.3 ms).
+# before each matmul (a fifth of OPT-1.3B's decode step), and the products that share an input stacked into
+# one kernel, since XLA otherwise concatenates their kernels before every step.
 
 
 def stacked_dense(module: nn.Module, name: str, h, dtype, norm=None, *, bias: bool = True, out_dtype=None):
@@ -509,20 +594,29 @@ def norm_rows(h, eps: float, centred: bool):
     return jax.lax.rsqrt(jnp.maximum(mean_sq - jnp.square(mean), 0.0) + eps), mean
 
 
-def project_qkv(module: nn.Module, h, heads: int, kv_heads: int, head_dim: int, use_bias: bool, dtype,
+def project_qkv(module: nn.Module, mode: Mode, h, heads: int, kv_heads: int, head_dim: int, use_bias: bool, dtype,
                 names=("q_proj", "k_proj", "v_proj"), norm=None):
     """q [B, T, H, K] (times the attention's scale K^-1/2), k, v [B, T, Hkv, K] of h [B, T, D]: three Linear
     layers, or in the decode layout one product with "qkv_proj" [D, Hkv, (G + 2) K] (per KV head: its G query
     heads, its key, its value), whose query part carries the scale (stack_qkv: no multiply per step)."""
     B, T, _ = h.shape
     H, Hkv, K = heads, kv_heads, head_dim
-    if module.has_variable("params", "qkv_proj"):
+    if mode.decode_layout:
         G = H // Hkv
         y = stacked_dense(module, "qkv_proj", h, dtype, norm)  # [B, T, Hkv, (G + 2) K]
         return y[..., : G * K].reshape(B, T, H, K), y[..., G * K : (G + 1) * K], y[..., (G + 1) * K :]
     dense = lambda n, name: Dense(n, use_bias=use_bias, dtype=dtype, name=name)
     return (dense(H * K, names[0])(h).reshape(B, T, H, K) * K**-0.5, dense(Hkv * K, names[1])(h).reshape(B, T, Hkv, K),
             dense(Hkv * K, names[2])(h).reshape(B, T, Hkv, K))
+
+
+# The sharding rows of what every family shares (each family's PARAM_AXES says the rest; see sharding.py): the value
+# head, and the decode layout's stacked q/k/v (stack_qkv) and a folded LayerNorm's column sums.
+PARAM_AXES = [
+    (r"value_head/kernel", ("embed", None)),
+    (r"layers/self_attn/qkv_proj/kernel", ("layers", "embed", "heads", None)),
+    (r"layers/self_attn/qkv_proj/(bias|colsum)", ("layers", "heads", None)),
+]
 
 
 def stack_qkv(attn: dict, kv_heads: int, names=("q_proj", "k_proj", "v_proj")) -> dict:

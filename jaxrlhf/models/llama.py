@@ -30,19 +30,19 @@ which is how convert.py turns a llama2.c file into an HF folder.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jaxrlhf.kernels.swiglu import rms_swiglu
 from jaxrlhf.config import check_fields
+from jaxrlhf.kernels.swiglu import rms_swiglu
 from jaxrlhf.models import common
+from jaxrlhf.models.common import Backend, Mode
 
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """The architecture (from Hugging Face's config.json) plus how to run it (dtype, remat, dropout)."""
+    """The architecture (from Hugging Face's config.json) plus how to run it (dtype, remat, dropout, backend)."""
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -66,9 +66,7 @@ class LlamaConfig:
     # How to run it (not part of the checkpoint); see OPTConfig:
     dtype: str = "float32"
     remat: bool = False
-    attention: str = "auto"
-    decode_attention: str = "auto"
-    scan_unroll: int = 0
+    backend: Backend = Backend()
 
     model_type = "llama"  # config.json's model_type (a class attribute, not a field)
 
@@ -135,23 +133,23 @@ class LlamaAttention(nn.Module):
     """Grouped-query self-attention with rotary embeddings; the softmax runs in float32. Returns (out, cache)."""
 
     config: LlamaConfig
-    deterministic: bool = True
+    mode: Mode = Mode()
 
     @nn.compact
-    def __call__(self, h, rope, cache=None, norm=None):
+    def __call__(self, h, rope, cache=None, norm=None, segment_ids=None):
         # h: [B, T, D]; rope: (cos, sin) [B, T, 1, K/2]; norm: see LlamaLayer
-        c = self.config
+        c, mode = self.config, self.mode
         B, T, D = h.shape
         H, Hkv, K = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         step = None if c.rope_interleaved else common.fused_decode_step(
-            self, h, cache, c, H, Hkv, norm, c.rms_norm_eps, tuple(x[:, 0, 0] for x in rope))
+            self, mode, h, cache, c, H, Hkv, norm, c.rms_norm_eps, tuple(x[:, 0, 0] for x in rope))
         if step is not None:  # a decode step: rotary embedding, cache write and attention in one kernel
             out, cache = step
         else:
-            q, k, v = common.project_qkv(self, h, H, Hkv, K, c.attention_bias, c.compute_dtype, norm=norm)
+            q, k, v = common.project_qkv(self, mode, h, H, Hkv, K, c.attention_bias, c.compute_dtype, norm=norm)
             q = apply_rope(q, *rope, c.rope_interleaved)  # project_qkv scaled q: the rotation is linear
             k = apply_rope(k, *rope, c.rope_interleaved)
-            out, cache = common.attention(q, k, v, cache, c, self.deterministic)  # [B, T, H, K]
+            out, cache = common.attention(q, k, v, cache, c, mode, segment_ids)  # [B, T, H, K]
         o_proj = common.Dense(D, use_bias=c.attention_bias, dtype=c.compute_dtype, name="o_proj")
         return o_proj(out.reshape(B, T, H * K)), cache
 
@@ -160,18 +158,19 @@ class LlamaMLP(nn.Module):
     """SwiGLU: down(silu(gate x) * up x)."""
 
     config: LlamaConfig
+    mode: Mode = Mode()
 
     @nn.compact
     def __call__(self, h, norm=None):
-        c = self.config
+        c, mode = self.config, self.mode
         dense = lambda n, name: common.Dense(n, use_bias=c.mlp_bias, dtype=c.compute_dtype, name=name)
-        if self.has_variable("params", "gate_up_proj"):  # the decode layout: [D, 2, F] (decode_layer)
-            B, T, D = h.shape
-            kernels = common.DecodeAttentionConfig(implementation=c.decode_attention).kernels_on()
-            if norm is not None and T == 1 and not c.mlp_bias and kernels:
+        if mode.decode_layout:  # gate and up stacked: [D, 2, F] (decode_layer)
+            B, _, D = h.shape
+            if mode.decoding and not c.mlp_bias and c.backend.kernels.kernels_on():
                 # A decode step: the folded norm's 1 / rms(h), silu and the product in one kernel (3 kernels unfused)
                 gate_up = common.stacked_dense(self, "gate_up_proj", h, c.compute_dtype).reshape(B, 2, -1)
-                act = rms_swiglu(gate_up, h.reshape(B, D), c.rms_norm_eps, mesh=common.generation_mesh())
+                act = rms_swiglu(gate_up, h.reshape(B, D), c.rms_norm_eps, interpret=c.backend.interpret,
+                                 mesh=mode.mesh)
                 return dense(c.hidden_size, "down_proj")(act[:, None])
             gate_up = common.stacked_dense(self, "gate_up_proj", h, c.compute_dtype, norm)
             gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
@@ -184,18 +183,17 @@ class LlamaLayer(nn.Module):
     """One pre-norm decoder layer; `nn.scan` stacks it L times (see common.run_layers)."""
 
     config: LlamaConfig
-    deterministic: bool = True
+    mode: Mode = Mode()
 
     @nn.compact
     def __call__(self, carry, layer, where):
-        h, kv = carry  # h [B, T, D]
-        rope = where["rope"]
-        cache = common.layer_cache(kv, {n: x for n, x in where.items() if n != "rope"}, layer)
-        c = self.config
-        drop = lambda x: nn.Dropout(c.dropout)(x, deterministic=self.deterministic)
+        h, kv = carry  # h [B, T, D]; where: "rope", "segment_ids", and "slot", "start" when generating
+        cache = common.layer_cache(kv, where, layer)
+        c, mode = self.config, self.mode
+        drop = lambda x: nn.Dropout(c.dropout)(x, deterministic=mode.deterministic)
 
         def norm(name, h):  # (the product's input, the rows' scale to apply after it, or None)
-            if self.is_initializing() or self.has_variable("params", name):
+            if not mode.decode_layout:
                 return nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=c.compute_dtype, name=name)(h), None
             # The decode layout (decode_layer) folded this norm's scale into the next product's kernel: the
             # product reads h itself and its output rows are scaled by 1 / rms(h) in the consumer's fusion, or in a
@@ -204,9 +202,9 @@ class LlamaLayer(nn.Module):
             return h, common.norm_rows(h, c.rms_norm_eps, centred=False)
 
         x, r = norm("input_layernorm", h)
-        a, cache = LlamaAttention(c, self.deterministic, name="self_attn")(x, rope, cache, r)
+        a, cache = LlamaAttention(c, mode, name="self_attn")(x, where["rope"], cache, r, where["segment_ids"])
         h = h + drop(a)
-        h = h + drop(LlamaMLP(c, name="mlp")(*norm("post_attention_layernorm", h)))
+        h = h + drop(LlamaMLP(c, mode, name="mlp")(*norm("post_attention_layernorm", h)))
         return common.carry_out(h, cache)
 
 
@@ -214,17 +212,20 @@ class LlamaModel(nn.Module):
     """Embedding, the scanned layers, the final RMSNorm. Returns h [B, T, D] (and the cache when given one)."""
 
     config: LlamaConfig
-    deterministic: bool = True
+    mode: Mode = Mode()
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask, cache=None, positions=None):
-        # Without a cache: any padding (positions come from the mask). With one (generation): `positions`
-        # [B, T] are given and attention_mask is unused (cache["start"] says where each row's real tokens begin).
+    def __call__(self, input_ids, attention_mask, cache=None, positions=None, segment_ids=None):
+        # Without a cache: any padding (positions come from the mask unless given). With one (generation):
+        # `positions` [B, T] are given and attention_mask is unused (cache["start"] says where each row's real
+        # tokens begin).
         c = self.config
-        input_ids, positions, order = common.layout_inputs(input_ids, attention_mask, positions, cache)
+        input_ids, positions, segment_ids, order = common.layout_inputs(input_ids, attention_mask, positions, cache,
+                                                                        segment_ids)
         h = nn.Embed(c.vocab_size, c.hidden_size, name="embed_tokens")(input_ids).astype(c.compute_dtype)
         rope = rope_tables(positions, c.head_dim, c.rope_theta)  # computed once, shared by all layers
-        h, cache = common.run_layers(self, LlamaLayer, c, self.deterministic, h, cache, {"rope": rope})
+        shared = {"rope": rope, "segment_ids": segment_ids}
+        h, cache = common.run_layers(self, LlamaLayer, c, self.mode, h, cache, shared)
         h = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=c.compute_dtype, name="norm")(h)
         return (h, cache) if cache is not None else common.restore_layout(h, order)
 
@@ -245,14 +246,14 @@ class Llama(nn.Module):
 
     config: LlamaConfig
     value_head: bool = False
-    deterministic: bool = True
+    mode: Mode = Mode()
     last: int = 0  # > 0: the head runs on the last `last` positions only
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask, cache=None, positions=None, head_at=None):
+    def __call__(self, input_ids, attention_mask, cache=None, positions=None, head_at=None, segment_ids=None):
         c = self.config
-        model = LlamaModel(c, self.deterministic, name="model")
-        h = model(input_ids, attention_mask, cache, positions)
+        model = LlamaModel(c, self.mode, name="model")
+        h = model(input_ids, attention_mask, cache, positions, segment_ids)
         if cache is not None:
             h, cache = h
         if self.last:
@@ -271,26 +272,7 @@ class Llama(nn.Module):
         return out if cache is None else (out, cache)
 
 
-def logits(config: LlamaConfig, params: Any, input_ids, attention_mask, *, dropout_rng=None, last: int = 0,
-           at=None):
-    """Next-token logits [B, T, V] in float32 (of the last `last` positions if > 0; of positions `at` [B, A] if given).
-    Dropout runs only when `dropout_rng` is given."""
-    return common.apply(Llama, config, params, input_ids, attention_mask, value_head=False, dropout_rng=dropout_rng,
-                        last=last, at=at)
-
-
-def values(config: LlamaConfig, params: Any, input_ids, attention_mask, *, dropout_rng=None):
-    """Value-head outputs [B, T] in float32 (reward model and critic); `params` must hold `value_head`."""
-    return common.apply(Llama, config, params, input_ids, attention_mask, value_head=True, dropout_rng=dropout_rng)
-
-
-init_cache = common.init_cache  # [L, B, Hkv, S, K] zeros and the slot bookkeeping; see common.init_cache
-
-
-def logits_with_cache(config: LlamaConfig, params: Any, input_ids, positions, cache, last: int = 0):
-    """Logits [B, T, V] of T new tokens at cache["slot"] .. + T - 1 (rotary `positions` [B, T]; `last`: see
-    common.apply), and the cache."""
-    return common.apply_with_cache(Llama, config, params, input_ids, positions, cache, last)
+Model = Llama  # the family's forward (models/__init__.py)
 
 
 def decode_layer(config: LlamaConfig, layer: dict) -> dict:
@@ -307,12 +289,45 @@ def decode_layer(config: LlamaConfig, layer: dict) -> dict:
     return {**rest, "self_attn": attn, "mlp": mlp}
 
 
-def init_params(config: LlamaConfig, key, *, value_head: bool = False, dtype=jnp.float32, std: float = 0.02):
-    """Random parameters with HF's Llama initialisation (normal(0, std) weights, zero biases, unit norms)."""
-    return common.random_params(param_shapes(config, value_head=value_head), key, dtype=dtype, std=std)
+# Parameter path (a regex matched against the end of the '/'-joined path) -> logical axis per dimension (see
+# opt.PARAM_AXES). k/v_proj are [D, Hkv * K], so "heads" splits the KV heads over "model" too.
+PARAM_AXES = [
+    (r"embed_tokens/embedding", ("vocab", "embed")),
+    (r"layers/self_attn/[qkv]_proj/kernel", ("layers", "embed", "heads")),
+    (r"layers/self_attn/[qkv]_proj/bias", ("layers", "heads")),
+    (r"layers/self_attn/o_proj/kernel", ("layers", "heads", "embed")),
+    (r"layers/self_attn/o_proj/bias", ("layers", "embed")),
+    (r"layers/mlp/(gate|up)_proj/kernel", ("layers", "embed", "mlp")),
+    (r"layers/mlp/(gate|up)_proj/bias", ("layers", "mlp")),
+    (r"layers/mlp/down_proj/kernel", ("layers", "mlp", "embed")),
+    (r"layers/mlp/down_proj/bias", ("layers", "embed")),
+    (r"layers/(input|post_attention)_layernorm/scale", ("layers", "embed")),
+    (r"model/norm/scale", ("embed",)),
+    (r"lm_head/kernel", ("embed", "vocab")),
+    # the decode layout (decode_layer): gate and up stacked
+    (r"layers/mlp/gate_up_proj/kernel", ("layers", "embed", None, "mlp")),
+    (r"layers/mlp/gate_up_proj/bias", ("layers", None, "mlp")),
+]
 
-
-def param_shapes(config: LlamaConfig, *, value_head: bool = False):
-    """The parameter tree of `config` as `jax.ShapeDtypeStruct`s (float32), without allocating anything."""
-    return common.param_shapes(Llama, config, value_head=value_head)
-
+# Hugging Face's names (LlamaForCausalLM; checkpoint.py): lm_head exists only when the head is untied.
+HF = common.HFNames(
+    architecture="LlamaForCausalLM",
+    config_keys={n: n for n in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+                                "rms_norm_eps", "tie_word_embeddings", "attention_bias", "mlp_bias",
+                                "attention_dropout", "pad_token_id", "bos_token_id", "eos_token_id")},
+    modules={
+        "model.embed_tokens": ("model/embed_tokens", "embed"),
+        "model.norm": ("model/norm", "norm"),
+        "lm_head": ("lm_head", "linear"),
+        "model.layers.{i}.input_layernorm": ("model/layers/input_layernorm", "norm"),
+        "model.layers.{i}.post_attention_layernorm": ("model/layers/post_attention_layernorm", "norm"),
+        **{f"model.layers.{{i}}.self_attn.{n}": (f"model/layers/self_attn/{n}", "linear")
+           for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
+        **{f"model.layers.{{i}}.mlp.{n}": (f"model/layers/mlp/{n}", "linear")
+           for n in ("gate_proj", "up_proj", "down_proj")},
+    },
+    prefixes=("",),
+    save_prefix="",
+    root="model.embed_tokens.weight",
+)

@@ -4,7 +4,7 @@ Shape vocabulary (used in comments and einsum strings throughout jaxrlhf):
     B batch, T sequence, D model width (hidden_size), E embedding width (word_embed_proj_dim),
     H heads, K head dim, F FFN width, V vocab, L layers.
 
-Parameter tree (mirrors Hugging Face's module names so the name table in checkpoint.py is short):
+Parameter tree (mirrors Hugging Face's module names so the name table `HF` below is short):
 
     decoder/embed_tokens/embedding        [V, E]   also the LM head (tied)
     decoder/embed_positions/embedding     [max_position_embeddings + 2, D]
@@ -26,20 +26,13 @@ rematerialised per layer, so compile time does not grow with depth.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxrlhf.config import check_fields
 from jaxrlhf.models import common
-from jaxrlhf.models.common import (  # noqa: F401  (re-exported: callers import these from here)
-    DTYPES,
-    cached_attention,
-    causal_attention,
-    positions_from_mask,
-    real_tokens_first,
-)
+from jaxrlhf.models.common import DTYPES, Backend, Mode
 
 # OPT's learned positions start at 2: fairseq reserved ids 0 and 1 (padding) in the table.
 POSITION_OFFSET = 2
@@ -47,7 +40,7 @@ POSITION_OFFSET = 2
 
 @dataclasses.dataclass(frozen=True)
 class OPTConfig:
-    """The architecture (from Hugging Face's config.json) plus how to run it (dtype, remat, dropout)."""
+    """The architecture (from Hugging Face's config.json) plus how to run it (dtype, remat, dropout, backend)."""
 
     vocab_size: int = 50272
     hidden_size: int = 768
@@ -68,11 +61,7 @@ class OPTConfig:
     # How to run it (not part of the checkpoint):
     dtype: str = "float32"  # compute dtype: "float32" or "bfloat16"; parameters keep their own dtype
     remat: bool = False  # recompute each layer's activations in the backward pass
-    attention: str = "auto"  # "auto", "cudnn" (flash attention, GPU) or "xla"; see fused_attention
-    decode_attention: str = "auto"  # generation: "auto" (our Pallas kernel on a GPU), "pallas" or "xla"
-    # Layers per iteration of the loop over layers; 0 (auto): no loop at all on a GPU (measured on the H200:
-    # SFT step 86 -> 78 ms, decode step 4.5 -> 4.3 ms for OPT-1.3B), a rolled loop elsewhere (fast compiles).
-    scan_unroll: int = 0
+    backend: Backend = Backend()  # attention and decode kernels, loop unrolling: Backend.detect() at start-up
 
     model_type = "opt"  # config.json's model_type (a class attribute, not a field)
 
@@ -118,20 +107,20 @@ class OPTAttention(nn.Module):
     """
 
     config: OPTConfig
-    deterministic: bool = True
+    mode: Mode = Mode()
 
     @nn.compact
-    def __call__(self, h, cache=None, norm=None):
+    def __call__(self, h, cache=None, norm=None, segment_ids=None):
         # h: [B, T, D]; norm: the folded LayerNorm's rows (see OPTLayer), or None
-        c = self.config
+        c, mode = self.config, self.mode
         B, T, D = h.shape
         H, K = c.num_attention_heads, c.head_dim
-        step = common.fused_decode_step(self, h, cache, c, H, H, norm, c.layer_norm_eps)
+        step = common.fused_decode_step(self, mode, h, cache, c, H, H, norm, c.layer_norm_eps)
         if step is not None:  # a decode step: the norm's end, q/k/v's bias, the cache write and attention in one kernel
             out, cache = step
         else:  # q scaled after its bias, as OPT does
-            q, k, v = common.project_qkv(self, h, H, H, K, c.enable_bias, c.compute_dtype, norm=norm)
-            out, cache = common.attention(q, k, v, cache, c, self.deterministic)
+            q, k, v = common.project_qkv(self, mode, h, H, H, K, c.enable_bias, c.compute_dtype, norm=norm)
+            out, cache = common.attention(q, k, v, cache, c, mode, segment_ids)
         out_proj = common.Dense(D, use_bias=c.enable_bias, dtype=c.compute_dtype, name="out_proj")
         return out_proj(out.reshape(B, T, D)), cache
 
@@ -160,29 +149,30 @@ class OPTLayer(nn.Module):
     """One decoder layer; `nn.scan` stacks it L times. Carry: the hidden state h [B, T, D]."""
 
     config: OPTConfig
-    deterministic: bool = True
+    mode: Mode = Mode()
 
     @nn.compact
     def __call__(self, carry, layer, where):
         # carry: (h [B, T, D], kv) with kv None, or {"k", "v"} caches [L, B, H, S, K] when generating;
-        # layer: this layer's index (scanned); where: None, or "slot", "start" (see
+        # layer: this layer's index (scanned); where: "segment_ids", and "slot", "start" when generating (see
         # cached_attention; broadcast to all layers).
         h, kv = carry
         cache = common.layer_cache(kv, where, layer)
-        c = self.config
+        c, mode = self.config, self.mode
         dense = lambda n, name: common.Dense(n, use_bias=c.enable_bias, dtype=c.compute_dtype, name=name)
         norm = lambda name: nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=c.compute_dtype, name=name)
-        drop = lambda x: nn.Dropout(c.dropout)(x, deterministic=self.deterministic)
+        drop = lambda x: nn.Dropout(c.dropout)(x, deterministic=mode.deterministic)
+        # The decode layout (decode_layer) folded pre-LN models' norms into the products they feed: the product reads
+        # h itself and its rows are finished by the mean and 1 / std of h, in the decode step's kernels or after it.
+        folded = c.do_layer_norm_before and mode.decode_layout
 
         # Self-attention block (post-LN models, opt-350m, normalise after the residual add instead).
-        residual, folded = h, None
-        if c.do_layer_norm_before and not (self.is_initializing() or self.has_variable("params", "self_attn_layer_norm")):
-            # The decode layout (decode_layer) folded this norm into qkv_proj: the product reads h itself and its
-            # rows are finished by the mean and 1 / std of h, in the decode step's kernel (decode_step) or after it.
-            folded = common.norm_rows(h, c.layer_norm_eps, centred=True)
+        residual, rows = h, None
+        if folded:
+            rows = common.norm_rows(h, c.layer_norm_eps, centred=True)
         elif c.do_layer_norm_before:
             h = norm("self_attn_layer_norm")(h)
-        h, cache = OPTAttention(c, self.deterministic, name="self_attn")(h, cache, folded)
+        h, cache = OPTAttention(c, mode, name="self_attn")(h, cache, rows, where["segment_ids"])
         h = residual + drop(h)
         if not c.do_layer_norm_before:
             h = norm("self_attn_layer_norm")(h)
@@ -190,17 +180,14 @@ class OPTLayer(nn.Module):
         # Feed-forward block: fc1 -> ReLU -> fc2. A decode step runs each product in one kernel where it applies
         # (common.decode_product: fc1 with its folded LayerNorm, bias and ReLU; fc2 split over K).
         residual = h
-        folded = c.do_layer_norm_before and not (self.is_initializing()
-                                                 or self.has_variable("params", "final_layer_norm"))  # decode_layer
         if c.do_layer_norm_before and not folded:
             h = norm("final_layer_norm")(h)
-        decoding = cache is not None
-        y = common.decode_product(self, "fc1", h, c, decoding, eps=c.layer_norm_eps if folded else None, relu=True)
+        y = common.decode_product(self, mode, "fc1", h, c, eps=c.layer_norm_eps if folded else None, relu=True)
         if y is None and folded:  # the norm's end on h; its scale and shift are in fc1's kernel and bias
             scale, mean = common.norm_rows(h, c.layer_norm_eps, centred=True)
             y = nn.relu(common.stacked_dense(self, "fc1", (h - mean) * scale, c.compute_dtype))
         h = nn.relu(dense(c.ffn_dim, "fc1")(h)) if y is None else y
-        y = common.decode_product(self, "fc2", h, c, decoding)
+        y = common.decode_product(self, mode, "fc2", h, c)
         h = residual + drop(dense(c.hidden_size, "fc2")(h) if y is None else y)
         if not c.do_layer_norm_before:
             h = norm("final_layer_norm")(h)
@@ -211,14 +198,15 @@ class OPTDecoder(nn.Module):
     """Embeddings, the scanned layers, and the closing LayerNorm/projection. Returns h [B, T, E]."""
 
     config: OPTConfig
-    deterministic: bool = True
+    mode: Mode = Mode()
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask, cache=None, positions=None):
+    def __call__(self, input_ids, attention_mask, cache=None, positions=None, segment_ids=None):
         # Without a cache: any padding; returns h. With one (generation): `positions` [B, T] are given,
         # attention_mask is unused (cache["start"] says where each row's real tokens begin); returns (h, cache).
         c = self.config
-        input_ids, positions, order = common.layout_inputs(input_ids, attention_mask, positions, cache)
+        input_ids, positions, segment_ids, order = common.layout_inputs(input_ids, attention_mask, positions, cache,
+                                                                        segment_ids)
         positions = positions + POSITION_OFFSET
         embed_tokens = nn.Embed(c.vocab_size, c.word_embed_proj_dim, name="embed_tokens")
         h = embed_tokens(input_ids).astype(c.compute_dtype)  # [B, T, E]
@@ -228,7 +216,7 @@ class OPTDecoder(nn.Module):
             positions
         ).astype(c.compute_dtype)  # no dropout on the embeddings: Hugging Face's OPT has none
 
-        h, cache = common.run_layers(self, OPTLayer, c, self.deterministic, h, cache)
+        h, cache = common.run_layers(self, OPTLayer, c, self.mode, h, cache, {"segment_ids": segment_ids})
 
         if c.has_final_layer_norm:
             h = nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=c.compute_dtype, name="final_layer_norm")(h)
@@ -243,13 +231,13 @@ class OPT(nn.Module):
 
     config: OPTConfig
     value_head: bool = False
-    deterministic: bool = True
+    mode: Mode = Mode()
     last: int = 0  # > 0: the head runs on the last `last` positions only
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask, cache=None, positions=None, head_at=None):
-        decoder = OPTDecoder(self.config, self.deterministic, name="decoder")
-        h = decoder(input_ids, attention_mask, cache, positions)  # [B, T, E] (and the cache)
+    def __call__(self, input_ids, attention_mask, cache=None, positions=None, head_at=None, segment_ids=None):
+        decoder = OPTDecoder(self.config, self.mode, name="decoder")
+        h = decoder(input_ids, attention_mask, cache, positions, segment_ids)  # [B, T, E] (and the cache)
         if cache is not None:
             h, cache = h
         if self.last:
@@ -263,28 +251,7 @@ class OPT(nn.Module):
         return out if cache is None else (out, cache)
 
 
-def logits(config: OPTConfig, params: Any, input_ids, attention_mask, *, dropout_rng=None, last: int = 0,
-           at=None):
-    """Next-token logits [B, T, V] in float32 (of the last `last` positions if > 0; of positions `at` [B, A] if given).
-    Dropout runs only when `dropout_rng` is given."""
-    return common.apply(OPT, config, params, input_ids, attention_mask, value_head=False, dropout_rng=dropout_rng,
-                        last=last, at=at)
-
-
-def values(config: OPTConfig, params: Any, input_ids, attention_mask, *, dropout_rng=None):
-    """Value-head outputs [B, T] in float32 (reward model and critic); `params` must hold `value_head`."""
-    return common.apply(OPT, config, params, input_ids, attention_mask, value_head=True, dropout_rng=dropout_rng)
-
-
-init_cache = common.init_cache  # [L, B, H, S, K] zeros and the slot bookkeeping; see common.init_cache
-
-
-def logits_with_cache(config: OPTConfig, params: Any, input_ids, positions, cache, last: int = 0):
-    """Logits [B, T, V] of T new tokens at cache["slot"] .. + T - 1 (`last`: see common.apply), and the cache
-    holding their K/V.
-
-    `positions` [B, T] are OPT position ids without the offset (0 for a row's first real token)."""
-    return common.apply_with_cache(OPT, config, params, input_ids, positions, cache, last)
+Model = OPT  # the family's forward (models/__init__.py); positions are OPT position ids without the offset
 
 
 def decode_layer(config: OPTConfig, layer: dict) -> dict:
@@ -304,11 +271,43 @@ def decode_layer(config: OPTConfig, layer: dict) -> dict:
     return {**rest, "self_attn": attn, "fc1": fc1}
 
 
-def init_params(config: OPTConfig, key, *, value_head: bool = False, dtype=jnp.float32, std: float = 0.02):
-    """Random parameters with OPT's initialisation (normal(0, std) weights, zero biases, unit LayerNorms)."""
-    return common.random_params(param_shapes(config, value_head=value_head), key, dtype=dtype, std=std)
+# Parameter path (a regex matched against the end of the '/'-joined path) -> logical axis per dimension, first match
+# first (sharding.py maps logical axes to mesh axes; common.PARAM_AXES adds the value head and the decode layout).
+PARAM_AXES = [
+    (r"embed_tokens/embedding", ("vocab", "embed")),
+    (r"embed_positions/embedding", ("position", "embed")),
+    (r"project_(in|out)/kernel", ("embed", "embed")),
+    (r"layers/self_attn/[qkv]_proj/kernel", ("layers", "embed", "heads")),
+    (r"layers/self_attn/[qkv]_proj/bias", ("layers", "heads")),
+    (r"layers/self_attn/out_proj/kernel", ("layers", "heads", "embed")),
+    (r"layers/fc1/kernel", ("layers", "embed", "mlp")),
+    (r"layers/fc1/(bias|colsum)", ("layers", "mlp")),
+    (r"layers/fc2/kernel", ("layers", "mlp", "embed")),
+    (r"layers/(self_attn/out_proj|fc2)/bias", ("layers", "embed")),
+    (r"layers/\w+_layer_norm/(scale|bias)", ("layers", "embed")),
+    (r"final_layer_norm/(scale|bias)", ("embed",)),
+]
 
-
-def param_shapes(config: OPTConfig, *, value_head: bool = False):
-    """The parameter tree of `config` as `jax.ShapeDtypeStruct`s (float32), without allocating anything."""
-    return common.param_shapes(OPT, config, value_head=value_head)
+# Hugging Face's names (checkpoint.py). Modules: HF module name (under "model.") -> (our path, kind). Weights appear
+# under OPTForCausalLM's "model.", OPTModel's and the original facebook/opt-* checkpoints' "" and DeepSpeed-Chat's
+# reward-model checkpoints' "rwtranrsformer." (sic; "rwtransformer." is accepted too).
+HF = common.HFNames(
+    architecture="OPTForCausalLM",
+    config_keys={**{n: n for n in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "ffn_dim",
+                                   "max_position_embeddings", "word_embed_proj_dim", "do_layer_norm_before",
+                                   "enable_bias", "dropout", "attention_dropout", "pad_token_id", "bos_token_id",
+                                   "eos_token_id")},
+                 "_remove_final_layer_norm": "remove_final_layer_norm"},
+    modules={
+        **{f"decoder.{n}": (f"decoder/{n}", kind) for n, kind in (
+            ("embed_tokens", "embed"), ("embed_positions", "embed"), ("project_in", "linear"),
+            ("project_out", "linear"), ("final_layer_norm", "norm"))},
+        **{f"decoder.layers.{{i}}.{n}": (f"decoder/layers/{n.replace('.', '/')}", kind) for n, kind in (
+            ("self_attn_layer_norm", "norm"), ("self_attn.q_proj", "linear"), ("self_attn.k_proj", "linear"),
+            ("self_attn.v_proj", "linear"), ("self_attn.out_proj", "linear"), ("final_layer_norm", "norm"),
+            ("fc1", "linear"), ("fc2", "linear"))},
+    },
+    prefixes=("model.", "rwtranrsformer.", "rwtransformer.", ""),
+    save_prefix="model.",
+    root="decoder.embed_tokens.weight",
+)
