@@ -32,7 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.alarms import AlarmConfig, answer_figures, answer_rows, check, training_records
-from jaxrlhf.data import DataConfig, DataError
+from jaxrlhf.checkpoint import load_hf
+from jaxrlhf.config import default_xla_flags, parse_cli
+from jaxrlhf.data import DataConfig, DataError, make_batch, prepare, step_records, stories, synthetic
+from jaxrlhf.generate import generate
+from jaxrlhf.losses import end_scores, token_logprobs
+from jaxrlhf.models import logits, values
+from jaxrlhf.tokenizer import decode_rows, load_tokenizer
 
 Z95 = 1.959963984540054
 
@@ -123,8 +129,6 @@ def gold_rewards(prompts: list[str], references: list[str | None], answers: list
     (jaxrlhf.data.synthetic.gold_reward) or the story task's (jaxrlhf.data.stories.gold_reward) when every
     prompt is one of theirs, or 1.0 / 0.0 for a right / wrong final number where every reference answer ends
     GSM8K-style with "#### N"."""
-    from jaxrlhf.data import stories, synthetic
-
     for task, parse in ((synthetic, synthetic.prompt_items), (stories, stories.prompt_word)):
         try:
             for p in prompts:
@@ -155,9 +159,6 @@ def _in_batches(fn, arrays: list[np.ndarray], size: int) -> list[np.ndarray]:
 @partial(jax.jit, static_argnums=0)
 def _answer_logprobs(config, params, ids, mask, tokens, answer_mask):
     """[B, G]: log p of each answer token given the prompt and the answer before it (0 past the answer)."""
-    from jaxrlhf.losses import token_logprobs
-    from jaxrlhf.models import logits
-
     seq, seq_mask = jnp.concatenate([ids, tokens], 1), jnp.concatenate([mask, answer_mask], 1)
     return token_logprobs(logits(config, params, seq, seq_mask), seq)[:, -tokens.shape[1] :] * answer_mask
 
@@ -165,8 +166,6 @@ def _answer_logprobs(config, params, ids, mask, tokens, answer_mask):
 @partial(jax.jit, static_argnums=0)
 def _scores(config, params, ids, mask, tokens, answer_mask):
     """[B]: the reward model's value at each answer's last real token (its EOS if it ended), as in Step 3."""
-    from jaxrlhf.models import values
-
     v = values(config, params, jnp.concatenate([ids, tokens], 1), jnp.concatenate([mask, answer_mask], 1))
     last = ids.shape[1] + jnp.sum(answer_mask, axis=1) - 1
     return jnp.take_along_axis(v, last[:, None], axis=1)[:, 0]
@@ -175,26 +174,18 @@ def _scores(config, params, ids, mask, tokens, answer_mask):
 @partial(jax.jit, static_argnums=0)
 def _row_nll(config, params, input_ids, attention_mask, loss_mask):
     """[B] each row's summed next-token loss over its targets, and [B] the number of targets."""
-    from jaxrlhf.losses import token_logprobs
-    from jaxrlhf.models import logits
-
     m = loss_mask[:, 1:].astype(jnp.float32)
     return -jnp.sum(token_logprobs(logits(config, params, input_ids, attention_mask), input_ids) * m, axis=1), m.sum(1)
 
 
 @partial(jax.jit, static_argnums=0)
 def _pair_scores(config, params, chosen_ids, chosen_mask, rejected_ids, rejected_mask):
-    from jaxrlhf.losses import end_scores
-    from jaxrlhf.models import values
-
     return (end_scores(values(config, params, chosen_ids, chosen_mask), chosen_mask),
             end_scores(values(config, params, rejected_ids, rejected_mask), rejected_mask))
 
 
 def answer(cfg: EvalConfig, model, ids, mask, max_new: int, eos_id: int, pad_id: int):
     """Every prompt's sampled answer: tokens and mask [N, G]; batch i is sampled with key fold_in(seed, i)."""
-    from jaxrlhf.generate import generate
-
     config, params = model
 
     def run(i, ids, mask):
@@ -205,10 +196,30 @@ def answer(cfg: EvalConfig, model, ids, mask, max_new: int, eos_id: int, pad_id:
     return _in_batches(run, [ids, mask], cfg.batch_size)
 
 
+def gold_and_kl(models: dict, tok, ids, mask, gold, *, samples: int, max_new_tokens: int, temperature: float,
+                top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> tuple[dict, dict]:
+    """The Step 1 model against the final actor (`models`: {"step1": (config, params), "actor": ...}) on left-padded
+    prompts ids, mask [N, P]: the mean gold reward (`gold(prompt index, answer text)`) of each one's answers, sampled
+    `samples` times per prompt and greedy once; and the KL from the actor to the Step 1 model on the actor's sampled
+    answers (nats per answer). Returns (figures, {(model, "sampled" or "greedy"): answer texts})."""
+    rows = {"sampled": (np.tile(ids, (samples, 1)), np.tile(mask, (samples, 1)), temperature), "greedy": (ids, mask, 0.0)}
+    out, texts, sampled = {}, {}, None
+    for name, (config, params) in models.items():
+        for mode, (ids_m, mask_m, temp) in rows.items():
+            gen = generate(config, params, ids_m, mask_m, jax.random.key(seed), max_new_tokens=max_new_tokens,
+                           temperature=temp, top_k=top_k, top_p=top_p, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+            texts[name, mode] = decode_rows(tok, gen.tokens, gen.mask)
+            out[f"{name}_gold_reward_{mode}"] = float(np.mean([gold(i % len(ids), a) for i, a in enumerate(texts[name, mode])]))
+            sampled = gen if (name, mode) == ("actor", "sampled") else sampled
+    seq = jnp.concatenate([rows["sampled"][0], sampled.tokens], 1)
+    seq_mask = jnp.concatenate([rows["sampled"][1], sampled.mask], 1)
+    logp = {name: token_logprobs(logits(c, p, seq, seq_mask), seq)[:, -max_new_tokens:] for name, (c, p) in models.items()}
+    out["kl_actor_to_step1"] = float(jnp.sum((logp["actor"] - logp["step1"]) * sampled.mask) / len(seq))
+    return out, texts
+
+
 def perplexity(cfg: EvalConfig, model, arrays, pad_id: int) -> float | None:
     """exp(mean next-token loss) over the first `ppl_rows` held-out Step 1 sequences."""
-    from jaxrlhf.data import make_batch
-
     n = min(cfg.ppl_rows, len(arrays["offsets"]) - 1)
     if n == 0:
         return None
@@ -220,8 +231,6 @@ def perplexity(cfg: EvalConfig, model, arrays, pad_id: int) -> float | None:
 
 
 def rm_accuracy(cfg: EvalConfig, rm, arrays, pad_id: int) -> dict | None:
-    from jaxrlhf.data import make_batch
-
     n = min(cfg.rm_pairs, len(arrays["chosen_offsets"]) - 1)
     if n == 0:
         return None
@@ -244,11 +253,6 @@ def find_metrics(cfg: EvalConfig) -> Path | None:
 
 def evaluate(cfg: EvalConfig, log=print) -> dict:
     """Every number of the report (see the module docstring), as a JSON-ready dict."""
-    from jaxrlhf.checkpoint import load_hf
-    from jaxrlhf.data import make_batch, prepare, step_records
-    from jaxrlhf.ppo import decode_rows
-    from jaxrlhf.tokenizer import load_tokenizer
-
     if not cfg.models or not cfg.reward_model:
         raise ValueError("models and reward_model are required (--models SFT_DIR PPO_DIR ... --reward-model RM_DIR)")
     dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else np.float32
@@ -507,14 +511,10 @@ def flags(parser):
 
 def parse(argv: list[str] | None) -> EvalConfig:
     """--models/--names/--reward-model/--prompts/--reference/--metrics/--output-dir and [CONFIG.yaml] [key=value ...]."""
-    from jaxrlhf.config import parse_cli
-
     return parse_cli(EvalConfig, __doc__.split("\n\n")[0], argv, "python -m jaxrlhf.eval", flags, processes=False)[0]
 
 
 def main(argv=None):
-    from jaxrlhf.config import default_xla_flags
-
     default_xla_flags()
     try:
         return run(parse(argv))

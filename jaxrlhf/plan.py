@@ -21,21 +21,30 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import math
 import os
 import sys
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh
 
-from jaxrlhf.config import ConfigError
+from jaxrlhf import sharding as sharding_mod
+from jaxrlhf.checkpoint import read_config
+from jaxrlhf.config import ConfigError, parse_cli
 from jaxrlhf.generate import DECODE_SLOTS
 from jaxrlhf.lora import adapted_mask
-from jaxrlhf.models import param_shapes
-from jaxrlhf.sharding import AXES, partition_spec, path_str
+from jaxrlhf.models import param_shapes, preset
+from jaxrlhf.rl import engine as rl_engine, steps as rl_steps
+from jaxrlhf.rl.config import PPOConfig
+from jaxrlhf.sharding import AXES, make_mesh, partition_spec, path_str
 from jaxrlhf.trainer import init_state, make_optimizer
 
+# The module (jaxrlhf/__init__.py's `generate` is the function): measure probes its compiled programs.
+generate_mod = importlib.import_module("jaxrlhf.generate")
 GiB = 2**30
 
 
@@ -247,9 +256,6 @@ def init_cache_bytes(config, rows: int, T: int, tp: int) -> int:
 def model_config(cfg, side):
     """The architecture of one side of a Step 3 config, as trainer.load_model sets it up, from its folder's
     config.json (or a random:NAME preset) alone."""
-    from jaxrlhf.checkpoint import read_config
-    from jaxrlhf.models import preset
-
     if not side.model:
         raise ConfigError("actor.model and critic.model: required, Hugging Face folders (or random:NAME)")
     config = preset(side.model.removeprefix("random:")) if side.model.startswith("random:") else read_config(side.model)
@@ -372,11 +378,6 @@ def measure(engine, prompt_batch: dict) -> dict[str, int]:
     temporaries and outputs from its `memory_analysis()` (temp + output - aliased), maximised over the
     phase's programs.
     """
-    import importlib
-    from unittest import mock
-
-    engine_mod, generate_mod, sharding_mod = (importlib.import_module(f"jaxrlhf.{m}") for m in ("engine", "generate", "sharding"))
-
     device = jax.local_devices()[0]
     peaks: dict[str, int] = {}
     if device.memory_stats() and "peak_bytes_in_use" in device.memory_stats():
@@ -413,9 +414,9 @@ def measure(engine, prompt_batch: dict) -> dict[str, int]:
                mock.patch.object(sharding_mod, "_identity", lambda shardings: probe(identity(shardings))),
                mock.patch.object(generate_mod, "_generate", probe(generate_mod._generate))]
     patches += [mock.patch.object(generate_mod, n, probe(getattr(generate_mod, n))) for n in ("_decode_one_layer", "_decode_rest")]
-    patches += [mock.patch.object(engine_mod, n, probe(getattr(engine_mod, n)))
-                for n in ("_score", "_advantages", "_actor_update", "_critic_update",  # padded micro-batches
-                          "_experience_jit", "_score_packed", "_zeros", "_accumulate", "_apply")]  # packed
+    programs = {rl_engine: ("score", "advantages", "padded_experience_jit", "score_packed"),  # as the engine calls them
+                rl_steps: ("actor_update", "critic_update", "zero_accumulator", "accumulate", "apply")}
+    patches += [mock.patch.object(module, n, probe(getattr(module, n))) for module, names in programs.items() for n in names]
     for p in patches:
         p.start()
     try:
@@ -428,9 +429,6 @@ def measure(engine, prompt_batch: dict) -> dict[str, int]:
 
 def main(argv=None):
     """python -m jaxrlhf.plan CONFIG [key=value ...] [--devices N]: print the plan of a Step 3 config."""
-    from jaxrlhf.config import parse_cli
-    from jaxrlhf.ppo import PPOConfig
-    from jaxrlhf.sharding import make_mesh
 
     def flags(parser):
         parser.add_argument("--devices", type=int, default=0, help="plan for this many devices (default: the ones here)")

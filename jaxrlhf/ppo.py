@@ -14,77 +14,31 @@ gold reward of the answers is logged too.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from jaxrlhf.alarms import AlarmConfig, AlarmTracker, experience_figures, training_records
-from jaxrlhf.config import ConfigError, check_fields, run_cli
+from jaxrlhf import loop, plan as memory_plan
+from jaxrlhf.alarms import AlarmTracker, experience_figures, training_records
+from jaxrlhf.checkpoint import save_hf
+from jaxrlhf.config import ConfigError, run_cli
+from jaxrlhf.data import Batches, prepare
+from jaxrlhf.data.synthetic import gold_reward
 from jaxrlhf.distributed import to_host
-from jaxrlhf.data import Batches, DataConfig, prepare
-from jaxrlhf import plan as memory_plan
-from jaxrlhf.metrics import check_trackers
-from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide
+from jaxrlhf.metrics import MetricsLog
+from jaxrlhf.rl import HybridEngine, ModelSide
+from jaxrlhf.rl.config import PPOConfig
 from jaxrlhf.rl.experience import check_accumulation
 from jaxrlhf.sharding import make_mesh
-from jaxrlhf.trainer import (MetricsLog, RunConfig, SkipCounter, checkpoint_manager, load_model, precision_warning,
-                             restore_state, save_state, settings, start_run)
+from jaxrlhf.tokenizer import decode_rows
+from jaxrlhf.trainer import RunConfig, load_model, precision_warning, settings, start_run
+
+__all__ = ["PPOConfig", "check", "main", "run"]
 
 INPUTS = ("actor.model", "critic.model")  # the model folders a run starts from (trainer.settings)
 PHASES = ("reshard", "generate", "score", "advantages", "actor_step", "critic_step", "offload")
-
-
-@dataclasses.dataclass(frozen=True)
-class PPOConfig(EngineConfig):
-    #: tokenizer folder (default: the actor's folder)
-    tokenizer: str | None = None
-    #: where actor/, critic/, actor_ema/ (HF folders), state/ (Orbax), metrics.jsonl and tb/ go
-    output_dir: str = "runs/ppo"
-    #: prompts per generation batch, over all devices (DeepSpeed-Chat: per-device batch x devices)
-    batch_size: int = 16
-    #: generation batches per iteration; each then gets one actor and one critic step per PPO epoch
-    generation_batches: int = 1
-    #: passes over an iteration's experience
-    ppo_epochs: int = 1
-    #: passes over the prompts
-    epochs: int = 1
-    #: stop after this many iterations (0: run the epochs)
-    max_steps: int = 0
-    #: rows per mixture LM batch (0: batch_size)
-    unsup_batch_size: int = 0
-    #: print and write metrics every this many iterations
-    log_every: int = 1
-    #: where metrics go besides metrics.jsonl: tensorboard, wandb, mlflow (see jaxrlhf/metrics.py)
-    report_to: tuple[str, ...] = ("tensorboard",)
-    #: save the training state every this many iterations (0: only at the end)
-    save_every: int = 0
-    #: training states kept on disk (the newest)
-    keep_checkpoints: int = 2
-    #: continue the run saved in output_dir (its newest state), or skip it if it is finished; false: start from
-    #: scratch, refused where output_dir already holds a run
-    resume: bool = True
-    #: stop the run after this many actor (or critic) steps in a row skipped for a non-finite loss or gradient norm
-    max_skipped_steps: int = 10
-    #: print a prompt and its answer at every log (DeepSpeed-Chat's --print_answers)
-    print_answers: bool = False
-    #: reward-hacking alarms: bounds on answer length, repetition, entropy and KL; learned vs gold reward trend
-    alarms: AlarmConfig = AlarmConfig()
-    #: device memory in GiB that the memory plan must fit (0: the device's bytes_limit; the CPU reports none, so
-    #: nothing is checked there unless set); see python -m jaxrlhf.plan
-    device_memory_gib: float = 0.0
-    data: DataConfig = DataConfig(max_prompt_len=256)
-
-    def __post_init__(self):
-        super().__post_init__()
-        if min(self.batch_size, self.generation_batches, self.ppo_epochs, self.epochs, self.log_every) < 1:
-            raise ValueError("batch_size, generation_batches, ppo_epochs, epochs and log_every must be >= 1")
-        if self.max_steps < 0 or self.save_every < 0 or self.unsup_batch_size < 0:
-            raise ValueError("max_steps, save_every and unsup_batch_size must be >= 0")
-        check_fields(self, keep_checkpoints=">= 1", device_memory_gib=">= 0")
-        check_trackers(self.report_to)
 
 
 def check(cfg: PPOConfig, mesh):
@@ -113,20 +67,8 @@ def side_run(cfg: PPOConfig, side: ModelSide) -> RunConfig:
                      remat=side.remat, dropout=side.dropout, seed=cfg.seed)
 
 
-def decode_rows(tokenizer, ids, mask, skip_first: bool = False) -> list[str]:
-    """The text of each row's real tokens (EOS dropped; `skip_first` drops the prompt's BOS)."""
-    eos = tokenizer.eos_token_id
-    out = []
-    for row, m in zip(np.asarray(ids), np.asarray(mask)):
-        kept = [int(t) for t in row[m.astype(bool)]]
-        out.append(tokenizer.decode([t for t in kept[1 if skip_first else 0 :] if t != eos]))
-    return out
-
-
 def gold_rewards(tokenizer, exp) -> list[float]:
     """The built-in task's gold reward of each answer in an experience batch (host arrays, `host_experiences`)."""
-    from jaxrlhf.data.synthetic import gold_reward
-
     G = exp["mask"].shape[1]
     seq, seq_mask = np.asarray(exp["seq"]), np.asarray(exp["seq_mask"])
     prompts = decode_rows(tokenizer, seq[:, :-G], seq_mask[:, :-G], skip_first=True)
@@ -141,7 +83,7 @@ def host_experiences(experiences: list[dict]) -> list[dict]:
 
 
 def effective_tflops(engine: HybridEngine, samples: int, seq_len: int, seconds: float, ppo_epochs: int) -> float:
-    """DeepSpeed-Chat's effective TFLOP/s per device (BENCHMARKS.md): 2 N L per forward, 6 N L per training
+    """DeepSpeed-Chat's effective TFLOP/s per device (docs/benchmarks.md): 2 N L per forward, 6 N L per training
     pass; generation, old log-probs and reference forwards of the actor, critic and reward forwards, and the
     two updates per PPO epoch."""
     n_actor = sum(x.size for x in jax.tree.leaves(engine.state["actor"]["trainable"].get("params", {})))
@@ -165,8 +107,6 @@ def export_names(cfg: PPOConfig) -> list[str]:
 def export(engine: HybridEngine, cfg: PPOConfig, tokenizer) -> dict[str, Path]:
     """output_dir/actor, critic, actor_ema as HF folders (LoRA fused), as DeepSpeed-Chat lays them out; each one's
     manifest carries the run's settings (what tells a finished run when it is started again)."""
-    from jaxrlhf.checkpoint import save_hf
-
     trees = {"actor": (engine.actor_config, engine.actor_params()), "critic": (engine.critic_config, engine.critic_params())}
     if "ema" in engine.state:
         trees["actor_ema"] = (engine.actor_config, engine.ema_params())  # float32 while training
@@ -181,8 +121,6 @@ def export(engine: HybridEngine, cfg: PPOConfig, tokenizer) -> dict[str, Path]:
 def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
     """Step 3 from the Step 1 and 2 folders to the exported actor/critic; returns the engine, the logged
     records and the HF folders."""
-    from tqdm import tqdm
-
     mesh = mesh or make_mesh(cfg.inference_tp_size)
     log(f"mesh {dict(mesh.shape)}: {mesh.size} devices, {jax.process_count()} process(es), this is process "
         f"{jax.process_index()}")
@@ -190,7 +128,7 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
         log = lambda _: None  # noqa: E731
     check(cfg, mesh)
     out = Path(cfg.output_dir)
-    manager = checkpoint_manager(out, cfg.keep_checkpoints)
+    manager = loop.checkpoint_manager(out, cfg.keep_checkpoints)
     if start_run(cfg, [out / name for name in export_names(cfg)], manager.latest_step(), INPUTS, log=log):
         manager.close()
         return {"engine": None, "records": [], "folders": {name: out / name for name in export_names(cfg)},
@@ -221,82 +159,66 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
                           total_steps=iterations * cfg.generation_batches * cfg.ppo_epochs,
                           eos_id=tokenizer.eos_token_id, pad_id=pad)
     del actor_params, critic_params
-    sources = {"prompts": prompts, **({"unsup": unsup} if unsup else {})}
-    if cfg.resume:
-        restored, meta = restore_state(manager, engine.state, engine.shardings())
-        if restored is not None:
-            engine.state = restored
-            engine.offload()
-            for name, batches in sources.items():
-                batches.epoch, batches.position = meta[name]["epoch"], meta[name]["position"]
-            log(f"resumed from iteration {int(engine.state['iteration']) // cfg.generation_batches}")
-
-    def save():  # keyed by generation batches done; the data positions ride along as JSON
-        save_state(manager, engine.state, {name: b.state() for name, b in sources.items()}, step=int(engine.state["iteration"]))
-
-    synthetic = all(p.startswith("synthetic") for p in cfg.data.data_path)
-    metrics_log, records = MetricsLog(out, cfg.report_to, settings(cfg, INPUTS)), []
-    start = int(engine.state["iteration"]) // cfg.generation_batches
-    if start > iterations:
-        raise ConfigError(f"{out / 'state'}: the saved run is at iteration {start}, past this run's {iterations} "
-                          "(max_steps, epochs); give at least as many, or another output_dir")
-    skips = {name: SkipCounter(cfg.max_skipped_steps, log) for name in ("actor", "critic")}
-    tracker = AlarmTracker(cfg.alarms, history=training_records(out / "metrics.jsonl", upto=start))  # resume: replay
-    prompt_iter, unsup_iter = iter(prompts), iter(unsup) if unsup else None
-    bar = tqdm(total=iterations, initial=start, desc="ppo", dynamic_ncols=True, disable=jax.process_index() != 0)
-    try:  # a crash or Ctrl-C still finishes the checkpoint being written
-        for it in range(start + 1, iterations + 1):
-            clock, engine.timings = time.perf_counter(), {}
-            experiences = [engine.generate_experience(next(prompt_iter)) for _ in range(cfg.generation_batches)]
-            stats = [engine.train_rlhf(exp, next(unsup_iter) if unsup_iter else None)
-                     for _ in range(cfg.ppo_epochs) for exp in experiences]
-            for i, s in enumerate(stats):  # the non-finite guard's skips, in the order the steps ran
-                for name in ("actor", "critic"):
-                    where = f"iteration {it}, PPO epoch {i // cfg.generation_batches + 1}, batch {i % cfg.generation_batches + 1}"
-                    skips[name].update(s[f"{name}_skipped"], f"{where}, {name}")
-            seconds = time.perf_counter() - clock
-            samples = cfg.batch_size * cfg.generation_batches
-            figures = {k: float(np.mean([s[k] for s in stats])) for k in stats[0]}
-            figures.update({k: float(sum(s[k] for s in stats)) for k in ("actor_skipped", "critic_skipped")})  # counts
-            figures.update({f"{p}_s": engine.timings.get(p, 0.0) for p in PHASES}, iteration_s=seconds,
-                           samples_per_s=samples / seconds, reshard_bytes=engine.reshard_bytes,
-                           tflops=effective_tflops(engine, samples, experiences[0]["seq"].shape[1], seconds, cfg.ppo_epochs))
-            if peak_memory() is not None:
-                figures["peak_memory_bytes"] = peak_memory()
-            host = host_experiences(experiences) if synthetic or cfg.alarms.enabled or cfg.print_answers else None
-            if synthetic:
-                figures["gold_reward"] = float(np.mean([g for e in host for g in gold_rewards(tokenizer, e)]))
-            if cfg.alarms.enabled:  # signs of reward hacking: logged when they start, on the bar while they last
-                figures.update(experience_figures(host, tokenizer.eos_token_id, cfg.alarms.ngram))
-                alarms = tracker.update(figures)
-                for a in alarms:
-                    if a.new:
-                        log(f"alarm at iteration {it}: {a.message}")
-                if alarms:
-                    figures["alarms"] = ",".join(a.name for a in alarms)
-            if it % cfg.log_every == 0 or it == iterations:
-                metrics_log.write(it, "train", figures)
-                records.append({"step": it, "split": "train", **figures})
-                shown = ("reward", "gold_reward", "kl", "answer_len", "samples_per_s")
-                bar.set_postfix({**{k: f"{figures[k]:.3g}" for k in shown if k in figures},
-                                 **({"ALARM": figures["alarms"]} if "alarms" in figures else {})})
-                if cfg.print_answers:
-                    e = host[0]
-                    G = e["mask"].shape[1]
-                    prompt = decode_rows(tokenizer, e["seq"][:1, :-G], e["seq_mask"][:1, :-G], True)[0]
-                    answer = decode_rows(tokenizer, e["seq"][:1, -G:], e["seq_mask"][:1, -G:])[0]
-                    log(f"--- iteration {it}\nprompt: {prompt!r}\nanswer: {answer!r}")
-            bar.update(1)
-            if cfg.save_every and it % cfg.save_every == 0 and it != iterations:
-                save()
-        save()
-    finally:  # the bar ends its line first, so an error message starts on its own
-        bar.close()
-        manager.wait_until_finished()
-        metrics_log.close()
+    step = ppo_iteration(cfg, engine, tokenizer, prompts, unsup, iterations, log)
+    engine.state, records = loop.fit(
+        cfg, engine.state, step, lambda window: window[-1], {"prompts": prompts, **({"unsup": unsup} if unsup else {})},
+        total=iterations, manager=manager, metrics_log=MetricsLog(out, cfg.report_to, settings(cfg, INPUTS)),
+        shardings=engine.shardings(), counter=("iteration", cfg.generation_batches), desc="ppo", log=log,
+        shown=("reward", "gold_reward", "kl", "answer_len", "samples_per_s"))
     folders = export(engine, cfg, tokenizer)
     log(f"Step 3 done: Hugging Face models in {', '.join(str(f) for f in folders.values())}")
     return {"engine": engine, "records": records, "folders": folders, "tokenizer": tokenizer}
+
+
+def ppo_iteration(cfg: PPOConfig, engine: HybridEngine, tokenizer, prompts, unsup, iterations: int, log):
+    """Step 3's step for the loop (jaxrlhf.loop.fit): iteration `it` answers and scores `generation_batches` batches
+    of prompts, then runs `ppo_epochs` passes of one actor and one critic step per batch; its figures (the mean
+    over the steps, skip counts, phase seconds, throughput, gold reward, alarms) are host floats."""
+    synthetic = all(p.startswith("synthetic") for p in cfg.data.data_path)
+    prompt_iter, unsup_iter = iter(prompts), iter(unsup) if unsup else None
+    tracker = None
+
+    def step(state, it):
+        nonlocal tracker
+        if tracker is None:  # resume: the alarms' history replayed from the iterations before this one
+            tracker = AlarmTracker(cfg.alarms, history=training_records(Path(cfg.output_dir) / "metrics.jsonl", upto=it - 1))
+        engine.state = state
+        engine.offload()  # a restored state's offloaded optimizer states back in host memory (else a no-op)
+        clock, engine.timings = time.perf_counter(), {}
+        experiences = [engine.generate_experience(next(prompt_iter)) for _ in range(cfg.generation_batches)]
+        stats = [engine.train_rlhf(exp, next(unsup_iter) if unsup_iter else None)
+                 for _ in range(cfg.ppo_epochs) for exp in experiences]
+        skips = [(name, s[f"{name}_skipped"], f"iteration {it}, PPO epoch {i // cfg.generation_batches + 1}, "
+                  f"batch {i % cfg.generation_batches + 1}, {name}") for i, s in enumerate(stats) for name in ("actor", "critic")]
+        seconds = time.perf_counter() - clock
+        samples = cfg.batch_size * cfg.generation_batches
+        figures = {k: float(np.mean([s[k] for s in stats])) for k in stats[0]}
+        figures.update({k: float(sum(s[k] for s in stats)) for k in ("actor_skipped", "critic_skipped")})  # counts
+        figures.update({f"{p}_s": engine.timings.get(p, 0.0) for p in PHASES}, iteration_s=seconds,
+                       samples_per_s=samples / seconds, reshard_bytes=engine.reshard_bytes,
+                       tflops=effective_tflops(engine, samples, experiences[0]["seq"].shape[1], seconds, cfg.ppo_epochs))
+        if peak_memory() is not None:
+            figures["peak_memory_bytes"] = peak_memory()
+        logged = it % cfg.log_every == 0 or it == iterations
+        host = host_experiences(experiences) if synthetic or cfg.alarms.enabled or (cfg.print_answers and logged) else None
+        if synthetic:
+            figures["gold_reward"] = float(np.mean([g for e in host for g in gold_rewards(tokenizer, e)]))
+        if cfg.alarms.enabled:  # signs of reward hacking: logged when they start, on the bar while they last
+            figures.update(experience_figures(host, tokenizer.eos_token_id, cfg.alarms.ngram))
+            alarms = tracker.update(figures)
+            for a in alarms:
+                if a.new:
+                    log(f"alarm at iteration {it}: {a.message}")
+            if alarms:
+                figures["alarms"] = ",".join(a.name for a in alarms)
+        if cfg.print_answers and logged:
+            e, G = host[0], host[0]["mask"].shape[1]
+            prompt = decode_rows(tokenizer, e["seq"][:1, :-G], e["seq_mask"][:1, :-G], True)[0]
+            answer = decode_rows(tokenizer, e["seq"][:1, -G:], e["seq_mask"][:1, -G:])[0]
+            log(f"--- iteration {it}\nprompt: {prompt!r}\nanswer: {answer!r}")
+        return engine.state, figures, skips
+
+    return step
 
 
 def main(argv=None):

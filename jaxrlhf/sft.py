@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jaxrlhf.config import run_cli
+from jaxrlhf.generate import generate
 from jaxrlhf.losses import lm_loss
 from jaxrlhf.models import logits
 from jaxrlhf.trainer import RunConfig, effective_params, perplexity, train
@@ -45,8 +46,6 @@ def summarise(sums) -> dict:
 
 def sample_answers(config, params, tokenizer, prompts: list[np.ndarray], n_tokens: int) -> list[str]:
     """Greedy answers (KV-cached generation, stopping at EOS) to tokenized prompts, as text."""
-    from jaxrlhf.generate import generate
-
     width = max(len(p) for p in prompts)
     ids = np.full((len(prompts), width), tokenizer.pad_token_id, np.int32)
     mask = np.zeros_like(ids)

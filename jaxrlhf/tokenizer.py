@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
+
 from jaxrlhf.checkpoint import CheckpointError, resolve
 
 _HF_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -77,3 +79,13 @@ def sentencepiece_bpe(pieces: list[str], scores: list[float]):
                                                        special_tokens=[("<s>", 1)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                    pad_token="<unk>", clean_up_tokenization_spaces=False)
+
+
+def decode_rows(tokenizer, ids, mask, skip_first: bool = False) -> list[str]:
+    """The text of each row's real tokens (EOS dropped; `skip_first` drops the prompt's BOS)."""
+    eos = tokenizer.eos_token_id
+    out = []
+    for row, m in zip(np.asarray(ids), np.asarray(mask)):
+        kept = [int(t) for t in row[m.astype(bool)]]
+        out.append(tokenizer.decode([t for t in kept[1 if skip_first else 0 :] if t != eos]))
+    return out

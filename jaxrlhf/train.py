@@ -27,15 +27,20 @@ from pathlib import Path
 from typing import Literal
 
 import jax
-import numpy as np
+from tokenizers import Tokenizer, decoders, models as token_models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
-from jaxrlhf.checkpoint import export_manifest
+from jaxrlhf import ppo, reward, sft
+from jaxrlhf.checkpoint import export_manifest, load_hf, save_hf
 from jaxrlhf.config import ConfigError, build, default_xla_flags, parse_cli
-from jaxrlhf.data import DataConfig
-from jaxrlhf.rl import ModelSide
-from jaxrlhf.ppo import PPOConfig
+from jaxrlhf.data import DataConfig, make_batch, prepare
+from jaxrlhf.data.synthetic import gold_reward, make_prompt, make_response
+from jaxrlhf.eval import gold_and_kl, pipeline_report
+from jaxrlhf.models import OPTConfig, init_params
+from jaxrlhf.rl import ModelSide, PPOConfig
 from jaxrlhf.reward import RewardConfig
 from jaxrlhf.sft import SFTConfig
+from jaxrlhf.tokenizer import decode_rows, load_tokenizer
 from jaxrlhf.trainer import OptimConfig, settings
 
 BUILTIN = "builtin"
@@ -102,17 +107,12 @@ DEPLOYMENTS = {
 def builtin_tokenizer():
     """A word-level tokenizer for the built-in task: the byte-level pieces of its prompts and answers (OPT's
     pre-tokenizer, so text decodes exactly), with OPT's special ids <s>=0, <pad>=1, </s>=2 (BOS and EOS), <unk>=3."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from jaxrlhf.data.synthetic import make_prompt, make_response
-
     letters = list(string.ascii_lowercase)
     pre = pre_tokenizers.ByteLevel(add_prefix_space=False)
     vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
     for piece, _ in pre.pre_tokenize_str(make_prompt(letters) + make_response(letters)):
         vocab.setdefault(piece, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok = Tokenizer(token_models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer, tok.decoder = pre, decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="</s>", eos_token="</s>", unk_token="<unk>",
                                    pad_token="<pad>")
@@ -122,9 +122,6 @@ def builtin_model(folder: Path, seed: int, value_head: bool = False) -> Path:
     """A tiny random OPT (BUILTIN_MODEL) with the built-in tokenizer, written as an HF folder (kept if written
     already: a new copy's manifest id would make the Step 1 run that started from it look changed). `value_head`
     adds a random one: a stand-in for a Step 2 output where its training does not matter (tests)."""
-    from jaxrlhf.checkpoint import save_hf
-    from jaxrlhf.models import OPTConfig, init_params
-
     if export_manifest(folder) is not None:
         return folder
     config = OPTConfig(**BUILTIN_MODEL)
@@ -138,43 +135,18 @@ def builtin_model(folder: Path, seed: int, value_head: bool = False) -> Path:
 def compare(cfg: TrainConfig, sft_model: Path, actor_model: Path, log=print) -> dict:
     """Gold reward of the Step 1 model and of the final actor on held-out Step 3 prompts (sampled at the PPO
     temperature, and greedy), and the KL from the actor to the Step 1 model on the actor's sampled answers."""
-    import jax.numpy as jnp
-
-    from jaxrlhf.checkpoint import load_hf
-    from jaxrlhf.data import make_batch, prepare
-    from jaxrlhf.generate import generate
-    from jaxrlhf.losses import token_logprobs
-    from jaxrlhf.models import logits
-    from jaxrlhf.ppo import decode_rows
-    from jaxrlhf.data.synthetic import gold_reward
-    from jaxrlhf.tokenizer import load_tokenizer
-
     tok = load_tokenizer(actor_model)
     held = prepare(cfg.data, 3, tok, log=lambda _: None)["eval"]  # Step 3's held-out prompts: never trained on
     n = min(cfg.eval_prompts, len(held["offsets"]) - 1)
     batch = make_batch(held, range(n), 3, cfg.data, tok.pad_token_id)
     prompts = decode_rows(tok, batch["prompt_ids"], batch["prompt_mask"], skip_first=True)
-    ids, mask = (np.tile(batch[k], (cfg.eval_samples, 1)) for k in ("prompt_ids", "prompt_mask"))  # samples of a prompt
-    prompts = prompts * cfg.eval_samples
-    G = cfg.ppo.max_answer_len
-    out, answers = {}, {}
     models = {"step1": load_hf(sft_model), "actor": load_hf(actor_model)}
-    for name, (config, params) in models.items():
-        for mode, temperature in (("sampled", cfg.ppo.temperature), ("greedy", 0.0)):
-            gen = generate(config, params, ids, mask, jax.random.key(0), max_new_tokens=G, temperature=temperature,
-                           top_k=cfg.ppo.top_k, top_p=cfg.ppo.top_p, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
-            texts = decode_rows(tok, gen.tokens, gen.mask)
-            out[f"{name}_gold_reward_{mode}"] = float(np.mean([gold_reward(p, a) for p, a in zip(prompts, texts)]))
-            answers[(name, mode)] = (gen, texts)
-    gen = answers[("actor", "sampled")][0]
-    seq, seq_mask = np.concatenate([ids, np.asarray(gen.tokens)], 1), np.concatenate([mask, np.asarray(gen.mask)], 1)
-    logp = {name: np.asarray(token_logprobs(logits(c, p, jnp.asarray(seq), jnp.asarray(seq_mask)), jnp.asarray(seq))[:, -G:])
-            for name, (c, p) in models.items()}
-    m = np.asarray(gen.mask)
-    out["kl_actor_to_step1"] = float(np.sum((logp["actor"] - logp["step1"]) * m) / len(m))
-    out["examples"] = [{"prompt": p, "step1": answers[("step1", "greedy")][1][i], "actor": answers[("actor", "greedy")][1][i]}
+    out, texts = gold_and_kl(models, tok, batch["prompt_ids"], batch["prompt_mask"], lambda i, a: gold_reward(prompts[i], a),
+                             samples=cfg.eval_samples, max_new_tokens=cfg.ppo.max_answer_len, temperature=cfg.ppo.temperature,
+                             top_k=cfg.ppo.top_k, top_p=cfg.ppo.top_p)
+    out["examples"] = [{"prompt": p, "step1": texts["step1", "greedy"][i], "actor": texts["actor", "greedy"][i]}
                        for i, p in enumerate(prompts[:3])]
-    out["eval_answers"] = len(prompts)
+    out["eval_answers"] = n * cfg.eval_samples
     return out
 
 
@@ -184,8 +156,6 @@ def compare(cfg: TrainConfig, sft_model: Path, actor_model: Path, log=print) -> 
 def run(cfg: TrainConfig, log=print, mesh=None) -> dict:
     """Steps `cfg.steps` in order (on `mesh`, default all devices); returns each step's model folder and, on
     the built-in task, the comparison."""
-    from jaxrlhf import ppo, reward, sft
-
     out = Path(cfg.output_dir)
     dirs = {1: out / "actor-models", 2: out / "reward-models", 3: out / "step3-models"}
     sft_model, rm_model = dirs[1] / "model", dirs[2] / "model"
@@ -224,8 +194,6 @@ def run(cfg: TrainConfig, log=print, mesh=None) -> dict:
         else:
             if all(p.startswith("synthetic") for p in cfg.data.data_path):
                 result["comparison"] = compare(cfg, sft_model, dirs[3] / "actor", log=log)
-            from jaxrlhf.eval import pipeline_report
-
             result["report"] = pipeline_report(sft_model, rm_model, result["step3"], dirs[3] / "metrics.jsonl",
                                                out / "eval", cfg.data, cfg.ppo, cfg.eval_prompts, log=log)
     result["seconds"] = time.perf_counter() - clock

@@ -1,4 +1,5 @@
-"""The training loop of Steps 1 and 2: one pure jitted step, FSDP layout, Orbax checkpoints, metrics.
+"""Steps 1 and 2: the training state, the optimizer, one pure jitted step, and `train` from a folder to an HF export
+(the loop itself, shared with Step 3, is jaxrlhf.loop).
 
     state = {"trainable": {"params": ..., "lora": ...},   what the optimizer updates (fp32 master weights)
              "frozen":    {"params": ...},                the base weights under only_optimize_lora
@@ -31,11 +32,17 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxrlhf import loop
+from jaxrlhf.checkpoint import VALUE_HEAD_FILE, check_replaceable, export_manifest, load_hf, save_hf
 from jaxrlhf.config import ConfigError, check_fields
-from jaxrlhf.data import DataConfig
+from jaxrlhf.data import Batches, DataConfig, prepare
+from jaxrlhf.data.batches import make_batch, num_rows
+from jaxrlhf.distributed import to_host
 from jaxrlhf.lora import LoRAConfig, adapted_mask, attach, fuse, init_lora
 from jaxrlhf.metrics import MetricsLog, check_trackers
-from jaxrlhf.sharding import FSDP_AXES, make_mesh, path_str, shardings_for
+from jaxrlhf.models import Backend, init_params, preset
+from jaxrlhf.sharding import FSDP_AXES, batch_sharding, make_mesh, path_str, reshard, shardings_for
+from jaxrlhf.tokenizer import load_tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,8 +188,6 @@ def init_state(params, lora_cfg: LoRAConfig, tx, key) -> dict:
 def create_state(params, lora_cfg: LoRAConfig, tx, key, mesh, opt_memory: str = "device") -> dict:
     """The training state built directly in the FSDP layout: no device ever holds the whole model. The
     optimizer state is made in `opt_memory` ("pinned_host": offloaded, never on the device)."""
-    from jaxrlhf.sharding import reshard
-
     params = reshard(params, "fsdp", mesh)
     init = lambda p, k: init_state(p, lora_cfg, tx, k)
     shardings = state_shardings(jax.eval_shape(init, params, key), mesh)
@@ -234,7 +239,7 @@ def apply_gradients(tx, lora_cfg: LoRAConfig, state, acc):
     skipped inside the compiled step: the trainable weights and the optimizer state (its count, so the learning-rate
     schedule, included) stay as they were, and "skipped" is 1.0 (else 0.0). The step counter and the dropout key
     still advance, so the batch counts as consumed and a resumed run lines up with the data. The caller decides
-    when too many skips in a row end the run (`fit`, ppo.run); deciding here costs no host sync.
+    when too many skips in a row end the run (jaxrlhf.loop); deciding here costs no host sync.
     """
     grads, total, count, sums = acc
     grads = jax.tree.map(lambda g: g / jnp.maximum(count, 1).astype(g.dtype), grads)
@@ -285,39 +290,6 @@ def make_eval_step(loss_fn: LossFn, lora_cfg: LoRAConfig):
     return eval_step
 
 
-# ---------------------------------------------------------------------------------------------- checkpoints
-
-
-def checkpoint_manager(out_dir: Path, keep: int):
-    import orbax.checkpoint as ocp
-
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
-    return ocp.CheckpointManager((out_dir / "state").absolute(), options=options)
-
-
-def save_state(manager, state, meta: dict, step: int | None = None):
-    """Save `state` as step `step` (default: its own "step"), unless that step is saved already: a finished run
-    started again (nothing trained since its restore) must not fail on Orbax's "already exists"."""
-    import orbax.checkpoint as ocp
-
-    step = int(state["step"]) if step is None else step
-    if step in manager.all_steps():
-        return
-    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
-
-
-def restore_state(manager, like_state, shardings):
-    """The newest saved state, restored straight into `shardings` (any mesh), and its metadata."""
-    import orbax.checkpoint as ocp
-
-    step = manager.latest_step()
-    if step is None:
-        return None, None
-    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), like_state, shardings)
-    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
-    return restored["state"], restored["meta"]
-
-
 # --------------------------------------------------------------------------------------------- run folders
 
 RUN_SETTINGS = "run_config.json"
@@ -334,8 +306,6 @@ def settings(cfg, inputs: tuple[str, ...] = ("model",)) -> dict:
 
     `inputs` name the fields that hold model folders; the id in each one's export manifest is a setting too
     ("input_id.<field>"), so a run is not taken as finished after the model it started from was trained again."""
-    from jaxrlhf.checkpoint import export_manifest
-
     def flat(tree, prefix=""):
         out = {}
         for k, v in tree.items():
@@ -360,8 +330,6 @@ def start_run(cfg, exports: list[Path], saved_step: int | None, inputs: tuple[st
     (output_dir/run_config.json), and resume=false over a saved run. Otherwise the settings are written down for
     the next start to compare, and the caller trains (from `saved_step`, the newest Orbax state, if any).
     """
-    from jaxrlhf.checkpoint import check_replaceable, export_manifest
-
     out, now = Path(cfg.output_dir), settings(cfg, inputs)
     for path in exports:
         check_replaceable(path)
@@ -394,30 +362,7 @@ def start_run(cfg, exports: list[Path], saved_step: int | None, inputs: tuple[st
     return False
 
 
-class NonFiniteError(ConfigError):
-    """Too many training steps in a row had a non-finite loss or gradient norm: the run stops, nothing exported."""
-
-
-class SkipCounter:
-    """Counts one model's steps skipped in a row by the non-finite guard (make_train_step's "skipped"), logs each
-    with where it happened, and stops the run at `limit` in a row."""
-
-    def __init__(self, limit: int, log=print):
-        self.limit, self.log, self.in_a_row = limit, log, 0
-
-    def update(self, skipped: float, where: str):
-        if not skipped:
-            self.in_a_row = 0
-            return
-        self.in_a_row += 1
-        self.log(f"{where}: step skipped, its loss or gradient norm is not finite (weights and optimizer unchanged)")
-        if self.in_a_row >= self.limit:
-            raise NonFiniteError(f"{where}: {self.in_a_row} steps in a row had a non-finite loss or gradient norm, so "
-                                 "the run stops and exports nothing; lower the learning rate (optim.learning_rate), "
-                                 "check the data, or raise max_skipped_steps")
-
-
-# --------------------------------------------------------------------------------------------- the loop
+# ------------------------------------------------------------------------------------------- Steps 1 and 2
 
 
 def microbatches(batch: dict, accumulation: int) -> dict:
@@ -428,6 +373,19 @@ def microbatches(batch: dict, accumulation: int) -> dict:
 def place_microbatches(batch: dict, mesh) -> dict:
     sharding = NamedSharding(mesh, P(None, FSDP_AXES))
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+
+
+def place(batch: dict[str, np.ndarray], mesh, layout: str) -> dict:
+    """Put a host batch on the mesh, its leading axis split like `layout` wants (this process's rows)."""
+    sharding = batch_sharding(mesh, layout)
+    ways = np.prod([mesh.shape[a] for a in np.atleast_1d(sharding.spec[0])])
+    out = {}
+    for key, value in batch.items():
+        global_rows = value.shape[0] * jax.process_count()
+        if global_rows % ways:
+            raise ValueError(f"batch of {global_rows} rows does not split over the {ways} devices of layout {layout!r}")
+        out[key] = jax.make_array_from_process_local_data(sharding, value)
+    return out
 
 
 def check_microbatches(batch_size: int, accumulation: int, n_devices: int, field: str = "gradient_accumulation_steps"):
@@ -470,10 +428,6 @@ def load_model(run: RunConfig, *, value_head: bool, fresh_head: bool = False):
     `fresh_head` (Step 2 starting from an SFT model); elsewhere (Step 3's critic, scoring) a random head would
     silently train against or report a random reward, so that is an error naming the folder.
     """
-    from jaxrlhf.checkpoint import VALUE_HEAD_FILE, load_hf
-    from jaxrlhf.models import Backend, init_params, preset
-    from jaxrlhf.tokenizer import load_tokenizer
-
     if not run.model:
         raise ValueError("model: required, a Hugging Face OPT folder (or random:opt-125m for random weights)")
     dtype = jnp.bfloat16 if run.precision == "pure_bf16" else jnp.float32
@@ -504,8 +458,6 @@ def load_model(run: RunConfig, *, value_head: bool, fresh_head: bool = False):
 
 def eval_batches(arrays, step, run: RunConfig, pad_id: int):
     """A function yielding the eval set in order, in fixed-size batches (the last partial one dropped)."""
-    from jaxrlhf.data.batches import make_batch, num_rows
-
     def gen():
         n = num_rows(arrays) // run.batch_size
         for i in range(min(n, run.eval_batches) if run.eval_batches else n):
@@ -516,35 +468,40 @@ def eval_batches(arrays, step, run: RunConfig, pad_id: int):
 
 def fit(run: RunConfig, state, loss_fn: LossFn, tx, train_batches, eval_batches_fn, summarise, mesh, *,
         total_steps: int, on_eval=None, log=print, manager=None) -> tuple[dict, list[dict]]:
-    """Train `state` for `total_steps` optimizer steps; returns the final state and the logged records.
+    """Train `state` for `total_steps` optimizer steps in the one loop (jaxrlhf.loop.fit); returns the final state and
+    the logged records.
 
     `train_batches` is a `jaxrlhf.data.Batches`; `eval_batches_fn()` yields eval batches; `summarise(sums)`
     turns metric sums into the figures to log (e.g. loss per token, accuracy per pair). Steps the non-finite guard
     skips are logged at the next log step (no extra host sync), left out of the logged loss and counted in
     "skipped"; `run.max_skipped_steps` in a row stop the run (NonFiniteError).
     """
-    from tqdm import tqdm
-
     out = Path(run.output_dir)
     shardings = state_shardings(state, mesh)
     accum = run.optim.gradient_accumulation_steps
-    manager = manager or checkpoint_manager(out, run.keep_checkpoints)
-    if run.resume:
-        restored, meta = restore_state(manager, state, shardings)
-        if restored is not None:
-            state = restored
-            train_batches.epoch, train_batches.position = meta["epoch"], meta["position"]
-            log(f"resumed from step {int(state['step'])} (epoch {meta['epoch']}, batch {meta['position']})")
-    if int(state["step"]) > total_steps:
-        raise ConfigError(f"{out / 'state'}: the saved run is at step {int(state['step'])}, past this run's {total_steps} "
-                          "steps (max_steps, epochs); give at least as many, or another output_dir")
-    state = jax.device_put(state, shardings)
     step_fn = jax.jit(make_train_step(loss_fn, tx, run.lora), out_shardings=(shardings, None), donate_argnums=0)
     eval_fn = jax.jit(make_eval_step(loss_fn, run.lora))
-    metrics_log = MetricsLog(out, run.report_to, settings(run))
-    records = []
+    lr_fn = schedule(run.optim, run.optim.learning_rate, total_steps)
+    since = {"tokens": 0, "clock": time.perf_counter()}  # of the log window
 
-    def evaluate(step):
+    def step(state, i):
+        host = next(batches)
+        where = f"step {i} (epoch {train_batches.epoch}, batch {train_batches.position - 1})"
+        since["tokens"] += int(sum(v.sum() for k, v in host.items() if k.endswith("mask") and "loss" not in k))
+        state, metrics = step_fn(state, place_microbatches(microbatches(host, accum), mesh))
+        return state, (i, metrics), [("model", metrics["skipped"], where)]
+
+    def log_figures(window):
+        i, window = window[-1][0], jax.device_get([m for _, m in window])
+        kept = [m for m in window if not m["skipped"]]
+        sums = jax.tree.map(lambda *xs: np.sum(xs), *(kept or window))  # all skipped: the figures show the NaN
+        figures = {**summarise(sums), "grad_norm": float(sums["grad_norm"]) / len(kept or window),
+                   "skipped": len(window) - len(kept), "lr": float(lr_fn(i - 1)),
+                   "tokens_per_s": since["tokens"] * jax.process_count() / (time.perf_counter() - since["clock"])}
+        since.update(tokens=0, clock=time.perf_counter())
+        return figures
+
+    def evaluate(state):
         sums = None
         for batch in eval_batches_fn():
             placed = {k: jax.make_array_from_process_local_data(NamedSharding(mesh, P(FSDP_AXES)), v) for k, v in batch.items()}
@@ -552,54 +509,13 @@ def fit(run: RunConfig, state, loss_fn: LossFn, tx, train_batches, eval_batches_
             sums = m if sums is None else jax.tree.map(np.add, sums, m)
         if sums is None:
             return None
-        figures = summarise(sums)
-        if on_eval is not None:
-            figures.update(on_eval(state))
-        metrics_log.write(step, "eval", figures)
-        records.append({"step": step, "split": "eval", **figures})
-        log(f"eval @ {step}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items()))
-        return figures
+        return {**summarise(sums), **(on_eval(state) if on_eval is not None else {})}
 
-    lr_fn = schedule(run.optim, run.optim.learning_rate, total_steps)
-    start = int(state["step"])
     batches = iter(train_batches)
-    bar = tqdm(total=total_steps, initial=start, desc="train", dynamic_ncols=True, disable=jax.process_index() != 0)
-    pending, places, tokens, clock = [], [], 0, time.perf_counter()
-    skips = SkipCounter(run.max_skipped_steps, log)
-    try:  # a crash or Ctrl-C still finishes the checkpoint being written
-        for step in range(start + 1, total_steps + 1):
-            host = next(batches)
-            places.append(f"step {step} (epoch {train_batches.epoch}, batch {train_batches.position - 1})")
-            tokens += int(sum(v.sum() for k, v in host.items() if k.endswith("mask") and "loss" not in k))
-            state, metrics = step_fn(state, place_microbatches(microbatches(host, accum), mesh))
-            pending.append(metrics)
-            if step % run.log_every == 0 or step == total_steps:
-                window = jax.device_get(pending)
-                kept = [m for m in window if not m["skipped"]]
-                sums = jax.tree.map(lambda *xs: np.sum(xs), *(kept or window))  # all skipped: the figures show the NaN
-                elapsed = time.perf_counter() - clock
-                figures = {**summarise(sums), "grad_norm": float(sums["grad_norm"]) / len(kept or window),
-                           "skipped": len(window) - len(kept),
-                           "lr": float(lr_fn(step - 1)), "tokens_per_s": tokens * jax.process_count() / elapsed}
-                metrics_log.write(step, "train", figures)
-                records.append({"step": step, "split": "train", **figures})
-                bar.set_postfix({k: f"{v:.4g}" for k, v in figures.items() if k in ("loss", "accuracy", "lr", "tokens_per_s")})
-                for where, m in zip(places, window):  # after the write: a stopped run's log shows its skips
-                    skips.update(float(m["skipped"]), where)
-                pending, places, tokens, clock = [], [], 0, time.perf_counter()
-            bar.update(1)
-            if run.eval_every and step % run.eval_every == 0 and step != total_steps:
-                evaluate(step)
-            if run.save_every and step % run.save_every == 0 and step != total_steps:
-                save_state(manager, state, {"epoch": train_batches.epoch, "position": train_batches.position})
-        if start < total_steps:  # else a finished run started again: evaluated and saved already
-            evaluate(total_steps)
-        save_state(manager, state, {"epoch": train_batches.epoch, "position": train_batches.position})
-    finally:  # the bar ends its line first, so an error message starts on its own
-        bar.close()
-        manager.wait_until_finished()
-        metrics_log.close()
-    return state, records
+    return loop.fit(run, state, step, log_figures, train_batches, total=total_steps, evaluate=evaluate, log=log,
+                    manager=manager or loop.checkpoint_manager(out, run.keep_checkpoints), shardings=shardings,
+                    metrics_log=MetricsLog(out, run.report_to, settings(run)),
+                    shown=("loss", "accuracy", "lr", "tokens_per_s"))
 
 
 def total_steps(run: RunConfig, batches_per_epoch: int) -> int:
@@ -620,14 +536,10 @@ def train(run: RunConfig, *, step: int, value_head: bool, make_loss, summarise, 
     `make_loss(config)` gives the loss function; `make_on_eval(config, tokenizer, data, state)` may give
     an extra evaluation (e.g. sample answers). `mesh` defaults to all devices with a "model" axis of run.tp.
     """
-    from jaxrlhf.checkpoint import save_hf
-    from jaxrlhf.data import Batches, prepare
-    from jaxrlhf.distributed import to_host
-
     mesh = mesh or make_mesh(run.tp)
     check_run(run, mesh.size)
     out = Path(run.output_dir)
-    manager = checkpoint_manager(out, run.keep_checkpoints)
+    manager = loop.checkpoint_manager(out, run.keep_checkpoints)
     if start_run(run, [out / "model"], manager.latest_step(), log=log):
         manager.close()
         return {"state": None, "records": [], "config": None, "model_dir": out / "model", "skipped": True}

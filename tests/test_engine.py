@@ -12,7 +12,8 @@ import pytest
 from helpers import POST_LN_PROJ, PRE_LN, jit_logits, jit_values, left_padded_batch
 
 from jaxrlhf import OPTConfig, init_params, make_mesh
-from jaxrlhf.rl.engine import EngineConfig, HybridEngine, ModelSide, tree_bytes
+from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide
+from jaxrlhf.rl.engine import tree_bytes
 from jaxrlhf.generate import decode_params, generate
 from jaxrlhf.lora import LoRAConfig
 from jaxrlhf.sharding import path_str

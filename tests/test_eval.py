@@ -209,7 +209,7 @@ def test_step3_raises_alarms_when_the_actor_degenerates(folders, tmp_path, monke
     """ppo.run with the actor's answers replaced: short healthy ones for two iterations (the baseline), then one
     token over and over: the repetition and length alarms are logged once each and written to the metrics."""
     import jaxrlhf.rl.engine as engine
-    from jaxrlhf.rl.engine import ModelSide
+    from jaxrlhf.rl import ModelSide
     from jaxrlhf.generate import Generation
     from jaxrlhf.ppo import PPOConfig, run as run_ppo
     from jaxrlhf.trainer import OptimConfig

@@ -5,6 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jaxrlhf import stories as story_task
 from jaxrlhf.data import stories
 
 PRESET = Path(__file__).resolve().parents[1] / "configs" / "stories.yaml"
@@ -54,7 +55,7 @@ def test_demonstrations_answer_some_prompts_on_request():
 
 @pytest.mark.slow
 def test_stories_preset_raises_the_gold_reward_over_the_step1_model(assets, tmp_path, monkeypatch, capsys):
-    """The whole stories preset (configs/stories.yaml, python -m jaxrlhf.data.stories' defaults) on stories260K: the
+    """The whole stories preset (configs/stories.yaml, python -m jaxrlhf.stories' defaults) on stories260K: the
     final actor uses the requested word more often than the Step 1 model, sampled and greedy (seed runs: README)."""
     import jax
 
@@ -64,7 +65,7 @@ def test_stories_preset_raises_the_gold_reward_over_the_step1_model(assets, tmp_
 
     src = assets / "models" / "stories260K"
     model = llama2c_to_hf(src / "stories260K.bin", src / "tok512.bin", tmp_path / "stories260K")
-    task = stories.build(model, tmp_path / "task")
+    task = story_task.build(model, tmp_path / "task")
     monkeypatch.setattr("jaxrlhf.eval.pipeline_report", lambda *a, **k: None)  # the report has tests of its own
     cfg = train.parse([str(PRESET), f"actor_model={model}", f"reward_model={model}", f"output_dir={tmp_path / 'run'}",
                        f"data.data_path=[{task / 'pairs.jsonl'}]", f"data.sft_only_data_path=[{task / 'demos.jsonl'}]",
@@ -74,7 +75,7 @@ def test_stories_preset_raises_the_gold_reward_over_the_step1_model(assets, tmp_
     # 0.95 / 0.97 sampled, 0.25 / 0.75 / 0.50 -> 1.00 greedy, KL 9.4 / 6.7 / 5.9.
     train.run(cfg, log=lambda _: None, mesh=make_mesh(1, jax.devices()[:1]))
     words = stories.task_words(task / "pairs.jsonl")
-    r = stories.evaluate(tmp_path / "run/actor-models/model", tmp_path / "run/step3-models/actor", words)
+    r = story_task.evaluate(tmp_path / "run/actor-models/model", tmp_path / "run/step3-models/actor", words)
     with capsys.disabled():
         print(f"\nstories: {len(words)} words; gold reward sampled / greedy: Step 1 {r['step1_gold_reward_sampled']:.3f} / "
               f"{r['step1_gold_reward_greedy']:.3f}, actor {r['actor_gold_reward_sampled']:.3f} / "

@@ -22,7 +22,7 @@ from test_train import sft_config, tiny_model  # noqa: F401 - the fixture
 from jaxrlhf.checkpoint import load_hf
 from jaxrlhf.data import DataConfig
 from jaxrlhf.distributed import initialize
-from jaxrlhf.rl.engine import ModelSide
+from jaxrlhf.rl import ModelSide
 from jaxrlhf.ppo import PPOConfig, run as run_ppo
 from jaxrlhf.sft import run as run_sft
 from jaxrlhf.sharding import make_mesh

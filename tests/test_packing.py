@@ -9,7 +9,7 @@ import pytest
 from helpers import POST_LN_PROJ, PRE_LN, left_padded_batch
 
 from jaxrlhf import OPTConfig, init_params, make_mesh
-from jaxrlhf.rl.engine import EngineConfig, HybridEngine, ModelSide
+from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide
 from jaxrlhf.lora import LoRAConfig
 from jaxrlhf.models.llama import LlamaConfig
 from jaxrlhf.rl.packing import pack, plan, unpack

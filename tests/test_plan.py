@@ -16,7 +16,8 @@ import pytest
 from jaxrlhf import OPTConfig, init_params, make_mesh
 from jaxrlhf import plan as memory_plan
 from jaxrlhf.config import ConfigError, load
-from jaxrlhf.rl.engine import EngineConfig, HybridEngine, ModelSide, tree_bytes
+from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide
+from jaxrlhf.rl.engine import tree_bytes
 from jaxrlhf.lora import LoRAConfig
 from jaxrlhf.trainer import OptimConfig
 

@@ -11,7 +11,7 @@ import pytest
 from jaxrlhf.checkpoint import load_hf
 from jaxrlhf.sharding import make_mesh
 from jaxrlhf.data import DataConfig
-from jaxrlhf.rl.engine import HybridEngine, ModelSide
+from jaxrlhf.rl import HybridEngine, ModelSide
 from jaxrlhf.ppo import PPOConfig, main, run
 from jaxrlhf.train import builtin_model
 from jaxrlhf.trainer import OptimConfig

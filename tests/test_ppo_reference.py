@@ -20,7 +20,7 @@ from helpers import jit_values
 from test_engine import ACTOR, CRITIC, G, engine, host, models, prompts  # noqa: F401  (fixtures)
 
 from jaxrlhf import logits, make_mesh, values
-from jaxrlhf.rl.engine import ModelSide
+from jaxrlhf.rl import ModelSide
 from jaxrlhf.trainer import OptimConfig
 
 P = 6  # prompt length of the `prompts` fixture

@@ -170,7 +170,7 @@ def test_a_run_driven_to_nan_stops_non_zero_and_exports_nothing(base, tmp_path, 
 
 
 def test_step3_and_scoring_need_a_trained_value_head(base, tmp_path, monkeypatch, capsys):
-    from jaxrlhf.rl.engine import ModelSide
+    from jaxrlhf.rl import ModelSide
     from jaxrlhf.ppo import PPOConfig, run as run_ppo
     from jaxrlhf.reward import main as reward_main
 
@@ -220,7 +220,7 @@ def test_the_pipeline_started_again_skips_its_finished_steps(pipeline, monkeypat
 def test_a_ppo_run_driven_to_nan_stops_and_exports_nothing(pipeline, tmp_path):
     from jaxrlhf.ppo import run as run_ppo
     from jaxrlhf.train import parse
-    from jaxrlhf.trainer import NonFiniteError
+    from jaxrlhf.loop import NonFiniteError
 
     args, first = pipeline
     ppo = parse(args).ppo

@@ -46,22 +46,22 @@ def losses(records):
 
 
 def test_resume_after_a_crash_equals_an_uninterrupted_run(tiny_model, eight_device_run, tmp_path, monkeypatch):
-    import jaxrlhf.trainer as trainer
+    import jaxrlhf.loop as loop
 
     whole = eight_device_run
-    real_save = trainer.save_state
+    real_save = loop.save_state
 
-    def crash_after_step_3(manager, state, meta):
-        real_save(manager, state, meta)
+    def crash_after_step_3(manager, state, meta, step=None):
+        real_save(manager, state, meta, step)
         if int(state["step"]) == 3:
             manager.wait_until_finished()
             raise KeyboardInterrupt("simulated crash")
 
-    monkeypatch.setattr(trainer, "save_state", crash_after_step_3)
+    monkeypatch.setattr(loop, "save_state", crash_after_step_3)
     cfg = sft_config(tiny_model, tmp_path / "b", save_every=3)
     with pytest.raises(KeyboardInterrupt):
         run_sft(cfg, log=lambda _: None)
-    monkeypatch.setattr(trainer, "save_state", real_save)
+    monkeypatch.setattr(loop, "save_state", real_save)
     resumed = run_sft(dataclasses.replace(cfg, resume=True), log=lambda _: None)
     np.testing.assert_allclose(losses(resumed["records"]), losses(whole["records"])[3:], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(whole["state"]["trainable"]), jax.tree.leaves(resumed["state"]["trainable"])):

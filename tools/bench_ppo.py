@@ -46,7 +46,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxrlhf.rl.engine import EngineConfig, HybridEngine, ModelSide  # noqa: E402
+from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide  # noqa: E402
 from jaxrlhf.lora import LoRAConfig  # noqa: E402
 from jaxrlhf.plan import capacity, plan  # noqa: E402
 from jaxrlhf.models import Backend, init_params, llama, opt, param_shapes, preset  # noqa: E402

@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxrlhf import losses
 from jaxrlhf.rl import losses as ppo_losses
-from jaxrlhf.rl.engine import EngineConfig, HybridEngine, ModelSide
+from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide
 from jaxrlhf.rl.experience import advantages, answer_logprobs
 from jaxrlhf.models import OPTConfig, init_params, logits
 from jaxrlhf.sharding import make_mesh

@@ -1,6 +1,6 @@
 """Data: sources -> Record(prompt, chosen, rejected) -> per-step shares -> tokenized, cached -> batches."""
 
-from jaxrlhf.data.batches import Batches, make_batch, place
+from jaxrlhf.data.batches import Batches, make_batch
 from jaxrlhf.data.pipeline import DataConfig, prepare, step_indices, step_records, tokenize
 from jaxrlhf.data.sources import HUB_ADAPTERS, DataError, Record, read_source
 
@@ -11,7 +11,6 @@ __all__ = [
     "DataError",
     "Record",
     "make_batch",
-    "place",
     "prepare",
     "read_source",
     "step_indices",

@@ -96,20 +96,3 @@ class Batches:
                 self.position += 1
                 yield make_batch(self.arrays, idx, self.step, self.config, self.pad_id)
             self.epoch, self.position = self.epoch + 1, 0
-
-
-def place(batch: dict[str, np.ndarray], mesh, layout: str) -> dict:
-    """Put a host batch on the mesh, its leading axis split like `layout` wants (this process's rows)."""
-    import jax
-
-    from jaxrlhf.sharding import batch_sharding
-
-    sharding = batch_sharding(mesh, layout)
-    ways = np.prod([mesh.shape[a] for a in np.atleast_1d(sharding.spec[0])])
-    out = {}
-    for key, value in batch.items():
-        global_rows = value.shape[0] * jax.process_count()
-        if global_rows % ways:
-            raise ValueError(f"batch of {global_rows} rows does not split over the {ways} devices of layout {layout!r}")
-        out[key] = jax.make_array_from_process_local_data(sharding, value)
-    return out

@@ -6,9 +6,12 @@
     packing.py     rows sorted by length into micro-batches of a token budget
     losses.py      PPO's math: rewards, GAE, the clipped losses, the adaptive KL controller
 
-The entry point, `python -m jaxrlhf.ppo`, drives the engine through the shared training loop (jaxrlhf.trainer.fit).
+    config.py      the settings: EngineConfig, ModelSide, PPOConfig
+
+The entry point, `python -m jaxrlhf.ppo`, drives the engine through the one training loop (jaxrlhf.loop).
 """
 
-from jaxrlhf.rl.engine import EngineConfig, HybridEngine, ModelSide
+from jaxrlhf.rl.config import EngineConfig, ModelSide, PPOConfig
+from jaxrlhf.rl.engine import HybridEngine
 
-__all__ = ["EngineConfig", "HybridEngine", "ModelSide"]
+__all__ = ["EngineConfig", "HybridEngine", "ModelSide", "PPOConfig"]

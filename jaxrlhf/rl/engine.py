@@ -30,138 +30,22 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxrlhf.config import check_fields
-from jaxrlhf.data import place
 from jaxrlhf.distributed import to_host
 from jaxrlhf.generate import DECODE_SLOTS, decode_params, generate
 from jaxrlhf.lora import LoRAConfig, adapted_mask
 from jaxrlhf.rl import packing, steps
+from jaxrlhf.rl.config import EngineConfig
 from jaxrlhf.rl.experience import (Static, advantages, base_params, next_kl_coef, padded_experience_jit, row_layout, score,
                                    score_packed, with_shared)
 from jaxrlhf.sharding import check_tp, reshard, shardings_for
-from jaxrlhf.trainer import OptimConfig, create_state, effective_params, state_shardings
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSide:
-    """One trainable model of Step 3 (the actor or the critic) and how it is trained."""
-
-    #: Hugging Face folder: the Step 1 model (actor) or the Step 2 reward model (critic, also the reward)
-    model: str = ""
-    optim: OptimConfig = OptimConfig()
-    lora: LoRAConfig = LoRAConfig()
-    #: recompute each layer in the backward pass (DeepSpeed-Chat's --actor/critic_gradient_checkpointing)
-    remat: bool = False
-    #: dropout in the training steps (null: the checkpoint's own; 0 is DeepSpeed-Chat's --disable_*_dropout)
-    dropout: float | None = 0.0
-    #: keep the optimizer state in host memory (pinned_host), on the device only during this model's step
-    #: (DeepSpeed-Chat's --offload)
-    offload: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """What the hybrid engine needs: the two trainable models and the PPO algorithm's settings."""
-
-    actor: ModelSide = ModelSide(optim=OptimConfig(learning_rate=9.65e-6, warmup_steps=100))
-    critic: ModelSide = ModelSide(optim=OptimConfig(learning_rate=5e-6, warmup_steps=100))
-    #: bf16: bf16 compute, fp32 master weights (frozen models stored in bf16); fp32; pure_bf16
-    precision: Literal["bf16", "fp32", "pure_bf16"] = "bf16"
-    #: tokens generated per answer (DeepSpeed-Chat's max_answer_seq_len)
-    max_answer_len: int = 256
-    #: sampling temperature of the answers (0: greedy)
-    temperature: float = 1.0
-    #: sample from the k most likely tokens only (0: off)
-    top_k: int = 0
-    #: sample from the smallest set of tokens holding this probability (1: off)
-    top_p: float = 1.0
-    #: decode slots of generation (0: 256, or one per prompt in a smaller batch). Fewer slots than prompts is
-    #: continuous batching: a slot whose answer ended takes the next waiting prompt, so decode steps go to live rows
-    #: (real answers are short and uneven) and the KV cache holds only the slots' rows
-    decode_slots: int = 0
-    #: prompts prefilled at a time into freed slots (0: decode_slots / 8)
-    refill_size: int = 0
-    #: tokens per device in a micro-batch of scoring and of both training steps: the experience's rows sorted by
-    #: length and cut to the width they need (jaxrlhf.rl.packing), not padded to max_prompt_len + max_answer_len, so
-    #: micro-batches are set by tokens, not rows (0: the padded path, micro-batches of gradient_accumulation_steps)
-    max_tokens_per_micro_batch: int = 16384
-    #: packed micro-batches are as wide as their longest row rounded up to this (fewer shapes to compile, more padding)
-    packed_width_multiple: int = 64
-    #: tensor-parallel size of the generation layout (DeepSpeed-Chat's inference_tp_size)
-    inference_tp_size: int = 1
-    #: kept for DeepSpeed-Chat configs: the KV cache exists only inside the compiled generate call and is
-    #: always freed when it returns, with the generation copy of the weights
-    release_inference_cache: bool = True
-    #: keep the reference model's own leaves in host memory, on the device only while scoring (--offload_reference_model)
-    offload_reference_model: bool = False
-    #: keep the reward model's own leaves in host memory, on the device only while scoring (--offload_reward_model)
-    offload_reward_model: bool = False
-    #: use generation's own log-probs as the old log-probs (skips one actor forward; equal in fp32, tested)
-    old_logprobs_from_generation: bool = False
-    #: KL penalty coefficient beta in r_t = -beta * (log p - log p_ref)
-    kl_coef: float = 0.1
-    #: adaptive KL controller (Ziegler et al. 2019): the KL per answer to steer kl_coef towards (null: fixed kl_coef)
-    kl_target: float | None = None
-    #: its horizon in samples: kl_coef *= 1 + clip(KL / kl_target - 1, -0.2, 0.2) * batch / kl_horizon, once per
-    #: generation batch (every PPO epoch over a batch uses the coefficient it was generated under)
-    kl_horizon: int = 10000
-    #: the reward model's score is clipped to [-clip_score, clip_score]
-    clip_score: float = 5.0
-    #: PPO ratio clip (DeepSpeed-Chat's cliprange)
-    clip_ratio: float = 0.2
-    #: value clip of the critic loss (DeepSpeed-Chat's cliprange_value)
-    clip_value: float = 0.2
-    #: GAE discount
-    gamma: float = 1.0
-    #: GAE lambda
-    lam: float = 0.95
-    #: whiten the advantages over each batch
-    whiten_advantages: bool = False
-    #: keep an exponential moving average of the actor (written as actor_ema)
-    enable_ema: bool = False
-    #: ema = ema_decay * ema + (1 - ema_decay) * actor after each actor step
-    ema_decay: float = 0.992
-    #: weight of the mixture LM loss on the unsupervised set (data.unsupervised_data_path)
-    unsup_coef: float = 27.8
-    #: seed of the sampling (the models' own seeds come from it too)
-    seed: int = 1234
-
-    def __post_init__(self):
-        check_fields(self)  # every float finite, the seed in range
-        checks = [
-            (self.precision in ("bf16", "fp32", "pure_bf16"), f"precision: expected bf16, fp32 or pure_bf16, got {self.precision!r}"),
-            (self.max_answer_len >= 1, f"max_answer_len: expected >= 1, got {self.max_answer_len}"),
-            (self.temperature >= 0 and self.top_k >= 0 and 0 < self.top_p <= 1, "sampling: expected temperature >= 0, "
-             f"top_k >= 0, 0 < top_p <= 1; got {self.temperature}, {self.top_k}, {self.top_p}"),
-            (self.inference_tp_size >= 1, f"inference_tp_size: expected >= 1, got {self.inference_tp_size}"),
-            (self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch: expected >= 0 (0: padded micro-batches), "
-             f"got {self.max_tokens_per_micro_batch}"),
-            (self.packed_width_multiple >= 1, f"packed_width_multiple: expected >= 1, got {self.packed_width_multiple}"),
-            (self.decode_slots >= 0 and self.refill_size >= 0, "decode_slots and refill_size: expected >= 0 (0: auto), "
-             f"got {self.decode_slots}, {self.refill_size}"),
-            (self.kl_coef >= 0, f"kl_coef: expected >= 0, got {self.kl_coef}"),
-            (self.kl_target is None or self.kl_target > 0, f"kl_target: expected > 0 or null, got {self.kl_target}"),
-            (self.kl_horizon > 0, f"kl_horizon: expected > 0, got {self.kl_horizon}"),
-            (self.clip_score > 0 and self.clip_ratio > 0 and self.clip_value > 0,
-             "clip_score, clip_ratio and clip_value must be > 0"),
-            (0 < self.gamma <= 1 and 0 <= self.lam <= 1, f"expected 0 < gamma <= 1 and 0 <= lam <= 1, got {self.gamma}, {self.lam}"),
-            (0 <= self.ema_decay < 1, f"ema_decay: expected a number in [0, 1), got {self.ema_decay}"),
-            (self.unsup_coef >= 0, f"unsup_coef: expected >= 0, got {self.unsup_coef}"),
-        ]
-        for d in (self.actor.dropout, self.critic.dropout):
-            checks.append((d is None or 0 <= d < 1, f"dropout: expected a probability in [0, 1) or null, got {d}"))
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
-
-
+from jaxrlhf.trainer import create_state, effective_params, place, state_shardings
 
 
 # --------------------------------------------------------------------------- weights shared with a frozen model
@@ -395,7 +279,7 @@ class HybridEngine:
             critic, c = self._timed("critic_step", steps.critic_update, self.static, self.state["critic"], exp)
         self.state["critic"] = critic
         self._opt_to("critic", "pinned_host")
-        stats.update(actor_skipped=a["skipped"], critic_skipped=c["skipped"])  # the non-finite guard's flags (ppo.run counts them)
+        stats.update(actor_skipped=a["skipped"], critic_skipped=c["skipped"])  # the non-finite guard's flags (jaxrlhf.loop counts them)
         stats.update(actor_grad_norm=a["grad_norm"], critic_loss=c["critic_loss"] / c["count"], critic_grad_norm=c["grad_norm"],
                      kl_coef=experience["kl_coef"], **{k: a[k] / a["count"] for k in ("actor_loss", "unsup_loss") if k in a})
         return {k: float(v) for k, v in jax.device_get(stats).items()}

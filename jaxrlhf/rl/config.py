@@ -1,0 +1,178 @@
+"""The settings of Step 3: the hybrid engine's (EngineConfig, one ModelSide each for the actor and the critic) and
+the run's (PPOConfig: data, length, logging, saving, alarms), read from YAML with dotted overrides (jaxrlhf.config).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from jaxrlhf.alarms import AlarmConfig
+from jaxrlhf.config import check_fields
+from jaxrlhf.data import DataConfig
+from jaxrlhf.lora import LoRAConfig
+from jaxrlhf.metrics import check_trackers
+from jaxrlhf.trainer import OptimConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSide:
+    """One trainable model of Step 3 (the actor or the critic) and how it is trained."""
+
+    #: Hugging Face folder: the Step 1 model (actor) or the Step 2 reward model (critic, also the reward)
+    model: str = ""
+    optim: OptimConfig = OptimConfig()
+    lora: LoRAConfig = LoRAConfig()
+    #: recompute each layer in the backward pass (DeepSpeed-Chat's --actor/critic_gradient_checkpointing)
+    remat: bool = False
+    #: dropout in the training steps (null: the checkpoint's own; 0 is DeepSpeed-Chat's --disable_*_dropout)
+    dropout: float | None = 0.0
+    #: keep the optimizer state in host memory (pinned_host), on the device only during this model's step
+    #: (DeepSpeed-Chat's --offload)
+    offload: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """What the hybrid engine needs: the two trainable models and the PPO algorithm's settings."""
+
+    actor: ModelSide = ModelSide(optim=OptimConfig(learning_rate=9.65e-6, warmup_steps=100))
+    critic: ModelSide = ModelSide(optim=OptimConfig(learning_rate=5e-6, warmup_steps=100))
+    #: bf16: bf16 compute, fp32 master weights (frozen models stored in bf16); fp32; pure_bf16
+    precision: Literal["bf16", "fp32", "pure_bf16"] = "bf16"
+    #: tokens generated per answer (DeepSpeed-Chat's max_answer_seq_len)
+    max_answer_len: int = 256
+    #: sampling temperature of the answers (0: greedy)
+    temperature: float = 1.0
+    #: sample from the k most likely tokens only (0: off)
+    top_k: int = 0
+    #: sample from the smallest set of tokens holding this probability (1: off)
+    top_p: float = 1.0
+    #: decode slots of generation (0: 256, or one per prompt in a smaller batch). Fewer slots than prompts is
+    #: continuous batching: a slot whose answer ended takes the next waiting prompt, so decode steps go to live rows
+    #: (real answers are short and uneven) and the KV cache holds only the slots' rows
+    decode_slots: int = 0
+    #: prompts prefilled at a time into freed slots (0: decode_slots / 8)
+    refill_size: int = 0
+    #: tokens per device in a micro-batch of scoring and of both training steps: the experience's rows sorted by
+    #: length and cut to the width they need (jaxrlhf.rl.packing), not padded to max_prompt_len + max_answer_len, so
+    #: micro-batches are set by tokens, not rows (0: the padded path, micro-batches of gradient_accumulation_steps)
+    max_tokens_per_micro_batch: int = 16384
+    #: packed micro-batches are as wide as their longest row rounded up to this (fewer shapes to compile, more padding)
+    packed_width_multiple: int = 64
+    #: tensor-parallel size of the generation layout (DeepSpeed-Chat's inference_tp_size)
+    inference_tp_size: int = 1
+    #: kept for DeepSpeed-Chat configs: the KV cache exists only inside the compiled generate call and is
+    #: always freed when it returns, with the generation copy of the weights
+    release_inference_cache: bool = True
+    #: keep the reference model's own leaves in host memory, on the device only while scoring (--offload_reference_model)
+    offload_reference_model: bool = False
+    #: keep the reward model's own leaves in host memory, on the device only while scoring (--offload_reward_model)
+    offload_reward_model: bool = False
+    #: use generation's own log-probs as the old log-probs (skips one actor forward; equal in fp32, tested)
+    old_logprobs_from_generation: bool = False
+    #: KL penalty coefficient beta in r_t = -beta * (log p - log p_ref)
+    kl_coef: float = 0.1
+    #: adaptive KL controller (Ziegler et al. 2019): the KL per answer to steer kl_coef towards (null: fixed kl_coef)
+    kl_target: float | None = None
+    #: its horizon in samples: kl_coef *= 1 + clip(KL / kl_target - 1, -0.2, 0.2) * batch / kl_horizon, once per
+    #: generation batch (every PPO epoch over a batch uses the coefficient it was generated under)
+    kl_horizon: int = 10000
+    #: the reward model's score is clipped to [-clip_score, clip_score]
+    clip_score: float = 5.0
+    #: PPO ratio clip (DeepSpeed-Chat's cliprange)
+    clip_ratio: float = 0.2
+    #: value clip of the critic loss (DeepSpeed-Chat's cliprange_value)
+    clip_value: float = 0.2
+    #: GAE discount
+    gamma: float = 1.0
+    #: GAE lambda
+    lam: float = 0.95
+    #: whiten the advantages over each batch
+    whiten_advantages: bool = False
+    #: keep an exponential moving average of the actor (written as actor_ema)
+    enable_ema: bool = False
+    #: ema = ema_decay * ema + (1 - ema_decay) * actor after each actor step
+    ema_decay: float = 0.992
+    #: weight of the mixture LM loss on the unsupervised set (data.unsupervised_data_path)
+    unsup_coef: float = 27.8
+    #: seed of the sampling (the models' own seeds come from it too)
+    seed: int = 1234
+
+    def __post_init__(self):
+        check_fields(self)  # every float finite, the seed in range
+        checks = [
+            (self.precision in ("bf16", "fp32", "pure_bf16"), f"precision: expected bf16, fp32 or pure_bf16, got {self.precision!r}"),
+            (self.max_answer_len >= 1, f"max_answer_len: expected >= 1, got {self.max_answer_len}"),
+            (self.temperature >= 0 and self.top_k >= 0 and 0 < self.top_p <= 1, "sampling: expected temperature >= 0, "
+             f"top_k >= 0, 0 < top_p <= 1; got {self.temperature}, {self.top_k}, {self.top_p}"),
+            (self.inference_tp_size >= 1, f"inference_tp_size: expected >= 1, got {self.inference_tp_size}"),
+            (self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch: expected >= 0 (0: padded micro-batches), "
+             f"got {self.max_tokens_per_micro_batch}"),
+            (self.packed_width_multiple >= 1, f"packed_width_multiple: expected >= 1, got {self.packed_width_multiple}"),
+            (self.decode_slots >= 0 and self.refill_size >= 0, "decode_slots and refill_size: expected >= 0 (0: auto), "
+             f"got {self.decode_slots}, {self.refill_size}"),
+            (self.kl_coef >= 0, f"kl_coef: expected >= 0, got {self.kl_coef}"),
+            (self.kl_target is None or self.kl_target > 0, f"kl_target: expected > 0 or null, got {self.kl_target}"),
+            (self.kl_horizon > 0, f"kl_horizon: expected > 0, got {self.kl_horizon}"),
+            (self.clip_score > 0 and self.clip_ratio > 0 and self.clip_value > 0,
+             "clip_score, clip_ratio and clip_value must be > 0"),
+            (0 < self.gamma <= 1 and 0 <= self.lam <= 1, f"expected 0 < gamma <= 1 and 0 <= lam <= 1, got {self.gamma}, {self.lam}"),
+            (0 <= self.ema_decay < 1, f"ema_decay: expected a number in [0, 1), got {self.ema_decay}"),
+            (self.unsup_coef >= 0, f"unsup_coef: expected >= 0, got {self.unsup_coef}"),
+        ]
+        for d in (self.actor.dropout, self.critic.dropout):
+            checks.append((d is None or 0 <= d < 1, f"dropout: expected a probability in [0, 1) or null, got {d}"))
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOConfig(EngineConfig):
+    #: tokenizer folder (default: the actor's folder)
+    tokenizer: str | None = None
+    #: where actor/, critic/, actor_ema/ (HF folders), state/ (Orbax), metrics.jsonl and tb/ go
+    output_dir: str = "runs/ppo"
+    #: prompts per generation batch, over all devices (DeepSpeed-Chat: per-device batch x devices)
+    batch_size: int = 16
+    #: generation batches per iteration; each then gets one actor and one critic step per PPO epoch
+    generation_batches: int = 1
+    #: passes over an iteration's experience
+    ppo_epochs: int = 1
+    #: passes over the prompts
+    epochs: int = 1
+    #: stop after this many iterations (0: run the epochs)
+    max_steps: int = 0
+    #: rows per mixture LM batch (0: batch_size)
+    unsup_batch_size: int = 0
+    #: print and write metrics every this many iterations
+    log_every: int = 1
+    #: where metrics go besides metrics.jsonl: tensorboard, wandb, mlflow (see jaxrlhf/metrics.py)
+    report_to: tuple[str, ...] = ("tensorboard",)
+    #: save the training state every this many iterations (0: only at the end)
+    save_every: int = 0
+    #: training states kept on disk (the newest)
+    keep_checkpoints: int = 2
+    #: continue the run saved in output_dir (its newest state), or skip it if it is finished; false: start from
+    #: scratch, refused where output_dir already holds a run
+    resume: bool = True
+    #: stop the run after this many actor (or critic) steps in a row skipped for a non-finite loss or gradient norm
+    max_skipped_steps: int = 10
+    #: print a prompt and its answer at every log (DeepSpeed-Chat's --print_answers)
+    print_answers: bool = False
+    #: reward-hacking alarms: bounds on answer length, repetition, entropy and KL; learned vs gold reward trend
+    alarms: AlarmConfig = AlarmConfig()
+    #: device memory in GiB that the memory plan must fit (0: the device's bytes_limit; the CPU reports none, so
+    #: nothing is checked there unless set); see python -m jaxrlhf.plan
+    device_memory_gib: float = 0.0
+    data: DataConfig = DataConfig(max_prompt_len=256)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if min(self.batch_size, self.generation_batches, self.ppo_epochs, self.epochs, self.log_every) < 1:
+            raise ValueError("batch_size, generation_batches, ppo_epochs, epochs and log_every must be >= 1")
+        if self.max_steps < 0 or self.save_every < 0 or self.unsup_batch_size < 0:
+            raise ValueError("max_steps, save_every and unsup_batch_size must be >= 0")
+        check_fields(self, keep_checkpoints=">= 1", device_memory_gib=">= 0")
+        check_trackers(self.report_to)
