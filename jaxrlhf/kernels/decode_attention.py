@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 class DecodeAttentionConfig:
     """Which implementation runs, and the kernel's tuning knobs."""
 
-    implementation: str = "auto"  # "auto" (the kernel where the shapes suit it), "pallas" (always) or "xla" (never)
+    implementation: str = "xla"  # "auto" (the kernel where the shapes suit it), "pallas" (always) or "xla" (never)
     # Defaults: the best of the sweep in tools/bench_decode_attention.py --tune (bench/README.md).
     # cache slots per inner step, a power of two (smaller when S has fewer factors of 2); 0: auto, 64 slots, or
     # 4096 / head dim with grouped-query heads (32 of 128): the sweeps' best at each kind and head dim
@@ -74,15 +74,11 @@ class DecodeAttentionConfig:
         if not isinstance(self.num_splits, int) or self.num_splits < 0:
             raise ValueError(f"num_splits: expected an int >= 0 (0: auto), got {self.num_splits!r}")
 
-    def kernels_on(self) -> bool:
-        """Whether generation runs our Pallas kernels at all ("pallas" or "auto")."""
-        return self.implementation != "xla"
-
     def use_kernel(self, head_dim: int, groups: int) -> bool:
         if self.implementation == "auto":  # Triton needs power-of-two block shapes
             pow2 = lambda n: n & (n - 1) == 0
-            return self.kernels_on() and pow2(head_dim) and head_dim >= 16 and pow2(groups)
-        return self.kernels_on()
+            return pow2(head_dim) and head_dim >= 16 and pow2(groups)
+        return self.implementation == "pallas"
 
     def slots_per_block(self, head_dim: int, slots: int, groups: int = 1) -> int:
         """block_s, at most the largest power of two dividing S `slots`. Auto: 64 slots, or 4096 / head_dim (within

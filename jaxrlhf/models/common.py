@@ -265,7 +265,7 @@ def decode_product(module: nn.Module, mode: Mode, name: str, x, config, *, eps: 
     product. Measured and not used (bench/README.md): OPT's out_proj and Llama's o_proj and down_proj, where the
     kernel's time does not pay for the residual add that cuBLAS runs in its epilogue."""
     B, _, D = x.shape
-    if not (mode.decoding and mode.decode_layout and config.backend.kernels.kernels_on()):
+    if not (mode.decoding and mode.decode_layout and config.backend.decode_attention != "xla"):
         return None
     p = module.get_variable("params", name)
     if p is None or "lora_a" in p:

@@ -166,7 +166,7 @@ class LlamaMLP(nn.Module):
         dense = lambda n, name: common.Dense(n, use_bias=c.mlp_bias, dtype=c.compute_dtype, name=name)
         if mode.decode_layout:  # gate and up stacked: [D, 2, F] (decode_layer)
             B, _, D = h.shape
-            if mode.decoding and not c.mlp_bias and c.backend.kernels.kernels_on():
+            if mode.decoding and not c.mlp_bias and c.backend.decode_attention != "xla":
                 # A decode step: the folded norm's 1 / rms(h), silu and the product in one kernel (3 kernels unfused)
                 gate_up = common.stacked_dense(self, "gate_up_proj", h, c.compute_dtype).reshape(B, 2, -1)
                 act = rms_swiglu(gate_up, h.reshape(B, D), c.rms_norm_eps, interpret=c.backend.interpret,
