@@ -3,11 +3,12 @@
 from jaxrlhf.checkpoint import CheckpointError, load_hf, save_hf
 from jaxrlhf.rl import EngineConfig, HybridEngine
 from jaxrlhf.generate import generate
-from jaxrlhf.models import LlamaConfig, OPTConfig, init_params, logits, values
+from jaxrlhf.models import Backend, LlamaConfig, OPTConfig, init_params, logits, preset, values
 from jaxrlhf.sharding import LayoutError, batch_sharding, describe, make_mesh, reshard, shardings_for
 from jaxrlhf.tokenizer import load_tokenizer, opt_tokenizer
 
 __all__ = [
+    "Backend",
     "CheckpointError",
     "EngineConfig",
     "HybridEngine",
@@ -23,6 +24,7 @@ __all__ = [
     "logits",
     "make_mesh",
     "opt_tokenizer",
+    "preset",
     "reshard",
     "save_hf",
     "shardings_for",
