@@ -40,22 +40,51 @@ STAND_INS = {
 TINY_DATA = ["data.data_path=[synthetic:6000]", "data.max_seq_len=32", "data.max_prompt_len=24"]
 STEP = ["max_steps=2", "batch_size=8", "eval_batches=1"]
 SHRINK = {
-    "jaxrlhf.train": ["sft.max_steps=40", "reward.max_steps=20", "ppo.max_steps=2", "eval_prompts=16", "eval_samples=1"],
-    "jaxrlhf.train --actor-model": TINY_DATA + ["sft.max_steps=2", "sft.batch_size=8", "reward.max_steps=2",
-                                                "reward.batch_size=8", "ppo.max_steps=1", "ppo.batch_size=8",
-                                                "ppo.max_answer_len=8", "eval_prompts=8", "eval_samples=1"],
-    "jaxrlhf.train configs/train.yaml": TINY_DATA + ["sft.max_steps=2", "sft.batch_size=8", "reward.max_steps=2",
-                                                 "reward.batch_size=8", "ppo.max_steps=1", "ppo.batch_size=8",
-                                                 "ppo.max_answer_len=8", "eval_prompts=8", "eval_samples=1",
-                                                 "output_dir=runs/train-config"],
-    "jaxrlhf.train configs/stories.yaml": ["sft.max_steps=5", "reward.max_steps=5", "ppo.max_steps=1",
-                                           "eval_prompts=8", "eval_samples=1"],
+    "jaxrlhf.train": [
+        "sft.max_steps=40",
+        "reward.max_steps=20",
+        "ppo.max_steps=2",
+        "eval_prompts=16",
+        "eval_samples=1",
+    ],
+    "jaxrlhf.train --actor-model": TINY_DATA
+    + [
+        "sft.max_steps=2",
+        "sft.batch_size=8",
+        "reward.max_steps=2",
+        "reward.batch_size=8",
+        "ppo.max_steps=1",
+        "ppo.batch_size=8",
+        "ppo.max_answer_len=8",
+        "eval_prompts=8",
+        "eval_samples=1",
+    ],
+    "jaxrlhf.train configs/train.yaml": TINY_DATA
+    + [
+        "sft.max_steps=2",
+        "sft.batch_size=8",
+        "reward.max_steps=2",
+        "reward.batch_size=8",
+        "ppo.max_steps=1",
+        "ppo.batch_size=8",
+        "ppo.max_answer_len=8",
+        "eval_prompts=8",
+        "eval_samples=1",
+        "output_dir=runs/train-config",
+    ],
+    "jaxrlhf.train configs/stories.yaml": [
+        "sft.max_steps=5",
+        "reward.max_steps=5",
+        "ppo.max_steps=1",
+        "eval_prompts=8",
+        "eval_samples=1",
+    ],
     "jaxrlhf.sft": TINY_DATA + STEP,
     "jaxrlhf.reward": TINY_DATA + STEP,
     "jaxrlhf.ppo": TINY_DATA + ["max_steps=1", "batch_size=8", "max_answer_len=8"],
     "jaxrlhf.eval": ["num_prompts=16", "ppl_rows=16", "rm_pairs=16"],
-    "jaxrlhf.eval configs/eval.yaml": TINY_DATA + ["max_answer_len=8", "num_prompts=16", "ppl_rows=16", "rm_pairs=16",
-                                                   "output_dir=runs/eval-config"],
+    "jaxrlhf.eval configs/eval.yaml": TINY_DATA
+    + ["max_answer_len=8", "num_prompts=16", "ppl_rows=16", "rm_pairs=16", "output_dir=runs/eval-config"],
 }
 STORIES = {"jaxrlhf.convert", "jaxrlhf.stories", "jaxrlhf.data.stories"}  # the stories260K example: needs the assets
 STDIN = {"jaxrlhf.chat": "Sort these letters: c a b\nclear\nquit\n"}
@@ -183,8 +212,17 @@ def test_readme_commands_run(scratch):
         ran.append(words[2])
     assert (scratch / "runs/train/step3-models/actor/config.json").is_file()
     assert "win rate" in (scratch / "runs/eval/report.md").read_text()
-    assert {"jaxrlhf.train", "jaxrlhf.sft", "jaxrlhf.reward", "jaxrlhf.ppo", "jaxrlhf.eval", "jaxrlhf.chat",
-            "jaxrlhf.plan", "jaxrlhf.inspect", "jaxrlhf.data"} <= set(ran)
+    assert {
+        "jaxrlhf.train",
+        "jaxrlhf.sft",
+        "jaxrlhf.reward",
+        "jaxrlhf.ppo",
+        "jaxrlhf.eval",
+        "jaxrlhf.chat",
+        "jaxrlhf.plan",
+        "jaxrlhf.inspect",
+        "jaxrlhf.data",
+    } <= set(ran)
     if not ASSETS.is_dir():
         pytest.skip(f"the stories260K example did not run: {ASSETS} is missing (set JAXRLHF_ASSETS)")
     assert "jaxrlhf.convert" in ran and STORIES & set(ran) - {"jaxrlhf.convert"}
@@ -213,14 +251,19 @@ def test_sharding_notebook_is_committed_executed():
 @pytest.mark.slow
 def test_sharding_notebook_runs():
     """docs/sharding.ipynb runs top to bottom and still shows what its text says. To re-execute it in place:
-    python -c "import nbformat, nbclient; nb = nbformat.read('docs/sharding.ipynb', 4);
-    nbclient.NotebookClient(nb, resources={'metadata': {'path': 'docs'}}).execute(); nbformat.write(nb, 'docs/sharding.ipynb')"
+
+    import nbformat, nbclient
+    nb = nbformat.read("docs/sharding.ipynb", 4)
+    nbclient.NotebookClient(nb, resources={"metadata": {"path": "docs"}}).execute()
+    nbformat.write(nb, "docs/sharding.ipynb")
     """
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("ipykernel")
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    nbclient.NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK.parent)}}
+    ).execute()
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert "fsdp -> tp: {'all-gather': 20, 'all-to-all': 0, 'collective-permute': 0, 'all-reduce': 0}" in text
     assert "tp -> fsdp: {'all-gather': 0, 'all-to-all': 0, 'collective-permute': 0, 'all-reduce': 0}" in text

@@ -76,29 +76,44 @@ def _decode_attention(d):
     if not kernels:
         return []
     faster = sum(k["speedup"] > 1 for k in kernels)
-    return [f"{len(kernels)} shapes: faster than XLA at {faster}; median {statistics.median(k['speedup'] for k in kernels):.2f}× "
-            f"XLA, {statistics.median(k['roofline_ratio'] for k in kernels):.2f}× roofline"]
+    speedup = statistics.median(k["speedup"] for k in kernels)
+    roofline = statistics.median(k["roofline_ratio"] for k in kernels)
+    return [f"{len(kernels)} shapes: faster than XLA at {faster}; median {speedup:.2f}× XLA, {roofline:.2f}× roofline"]
 
 
 def _decode_matmul(d):
-    return [f"{r['rows']} rows: {r['kernel']['us_per_layer']:.1f} µs/layer (XLA {r['xla']['us_per_layer']:.1f})"
-            for r in d["runs"] if "us_per_layer" in r.get("kernel", {}) and "us_per_layer" in r.get("xla", {})]
+    return [
+        f"{r['rows']} rows: {r['kernel']['us_per_layer']:.1f} µs/layer (XLA {r['xla']['us_per_layer']:.1f})"
+        for r in d["runs"]
+        if "us_per_layer" in r.get("kernel", {}) and "us_per_layer" in r.get("xla", {})
+    ]
 
 
 def _sft(d):
-    return [f"{k}: {v['median_s'] * 1e3:.1f} ms" + (f", MFU {v['mfu']:.2f}" if "mfu" in v else "")
-            for k, v in d["runs"].items() if isinstance(v, dict) and "median_s" in v]
+    return [
+        f"{k}: {v['median_s'] * 1e3:.1f} ms" + (f", MFU {v['mfu']:.2f}" if "mfu" in v else "")
+        for k, v in d["runs"].items()
+        if isinstance(v, dict) and "median_s" in v
+    ]
 
 
 def _reshard(d):
     mesh = lambda m: "×".join(f"{k}={v}" for k, v in m.items())  # noqa: E731
-    return [f"{r['model']} {mesh(r['mesh'])}: FSDP→TP {r['fsdp_to_tp']['median_s'] * 1e3:.2f} ms, back "
-            f"{r['tp_to_fsdp']['median_s'] * 1e3:.2f} ms" for r in d["runs"] if "fsdp_to_tp" in r]
+    return [
+        f"{r['model']} {mesh(r['mesh'])}: FSDP→TP {r['fsdp_to_tp']['median_s'] * 1e3:.2f} ms, back "
+        f"{r['tp_to_fsdp']['median_s'] * 1e3:.2f} ms"
+        for r in d["runs"]
+        if "fsdp_to_tp" in r
+    ]
 
 
 def _memory(d):
-    return [f"{r['actor']} ({r['name']}): {r['samples_per_s']:.2f} samples/s, peak {r['peak_bytes'] / 2**30:.1f} GiB, "
-            f"plan error {r['peak_error']:+.1%}" for r in d["runs"] if "peak_bytes" in r and "samples_per_s" in r]
+    return [
+        f"{r['actor']} ({r['name']}): {r['samples_per_s']:.2f} samples/s, peak {r['peak_bytes'] / 2**30:.1f} GiB, "
+        f"plan error {r['peak_error']:+.1%}"
+        for r in d["runs"]
+        if "peak_bytes" in r and "samples_per_s" in r
+    ]
 
 
 def _forward(d):
@@ -121,21 +136,37 @@ def _mixture_step(d):
     one, two = d.get("same step", {}), d.get("two steps", {})
     if "ppo_gain_per_iteration" not in one:
         return []
-    return [f"unsup_coef {d['config']['unsup_coef']}: PPO drop {one['ppo_gain_per_iteration']:.3f} one step / "
-            f"{two['ppo_gain_per_iteration']:.3f} two; LM drop {one['lm_gain_per_iteration']:.3f} / "
-            f"{two['lm_gain_per_iteration']:.3f}"]
+    return [
+        f"unsup_coef {d['config']['unsup_coef']}: PPO drop {one['ppo_gain_per_iteration']:.3f} one step / "
+        f"{two['ppo_gain_per_iteration']:.3f} two; LM drop {one['lm_gain_per_iteration']:.3f} / "
+        f"{two['lm_gain_per_iteration']:.3f}"
+    ]
 
 
-FIGURES = {"ppo": _ppo, "generate": _generate, "decode-attention": _decode_attention, "decode-matmul": _decode_matmul,
-           "sft": _sft, "reshard": _reshard, "memory": _memory, "forward": _forward, "breakdown": _breakdown,
-           "mixture-step": _mixture_step}
+FIGURES = {
+    "ppo": _ppo,
+    "generate": _generate,
+    "decode-attention": _decode_attention,
+    "decode-matmul": _decode_matmul,
+    "sft": _sft,
+    "reshard": _reshard,
+    "memory": _memory,
+    "forward": _forward,
+    "breakdown": _breakdown,
+    "mixture-step": _mixture_step,
+}
 
 
 def row(bench: str, name: str, path: Path, root: Path) -> str:
     d = json.loads(path.read_text())
     try:
         figures = "; ".join(FIGURES[bench](d)) if bench in FIGURES else ""
-    except (KeyError, TypeError, AttributeError, ZeroDivisionError) as e:  # a result of an older layout: its row still shows
+    except (
+        KeyError,
+        TypeError,
+        AttributeError,
+        ZeroDivisionError,
+    ) as e:  # a result of an older layout: its row still shows
         figures = f"(not read: {type(e).__name__} {e}; an older layout)"
     device = d.get("device", "")
     if device and d.get("device_count", 1) > 1:
