@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 
 from jaxrlhf.chat import ChatConfig, chat, main
 from jaxrlhf.checkpoint import load_hf
@@ -19,6 +20,35 @@ def greedy(folder, text, n):
     return tok.decode(tokens).split("\n\nHuman:")[0].rstrip()
 
 
+class StandIn:
+    """A chatbot whose answer names the turns it was sent, so the test can see the history the loop keeps."""
+
+    def __init__(self, cfg):
+        self.cfg, self.params = cfg, {}
+
+    def answer(self, conversation):
+        return f" {conversation.count('Human:')} turns, {self.cfg.max_new_tokens} tokens"
+
+
+def test_the_conversation_protocol_with_a_stand_in_model(monkeypatch, capsys):
+    monkeypatch.setattr("jaxrlhf.chat.Chatbot", StandIn)
+    lines = iter(["hi", "again", "", "clear", "new", "quit", "never read"])
+    monkeypatch.setattr("builtins.input", lambda _: next(lines))
+    main(["--path", "some/folder", "--max-new-tokens", "7"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("model: some/folder (0.0M parameters)")
+    assert out[1:] == ["Assistant: 1 turns, 7 tokens", "Assistant: 2 turns, 7 tokens", "(a new conversation)",
+                       "Assistant: 1 turns, 7 tokens"]
+    def read(_, lines=iter(["hi"])):  # the end of the input (EOFError, as input() raises) ends the conversation too
+        for line in lines:
+            return line
+        raise EOFError
+
+    log = chat(ChatConfig(path="x"), read=read, write=print)
+    assert log == [("\n\nHuman: hi\n\nAssistant:", " 1 turns, 128 tokens")]
+
+
+@pytest.mark.slow
 def test_multi_turn_clear_and_quit(tmp_path, monkeypatch, capsys):
     folder = builtin_model(tmp_path / "m", seed=3)
     lines = iter(["Sort these letters: c a b", "Sort these letters: d e", "clear", "", "Sort these letters: x y", "quit", "never read"])
