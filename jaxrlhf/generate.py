@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxrlhf.kernels.decode_attention import rows_axis
+from jaxrlhf.kernels import rows_axis
 from jaxrlhf.lora import fuse_attached
 from jaxrlhf.models import Mode, decode_layer, in_decode_layout, init_cache, logits_with_cache, positions_from_mask
 from jaxrlhf.sharding import shardings_for

@@ -41,6 +41,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jax.sharding import PartitionSpec as P
 
+from jaxrlhf.kernels import row_mean_square, rows_axis, rows_per_shard
+
 
 @dataclasses.dataclass(frozen=True)
 class DecodeAttentionConfig:
@@ -216,15 +218,6 @@ def _kernel(layer_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *out_refs, block
     else:
         acc_ref, m_ref, l_ref = out_refs
         acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
-
-
-def row_mean_square(x_ref, row):
-    """mean(x^2) of row `row` of x_ref [B, D] in float32, read in pieces of the largest power of two dividing D (at
-    most 4096): Triton loads power-of-two shapes only."""
-    D = x_ref.shape[-1]
-    piece = min(D & -D, 4096)
-    add = lambda i, total: total + jnp.sum(jnp.square(x_ref[row, pl.ds(i * piece, piece)].astype(jnp.float32)))
-    return jax.lax.fori_loop(0, D // piece, add, jnp.zeros((), jnp.float32)) / D
 
 
 def _step_kernel(layer_ref, start_ref, slot_ref, qkv_ref, cos_ref, sin_ref, x_ref, sum_ref, sq_ref, colsum_ref,
@@ -434,17 +427,6 @@ def decode_step(qkv, k, v, start, slot, layer=0, *, rope=None, rms=None, layer_n
     f32 = lambda x: x.astype(jnp.float32)
     return fn(qkv, k, v, jnp.asarray(layer, jnp.int32), start, slot, f32(cos), f32(sin), x,
               f32(sums), f32(squares), f32(colsum), b)
-
-
-def rows_axis(mesh, batch: int):
-    """The mesh axis that generation's rows are split over per shard: "data" when it divides the batch, else none
-    (every shard then holds all rows of its heads)."""
-    return "data" if batch % mesh.shape["data"] == 0 else None
-
-
-def rows_per_shard(mesh, batch: int) -> int:
-    """How many of generation's rows each shard holds (see rows_axis)."""
-    return batch // mesh.shape["data"] if rows_axis(mesh, batch) else batch
 
 
 def decode_attention(q, k, v, start, end, layer=0, *, config: DecodeAttentionConfig = DecodeAttentionConfig(),

@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jax.sharding import PartitionSpec as P
 
-from jaxrlhf.kernels.decode_attention import rows_axis
+from jaxrlhf.kernels import rows_axis
 
 # The sweep's best at 64 rows (tools/bench_decode_matmul.py, bench/README.md), for fc1 and fc2 alike
 BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 128, 4, 4

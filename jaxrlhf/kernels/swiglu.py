@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jax.sharding import PartitionSpec as P
 
-from jaxrlhf.kernels.decode_attention import row_mean_square, rows_axis
+from jaxrlhf.kernels import row_mean_square, rows_axis
 
 BLOCK_F = 2048  # output columns per program (a power of two for Triton; the last block masked): faster than 1024
 NUM_WARPS = 8

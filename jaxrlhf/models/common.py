@@ -27,9 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxrlhf.kernels.decode_attention import (DecodeAttentionConfig, decode_attention, decode_step, fuses_step,
-                                             rows_axis, rows_per_shard)
-from jaxrlhf.kernels import decode_matmul
+from jaxrlhf.kernels import decode_matmul, rows_axis, rows_per_shard
+from jaxrlhf.kernels.decode_attention import DecodeAttentionConfig, decode_attention, decode_step, fuses_step
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
