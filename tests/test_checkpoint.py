@@ -19,6 +19,7 @@ def hf_folder(request, tmp_path):
     return make_hf_opt(tmp_path / "hf", **request.param)
 
 
+@pytest.mark.slow
 def test_round_trip_is_bit_identical_and_transformers_loads_it(hf_folder, tmp_path):
     config, params = load_hf(hf_folder)
     out = save_hf(tmp_path / "ours", config, params)

@@ -27,6 +27,7 @@ def _greedy_from_bos(config, params, n, mesh=None):
     return np.asarray(out.tokens)
 
 
+@pytest.mark.slow
 def test_greedy_story_from_bos(stories):
     _, _, config, params, tok = stories
     assert (config.num_attention_heads, config.num_key_value_heads, config.tie_word_embeddings) == (8, 4, True)
@@ -37,6 +38,7 @@ def test_greedy_story_from_bos(stories):
     assert text.startswith(STORY)
 
 
+@pytest.mark.slow
 def test_transformers_runs_the_converted_folder_to_the_same_tokens(stories):
     import torch
     from transformers import AutoModelForCausalLM
@@ -47,6 +49,7 @@ def test_transformers_runs_the_converted_folder_to_the_same_tokens(stories):
     assert _greedy_from_bos(config, params, 40)[0].tolist() == want
 
 
+@pytest.mark.slow
 def test_tensor_parallel_2_on_8_devices_gives_the_same_tokens(stories):
     _, _, config, params, _ = stories
     mesh = make_mesh(tp=2)

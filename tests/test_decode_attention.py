@@ -36,6 +36,7 @@ CASES = [  # (L, B, H, Hkv, S, K, dtype): multi-head and grouped-query, head dim
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize("implementation, use_dot", [("pallas", True), ("pallas", False), ("xla", True)],
                          ids=["kernel", "kernel_elementwise", "xla"])
+@pytest.mark.slow
 def test_kernel_and_xla_match_the_reference(case, implementation, use_dot):
     L, B, H, Hkv, S, K, dtype = CASES[case]
     q, k, v, start, end = inputs(L, B, H, Hkv, S, K, dtype, seed=100 + case)  # fresh inputs per case
@@ -99,6 +100,7 @@ def test_reference_by_hand_and_slots_outside_the_range_are_ignored():
     np.testing.assert_allclose(np.asarray(got), np.asarray(out), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_per_shard_under_tensor_parallelism():
     """Split over 2 chunks per shard (one split under TP: tests/test_generate.py's kernel runs)."""
     mesh = make_mesh(tp=4)  # 8 CPU devices: data 2 x model 4
@@ -169,6 +171,7 @@ def test_kernel_lowers_to_triton_for_an_h200(mask_loads):
         assert module.count('name = "jaxrlhf_decode_attention_step"') == 1 and "output_operand_alias" in module
 
 
+@pytest.mark.slow
 def test_masked_loads_read_nothing_outside_the_valid_range():
     """With masked loads the slots outside a row's range are never read: NaN there leaves the output equal to
     the reference on a clean cache. Whole blocks read them (their scores are masked, but NaN values times a
@@ -227,6 +230,7 @@ def norm_input(key, B, D, dtype=jnp.float32):
 
 
 @pytest.mark.parametrize("case", range(len(STEP_CASES)))
+@pytest.mark.slow
 def test_the_fused_step_equals_normalise_rotate_write_attend(case):
     L, B, Hkv, G, S, K, dtype, rope, norm, D, bias = STEP_CASES[case]
     ks = jax.random.split(jax.random.key(200 + case), 8)  # fresh inputs per case
@@ -257,6 +261,7 @@ def test_the_fused_step_equals_normalise_rotate_write_attend(case):
         assert differs(step_reference(qkv, k, v, start, slot, layer, rope, rms, layer_norm))
 
 
+@pytest.mark.slow
 def test_the_fused_step_per_shard_and_when_it_applies():
     mesh = make_mesh(tp=2)  # 8 CPU devices: data 4 x model 2
     L, B, Hkv, G, S, K = 2, 4, 2, 2, 32, 64

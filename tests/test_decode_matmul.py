@@ -33,6 +33,7 @@ def test_how_k_is_split_and_which_shapes_apply():
 
 
 @pytest.mark.parametrize("M, K, N, dtype", [(16, 256, 128, jnp.float32), (64, 512, 192, jnp.bfloat16)])
+@pytest.mark.slow
 def test_the_ffn_in_product_equals_the_definition(M, K, N, dtype):
     """fc1: the folded LayerNorm's end (from the rows' sums), the bias and the ReLU inside the kernel."""
     x, w, colsum, bias = inputs(M, K, N, dtype, seed=M + K)

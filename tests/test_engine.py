@@ -59,6 +59,7 @@ def host(tree):
     return jax.tree.map(np.asarray, jax.device_get(tree))
 
 
+@pytest.mark.slow
 def test_one_iteration_on_8_devices_with_tp_2_equals_one_device(models, prompts):
     batch, eos = prompts
     runs = {}
@@ -125,6 +126,7 @@ def adapted_bytes(params):
         layers["self_attn"][m]["kernel"].nbytes for m in ("q_proj", "k_proj", "v_proj", "out_proj"))
 
 
+@pytest.mark.slow
 def test_lora_shares_the_base_weights_ema_mixture_and_adaptive_kl(models, prompts):
     """Count bytes. Critic with only_optimize_lora: the reward model holds no weights of its own. Actor with
     LoRA on every layer's Linears and the rest trained: the reference holds a copy of exactly that rest and
@@ -177,6 +179,7 @@ def test_lora_shares_the_base_weights_ema_mixture_and_adaptive_kl(models, prompt
     assert tree_bytes(full.ref_own) == tree_bytes(models[0]) and tree_bytes(full.reward_own) == tree_bytes(models[1])
 
 
+@pytest.mark.slow
 def test_ema_is_float32_under_pure_bf16_and_stays_when_the_actor_step_is_skipped(models, prompts):
     """In bf16, ema + 0.008 * (actor - ema) rounds most of each step away (about 27 % survived): the EMA is kept in
     float32 and moves by exactly its formula; exported, it takes the actor's bf16. A step that the non-finite guard
@@ -207,6 +210,7 @@ def test_ema_is_float32_under_pure_bf16_and_stays_when_the_actor_step_is_skipped
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_gives_the_whole_batch_step(models, prompts):
     """gradient_accumulation_steps splits the PPO steps (token-weighted sums make them the whole-batch step) and
     the scoring (the same experience, micro-batch by micro-batch)."""
@@ -234,6 +238,7 @@ def test_gradient_accumulation_gives_the_whole_batch_step(models, prompts):
         engine(models, one, eos, critic=side, enable_ema=False, max_tokens_per_micro_batch=0).train_rlhf(exp)
 
 
+@pytest.mark.slow
 def test_each_phase_is_marked_in_a_profile_with_its_measured_time(models, prompts, tmp_path):
     """HybridEngine marks every phase in a jax.profiler trace (what splits tools/bench_ppo.py --profile by phase),
     each mark as long as the phase's own timing."""

@@ -63,6 +63,7 @@ def prompts_batch(cfg):
     return make_batch(prepare(cfg.data, 3, tok, log=lambda _: None)["eval"], range(PROMPTS), 3, cfg.data, tok.pad_token_id)
 
 
+@pytest.mark.slow
 def test_gold_reward_and_win_rate_agree_with_direct_computation(report):
     cfg, out = report
     tok = builtin_tokenizer()
@@ -120,6 +121,7 @@ def test_gold_reward_of_the_tasks_and_gsm8k_style_references():
     assert gold_rewards([story[0], sort], [None, None], [" dogs", " a b c"]) is None  # one task per report
 
 
+@pytest.mark.slow
 def test_perplexity_and_reward_model_accuracy(report):
     cfg, out = report
     tok = builtin_tokenizer()
@@ -205,6 +207,7 @@ def test_cli_flags_and_errors(folders, tmp_path, capsys):
 
 
 
+@pytest.mark.slow
 def test_step3_raises_alarms_when_the_actor_degenerates(folders, tmp_path, monkeypatch):
     """ppo.run with the actor's answers replaced: short healthy ones for two iterations (the baseline), then one
     token over and over: the repetition and length alarms are logged once each and written to the metrics."""

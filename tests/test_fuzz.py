@@ -12,6 +12,7 @@ CASES = 400  # of each kind, seeded: the same cases every run
 
 
 @pytest.mark.parametrize("kind", ["data", "config", "checkpoint"])
+@pytest.mark.slow
 def test_mutated_inputs_load_or_raise_our_one_line_error(kind, assets):
     tally = fuzz.run([kind], CASES, seed=0, assets=assets)[kind]
     shown = "\n\n".join(f"{case}\n{detail}" for case, detail in tally.failures[:3])

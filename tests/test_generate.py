@@ -37,6 +37,7 @@ def test_greedy_equals_the_cache_free_reference_and_transformers(model):
         assert np.asarray(out.tokens)[b].tolist() == want[0, n:].tolist()
 
 
+@pytest.mark.slow
 def test_logprobs_are_the_models_own(model):
     _, config, params = model
     ids, mask = left_padded_batch(config.vocab_size, [6, 4], T=6, seed=2)
@@ -48,6 +49,7 @@ def test_logprobs_are_the_models_own(model):
     np.testing.assert_allclose(np.asarray(out.logprobs), want, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_same_key_same_tokens_and_eos_masking(model):
     _, config, params = model
     ids, mask = left_padded_batch(config.vocab_size, [5, 2, 4], T=5, seed=3)
@@ -92,6 +94,7 @@ def test_sampling_filters():
         Sampling(1.0, top_p=0.0)
 
 
+@pytest.mark.slow
 def test_generation_in_the_tensor_parallel_layout(model):
     _, config, params = model
     mesh = make_mesh(tp=4)
@@ -113,6 +116,7 @@ def test_too_long_is_refused(model):
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.slow
 def test_the_decode_kernel_gives_the_xla_tokens(model, tp):
     """Generation with the Pallas decode kernel (interpret mode here; per shard under TP) equals the XLA path."""
     import dataclasses
@@ -138,6 +142,7 @@ def test_the_decode_kernel_gives_the_xla_tokens(model, tp):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.slow
 def test_the_ffn_kernels_give_the_xla_tokens(tmp_path, monkeypatch, tp):
     """At 16 rows (per shard) and widths of whole blocks a decode step's fc1 (its folded LayerNorm, bias and ReLU)
     and fc2 (K split in two at tp 1) run in kernels.decode_matmul (interpret mode here; per shard under TP, on a
@@ -166,6 +171,7 @@ def test_the_ffn_kernels_give_the_xla_tokens(tmp_path, monkeypatch, tp):
     np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_any_padding_pattern_gives_the_left_padded_answer(model):
     _, config, params = model
     ids, mask = left_padded_batch(config.vocab_size, [6, 3], T=6, seed=6)
@@ -180,6 +186,7 @@ def test_any_padding_pattern_gives_the_left_padded_answer(model):
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
 
 
+@pytest.mark.slow
 def test_the_decode_layout(model):
     """decode_params: each layer its own arrays, q/k/v stacked per head (values checked), LoRA fused from the
     attached form exactly as `fuse` fuses it, greedy tokens unchanged, and no stacked [L, ...] weight left in
@@ -238,6 +245,7 @@ def test_the_decode_layout(model):
     assert uses_of_stacked_weights(fast) == 0
 
 
+@pytest.mark.slow
 def test_early_exit_stops_once_every_row_has_ended_with_the_full_runs_tokens(model):
     _, config, params = model
     ids, mask = left_padded_batch(config.vocab_size, [5, 2, 4], T=5, seed=3)
@@ -264,6 +272,7 @@ def _eos_in_the_answers(config, params, ids, mask, key, G, temperature):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+@pytest.mark.slow
 def test_continuous_batching_gives_each_prompt_its_own_answer(model, temperature):
     """Fewer slots than prompts: a slot whose row ended takes the next prompt. Each prompt's answer (tokens,
     log-probs, mask) is the one it gets with a slot of its own, whatever slot and refill it lands in."""
@@ -285,6 +294,7 @@ def test_continuous_batching_gives_each_prompt_its_own_answer(model, temperature
         assert int(got.steps) >= (np.asarray(want.mask).sum() - len(limits)) / slots
 
 
+@pytest.mark.slow
 def test_continuous_batching_under_tensor_parallelism_with_the_decode_kernels(model):
     """The same with the decode layout on a TP mesh: the fused step kernel writes and reads each row at its own slot."""
     import dataclasses

@@ -1,6 +1,7 @@
 """The first command a user runs: checkpoint -> mesh -> both layouts -> greedy sample."""
 
 import numpy as np
+import pytest
 from helpers import PRE_LN, make_hf_opt
 
 from jaxrlhf import load_hf, opt_tokenizer, save_hf
@@ -24,6 +25,7 @@ def test_inspect_a_checkpoint_with_its_tokenizer(assets, tmp_path, capsys):
     assert out["tokens"].tolist() == ref[0, 3:].tolist()
 
 
+@pytest.mark.slow
 def test_default_random_model_runs_and_saves(tmp_path, capsys):
     out_dir = tmp_path / "saved"
     main(["model=random:opt-125m", "max_new_tokens=2", "tp=2", f"save_to={out_dir}"])

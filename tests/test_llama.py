@@ -98,6 +98,7 @@ def test_round_trip_is_bit_identical_and_transformers_loads_it(model, tmp_path):
     assert (again / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
 
 
+@pytest.mark.slow
 def test_value_head_round_trip_keeps_the_lm_head(model, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -114,6 +115,7 @@ def test_value_head_round_trip_keeps_the_lm_head(model, tmp_path):
     assert v.shape == (2, 5) and np.isfinite(v).all() and np.abs(v).max() > 0.1
 
 
+@pytest.mark.slow
 def test_greedy_generation_equals_transformers(model):
     import torch
     from transformers import AutoModelForCausalLM
@@ -134,6 +136,7 @@ def test_greedy_generation_equals_transformers(model):
     np.testing.assert_allclose(np.asarray(fast.logprobs), np.asarray(out.logprobs), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_generation_with_the_decode_kernel_gives_the_same_tokens(model):
     _, config, params = model
     if config.tie_word_embeddings:
@@ -174,6 +177,7 @@ def test_every_parameter_has_a_layout_in_both_tables():
     assert tuple(layers(fsdp)["mlp"]["up_proj"]["kernel"].spec) == (None, None, ("model", "data"))
 
 
+@pytest.mark.slow
 def test_interleaved_rope_is_rotate_half_with_permuted_projections():
     """Meta's / llama2.c's pairing (2i, 2i+1) is HF's (i, i+K/2) after permuting q/k output rows (convert.py)."""
     from jaxrlhf.convert import interleaved_to_halves
@@ -203,6 +207,7 @@ def test_config_rejects_bad_values():
         LlamaConfig(dtype="float64")
 
 
+@pytest.mark.slow
 def test_the_decode_layout_folds_each_norm_into_its_product(model):
     """llama.decode_layer: q/k/v and gate/up stacked with the RMSNorm scale that feeds them multiplied into their
     rows (values checked), the norms' entries gone; the layer then scales the product's rows by 1 / rms(h)."""
@@ -227,6 +232,7 @@ def test_the_decode_layout_folds_each_norm_into_its_product(model):
                                       attn["k_proj"]["bias"].reshape(Hkv, K))
 
 
+@pytest.mark.slow
 def test_which_kernels_a_decode_step_runs(model):
     """With the kernels on, a decode step of the decode layout runs the fused attention step (decode_step, biases
     and all) and the SwiGLU kernel (rms_swiglu, when the MLP has no bias); with "xla" neither. Same tokens every

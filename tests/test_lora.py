@@ -49,6 +49,7 @@ def hand_fused(params, lora, cfg):
     return out
 
 
+@pytest.mark.slow
 def test_init_adapts_the_layer_linears_and_leaves_the_model_unchanged():
     config = OPTConfig(**PRE_LN)
     params = init_params(config, jax.random.key(0), value_head=True, std=0.2)
@@ -83,6 +84,7 @@ def test_init_adapts_the_layer_linears_and_leaves_the_model_unchanged():
     [(PRE_LN, "decoder.layers.", 1.0), (POST_LN_PROJ, "decoder.", 2.0)],  # the latter adds 2-D project_in/out
     ids=["pre_ln_layers", "post_ln_proj_all"],
 )
+@pytest.mark.slow
 def test_fuse_adds_the_scaled_low_rank_product(variant, module_name, scaling):
     config = OPTConfig(**variant)
     params = init_params(config, jax.random.key(0), std=0.2)
@@ -142,6 +144,7 @@ def test_fuse_refuses_adapters_that_do_not_fit():
         fuse(params, {"decoder": {"layers": {"fc1": params["decoder"]["layers"]["fc1"]}}}, cfg)
 
 
+@pytest.mark.slow
 def test_gradients_reach_only_the_adapters():
     config = OPTConfig(**PRE_LN)
     params = init_params(config, jax.random.key(0), std=0.2)
@@ -260,6 +263,7 @@ def test_config_loads_from_overrides_with_help():
     assert set(field_help(LoRAConfig)) == {"dim", "module_name", "scaling", "only_optimize_lora", "learning_rate"}
 
 
+@pytest.mark.slow
 def test_layouts_follow_the_kernels_and_fuse_runs_sharded():
     config = OPTConfig(**PRE_LN)
     params = init_params(config, jax.random.key(0))
@@ -287,6 +291,7 @@ def test_layouts_follow_the_kernels_and_fuse_runs_sharded():
 
 
 @pytest.mark.parametrize("family", ["opt", "llama"])
+@pytest.mark.slow
 def test_attach_fuses_one_layer_at_a_time_with_fuse_arithmetic_and_no_whole_fused_copy(family):
     """lora.attach (adapters beside their kernels; models.common.Dense fuses as each layer runs) gives fuse's
     logits and adapter gradients, and its compiled step holds no second copy of the adapted kernels."""

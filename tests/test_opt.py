@@ -110,6 +110,7 @@ def _value_and_grad(p, cfg, ids, mask):
 @pytest.mark.parametrize("change", [{"remat": True}, {"backend": Backend(scan_unroll=2)},
                                     {"remat": True, "backend": Backend(scan_unroll=0)}],
                          ids=["remat", "unroll", "remat_unrolled"])
+@pytest.mark.slow
 def test_remat_and_unrolling_change_neither_values_nor_gradients(hf_folder, change):
     config, params = load_hf(hf_folder)
     ids, mask = left_padded_batch(config.vocab_size, [6, 4], T=6)
@@ -121,6 +122,7 @@ def test_remat_and_unrolling_change_neither_values_nor_gradients(hf_folder, chan
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_tracks_float32(hf_folder):
     config, params = load_hf(hf_folder)
     ids, mask = left_padded_batch(config.vocab_size, [8, 3], T=8)

@@ -64,6 +64,7 @@ LLAMA = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hid
 
 
 @pytest.mark.parametrize("family", ["opt", "llama"])
+@pytest.mark.slow
 def test_packed_equals_padded_experience_losses_and_updates(family):
     """Two engines, one packed (micro-batches of several widths; continuous batching in 8 decode slots) and one padded
     (a slot per prompt): the same experience, then two PPO epochs with the mixture loss: the same losses, gradient

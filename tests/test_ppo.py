@@ -50,6 +50,7 @@ def whole(folders, tmp_path_factory):
     return run(ppo_config(folders, tmp), log=lambda _: None, mesh=ONE), tmp / "out"
 
 
+@pytest.mark.slow
 def test_resume_after_a_crash_equals_an_uninterrupted_run(folders, whole, tmp_path, monkeypatch):
     whole, _ = whole
     real = HybridEngine.generate_experience
@@ -77,6 +78,7 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(folders, whole, tmp_pa
     assert whole["records"][-1]["gold_reward"] >= 0 and whole["records"][-1]["unsup_loss"] > 0
 
 
+@pytest.mark.slow
 def test_outputs_are_hf_folders_and_metrics(whole):
     out, folder = whole
     engine = out["engine"]

@@ -45,6 +45,7 @@ def steps(records):
     return [r["step"] for r in records if r["split"] == "train"]
 
 
+@pytest.mark.slow
 def test_a_finished_run_started_again_is_skipped_and_a_changed_setting_is_refused(base, tmp_path, monkeypatch):
     cfg = sft_config(base, tmp_path)
     first = run_sft(cfg, log=lambda _: None, mesh=ONE)
@@ -75,6 +76,7 @@ def test_a_finished_run_started_again_is_skipped_and_a_changed_setting_is_refuse
         run_sft(dataclasses.replace(cfg, max_steps=3, log_every=3), log=lambda _: None, mesh=ONE)
 
 
+@pytest.mark.slow
 def test_a_run_killed_while_it_writes_finishes_when_started_again(base, tmp_path, monkeypatch):
     import os
 
@@ -143,6 +145,7 @@ def test_a_foreign_folder_is_never_deleted(base, tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ours", "out"]
 
 
+@pytest.mark.slow
 def test_no_export_holds_a_non_finite_weight(base, tmp_path):
     config, params = load_hf(base)
     params["decoder"]["layers"]["fc1"]["bias"][1, 3] = np.nan
@@ -151,6 +154,7 @@ def test_no_export_holds_a_non_finite_weight(base, tmp_path):
     assert not (tmp_path / "nan").exists()
 
 
+@pytest.mark.slow
 def test_a_run_driven_to_nan_stops_non_zero_and_exports_nothing(base, tmp_path, capsys):
     from jaxrlhf.sft import main
 
@@ -204,6 +208,7 @@ def pipeline(tmp_path_factory):
     return args, run_train(parse(args), mesh=ONE, log=lambda _: None)
 
 
+@pytest.mark.slow
 def test_the_pipeline_started_again_skips_its_finished_steps(pipeline, monkeypatch):
     from jaxrlhf.train import parse, run as run_train
 
@@ -217,6 +222,7 @@ def test_the_pipeline_started_again_skips_its_finished_steps(pipeline, monkeypat
     assert again["step3"] == first["step3"] and again["comparison"] == first["comparison"]
 
 
+@pytest.mark.slow
 def test_a_ppo_run_driven_to_nan_stops_and_exports_nothing(pipeline, tmp_path):
     from jaxrlhf.ppo import run as run_ppo
     from jaxrlhf.train import parse

@@ -27,6 +27,7 @@ def test_wilson_interval():
     assert abs(low - 0.5020) < 1e-4 and abs(high - 0.6906) < 1e-4
 
 
+@pytest.mark.slow
 def test_long_hh_pairs_keep_their_differing_answers(assets):
     """HH pairs share a long prompt and differ at the end: at 64 tokens a right cut would leave most pairs as two
     identical sequences; the prompt's start goes instead, by the same count in both halves, down to half the room."""

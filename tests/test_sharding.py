@@ -96,6 +96,7 @@ def test_reshard_is_compiled_once_per_structure_and_layout():
 
 
 @pytest.mark.parametrize("variant", [PRE_LN, POST_LN_PROJ], ids=["pre_ln", "post_ln_proj"])
+@pytest.mark.slow
 def test_both_layouts_compute_the_same_logits(variant):
     config = OPTConfig(**variant)
     params = init_params(config, jax.random.key(1), std=0.2)

@@ -68,6 +68,7 @@ def test_kernel_totals_split_by_the_engines_phase_annotations():
                        {"name": "copy", "count": 1, "total_ms": pytest.approx(0.005)}]}}
 
 
+@pytest.mark.slow
 def test_tp_tokens_match_on_the_cpu_mesh():
     """bench_generate --check-tokens: TP 2 greedy tokens against one device, exact in float32 on the CPU."""
     from jaxrlhf import OPTConfig, init_params
@@ -82,6 +83,7 @@ def test_tp_tokens_match_on_the_cpu_mesh():
     assert set(result) == {"bfloat16", "float32"} and 0 <= result["bfloat16"]["rows_equal"] <= 1
 
 
+@pytest.mark.slow
 def test_tune_keeps_the_best_knobs_of_each_kinds_first_shape(monkeypatch):
     """Times at different shapes do not compare: the second multi-head shape's faster calls must not win."""
     from tools import bench_decode_attention as bench
@@ -99,6 +101,7 @@ def test_tune_keeps_the_best_knobs_of_each_kinds_first_shape(monkeypatch):
     assert len(result["tuning"]) == 2 * 72 + 36 + 3 * 2
 
 
+@pytest.mark.slow
 def test_decode_matmul_bench_times_the_same_ffn_in_both_forms():
     """bench_decode_matmul: the kernel form and XLA's both equal OPT's pre-LN FFN by hand, and the kernel form runs
     fc1 and fc2 in the kernel in every layer of the chain it times."""
@@ -127,6 +130,7 @@ def test_decode_matmul_bench_times_the_same_ffn_in_both_forms():
     assert bench.layer_bytes(D, F) == 2 * D * F * 2
 
 
+@pytest.mark.slow
 def test_xla_reads_read_a_decode_steps_bytes_once():
     """bench_generate's XLA reads: one row sum per weight matrix and per layer's K and V, over exactly the slots so
     far (P + G/2), each sum right, and the bytes those reads cover."""
@@ -172,6 +176,7 @@ def test_time_read_reads_the_given_bytes_once_per_call(monkeypatch):
     np.testing.assert_allclose(out["sums"], 2 * a.sum(-1), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_real_length_draws_and_both_sides_forcing_them(tmp_path):
     """bench_ppo --lengths: the draws drop long prompts and cap answers; the prompts carry exactly the drawn real
     tokens; HF's generate with the length forcer and ours with answer_limits end every row at its drawn length."""

@@ -45,6 +45,7 @@ def losses(records):
     return [r["loss"] for r in records if r["split"] == "train"]
 
 
+@pytest.mark.slow
 def test_resume_after_a_crash_equals_an_uninterrupted_run(tiny_model, eight_device_run, tmp_path, monkeypatch):
     import jaxrlhf.loop as loop
 
@@ -69,6 +70,7 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(tiny_model, eight_devi
     assert losses(whole["records"])[-1] < losses(whole["records"])[0]
 
 
+@pytest.mark.slow
 def test_exported_model_loads_in_transformers_with_our_logits(tiny_model, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
@@ -97,6 +99,7 @@ def test_exported_model_loads_in_transformers_with_our_logits(tiny_model, tmp_pa
     assert list((tmp_path / "out" / "tb").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow
 def test_only_optimize_lora_leaves_the_base_bit_identical(tiny_model, tmp_path):
     cfg = sft_config(tiny_model, tmp_path, lora=LoRAConfig(dim=4, only_optimize_lora=True, learning_rate=1e-2))
     out = run_sft(cfg, log=lambda _: None)
@@ -109,6 +112,7 @@ def test_only_optimize_lora_leaves_the_base_bit_identical(tiny_model, tmp_path):
     assert losses(out["records"])[-1] < losses(out["records"])[0]
 
 
+@pytest.mark.slow
 def test_a_pure_bf16_run_at_a_small_learning_rate_warns(tiny_model, tmp_path):
     lines = []
     run_sft(sft_config(tiny_model, tmp_path, precision="pure_bf16", max_steps=1, optim=OptimConfig(learning_rate=1e-5)),
@@ -122,6 +126,7 @@ def test_one_and_eight_devices_give_the_same_losses(tiny_model, eight_device_run
     np.testing.assert_allclose(losses(one["records"]), losses(eight["records"]), rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_gives_the_same_update(tiny_model, tmp_path):
     base = run_sft(sft_config(tiny_model, tmp_path / "a", batch_size=16, max_steps=3), log=lambda _: None)
     acc = run_sft(sft_config(tiny_model, tmp_path / "b", batch_size=16, max_steps=3,
@@ -134,6 +139,7 @@ def test_gradient_accumulation_gives_the_same_update(tiny_model, tmp_path):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
 
 
+@pytest.mark.slow
 def test_reward_model_round_trip_and_score(tiny_model, tmp_path, capsys):
     from jaxrlhf.reward import main
 

@@ -16,6 +16,7 @@ TINY = OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attenti
 
 
 @pytest.mark.parametrize("param_dtype", [jnp.bfloat16, jnp.float32], ids=["pure_bf16", "fp32_master"])
+@pytest.mark.slow
 def test_state_dtypes_are_invariant_and_the_step_compiles_once(param_dtype):
     tx = make_optimizer(OptimConfig(learning_rate=1e-3, weight_decay=0.1, clip_grad_norm=1.0), 10, LoRAConfig())
     mesh = make_mesh(1, jax.devices()[:1])
@@ -36,6 +37,7 @@ def test_state_dtypes_are_invariant_and_the_step_compiles_once(param_dtype):
     assert moments and all(x.dtype == param_dtype for x in moments)
 
 
+@pytest.mark.slow
 def test_pure_bf16_rounds_away_small_updates_and_the_run_warns():
     """One step at DeepSpeed-Chat's actor rate: fp32 master weights move by the whole Adam step, bf16 weights keep
     a fraction of it (what precision_warning says before such a run starts)."""
