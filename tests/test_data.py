@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxrlhf.data import Batches, DataConfig, DataError, Record, make_batch, prepare, read_source, step_indices, step_records, tokenize
-from jaxrlhf.data.sources import HUB_ADAPTERS
+from jaxrlhf.data.sources import HUB_ADAPTERS, read_texts
 from jaxrlhf.tokenizer import opt_tokenizer
 
 
@@ -311,3 +311,32 @@ def test_prepare_cli(assets, tmp_path, capsys):
         with pytest.raises(SystemExit):
             main(args)
         assert message in capsys.readouterr().err
+
+
+def test_hub_datasets_come_through_huggingface_hub_and_fail_at_once_offline(tmp_path, monkeypatch):
+    """A Hub name is downloaded by huggingface_hub (offline: an error at once; `datasets` alone retried for a
+    minute), then read from the snapshot folder like a local one."""
+    import time
+
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def offline(*args, **kwargs):
+        raise LocalEntryNotFoundError("Cannot find an appropriate cached snapshot folder")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    start = time.perf_counter()
+    with pytest.raises(DataError, match=r"^Dahoas/rm-static: could not load from the Hugging Face hub \(LocalEntryNot"):
+        read_source("Dahoas/rm-static")
+    with pytest.raises(DataError, match=r"^wikitext:wikitext-2-raw-v1: not a file, a folder, or a dataset the hub"):
+        read_texts("wikitext:wikitext-2-raw-v1")
+    assert time.perf_counter() - start < 2.0
+    snapshot = tmp_path / "snapshot"
+    (snapshot / "data").mkdir(parents=True)
+    for split, answer in [("train", " a"), ("test", " c")]:
+        row = {"prompt": " Human: Q Assistant:", "response": answer, "chosen": answer, "rejected": " b"}
+        (snapshot / "data" / f"{split}.jsonl").write_text(json.dumps(row) + "\n")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda name, repo_type: str(snapshot))
+    data = read_source("Dahoas/rm-static")
+    assert (data["train"][0], data["eval"][0]) == ([Record(" Human: Q Assistant:", " a", " b")],
+                                                   [Record(" Human: Q Assistant:", " c", " b")])

@@ -290,6 +290,14 @@ def _read_datasets_folder(path: Path, on_bad_row: str):
     return out
 
 
+def _snapshot(name: str) -> str:
+    """A Hub dataset's files, downloaded into the Hub cache by huggingface_hub: where the Hub is unreachable this fails
+    at once, where `load_dataset(name)` would retry for a minute first."""
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(name, repo_type="dataset")
+
+
 def _read_hub(name: str, on_bad_row: str):
     try:
         from datasets import load_dataset
@@ -297,9 +305,9 @@ def _read_hub(name: str, on_bad_row: str):
         raise DataError(f"{name}: hub datasets need `pip install datasets`") from None
     adapter = HUB_ADAPTERS[name]
     try:
-        data = load_dataset(name)
+        data = load_dataset(_snapshot(name))
     except Exception as e:  # noqa: BLE001 - offline, unknown revision, auth: all end the same way for the user
-        raise DataError(f"{name}: could not load from the Hugging Face hub ({type(e).__name__}: {e}); "
+        raise DataError(f"{name}: could not load from the Hugging Face hub ({type(e).__name__}: {one_line(e, 120)}); "
                         "download it where a hub is reachable and pass the saved folder instead") from None
     out = {"train": _collect(name, ((f"{name} [train] row {i}", r) for i, r in enumerate(data["train"])),
                              adapter.to_record, on_bad_row)}
@@ -349,9 +357,10 @@ def read_texts(spec: str) -> list[str]:
     else:
         name, _, config = spec.partition(":")
         try:
-            data = load_dataset(name, config or None)
+            data = load_dataset(_snapshot(name), config or None)
         except Exception as e:  # noqa: BLE001 - offline or unknown name
-            raise DataError(f"{spec}: not a file, a folder, or a dataset the hub returned ({type(e).__name__}: {e})") from None
+            raise DataError(f"{spec}: not a file, a folder, or a dataset the hub returned ({type(e).__name__}: "
+                            f"{one_line(e, 120)})") from None
     data = data["train"] if "train" in getattr(data, "keys", lambda: [])() else data
     return _collect(spec, ((f"{spec} row {i}", row) for i, row in enumerate(data)), text_field, "error")[0]
 
