@@ -18,6 +18,7 @@ ENTRY_POINTS = {
     "inspect": ("InspectConfig", ["model = ", "prompt"]),
     "data": ("PrepareConfig", ["tokenizer", "data.data_path"]),
     "convert": (None, ["llama2c"]),
+    "stories": (None, ["model", "out", "--n N"]),
 }
 
 
