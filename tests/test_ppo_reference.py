@@ -16,7 +16,6 @@ of four steps can.
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from helpers import jit_values
 from test_engine import ACTOR, CRITIC, G, engine, host, models, prompts  # noqa: F401  (fixtures)
 
@@ -176,7 +175,6 @@ def unsup_batches(n):
             for _ in range(n)]
 
 
-@pytest.mark.slow
 def test_two_ppo_iterations_equal_an_independent_numpy_computation(models, prompts):
     batch, eos = prompts
     side = ModelSide(optim=OptimConfig(**OPTIM, gradient_accumulation_steps=MICRO))
