@@ -262,7 +262,7 @@ def test_place_splits_the_batch_over_the_mesh(tok):
     import jax
 
     from jaxrlhf import make_mesh
-    from jaxrlhf.data import place
+    from jaxrlhf.trainer import place
 
     mesh = make_mesh(tp=2)
     batch = {"prompt_ids": np.arange(8 * 4, dtype=np.int32).reshape(8, 4)}
@@ -340,3 +340,25 @@ def test_hub_datasets_come_through_huggingface_hub_and_fail_at_once_offline(tmp_
     data = read_source("Dahoas/rm-static")
     assert (data["train"][0], data["eval"][0]) == ([Record(" Human: Q Assistant:", " a", " b")],
                                                    [Record(" Human: Q Assistant:", " c", " b")])
+
+
+def test_gsm8k_rows_and_metadata_reach_step_3_batches(tmp_path, tok):
+    gsm = [{"question": f"Tom has {i} apples and buys {i + 1}. How many now?", "answer": f"{i} + {i + 1} = {2 * i + 1}\n#### {2 * i + 1}"}
+           for i in range(8)]
+    long = {"question": "Why? " * 300, "answer": "#### 0"}  # over max_prompt_len: dropped, and its metadata with it
+    src = _write(tmp_path / "gsm8k.jsonl", [json.dumps(r) for r in [long] + gsm])
+    assert read_source(str(src))["train"][0][1] == Record(gsm[0]["question"], " " + gsm[0]["answer"], None, {"reference": gsm[0]["answer"]})
+    own = _write(tmp_path / "own.jsonl", ['{"prompt": " Human: 1+1? Assistant:", "chosen": " 2", "metadata": {"tests": ["2"]}}',
+                                          '{"prompt": " Human: hi Assistant:", "chosen": " hello"}'])
+    assert [r.metadata for r in read_source(str(own))["train"][0]] == [{"tests": ["2"]}, None]
+    bad = _write(tmp_path / "bad.jsonl", ['{"prompt": " Human: hi Assistant:", "chosen": " hello", "metadata": [1]}'])
+    _one_line_error(bad, r"bad\.jsonl:1: field 'metadata' must be an object, got list")
+    config = DataConfig(data_path=(str(src), str(own)), data_split="0,0,1", eval_fraction=0.0, cache_dir=str(tmp_path / "cache"))
+    for _ in range(2):  # tokenized, then from the cache
+        data = prepare(config, 3, tok, log=lambda _: None)
+        assert data["stats"]["train"]["dropped_too_long"] == 1
+        batch = next(iter(Batches(data["train"], 3, 8, config, tok.pad_token_id)))
+        prompts = [tok.decode(r[m.astype(bool)][1:]) for r, m in zip(batch["prompt_ids"], batch["prompt_mask"])]
+        want = {r["question"]: {"reference": r["answer"]} for r in gsm} | {" Human: 1+1? Assistant:": {"tests": ["2"]},
+                                                                          " Human: hi Assistant:": {}}
+        assert set(prompts) <= set(want) and len(set(prompts)) == 8 and batch["metadata"] == [want[p] for p in prompts]

@@ -2,7 +2,9 @@
 
     step 1  input_ids, attention_mask, loss_mask   [B, max_seq_len]     right-padded
     step 2  chosen_ids, chosen_mask, rejected_ids, rejected_mask [B, max_seq_len]   right-padded
+            prompt_len [B]: BOS + prompt tokens, shared by both halves (DPO scores the answers alone)
     step 3  prompt_ids, prompt_mask                [B, max_prompt_len]  LEFT-padded (generation appends)
+            metadata                               B dicts (host only: each prompt's, for the reward functions)
     "unsupervised"  input_ids, attention_mask, loss_mask  [B, unsupervised_block_size]  (no padding)
 
 `loss_mask[b, t] = 1` where token t is a training target: every real token after BOS, or with
@@ -11,6 +13,8 @@ weights it by loss_mask[:, 1:]. Shapes never change, so a jitted step compiles o
 """
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 
@@ -35,11 +39,13 @@ def make_batch(arrays: dict, idx, step: int, config: DataConfig, pad_id: int) ->
     """The batch of rows `idx` of a step's tokenized set."""
     if step == 3:
         ids, mask = _pad(_rows(arrays, "", idx), config.max_prompt_len, pad_id, left=True)
-        return {"prompt_ids": ids, "prompt_mask": mask}
+        meta = arrays.get("metadata")
+        return {"prompt_ids": ids, "prompt_mask": mask, "metadata": [{} if meta is None else json.loads(meta[i]) for i in idx]}
     if step == 2:
         batch = {}
         for field in ("chosen", "rejected"):
             batch[f"{field}_ids"], batch[f"{field}_mask"] = _pad(_rows(arrays, f"{field}_", idx), config.max_seq_len, pad_id, left=False)
+        batch["prompt_len"] = arrays["prompt_len"][np.asarray(idx)].astype(np.int32)
         return batch
     length = config.unsupervised_block_size if step == "unsupervised" else config.max_seq_len
     ids, mask = _pad(_rows(arrays, "", idx), length, pad_id, left=False)

@@ -13,7 +13,8 @@ Tokenized sets are ragged (tokens + offsets), padded only when batched (batches.
     step 2   chosen and rejected sequences as in step 1
              longer than max_seq_len: the prompt loses its oldest tokens after BOS (both halves of a pair
              alike, down to half of max_seq_len at most), then the answer its end
-    step 3   BOS + prompt; prompts longer than max_prompt_len are dropped (and counted), never cut
+    step 3   BOS + prompt; prompts longer than max_prompt_len are dropped (and counted), never cut; each
+             prompt's metadata (Record.metadata) as a JSON string, for the reward functions (jaxrlhf.rewards)
     "unsupervised"  texts joined with EOS between them and cut into blocks of unsupervised_block_size
              (DeepSpeed-Chat's group_texts), for the mixture LM loss of Step 3
 """
@@ -33,7 +34,7 @@ import numpy as np
 from jaxrlhf.config import check_fields
 from jaxrlhf.data.sources import DataError, Record, Report, fingerprint, read_source, read_texts
 
-CACHE_VERSION = 5  # bump when the tokenized format or any adapter's output changes
+CACHE_VERSION = 6  # bump when the tokenized format or any adapter's output changes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +155,7 @@ def tokenize(records: list[Record], tokenizer, step: int, config: DataConfig) ->
         keep = [i for i, p in enumerate(prompts) if len(p) <= config.max_prompt_len]
         arrays = _ragged([prompts[i] for i in keep])
         arrays["record_index"] = np.array(keep, np.int64)
+        arrays["metadata"] = np.array([json.dumps(records[i].metadata or {}) for i in keep], str)
         return arrays, {"prompts": len(keep), "dropped_too_long": len(prompts) - len(keep)}
     arrays, stats = {}, {"sequences": len(records)}
     fields = ("chosen",) if step == 1 else ("chosen", "rejected")

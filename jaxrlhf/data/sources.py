@@ -3,13 +3,15 @@
     source spec                             adapter
     "synthetic"                             the built-in task (jaxrlhf.data.synthetic)
     "Dahoas/rm-static", ... (HUB_ADAPTERS)  DeepSpeed-Chat's hub datasets, through `datasets` (needs a hub)
-    path/to/file.{json,jsonl,jsonl.gz,parquet}   rows with one of the ROW_FORMATS below
+    path/to/file.{json,jsonl,jsonl.gz,parquet}   rows in one of the formats below
     path/to/folder                          a folder written by `datasets` (save_to_disk)
 
 Row formats of local files: {prompt, chosen[, rejected]} (pairs, or SFT when rejected is absent or null),
 {prompt, response} (SFT), {chosen, rejected} (raw Anthropic HH-RLHF dialogues: the prompt is the text up
 to and including the last "\n\nAssistant:", each response what follows it; pairs whose two prompts
-differ are skipped and counted).
+differ are skipped and counted), {question, answer} (GSM8K: the question is the prompt, " " + answer the SFT
+response, and the answer is kept as the row's metadata {"reference": answer} for Step 3's reward function). A
+prompt row may carry a "metadata" object, which reaches Step 3's reward functions with its prompt.
 
 Prompts keep DeepSpeed-Chat's format ("\n\nHuman: ... \n\nAssistant:" or " Human: ... Assistant:") and
 responses start with their leading space, so prompt + response is the original text, exactly.
@@ -47,6 +49,7 @@ class Record:
     prompt: str
     chosen: str
     rejected: str | None = None  # None in SFT-only data
+    metadata: dict | None = None  # what Step 3's reward functions get with the prompt (GSM8K: {"reference": answer})
 
 
 @dataclasses.dataclass
@@ -111,13 +114,19 @@ def local_record(row: Any) -> Record:
     if "prompt" in row and ("chosen" in row or "response" in row):
         prompt = _text(row, "prompt")
         chosen = _text(row, "chosen" if "chosen" in row else "response")
-        record = Record(prompt, chosen, _text(row, "rejected", optional=True))
+        metadata = row.get("metadata")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise DataError(f"field 'metadata' must be an object, got {type(metadata).__name__}")
+        record = Record(prompt, chosen, _text(row, "rejected", optional=True), metadata)
+    elif "question" in row and "answer" in row:  # GSM8K
+        answer = _text(row, "answer")
+        record = Record(_text(row, "question"), " " + answer, None, {"reference": answer})
     elif "chosen" in row and "rejected" in row:
         record = hh_record(row)
     else:
         raise DataError(
-            f"expected fields prompt + chosen [+ rejected], prompt + response, or chosen + rejected "
-            f"(HH-RLHF dialogues); got {sorted(row)}"
+            f"expected fields prompt + chosen [+ rejected], prompt + response, chosen + rejected "
+            f"(HH-RLHF dialogues), or question + answer (GSM8K); got {sorted(row)}"
         )
     if not record.prompt.strip():
         raise DataError("empty prompt")

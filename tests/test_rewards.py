@@ -1,0 +1,200 @@
+"""Reward functions (jaxrlhf.rewards): the setting, the checks that name the function and the row, the host runner
+that overlaps the device, and the built-in rules against the numbers the rest of the package uses."""
+
+import importlib
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from jaxrlhf import rewards
+from jaxrlhf.config import ConfigError
+from jaxrlhf.data import stories as story_task
+from jaxrlhf.data import synthetic as synthetic_task
+from jaxrlhf.rewards import HostRewards, RewardConfig, RewardError, checked_scores
+
+# ----------------------------------------------------------------------------------------------- the setting
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """An importable module `my_rewards` of user functions."""
+    (tmp_path / "my_rewards.py").write_text(
+        "import threading\n"
+        "released = threading.Event()\n"
+        "def length(prompts, answers, metadata):\n    return [float(len(a)) for a in answers]\n"
+        "def blocked(prompts, answers, metadata):\n    assert released.wait(10)\n    return [1.0] * len(answers)\n"
+        "def picky(prompts, answers, metadata):\n    return [1.0 / (a != 'boom') for a in answers]\n"
+        "def short(prompts, answers, metadata):\n    return [0.0] * (len(answers) - 1)\n"
+        "def nan_at_2(prompts, answers, metadata):\n    return [float('nan') if a == 'boom' else 0 for a in answers]\n"
+        "def words(prompts, answers, metadata):\n    return ['x'] * len(answers)\n"
+        "not_callable = 3\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield importlib.import_module("my_rewards")
+    sys.modules.pop("my_rewards", None)
+
+
+def test_config_defaults_to_the_reward_model_and_weights_functions(user_module):
+    assert RewardConfig().model_scale == 1.0  # today's behaviour: the reward model alone
+    assert RewardConfig(functions=("my_rewards:length",)).model_scale == 0.0  # a function alone loads no reward model
+    assert RewardConfig(functions=("my_rewards:length",), model_weight=0.5).model_scale == 0.5
+    with pytest.raises(
+        ConfigError, match=r"reward\.weights: expected one weight per function \(1\), got \[1\.0, 2\.0\]"
+    ):
+        RewardConfig(functions=("my_rewards:length",), weights=(1.0, 2.0))
+    with pytest.raises(ConfigError, match=r"reward\.model_weight: 0 leaves no reward"):
+        RewardConfig(model_weight=0.0)
+    with pytest.raises(ConfigError, match=r"model_weight: expected a finite number"):
+        RewardConfig(model_weight=float("nan"))
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (
+            "my_rewards.length",
+            r"expected 'module:function' \(e\.g\. jaxrlhf\.rewards:gsm8k\), got 'my_rewards\.length'",
+        ),
+        (
+            "no_such_module_x:f",
+            r"cannot import 'no_such_module_x' for 'no_such_module_x:f' \(ModuleNotFoundError: .*PYTHONPATH",
+        ),
+        ("my_rewards:absent", r"'my_rewards:absent': module 'my_rewards' has no callable 'absent'"),
+        ("my_rewards:not_callable", r"'my_rewards:not_callable': module 'my_rewards' has no callable 'not_callable'"),
+    ],
+)
+def test_a_bad_function_name_is_a_config_error_naming_the_setting(user_module, spec, message):
+    with pytest.raises(ConfigError, match=r"^reward\.functions: " + message):
+        RewardConfig(functions=(spec,))
+
+
+# ---------------------------------------------------------------------------------------- checks and runner
+
+PROMPTS, ANSWERS, META = ["p0", "p1", "p2", "p3"], ["a", "bb", "boom", "dddd"], [{}] * 4
+
+
+def test_checked_scores_name_the_function_and_the_row(user_module):
+    mod = user_module
+    assert checked_scores("my_rewards:length", mod.length, PROMPTS, ANSWERS, META).tolist() == [1.0, 2.0, 4.0, 4.0]
+    with pytest.raises(
+        RewardError,
+        match=r"^reward function my_rewards:picky raised ZeroDivisionError on row 2 "
+        r"\(prompt 'p2', answer 'boom'\): float division by zero",
+    ):
+        checked_scores("my_rewards:picky", mod.picky, PROMPTS, ANSWERS, META)
+    with pytest.raises(RewardError, match=r"my_rewards:short: expected 4 scores \(one per answer\), got shape \(3,\)"):
+        checked_scores("my_rewards:short", mod.short, PROMPTS, ANSWERS, META)
+    with pytest.raises(RewardError, match=r"my_rewards:nan_at_2: score nan on row 2 \(prompt 'p2', answer 'boom'\)"):
+        checked_scores("my_rewards:nan_at_2", mod.nan_at_2, PROMPTS, ANSWERS, META)
+    with pytest.raises(RewardError, match=r"my_rewards:words: expected numbers, got \['x', 'x', 'x', 'x'\]"):
+        checked_scores("my_rewards:words", mod.words, PROMPTS, ANSWERS, META)
+
+
+def test_the_runner_overlaps_the_caller_and_weights_the_functions(user_module):
+    mod = user_module
+    runner = HostRewards(RewardConfig(functions=("my_rewards:blocked", "my_rewards:length"), weights=(3.0, -0.5)))
+    mod.released.clear()
+    pending = runner.start(PROMPTS, ANSWERS, META)  # returns while `blocked` waits: the device work goes on meanwhile
+    assert not pending.done()
+    mod.released.set()
+    scores = pending.result(timeout=10)
+    assert scores.dtype == np.float32 and scores.tolist() == [2.5, 2.0, 1.0, 1.0]  # 3 * 1 - 0.5 * len(answer)
+
+
+def test_the_runner_raises_from_result(user_module):
+    pending = HostRewards(RewardConfig(functions=("my_rewards:length", "my_rewards:picky"))).start(
+        PROMPTS, ANSWERS, META
+    )
+    with pytest.raises(RewardError, match=r"my_rewards:picky raised ZeroDivisionError on row 2"):
+        pending.result(timeout=10)
+
+
+# ------------------------------------------------------------------------------------------------ built-ins
+
+
+def test_gsm8k_compares_the_last_number_with_the_reference():
+    ref = "She has 3 + 4 = <<3+4=7>>7 apples.\n#### 1,234"
+    cases = [
+        ("The answer is 1234.", 1.0),
+        ("so $1,234", 1.0),
+        ("1234.00", 1.0),
+        ("1,234 then 12", 0.0),
+        ("no number", 0.0),
+        ("#### 1234", 1.0),
+        ("it is 1233", 0.0),
+        ("12 and 1234,", 1.0),
+    ]
+    got = rewards.gsm8k([""] * len(cases), [a for a, _ in cases], [{"reference": ref}] * len(cases))
+    assert got == [want for _, want in cases]
+    assert rewards.gsm8k(
+        [""] * 3,
+        ["-5 degrees", "$0.50", "-5"],
+        [{"reference": "#### -5"}, {"reference": "#### 0.5"}, {"reference": "#### 5"}],
+    ) == [1.0, 1.0, 0.0]
+    with pytest.raises(ValueError, match=r"the reference has no '#### <number>'"):
+        rewards.gsm8k([""], ["1"], [{"reference": "7"}])
+
+
+def test_gsm8k_rewards_every_real_reference_answer_as_right(assets):
+    rows = [json.loads(line) for line in (assets / "data" / "gsm8k" / "test.jsonl").read_text().splitlines()]
+    meta = [{"reference": r["answer"]} for r in rows]
+    assert rewards.gsm8k(None, [r["answer"] for r in rows], meta) == [1.0] * len(rows)
+    shifted = [r["answer"] for r in rows[1:] + rows[:1]]  # another problem's answer is mostly wrong
+    assert np.mean(rewards.gsm8k(None, shifted, meta)) < 0.05
+
+
+def test_synthetic_is_the_gold_reward_ppo_logs():
+    from jaxrlhf.ppo import gold_rewards
+    from jaxrlhf.train import builtin_tokenizer
+
+    tok = builtin_tokenizer()
+    prompts = [r["prompt"] for r in synthetic_task.prompt_records(6, seed=3)]
+    rng = np.random.default_rng(0)
+    answers = [
+        synthetic_task.gold_answer(p)
+        if i % 3 == 0
+        else synthetic_task.make_response(synthetic_task.corrupt(synthetic_task.prompt_items(p), 1 + i % 2, rng))
+        for i, p in enumerate(prompts)
+    ]
+    P, G = 24, 12
+    seq, seq_mask = np.full((6, P + G), tok.pad_token_id, np.int32), np.zeros((6, P + G), np.int32)
+    for b, (p, a) in enumerate(zip(prompts, answers)):
+        pi, ai = (
+            [tok.bos_token_id] + tok(p, add_special_tokens=False)["input_ids"],
+            tok(a, add_special_tokens=False)["input_ids"],
+        )
+        ai = (ai + [tok.eos_token_id])[:G]
+        seq[b, P - len(pi) : P], seq_mask[b, P - len(pi) : P] = pi, 1
+        seq[b, P : P + len(ai)], seq_mask[b, P : P + len(ai)] = ai, 1
+    logged = gold_rewards(tok, {"seq": seq, "seq_mask": seq_mask, "mask": seq_mask[:, P:]})
+    ours = rewards.synthetic(prompts, answers, [{}] * 6)
+    assert ours == logged and len(set(ours)) > 2 and ours[0] == 1.0
+
+
+def test_stories_is_the_rule_the_story_evaluation_uses():
+    answers = [
+        " Once upon a time, a dog ran.",
+        " The dogs played.",
+        " A hotdog stand.",
+        " The DOG barked.",
+        " A cat sat.",
+        " Boxes everywhere.",
+        " foxes",
+    ]
+    for word in story_task.WORDS:
+        prompt = story_task.make_prompt(word)
+        got = rewards.stories([prompt] * len(answers), answers, [{}] * len(answers))
+        assert got == [float(story_task.uses(a, word)) for a in answers]  # stories.evaluate's rule for word i
+    assert rewards.stories([story_task.make_prompt("dog")] * 4, answers[:4], [{}] * 4) == [1.0, 1.0, 0.0, 1.0]
+    assert rewards.stories([story_task.make_prompt("box")] * 2, answers[5:], [{}] * 2) == [1.0, 0.0]
+
+
+def test_the_runner_runs_the_builtins_by_name():
+    runner = HostRewards(
+        RewardConfig(functions=("jaxrlhf.rewards:gsm8k", "jaxrlhf.rewards:stories"), weights=(2.0, 1.0))
+    )
+    prompt = story_task.make_prompt("cat")
+    out = runner([prompt] * 2, [" a cat: 4", " a dog: 5"], [{"reference": "#### 4"}] * 2)
+    assert out.tolist() == [3.0, 0.0]
