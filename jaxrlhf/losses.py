@@ -1,4 +1,4 @@
-"""The losses of Steps 1 and 2 (and Step 3's mixture LM loss) as small pure functions on masked arrays; PPO's are in
+"""The losses of Steps 1 and 2, DPO (and Step 3's mixture LM loss) as small pure functions on masked arrays; PPO's are in
 jaxrlhf.rl.losses. Each formula is in its docstring.
 
 Losses return SUMS and the count they are over (`(total, count, metrics)`), not means: a step that
@@ -80,3 +80,46 @@ def reward_loss(chosen_values, rejected_values, chosen_ids, rejected_ids, chosen
         "rejected_score": jnp.sum(r_end),
     }
     return jnp.sum(per_pair * pairs), jnp.sum(pairs), metrics
+
+
+def answer_mask(attention_mask, prompt_len):
+    """[B, T] int32: 1 at the real tokens from position `prompt_len[b]` on (the answer and its EOS), 0 at the prompt
+    (BOS included) and the padding; a loss_mask (see lm_targets) over the answer alone."""
+    t = jnp.arange(attention_mask.shape[1])[None, :]
+    return (attention_mask * (t >= prompt_len[:, None])).astype(jnp.int32)
+
+
+def sequence_logprobs(logits, input_ids, loss_mask):
+    """log π(answer | prompt) = sum over targets t of log p(ids[b, t] | ids[b, :t]): [B] float32, the targets being
+    `lm_targets(loss_mask)` (with `answer_mask`: the answer's tokens only)."""
+    return jnp.sum(token_logprobs(logits, input_ids) * lm_targets(loss_mask), axis=1)
+
+
+def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, *, beta: float, label_smoothing: float = 0.0,
+             kind: str = "sigmoid"):
+    """DPO's loss over B pairs from answer log-probs [B] (sequence_logprobs): (sum of per-pair losses, pairs, metrics).
+
+    With h = (π_c - ref_c) - (π_r - ref_r), the policy's log-ratio of chosen over rejected minus the reference's:
+        kind="sigmoid" (DPO; conservative DPO with ε = label_smoothing): -(1 - ε) log σ(β h) - ε log σ(-β h)
+        kind="ipo" (IPO): (h - 1 / (2 β))²
+    Implicit rewards r = β (π - ref) of each answer; metrics (sums over pairs): chosen_reward, rejected_reward,
+    margin (r_c - r_r) and accuracy (r_c > r_r, a tie counting 1/2: the reference itself scores exactly 1/2).
+    """
+    r_c, r_r = beta * (policy_chosen - ref_chosen), beta * (policy_rejected - ref_rejected)
+    h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
+    if kind == "sigmoid":
+        per_pair = -(1 - label_smoothing) * jax.nn.log_sigmoid(beta * h) - label_smoothing * jax.nn.log_sigmoid(-beta * h)
+    elif kind == "ipo":
+        per_pair = (h - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"DPO loss kind: expected 'sigmoid' or 'ipo', got {kind!r}")
+    total = jnp.sum(per_pair)
+    metrics = {
+        "loss": total,
+        "pairs": jnp.float32(per_pair.shape[0]),
+        "accuracy": jnp.sum(jnp.where(r_c > r_r, 1.0, jnp.where(r_c == r_r, 0.5, 0.0))),
+        "chosen_reward": jnp.sum(r_c),
+        "rejected_reward": jnp.sum(r_r),
+        "margin": jnp.sum(r_c - r_r),
+    }
+    return total, jnp.float32(per_pair.shape[0]), metrics

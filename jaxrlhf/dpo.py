@@ -1,0 +1,100 @@
+"""DPO, `python -m jaxrlhf.dpo`: preference optimisation straight from the pairs, instead of Steps 2 + 3
+(DeepSpeed-Chat's step2_dpo).
+
+    python -m jaxrlhf.dpo model=runs/sft/model output_dir=runs/dpo [beta=0.1] [loss_type=ipo] [key=value ...]
+
+The policy starts from `model` (a Step 1 output) and trains on Step 2's pairs (its share of data_split) to raise
+the log-ratio of the chosen answer over the rejected one against a frozen reference, the starting model itself:
+
+    per micro-batch   ref_c, ref_r = log π_ref(answer | prompt)      the frozen starting weights, no gradient
+                      π_c, π_r     = log π(answer | prompt)          the policy (LoRA attached), with dropout
+                      loss         = losses.dpo_loss(π_c, π_r, ref_c, ref_r)
+
+log π(answer | prompt) sums the answer's token log-probs (its EOS included, the prompt masked). With LoRA and
+only_optimize_lora the reference is the frozen base with the adapters off: no second copy of the model; otherwise
+the state holds a frozen copy of the starting weights (trainer.reference_params). Evaluation on the held-out
+pairs: the loss, the implicit rewards β (π - π_ref) of chosen and rejected, their margin, and the accuracy
+(chosen's reward above rejected's; 0.5 for the reference itself). Writes output_dir/model (an HF causal LM, LoRA
+fused), resumes and skips like Steps 1 and 2 (jaxrlhf.trainer.train).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax.numpy as jnp
+
+from jaxrlhf.config import ConfigError, check_fields, run_cli
+from jaxrlhf.losses import answer_mask, dpo_loss, sequence_logprobs
+from jaxrlhf.models import logits
+from jaxrlhf.trainer import RunConfig, train
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOConfig(RunConfig):
+    output_dir: str = "runs/dpo"
+    #: strength of the pull toward the reference (DPO's β; DeepSpeed-Chat's default)
+    beta: float = 0.1
+    #: conservative DPO: the share ε of pairs taken as mislabelled (0: plain DPO; sigmoid loss only)
+    label_smoothing: float = 0.0
+    #: sigmoid: DPO's -log σ(β h); ipo: IPO's squared loss (h - 1/(2β))²
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    #: no dropout by default: with it the policy differs from the reference before any step
+    dropout: float | None = 0.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_fields(self, beta="> 0", label_smoothing="[0, 1)")
+        if self.label_smoothing and self.loss_type != "sigmoid":
+            raise ConfigError(f"label_smoothing: only with loss_type=sigmoid, not {self.loss_type}")
+
+
+def answer_logprobs(config, params, batch, key=None):
+    """(log π(chosen | prompt), log π(rejected | prompt)), [B] each: one forward over both halves of the pairs."""
+    n = batch["chosen_ids"].shape[0]
+    ids = jnp.concatenate([batch["chosen_ids"], batch["rejected_ids"]])  # [2B, T]
+    mask = jnp.concatenate([batch["chosen_mask"], batch["rejected_mask"]])
+    prompt_len = jnp.concatenate([batch["prompt_len"], batch["prompt_len"]])
+    out = logits(config, params, ids, mask, dropout_rng=key)  # [2B, T, V]
+    lp = sequence_logprobs(out, ids, answer_mask(mask, prompt_len))
+    return lp[:n], lp[n:]
+
+
+def reference_logprobs(config):
+    """trainer's reference_fn: the frozen reference's answer log-probs, added to each micro-batch."""
+
+    def reference_fn(params, batch):
+        ref_c, ref_r = answer_logprobs(config, params, batch)
+        return {**batch, "ref_chosen": ref_c, "ref_rejected": ref_r}
+
+    return reference_fn
+
+
+def dpo_loss_fn(config, cfg: DPOConfig):
+    def loss_fn(params, batch, key):
+        c, r = answer_logprobs(config, params, batch, key)
+        return dpo_loss(c, r, batch["ref_chosen"], batch["ref_rejected"], beta=cfg.beta,
+                        label_smoothing=cfg.label_smoothing, kind=cfg.loss_type)
+
+    return loss_fn
+
+
+def summarise(sums) -> dict:
+    pairs = max(float(sums["pairs"]), 1.0)
+    return {k: float(sums[k]) / pairs for k in ("loss", "accuracy", "chosen_reward", "rejected_reward", "margin")} | {
+        "pairs": int(sums["pairs"])}
+
+
+def run(cfg: DPOConfig, log=print, mesh=None) -> dict:
+    """DPO (see trainer.train); returns the final state, the logged records and the model folder."""
+    return train(cfg, step=2, value_head=False, make_loss=lambda config: dpo_loss_fn(config, cfg), summarise=summarise,
+                 log=log, mesh=mesh, make_reference=reference_logprobs)
+
+
+def main(argv=None):
+    run_cli(DPOConfig, __doc__, "python -m jaxrlhf.dpo", run, argv)
+
+
+if __name__ == "__main__":
+    main()
