@@ -211,10 +211,8 @@ def gold_and_kl(models: dict, tok, ids, mask, gold, *, samples: int, max_new_tok
             texts[name, mode] = decode_rows(tok, gen.tokens, gen.mask)
             out[f"{name}_gold_reward_{mode}"] = float(np.mean([gold(i % len(ids), a) for i, a in enumerate(texts[name, mode])]))
             sampled = gen if (name, mode) == ("actor", "sampled") else sampled
-    seq = jnp.concatenate([rows["sampled"][0], sampled.tokens], 1)
-    seq_mask = jnp.concatenate([rows["sampled"][1], sampled.mask], 1)
-    logp = {name: token_logprobs(logits(c, p, seq, seq_mask), seq)[:, -max_new_tokens:] for name, (c, p) in models.items()}
-    out["kl_actor_to_step1"] = float(jnp.sum((logp["actor"] - logp["step1"]) * sampled.mask) / len(seq))
+    lp = {name: _answer_logprobs(c, p, *rows["sampled"][:2], sampled.tokens, sampled.mask) for name, (c, p) in models.items()}
+    out["kl_actor_to_step1"] = float(jnp.sum(lp["actor"] - lp["step1"]) / len(sampled.tokens))
     return out, texts
 
 

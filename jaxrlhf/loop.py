@@ -13,16 +13,21 @@ where the saved run is past this one's end, logs every cfg.log_every iterations 
 stops after cfg.max_skipped_steps skipped steps of one model in a row (NonFiniteError), saves every
 cfg.save_every iterations and at the end. The state's own counter `counter` = (key, per iteration) keys the
 checkpoints: Steps 1 and 2 count optimizer steps ("step", 1), Step 3 generation batches ("iteration", batches).
+Before anything is loaded, `start_run` checks the run folder: a finished run is skipped, a changed one refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
+from jaxrlhf.checkpoint import check_replaceable, export_manifest
 from jaxrlhf.config import ConfigError
 
 
@@ -37,17 +42,107 @@ def save_state(manager, state, meta: dict, step: int | None = None):
     step = int(state["step"]) if step is None else step
     if step in manager.all_steps():
         return
-    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+    manager.save(
+        step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True
+    )
 
 
-def restore_state(manager, like_state, shardings):
-    """The newest saved state, restored straight into `shardings` (any mesh), and its metadata."""
-    step = manager.latest_step()
-    if step is None:
-        return None, None
-    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), like_state, shardings)
-    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
-    return restored["state"], restored["meta"]
+# --------------------------------------------------------------------------------------------- run folders
+
+RUN_SETTINGS = "run_config.json"
+# Settings that may differ between the starts of one run: they steer logging, saving and evaluation, not the weights.
+BOOKKEEPING = (
+    "resume",
+    "output_dir",
+    "log_every",
+    "save_every",
+    "keep_checkpoints",
+    "max_skipped_steps",
+    "eval_every",
+    "eval_batches",
+    "sample_prompts",
+    "sample_tokens",
+    "score_file",
+    "print_answers",
+    "alarms",
+    "device_memory_gib",
+    "data.cache_dir",
+    "report_to",
+)
+# The run's length may change too: the saved state then continues to the new end (a finished run is extended).
+LENGTH = ("max_steps", "epochs")
+
+
+def settings(cfg, inputs: tuple[str, ...] = ("model",)) -> dict:
+    """A run's config as flat dotted keys with JSON values: what run_config.json and its exports' manifests hold.
+
+    `inputs` name the fields that hold model folders; the id in each one's export manifest is a setting too
+    ("input_id.<field>"), so a run is not taken as finished after the model it started from was trained again."""
+
+    def flat(tree, prefix=""):
+        out = {}
+        for k, v in tree.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+        return out
+
+    out = flat(json.loads(json.dumps(dataclasses.asdict(cfg))))
+    return {**out, **{f"input_id.{k}": (export_manifest(out[k]) or {}).get("id") for k in inputs if out[k]}}
+
+
+def changed(old: dict, new: dict, ignore=()) -> list[str]:
+    """The dotted keys whose values differ between two `settings`, except those under `ignore`."""
+    ignored = lambda k: any(k == i or k.startswith(i + ".") for i in ignore)
+    return [k for k in sorted(old.keys() | new.keys()) if not ignored(k) and old.get(k) != new.get(k)]
+
+
+def start_run(
+    cfg, exports: list[Path], saved_step: int | None, inputs: tuple[str, ...] = ("model",), log=print
+) -> bool:
+    """Check cfg.output_dir against `cfg` before anything is loaded; True when the run there is finished (skip it).
+
+    Finished: every folder in `exports` was written by jaxrlhf (checkpoint.save_hf's manifest) with these settings.
+    Refused: an export folder that is not ours (never replaced), a setting that differs from the run saved here
+    (output_dir/run_config.json), and resume=false over a saved run. Otherwise the settings are written down for
+    the next start to compare, and the caller trains (from `saved_step`, the newest Orbax state, if any).
+    """
+    out, now = Path(cfg.output_dir), settings(cfg, inputs)
+    for path in exports:
+        check_replaceable(path)
+    manifests = [export_manifest(path) for path in exports]
+    saved = saved_step is not None or any(m is not None for m in manifests)
+    if saved and not cfg.resume:
+        raise ConfigError(
+            f"{out}: holds a run already (resume=false starts from scratch); choose another output_dir or "
+            "delete this one, or leave resume=true to continue that run"
+        )
+    if saved and (out / RUN_SETTINGS).is_file():
+        try:
+            before = json.loads((out / RUN_SETTINGS).read_text())
+        except ValueError:
+            before = None
+        if not isinstance(before, dict):
+            raise ConfigError(
+                f"{out / RUN_SETTINGS}: not the settings jaxrlhf wrote (a JSON object); delete that file to "
+                "continue the run saved here with the settings given now"
+            )
+        if diff := changed(before, now, BOOKKEEPING + LENGTH):
+            what = "; ".join(f"'{k}' was {json.dumps(before.get(k))}, now {json.dumps(now.get(k))}" for k in diff)
+            raise ConfigError(
+                f"{out / RUN_SETTINGS}: the run saved here has other settings ({what}); set them back to "
+                f"continue it, or choose another output_dir (or delete {out}) to start over"
+            )
+    if saved and all(m is not None and not changed(m.get("settings", {}), now, BOOKKEEPING) for m in manifests):
+        log(
+            f"{out}: finished already with these settings ({', '.join(p.name for p in exports)} complete); "
+            f"skipping it (delete {out} to train it again)"
+        )
+        return True
+    if jax.process_index() == 0:  # written aside and renamed, so a reader never sees half of it
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / f".{RUN_SETTINGS}.tmp"
+        tmp.write_text(json.dumps(now, indent=1) + "\n")
+        os.replace(tmp, out / RUN_SETTINGS)
+    return False
 
 
 class NonFiniteError(ConfigError):
@@ -68,13 +163,30 @@ class SkipCounter:
         self.in_a_row += 1
         self.log(f"{where}: step skipped, its loss or gradient norm is not finite (weights and optimizer unchanged)")
         if self.in_a_row >= self.limit:
-            raise NonFiniteError(f"{where}: {self.in_a_row} steps in a row had a non-finite loss or gradient norm, so "
-                                 "the run stops and exports nothing; lower the learning rate (optim.learning_rate), "
-                                 "check the data, or raise max_skipped_steps")
+            raise NonFiniteError(
+                f"{where}: {self.in_a_row} steps in a row had a non-finite loss or gradient norm, so "
+                "the run stops and exports nothing; lower the learning rate (optim.learning_rate), "
+                "check the data, or raise max_skipped_steps"
+            )
 
 
-def fit(cfg, state, step, summarise, sources, *, total: int, manager, metrics_log, shardings, evaluate=None,
-        counter: tuple[str, int] = ("step", 1), shown: tuple[str, ...] = (), desc: str = "train", log=print):
+def fit(
+    cfg,
+    state,
+    step,
+    summarise,
+    sources,
+    *,
+    total: int,
+    manager,
+    metrics_log,
+    shardings,
+    evaluate=None,
+    counter: tuple[str, int] = ("step", 1),
+    shown: tuple[str, ...] = (),
+    desc: str = "train",
+    log=print,
+):
     """Run iterations up to `total` (see the module docstring); returns the final state and the logged records.
 
     `cfg` holds resume, log_every, save_every, max_skipped_steps and optionally eval_every; `sources` is a
@@ -83,19 +195,28 @@ def fit(cfg, state, step, summarise, sources, *, total: int, manager, metrics_lo
     """
     key, per = counter
     named = sources if isinstance(sources, dict) else {"": sources}
-    unit = "step" if per == 1 else "iteration"
-    if cfg.resume:
-        restored, meta = restore_state(manager, state, shardings)
-        if restored is not None:
-            state = restored
-            for name, batches in named.items():
-                batches.epoch, batches.position = (meta[name] if name else meta)["epoch"], (meta[name] if name else meta)["position"]
-            where = "; ".join(f"{name + ': ' if name else ''}epoch {b.epoch}, batch {b.position}" for name, b in named.items())
-            log(f"resumed from {unit} {int(state[key]) // per} ({where})")
+    unit = "step" if key == "step" else "iteration"
+    if cfg.resume and manager.latest_step() is not None:  # the newest state, restored straight into `shardings`
+        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+        restored = manager.restore(
+            manager.latest_step(),
+            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()),
+        )
+        state, meta = restored["state"], restored["meta"]
+        for name, batches in named.items():
+            saved = meta[name] if name else meta
+            batches.epoch, batches.position = saved["epoch"], saved["position"]
+        where = "; ".join(
+            f"{name + ': ' if name else ''}epoch {b.epoch}, batch {b.position}" for name, b in named.items()
+        )
+        log(f"resumed from {unit} {int(state[key]) // per} ({where})")
     start = int(state[key]) // per
     if start > total:
-        raise ConfigError(f"{Path(cfg.output_dir) / 'state'}: the saved run is at {unit} {start}, past this run's {total} "
-                          f"{unit}s (max_steps, epochs); give at least as many, or another output_dir")
+        metrics_log.close()
+        raise ConfigError(
+            f"{Path(cfg.output_dir) / 'state'}: the saved run is at {unit} {start}, past this run's {total} "
+            f"{unit}s (max_steps, epochs); give at least as many, or another output_dir"
+        )
 
     def save():
         meta = {name: b.state() for name, b in named.items()} if isinstance(sources, dict) else sources.state()
@@ -111,7 +232,10 @@ def fit(cfg, state, step, summarise, sources, *, total: int, manager, metrics_lo
     def run_eval(i):
         if evaluate is not None and (figures := evaluate(state)) is not None:
             write(i, "eval", figures)
-            log(f"eval @ {i}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items()))
+            log(
+                f"eval @ {i}: "
+                + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items())
+            )
 
     eval_every = getattr(cfg, "eval_every", 0)
     bar = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True, disable=jax.process_index() != 0)
@@ -123,8 +247,12 @@ def fit(cfg, state, step, summarise, sources, *, total: int, manager, metrics_lo
             if i % cfg.log_every == 0 or i == total:
                 figures = summarise(window)
                 write(i, "train", figures)
-                bar.set_postfix({**{k: f"{figures[k]:.4g}" for k in shown if k in figures},
-                                 **({"ALARM": figures["alarms"]} if "alarms" in figures else {})})
+                bar.set_postfix(
+                    {
+                        **{k: f"{figures[k]:.4g}" for k in shown if k in figures},
+                        **({"ALARM": figures["alarms"]} if "alarms" in figures else {}),
+                    }
+                )
                 for model, flag, where in skipped:  # after the write: a stopped run's log shows its skips
                     counters.setdefault(model, SkipCounter(cfg.max_skipped_steps, log)).update(float(flag), where)
                 window, skipped = [], []

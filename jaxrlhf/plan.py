@@ -38,7 +38,8 @@ from jaxrlhf.config import ConfigError, parse_cli
 from jaxrlhf.generate import DECODE_SLOTS
 from jaxrlhf.lora import adapted_mask
 from jaxrlhf.models import param_shapes, preset
-from jaxrlhf.rl import engine as rl_engine, steps as rl_steps
+from jaxrlhf.rl import engine as rl_engine
+from jaxrlhf.rl import steps as rl_steps
 from jaxrlhf.rl.config import PPOConfig
 from jaxrlhf.sharding import AXES, make_mesh, partition_spec, path_str
 from jaxrlhf.trainer import init_state, make_optimizer

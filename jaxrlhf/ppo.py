@@ -20,24 +20,23 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxrlhf import loop, plan as memory_plan
+from jaxrlhf import loop
+from jaxrlhf import plan as memory_plan
 from jaxrlhf.alarms import AlarmTracker, experience_figures, training_records
 from jaxrlhf.checkpoint import save_hf
 from jaxrlhf.config import ConfigError, run_cli
 from jaxrlhf.data import Batches, prepare
 from jaxrlhf.data.synthetic import gold_reward
 from jaxrlhf.distributed import to_host
+from jaxrlhf.loop import settings, start_run
 from jaxrlhf.metrics import MetricsLog
-from jaxrlhf.rl import HybridEngine, ModelSide
-from jaxrlhf.rl.config import PPOConfig
-from jaxrlhf.rl.experience import check_accumulation
+from jaxrlhf.rl import HybridEngine, ModelSide, PPOConfig
+from jaxrlhf.rl.experience import base_params, check_accumulation
 from jaxrlhf.sharding import make_mesh
 from jaxrlhf.tokenizer import decode_rows
-from jaxrlhf.trainer import RunConfig, load_model, precision_warning, settings, start_run
+from jaxrlhf.trainer import RunConfig, load_model, precision_warning
 
-__all__ = ["PPOConfig", "check", "main", "run"]
-
-INPUTS = ("actor.model", "critic.model")  # the model folders a run starts from (trainer.settings)
+INPUTS = ("actor.model", "critic.model")  # the model folders a run starts from (loop.settings)
 PHASES = ("reshard", "generate", "score", "advantages", "actor_step", "critic_step", "offload")
 
 
@@ -86,10 +85,7 @@ def effective_tflops(engine: HybridEngine, samples: int, seq_len: int, seconds: 
     """DeepSpeed-Chat's effective TFLOP/s per device (docs/benchmarks.md): 2 N L per forward, 6 N L per training
     pass; generation, old log-probs and reference forwards of the actor, critic and reward forwards, and the
     two updates per PPO epoch."""
-    n_actor = sum(x.size for x in jax.tree.leaves(engine.state["actor"]["trainable"].get("params", {})))
-    n_actor += sum(x.size for x in jax.tree.leaves(engine.state["actor"]["frozen"]))
-    n_critic = sum(x.size for x in jax.tree.leaves(engine.state["critic"]["trainable"].get("params", {})))
-    n_critic += sum(x.size for x in jax.tree.leaves(engine.state["critic"]["frozen"]))
+    n_actor, n_critic = (sum(x.size for x in jax.tree.leaves(base_params(engine.state[m]))) for m in ("actor", "critic"))
     flops = seq_len * samples * (6 * n_actor + 4 * n_critic + ppo_epochs * 6 * (n_actor + n_critic))
     return flops / max(seconds, 1e-9) / engine.mesh.size / 1e12
 

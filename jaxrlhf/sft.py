@@ -4,7 +4,7 @@
 
 Writes output_dir/model (an HF folder, LoRA fused: what Step 3 and transformers load), output_dir/state
 (Orbax), run_config.json, metrics.jsonl and TensorBoard events. The same command started again continues an
-interrupted run and skips a finished one (trainer.start_run). Evaluation: perplexity on the held-out
+interrupted run and skips a finished one (loop.start_run). Evaluation: perplexity on the held-out
 set, and greedy answers to a few held-out prompts before and after training (DeepSpeed-Chat's prompt_eval).
 """
 
@@ -19,6 +19,7 @@ from jaxrlhf.config import run_cli
 from jaxrlhf.generate import generate
 from jaxrlhf.losses import lm_loss
 from jaxrlhf.models import logits
+from jaxrlhf.tokenizer import decode_rows
 from jaxrlhf.trainer import RunConfig, effective_params, perplexity, train
 
 
@@ -53,9 +54,7 @@ def sample_answers(config, params, tokenizer, prompts: list[np.ndarray], n_token
         ids[b, width - len(p) :], mask[b, width - len(p) :] = p, 1
     out = generate(config, params, ids, mask, jax.random.key(0), max_new_tokens=n_tokens, temperature=0.0,
                    eos_id=tokenizer.eos_token_id)
-    tokens, keep = np.asarray(out.tokens), np.asarray(out.mask)
-    eos = tokenizer.eos_token_id
-    return [tokenizer.decode([t for t, k in zip(row, m) if k and t != eos]) for row, m in zip(tokens, keep)]
+    return decode_rows(tokenizer, out.tokens, out.mask)
 
 
 def prompt_eval(cfg: SFTConfig):

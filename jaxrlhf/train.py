@@ -9,7 +9,7 @@
 Outputs: OUTPUT_DIR/actor-models (Step 1: model/, state/, metrics), OUTPUT_DIR/reward-models (Step 2), and
 OUTPUT_DIR/step3-models (actor/, critic/, actor_ema/, state/, metrics). Step 2 starts from --reward-model,
 Step 3 from the two earlier outputs. Started again with the same settings, the command skips the finished steps
-and continues an interrupted one (trainer.start_run). `data` is shared by the three steps (their own data sections are
+and continues an interrupted one (loop.start_run). `data` is shared by the three steps (their own data sections are
 replaced by it). With no arguments the actor and reward model are tiny random OPTs with the built-in
 task's word-level tokenizer (letters sorting, jaxrlhf.data.synthetic), and the run ends by comparing the
 gold reward of the Step 1 model and of the final actor on held-out prompts, with the KL between them.
@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Literal
 
 import jax
-from tokenizers import Tokenizer, decoders, models as token_models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, pre_tokenizers
+from tokenizers import models as token_models
 from transformers import PreTrainedTokenizerFast
 
 from jaxrlhf import ppo, reward, sft
@@ -36,12 +37,13 @@ from jaxrlhf.config import ConfigError, build, default_xla_flags, parse_cli
 from jaxrlhf.data import DataConfig, make_batch, prepare
 from jaxrlhf.data.synthetic import gold_reward, make_prompt, make_response
 from jaxrlhf.eval import gold_and_kl, pipeline_report
+from jaxrlhf.loop import settings
 from jaxrlhf.models import OPTConfig, init_params
-from jaxrlhf.rl import ModelSide, PPOConfig
 from jaxrlhf.reward import RewardConfig
+from jaxrlhf.rl import ModelSide, PPOConfig
 from jaxrlhf.sft import SFTConfig
 from jaxrlhf.tokenizer import decode_rows, load_tokenizer
-from jaxrlhf.trainer import OptimConfig, settings
+from jaxrlhf.trainer import OptimConfig
 
 BUILTIN = "builtin"
 # The built-in model: small enough to train all three steps on two CPU cores in minutes.

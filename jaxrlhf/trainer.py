@@ -2,7 +2,8 @@
 (the loop itself, shared with Step 3, is jaxrlhf.loop).
 
     state = {"trainable": {"params": ..., "lora": ...},   what the optimizer updates (fp32 master weights)
-             "frozen":    {"params": ...},                the base weights under only_optimize_lora
+             "frozen":    {"params": ...,                 the base weights under only_optimize_lora
+                           "reference": ...},             a frozen copy of the starting weights (DPO's reference)
              "opt": optax state, "step": int32, "rng": uint32[2] key data}
 
     train_step(state, batch) -> (state, metrics)
@@ -18,11 +19,9 @@ devices. The step is jitted once with explicit shardings and the state donated.
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
-import json
 import math
-import os
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Literal
 
@@ -30,14 +29,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxrlhf import loop
-from jaxrlhf.checkpoint import VALUE_HEAD_FILE, check_replaceable, export_manifest, load_hf, save_hf
+from jaxrlhf.checkpoint import VALUE_HEAD_FILE, load_hf, save_hf
 from jaxrlhf.config import ConfigError, check_fields
 from jaxrlhf.data import Batches, DataConfig, prepare
 from jaxrlhf.data.batches import make_batch, num_rows
 from jaxrlhf.distributed import to_host
+from jaxrlhf.loop import settings, start_run
 from jaxrlhf.lora import LoRAConfig, adapted_mask, attach, fuse, init_lora
 from jaxrlhf.metrics import MetricsLog, check_trackers
 from jaxrlhf.models import Backend, init_params, preset
@@ -174,22 +175,25 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, lora_cfg: LoRAConfig = Lo
 # ------------------------------------------------------------------------------------------------ state
 
 
-def init_state(params, lora_cfg: LoRAConfig, tx, key) -> dict:
-    """The training state from (host or device) parameters; see the module docstring for its layout."""
+def init_state(params, lora_cfg: LoRAConfig, tx, key, reference: bool = False) -> dict:
+    """The training state from (host or device) parameters; see the module docstring for its layout. `reference`:
+    keep the starting weights frozen (reference_params), as a copy unless only_optimize_lora freezes them anyway."""
     lora = init_lora(params, lora_cfg, jax.random.fold_in(key, 1), dtype=jnp.float32) if lora_cfg.dim else None
     if lora_cfg.only_optimize_lora:
         trainable, frozen = {"lora": lora}, {"params": params}
     else:
         trainable, frozen = {"params": params, **({"lora": lora} if lora is not None else {})}, {}
+        frozen = {"reference": params} if reference else frozen
     return {"trainable": trainable, "frozen": frozen, "opt": tx.init(trainable), "step": jnp.zeros((), jnp.int32),
             "rng": jax.random.key_data(key)}
 
 
-def create_state(params, lora_cfg: LoRAConfig, tx, key, mesh, opt_memory: str = "device") -> dict:
+def create_state(params, lora_cfg: LoRAConfig, tx, key, mesh, opt_memory: str = "device",
+                 reference: bool = False) -> dict:
     """The training state built directly in the FSDP layout: no device ever holds the whole model. The
     optimizer state is made in `opt_memory` ("pinned_host": offloaded, never on the device)."""
     params = reshard(params, "fsdp", mesh)
-    init = lambda p, k: init_state(p, lora_cfg, tx, k)
+    init = lambda p, k: init_state(p, lora_cfg, tx, k, reference)
     shardings = state_shardings(jax.eval_shape(init, params, key), mesh)
     shardings["opt"] = jax.tree.map(lambda s: s.with_memory_kind(opt_memory), shardings["opt"])
     return jax.jit(init, out_shardings=shardings)(params, key)
@@ -263,9 +267,22 @@ def step_keys(state):
     return jax.random.split(jax.random.wrap_key_data(state["rng"]))[1]
 
 
-def make_train_step(loss_fn: LossFn, tx, lora_cfg: LoRAConfig):
+def reference_params(state):
+    """The frozen starting weights (init_state(reference=True)): the copy, or under only_optimize_lora the frozen base,
+    which is the starting model with the adapters off."""
+    return state["frozen"].get("reference", state["frozen"].get("params"))
+
+
+def with_reference(reference_fn, state, batch):
+    """`reference_fn(reference_params(state), batch)`: the batch plus what the frozen starting weights compute for it
+    (DPO's reference log-probs), outside the gradient; the batch itself without a reference_fn."""
+    return batch if reference_fn is None else reference_fn(reference_params(state), batch)
+
+
+def make_train_step(loss_fn: LossFn, tx, lora_cfg: LoRAConfig, reference_fn=None):
     """The pure `train_step(state, batch) -> (state, metrics)` over batch leaves [micro-batches, rows, ...]: a scan
-    adds up the micro-batches' gradients and loss sums (micro_gradients), apply_gradients divides once and steps."""
+    adds up the micro-batches' gradients and loss sums (micro_gradients), apply_gradients divides once and steps.
+    A `reference_fn` runs on each micro-batch first (with_reference)."""
 
     def train_step(state, batch):
         micro = jax.tree.leaves(batch)[0].shape[0]
@@ -273,93 +290,24 @@ def make_train_step(loss_fn: LossFn, tx, lora_cfg: LoRAConfig):
 
         def body(acc, xs):
             mb, k = xs
+            mb = with_reference(reference_fn, state, mb)
             return jax.tree.map(jnp.add, acc, micro_gradients(loss_fn, lora_cfg, state, mb, k)), None
 
-        init = zero_gradients(loss_fn, lora_cfg, state, jax.tree.map(lambda x: x[0], batch), keys[0])
+        first = with_reference(reference_fn, state, jax.tree.map(lambda x: x[0], batch))  # only its shapes are used
+        init = zero_gradients(loss_fn, lora_cfg, state, first, keys[0])
         acc, _ = jax.lax.scan(body, init, (batch, keys))
         return apply_gradients(tx, lora_cfg, state, acc)
 
     return train_step
 
 
-def make_eval_step(loss_fn: LossFn, lora_cfg: LoRAConfig):
+def make_eval_step(loss_fn: LossFn, lora_cfg: LoRAConfig, reference_fn=None):
     def eval_step(state, batch):
+        batch = with_reference(reference_fn, state, batch)
         total, count, sums = loss_fn(effective_params(state, lora_cfg, fused=False), batch, None)
         return {**sums, "count": count}
 
     return eval_step
-
-
-# --------------------------------------------------------------------------------------------- run folders
-
-RUN_SETTINGS = "run_config.json"
-# Settings that may differ between the starts of one run: they steer logging, saving and evaluation, not the weights.
-BOOKKEEPING = ("resume", "output_dir", "log_every", "save_every", "keep_checkpoints", "max_skipped_steps", "eval_every",
-               "eval_batches", "sample_prompts", "sample_tokens", "score_file", "print_answers", "alarms",
-               "device_memory_gib", "data.cache_dir", "report_to")
-# The run's length may change too: the saved state then continues to the new end (a finished run is extended).
-LENGTH = ("max_steps", "epochs")
-
-
-def settings(cfg, inputs: tuple[str, ...] = ("model",)) -> dict:
-    """A run's config as flat dotted keys with JSON values: what run_config.json and its exports' manifests hold.
-
-    `inputs` name the fields that hold model folders; the id in each one's export manifest is a setting too
-    ("input_id.<field>"), so a run is not taken as finished after the model it started from was trained again."""
-    def flat(tree, prefix=""):
-        out = {}
-        for k, v in tree.items():
-            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
-        return out
-
-    out = flat(json.loads(json.dumps(dataclasses.asdict(cfg))))
-    return {**out, **{f"input_id.{k}": (export_manifest(out[k]) or {}).get("id") for k in inputs if out[k]}}
-
-
-def changed(old: dict, new: dict, ignore=()) -> list[str]:
-    """The dotted keys whose values differ between two `settings`, except those under `ignore`."""
-    ignored = lambda k: any(k == i or k.startswith(i + ".") for i in ignore)
-    return [k for k in sorted(old.keys() | new.keys()) if not ignored(k) and old.get(k) != new.get(k)]
-
-
-def start_run(cfg, exports: list[Path], saved_step: int | None, inputs: tuple[str, ...] = ("model",), log=print) -> bool:
-    """Check cfg.output_dir against `cfg` before anything is loaded; True when the run there is finished (skip it).
-
-    Finished: every folder in `exports` was written by jaxrlhf (checkpoint.save_hf's manifest) with these settings.
-    Refused: an export folder that is not ours (never replaced), a setting that differs from the run saved here
-    (output_dir/run_config.json), and resume=false over a saved run. Otherwise the settings are written down for
-    the next start to compare, and the caller trains (from `saved_step`, the newest Orbax state, if any).
-    """
-    out, now = Path(cfg.output_dir), settings(cfg, inputs)
-    for path in exports:
-        check_replaceable(path)
-    manifests = [export_manifest(path) for path in exports]
-    saved = saved_step is not None or any(m is not None for m in manifests)
-    if saved and not cfg.resume:
-        raise ConfigError(f"{out}: holds a run already (resume=false starts from scratch); choose another output_dir or "
-                          "delete this one, or leave resume=true to continue that run")
-    if saved and (out / RUN_SETTINGS).is_file():
-        try:
-            before = json.loads((out / RUN_SETTINGS).read_text())
-        except ValueError:
-            before = None
-        if not isinstance(before, dict):
-            raise ConfigError(f"{out / RUN_SETTINGS}: not the settings jaxrlhf wrote (a JSON object); delete that file to "
-                              "continue the run saved here with the settings given now")
-        if diff := changed(before, now, BOOKKEEPING + LENGTH):
-            what = "; ".join(f"'{k}' was {json.dumps(before.get(k))}, now {json.dumps(now.get(k))}" for k in diff)
-            raise ConfigError(f"{out / RUN_SETTINGS}: the run saved here has other settings ({what}); set them back to "
-                              f"continue it, or choose another output_dir (or delete {out}) to start over")
-    if saved and all(m is not None and not changed(m.get("settings", {}), now, BOOKKEEPING) for m in manifests):
-        log(f"{out}: finished already with these settings ({', '.join(p.name for p in exports)} complete); "
-            f"skipping it (delete {out} to train it again)")
-        return True
-    if jax.process_index() == 0:  # written aside and renamed, so a reader never sees half of it
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = out / f".{RUN_SETTINGS}.tmp"
-        tmp.write_text(json.dumps(now, indent=1) + "\n")
-        os.replace(tmp, out / RUN_SETTINGS)
-    return False
 
 
 # ------------------------------------------------------------------------------------------- Steps 1 and 2
@@ -456,22 +404,13 @@ def load_model(run: RunConfig, *, value_head: bool, fresh_head: bool = False):
     return config, params, tokenizer
 
 
-def eval_batches(arrays, step, run: RunConfig, pad_id: int):
-    """A function yielding the eval set in order, in fixed-size batches (the last partial one dropped)."""
-    def gen():
-        n = num_rows(arrays) // run.batch_size
-        for i in range(min(n, run.eval_batches) if run.eval_batches else n):
-            yield make_batch(arrays, range(i * run.batch_size, (i + 1) * run.batch_size), step, run.data, pad_id)
-
-    return gen
-
-
-def fit(run: RunConfig, state, loss_fn: LossFn, tx, train_batches, eval_batches_fn, summarise, mesh, *,
-        total_steps: int, on_eval=None, log=print, manager=None) -> tuple[dict, list[dict]]:
+def fit(run: RunConfig, state, loss_fn: LossFn, tx, train_batches, eval_set, summarise, mesh, *,
+        total_steps: int, on_eval=None, log=print, manager=None, reference_fn=None) -> tuple[dict, list[dict]]:
     """Train `state` for `total_steps` optimizer steps in the one loop (jaxrlhf.loop.fit); returns the final state and
     the logged records.
 
-    `train_batches` is a `jaxrlhf.data.Batches`; `eval_batches_fn()` yields eval batches; `summarise(sums)`
+    `train_batches` is a `jaxrlhf.data.Batches`; `eval_set` the tokenized eval split, evaluated in order in
+    fixed-size batches (the last partial one dropped; run.eval_batches of them if set); `summarise(sums)`
     turns metric sums into the figures to log (e.g. loss per token, accuracy per pair). Steps the non-finite guard
     skips are logged at the next log step (no extra host sync), left out of the logged loss and counted in
     "skipped"; `run.max_skipped_steps` in a row stop the run (NonFiniteError).
@@ -479,8 +418,9 @@ def fit(run: RunConfig, state, loss_fn: LossFn, tx, train_batches, eval_batches_
     out = Path(run.output_dir)
     shardings = state_shardings(state, mesh)
     accum = run.optim.gradient_accumulation_steps
-    step_fn = jax.jit(make_train_step(loss_fn, tx, run.lora), out_shardings=(shardings, None), donate_argnums=0)
-    eval_fn = jax.jit(make_eval_step(loss_fn, run.lora))
+    step_fn = jax.jit(make_train_step(loss_fn, tx, run.lora, reference_fn), out_shardings=(shardings, None),
+                      donate_argnums=0)
+    eval_fn = jax.jit(make_eval_step(loss_fn, run.lora, reference_fn))
     lr_fn = schedule(run.optim, run.optim.learning_rate, total_steps)
     since = {"tokens": 0, "clock": time.perf_counter()}  # of the log window
 
@@ -502,8 +442,9 @@ def fit(run: RunConfig, state, loss_fn: LossFn, tx, train_batches, eval_batches_
         return figures
 
     def evaluate(state):
-        sums = None
-        for batch in eval_batches_fn():
+        sums, n, B = None, num_rows(eval_set) // run.batch_size, run.batch_size
+        for i in range(min(n, run.eval_batches) if run.eval_batches else n):
+            batch = make_batch(eval_set, range(i * B, (i + 1) * B), train_batches.step, run.data, train_batches.pad_id)
             placed = {k: jax.make_array_from_process_local_data(NamedSharding(mesh, P(FSDP_AXES)), v) for k, v in batch.items()}
             m = jax.device_get(eval_fn(state, placed))
             sums = m if sums is None else jax.tree.map(np.add, sums, m)
@@ -530,11 +471,12 @@ def perplexity(loss_per_token: float) -> float:
 
 
 def train(run: RunConfig, *, step: int, value_head: bool, make_loss, summarise, log=print, mesh=None,
-          make_on_eval=None) -> dict:
-    """Step 1 or 2 from start to HF export: checks, model, data, state, `fit`, then output_dir/model.
+          make_on_eval=None, make_reference=None) -> dict:
+    """Step 1 or 2 (or DPO) from start to HF export: checks, model, data, state, `fit`, then output_dir/model.
 
     `make_loss(config)` gives the loss function; `make_on_eval(config, tokenizer, data, state)` may give
-    an extra evaluation (e.g. sample answers). `mesh` defaults to all devices with a "model" axis of run.tp.
+    an extra evaluation (e.g. sample answers); `make_reference(config)` a reference_fn (make_train_step), and the
+    state then keeps the starting weights frozen. `mesh` defaults to all devices with a "model" axis of run.tp.
     """
     mesh = mesh or make_mesh(run.tp)
     check_run(run, mesh.size)
@@ -554,10 +496,11 @@ def train(run: RunConfig, *, step: int, value_head: bool, make_loss, summarise, 
                       process_index=jax.process_index(), process_count=jax.process_count())
     steps = total_steps(run, len(batches))
     tx = make_optimizer(run.optim, steps, run.lora)
-    state = create_state(params, run.lora, tx, jax.random.key(run.seed), mesh)
+    state = create_state(params, run.lora, tx, jax.random.key(run.seed), mesh, reference=make_reference is not None)
     on_eval = make_on_eval(config, tokenizer, data, state) if make_on_eval else None
-    state, records = fit(run, state, make_loss(config), tx, batches, eval_batches(data["eval"], step, run, pad), summarise,
-                         mesh, total_steps=steps, on_eval=on_eval, log=log, manager=manager)
+    state, records = fit(run, state, make_loss(config), tx, batches, data["eval"], summarise, mesh, total_steps=steps,
+                         on_eval=on_eval, log=log, manager=manager,
+                         reference_fn=make_reference(config) if make_reference else None)
     final = to_host(effective_params(state, run.lora))
     if jax.process_index() == 0:
         save_hf(out / "model", config, final, tokenizer, manifest={"settings": settings(run)})

@@ -3,7 +3,7 @@ every module imports only from its own layer or the layers below it.
 
     kernels        self-contained Pallas kernels: nothing else of jaxrlhf
     base           config, distributed, metrics, losses, alarms
-    data           sources, pipeline, batches, the tasks' text: nothing of models or training
+    data           sources, pipeline, batches, the tasks' text and reward functions: nothing of models or training
     models         the families, sharding, LoRA, checkpoints, tokenizers
     generate       decoding
     training       the one loop (loop.py) and Steps 1 and 2's state and step (trainer.py)
@@ -26,14 +26,38 @@ PACKAGE = Path(__file__).resolve().parents[1] / "jaxrlhf"
 LAYERS = [
     ("kernels", ["jaxrlhf.kernels", "jaxrlhf.kernels.*"]),
     ("base", ["jaxrlhf.config", "jaxrlhf.distributed", "jaxrlhf.metrics", "jaxrlhf.losses", "jaxrlhf.alarms"]),
-    ("data", ["jaxrlhf.data", "jaxrlhf.data.*"]),
-    ("models", ["jaxrlhf.models", "jaxrlhf.models.*", "jaxrlhf.sharding", "jaxrlhf.lora", "jaxrlhf.checkpoint",
-                "jaxrlhf.tokenizer"]),
+    ("data", ["jaxrlhf.data", "jaxrlhf.data.*", "jaxrlhf.rewards"]),
+    (
+        "models",
+        [
+            "jaxrlhf.models",
+            "jaxrlhf.models.*",
+            "jaxrlhf.sharding",
+            "jaxrlhf.lora",
+            "jaxrlhf.checkpoint",
+            "jaxrlhf.tokenizer",
+        ],
+    ),
     ("generate", ["jaxrlhf.generate"]),
     ("training", ["jaxrlhf.loop", "jaxrlhf.trainer"]),
     ("rl", ["jaxrlhf.rl", "jaxrlhf.rl.*"]),
-    ("entry points", ["jaxrlhf", "jaxrlhf.sft", "jaxrlhf.reward", "jaxrlhf.ppo", "jaxrlhf.plan", "jaxrlhf.eval",
-                      "jaxrlhf.stories", "jaxrlhf.train", "jaxrlhf.chat", "jaxrlhf.inspect", "jaxrlhf.convert"]),
+    (
+        "entry points",
+        [
+            "jaxrlhf",
+            "jaxrlhf.sft",
+            "jaxrlhf.dpo",
+            "jaxrlhf.reward",
+            "jaxrlhf.ppo",
+            "jaxrlhf.plan",
+            "jaxrlhf.eval",
+            "jaxrlhf.stories",
+            "jaxrlhf.train",
+            "jaxrlhf.chat",
+            "jaxrlhf.inspect",
+            "jaxrlhf.convert",
+        ],
+    ),
 ]
 # Edges the layer order allows that the design still rules out: (importer, what it must not import).
 FORBIDDEN = [("jaxrlhf.eval", "jaxrlhf.rl*"), ("jaxrlhf.eval", "jaxrlhf.ppo")]
@@ -61,7 +85,9 @@ def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:  # relative: from the package, `level - 1` packages up
-                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base] * bool(base))
+                    base = ".".join(
+                        package.split(".")[: len(package.split(".")) - node.level + 1] + [base] * bool(base)
+                    )
                 edges |= {f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names}
         graph[name] = {e for e in edges if e in mods and e != name}
     return graph
@@ -117,12 +143,25 @@ def test_every_import_points_down_the_layers():
     assert violations(graph) == []
 
 
-@pytest.mark.parametrize("back_import, target, expect, cycles", [
-    ("jaxrlhf/data/batches.py", "jaxrlhf.generate", "jaxrlhf.data.batches (data) imports jaxrlhf.generate (generate)", False),
-    ("jaxrlhf/trainer.py", "jaxrlhf.rl.engine", "jaxrlhf.trainer (training) imports jaxrlhf.rl.engine (rl)", True),
-    ("jaxrlhf/eval.py", "jaxrlhf.rl.engine", "jaxrlhf.eval imports jaxrlhf.rl.engine", False),
-    ("jaxrlhf/kernels/swiglu.py", "jaxrlhf.models", "jaxrlhf.kernels.swiglu (kernels) imports jaxrlhf.models (models)", True),
-])
+@pytest.mark.parametrize(
+    "back_import, target, expect, cycles",
+    [
+        (
+            "jaxrlhf/data/batches.py",
+            "jaxrlhf.generate",
+            "jaxrlhf.data.batches (data) imports jaxrlhf.generate (generate)",
+            False,
+        ),
+        ("jaxrlhf/trainer.py", "jaxrlhf.rl.engine", "jaxrlhf.trainer (training) imports jaxrlhf.rl.engine (rl)", True),
+        ("jaxrlhf/eval.py", "jaxrlhf.rl.engine", "jaxrlhf.eval imports jaxrlhf.rl.engine", False),
+        (
+            "jaxrlhf/kernels/swiglu.py",
+            "jaxrlhf.models",
+            "jaxrlhf.kernels.swiglu (kernels) imports jaxrlhf.models (models)",
+            True,
+        ),
+    ],
+)
 def test_a_back_import_is_caught(tmp_path, back_import, target, expect, cycles):
     """The checks fail on a copy of the package with one import added against the layers."""
     root = tmp_path / "jaxrlhf"
@@ -131,12 +170,14 @@ def test_a_back_import_is_caught(tmp_path, back_import, target, expect, cycles):
     path.write_text(path.read_text() + f"\nimport {target}  # noqa\n")
     graph = import_graph(root)
     assert expect in violations(graph)
-    assert (cycle(graph) is not None) == cycles  # rl imports trainer, models the kernels; nothing imports data or eval back
+    assert (
+        cycle(graph) is not None
+    ) == cycles  # rl imports trainer, models the kernels; nothing imports data or eval back
 
 
 @pytest.mark.xfail(strict=True, reason="decode_matmul.py and swiglu.py still import decode_attention.py's helpers")
 def test_each_kernel_file_is_self_contained():
-    """A kernel file holds its kernel, wrapper and reference: it imports no other module of jaxrlhf, kernels included."""
+    """A kernel file holds its kernel, wrapper and reference: it imports nothing else of jaxrlhf, kernels included."""
     graph = import_graph()
     assert {k: v for k, v in graph.items() if k.startswith("jaxrlhf.kernels") and v} == {}
 

@@ -35,18 +35,27 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxrlhf.distributed import to_host
 from jaxrlhf.generate import DECODE_SLOTS, decode_params, generate
 from jaxrlhf.lora import LoRAConfig, adapted_mask
 from jaxrlhf.rl import packing, steps
 from jaxrlhf.rl.config import EngineConfig
-from jaxrlhf.rl.experience import (Static, advantages, base_params, next_kl_coef, padded_experience_jit, row_layout, score,
-                                   score_packed, with_shared)
+from jaxrlhf.rl.experience import (
+    Static,
+    advantages,
+    base_params,
+    next_kl_coef,
+    padded_experience_jit,
+    row_layout,
+    score,
+    score_packed,
+    with_shared,
+)
 from jaxrlhf.sharding import check_tp, reshard, shardings_for
 from jaxrlhf.trainer import create_state, effective_params, place, state_shardings
-
 
 # --------------------------------------------------------------------------- weights shared with a frozen model
 

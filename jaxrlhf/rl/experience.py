@@ -15,14 +15,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxrlhf.losses import masked_mean, token_logprobs
 from jaxrlhf.models import logits, values
 from jaxrlhf.rl import losses, packing
 from jaxrlhf.sharding import AXES, batch_sharding, shardings_for
 from jaxrlhf.trainer import check_microbatches, effective_params, make_optimizer
-
 
 # --------------------------------------------------------------------------- weights shared with a frozen model
 

@@ -13,8 +13,6 @@ import jax.numpy as jnp
 from jaxrlhf.losses import masked_mean
 
 
-
-
 def sequence_kl(logprobs, ref_logprobs, mask):
     """The KL to the reference per answer, estimated on the sampled tokens: mean_b sum_t (logprobs - ref_logprobs) * mask."""
     return jnp.sum((logprobs - ref_logprobs) * mask.astype(jnp.float32)) / mask.shape[0]

@@ -12,10 +12,24 @@ import jax.numpy as jnp
 from jaxrlhf.losses import lm_loss, lm_targets
 from jaxrlhf.models import logits
 from jaxrlhf.rl import losses
-from jaxrlhf.rl.experience import (Static, answer_logprobs, answer_values, fsdp_layout, micro_batches, packed_rows,
-                                   row_layout)
-from jaxrlhf.trainer import (apply_gradients, effective_params, make_train_step, micro_gradients, state_shardings,
-                             step_keys, zero_gradients)
+from jaxrlhf.rl.experience import (
+    Static,
+    answer_logprobs,
+    answer_values,
+    fsdp_layout,
+    micro_batches,
+    packed_rows,
+    row_layout,
+)
+from jaxrlhf.trainer import (
+    apply_gradients,
+    effective_params,
+    make_train_step,
+    micro_gradients,
+    state_shardings,
+    step_keys,
+    zero_gradients,
+)
 
 
 @functools.partial(jax.jit, static_argnums=0)
