@@ -81,6 +81,7 @@ SHRINK = {
     ],
     "jaxrlhf.sft": TINY_DATA + STEP,
     "jaxrlhf.reward": TINY_DATA + STEP,
+    "jaxrlhf.dpo": TINY_DATA + STEP,
     "jaxrlhf.ppo": TINY_DATA + ["max_steps=1", "batch_size=8", "max_answer_len=8"],
     "jaxrlhf.eval": ["num_prompts=16", "ppl_rows=16", "rm_pairs=16"],
     "jaxrlhf.eval configs/eval.yaml": TINY_DATA
