@@ -204,13 +204,9 @@ def cache_key(config: DataConfig, step: int, tokenizer) -> str:
     """A hash of everything that shapes a step's tokenized set."""
     fields = dataclasses.asdict(config)
     fields.pop("cache_dir")
-    blob = {
-        "version": CACHE_VERSION,
-        "step": step,
-        "config": fields,
-        "sources": [fingerprint(s) for s in (*config.data_path, *config.sft_only_data_path, *config.unsupervised_data_path)],
-        "tokenizer": _tokenizer_hash(tokenizer),
-    }
+    sources = [fingerprint(s) for s in (*config.data_path, *config.sft_only_data_path, *config.unsupervised_data_path)]
+    blob = {"version": CACHE_VERSION, "step": step, "config": fields, "sources": sources,
+            "tokenizer": _tokenizer_hash(tokenizer)}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:20]
 
 

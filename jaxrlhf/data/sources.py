@@ -162,25 +162,16 @@ class HubAdapter:
 HUB_ADAPTERS: dict[str, HubAdapter] = {
     "Dahoas/rm-static": HubAdapter(lambda r: Record(r["prompt"], r["chosen"], r["rejected"]), "test"),
     "Dahoas/full-hh-rlhf": HubAdapter(lambda r: Record(r["prompt"], r["chosen"], r["rejected"]), "test"),
-    "Dahoas/synthetic-instruct-gptj-pairwise": HubAdapter(
-        lambda r: Record(" Human: " + r["prompt"] + " Assistant:", " " + r["chosen"], " " + r["rejected"]), None
-    ),
-    "yitingxie/rlhf-reward-datasets": HubAdapter(
-        lambda r: Record(
-            r["prompt"] + "Assistant:", r["chosen"].split("Assistant:")[-1], r["rejected"].split("Assistant:")[-1]
-        ),
-        "test",
-    ),
-    "openai/webgpt_comparisons": HubAdapter(
-        lambda r: Record(
-            " Human: " + r["question"]["full_text"] + " Assistant:", _webgpt_answer(r, True), _webgpt_answer(r, False)
-        ),
-        None,
-    ),
-    "stanfordnlp/SHP": HubAdapter(
-        lambda r: Record(" Human: " + r["history"] + " Assistant:", _shp_answer(r, True), _shp_answer(r, False)),
-        "validation",
-    ),
+    "Dahoas/synthetic-instruct-gptj-pairwise": HubAdapter(lambda r: Record(
+        " Human: " + r["prompt"] + " Assistant:", " " + r["chosen"], " " + r["rejected"]), None),
+    "yitingxie/rlhf-reward-datasets": HubAdapter(lambda r: Record(
+        r["prompt"] + "Assistant:", r["chosen"].split("Assistant:")[-1], r["rejected"].split("Assistant:")[-1]),
+        "test"),
+    "openai/webgpt_comparisons": HubAdapter(lambda r: Record(
+        " Human: " + r["question"]["full_text"] + " Assistant:", _webgpt_answer(r, True), _webgpt_answer(r, False)),
+        None),
+    "stanfordnlp/SHP": HubAdapter(lambda r: Record(
+        " Human: " + r["history"] + " Assistant:", _shp_answer(r, True), _shp_answer(r, False)), "validation"),
 }
 
 
@@ -318,12 +309,11 @@ def _read_hub(name: str, on_bad_row: str):
     except Exception as e:  # noqa: BLE001 - offline, unknown revision, auth: all end the same way for the user
         raise DataError(f"{name}: could not load from the Hugging Face hub ({type(e).__name__}: {one_line(e, 120)}); "
                         "download it where a hub is reachable and pass the saved folder instead") from None
-    out = {"train": _collect(name, ((f"{name} [train] row {i}", r) for i, r in enumerate(data["train"])),
-                             adapter.to_record, on_bad_row)}
-    if adapter.eval_split:
-        split = data[adapter.eval_split]
-        rows = ((f"{name} [{adapter.eval_split}] row {i}", r) for i, r in enumerate(split))
-        out["eval"] = _collect(name, rows, adapter.to_record, on_bad_row)
+    out = {}
+    for part, split in (("train", "train"), ("eval", adapter.eval_split)):
+        if split:
+            rows = ((f"{name} [{split}] row {i}", r) for i, r in enumerate(data[split]))
+            out[part] = _collect(name, rows, adapter.to_record, on_bad_row)
     return out
 
 
