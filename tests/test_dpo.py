@@ -13,7 +13,8 @@ from jaxrlhf.data import DataConfig
 from jaxrlhf.dpo import DPOConfig, main, run
 from jaxrlhf.losses import answer_mask, dpo_loss, sequence_logprobs
 from jaxrlhf.lora import LoRAConfig
-from jaxrlhf.trainer import OptimConfig
+from jaxrlhf.distributed import to_host
+from jaxrlhf.trainer import OptimConfig, effective_params
 
 TINY = dict(vocab_size=50272, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
             max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.0)
@@ -117,10 +118,12 @@ def tiny_model(assets, tmp_path_factory):
 
 
 def dpo_config(model, tmp_path, **kw):
-    data = DataConfig(data_path=("synthetic:800",), data_split="0,1,0", eval_fraction=0.2, max_seq_len=32,
+    """320 training pairs of the built-in task, 160 held out; 16 pairs a step in 2 micro-batches of 8 (one per device)."""
+    data = DataConfig(data_path=("synthetic:480",), data_split="0,1,0", eval_fraction=1 / 3, max_seq_len=32,
                       cache_dir=str(tmp_path / "cache"))
-    base = dict(model=str(model), output_dir=str(tmp_path / "out"), batch_size=16, epochs=3, log_every=1,
-                precision="fp32", beta=0.5, optim=OptimConfig(learning_rate=3e-3, warmup_steps=2), data=data)
+    base = dict(model=str(model), output_dir=str(tmp_path / "out"), batch_size=16, epochs=2, log_every=1,
+                precision="fp32", beta=0.5, data=data,
+                optim=OptimConfig(learning_rate=1e-2, warmup_steps=2, gradient_accumulation_steps=2))
     return DPOConfig(**{**base, **kw})
 
 
@@ -128,17 +131,47 @@ def train_losses(records):
     return [r["loss"] for r in records if r["split"] == "train"]
 
 
-@pytest.mark.parametrize("lora", [LoRAConfig(), LoRAConfig(dim=8, only_optimize_lora=True, learning_rate=1e-2)],
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [LoRAConfig(), LoRAConfig(dim=8, only_optimize_lora=True, learning_rate=3e-2)],
                          ids=["full", "lora"])
 def test_dpo_learns_the_builtin_preferences(tiny_model, tmp_path, lora):
-    """Three epochs over 640 pairs on 8 devices: the first step's loss is log 2 (policy = reference), the loss falls,
-    and on the 160 held-out pairs the implicit reward prefers the chosen answer far above the reference's 0.5."""
+    """Two epochs of 20 steps on 8 devices, with gradient accumulation: the first step's loss is log 2 (the policy is
+    the reference), the loss falls, and on 160 held-out pairs the implicit reward prefers the chosen answer well
+    above the reference's 0.5. The export is the trained policy."""
     out = run(dpo_config(tiny_model, tmp_path, lora=lora), log=lambda _: None)
     losses = train_losses(out["records"])
     evaluation = [r for r in out["records"] if r["split"] == "eval"][-1]
     print("losses", np.round(losses, 3), "held out", evaluation)
-    assert len(losses) == 3 * 40
+    assert len(losses) == 2 * 20
     assert math.isclose(losses[0], math.log(2.0), rel_tol=1e-5)
-    assert np.mean(losses[-10:]) < 0.7 * math.log(2.0)
-    assert evaluation["pairs"] == 160 and evaluation["accuracy"] > 0.75
-    assert evaluation["margin"] > 0 and evaluation["chosen_reward"] > evaluation["rejected_reward"]
+    assert np.mean(losses[-10:]) < 0.85 * math.log(2.0)
+    assert evaluation["pairs"] == 160 and evaluation["accuracy"] > 0.65
+    assert evaluation["margin"] > 0.2 and evaluation["chosen_reward"] > evaluation["rejected_reward"]
+    config, exported = load_hf(out["model_dir"])
+    assert "value_head" not in exported
+    for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(to_host(effective_params(out["state"], lora)))):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_accumulation_and_resume_give_the_same_run(tiny_model, tmp_path):
+    """LoRA on a trained base (so the reference is a frozen copy, not the base): 4 steps of 16 pairs as one batch, as
+    2 micro-batches, and as 2 steps then 2 more after a restart (the reference restored from the checkpoint) agree."""
+    lora = LoRAConfig(dim=4, learning_rate=3e-3)
+    cfg = lambda name, accumulation, steps: dpo_config(
+        tiny_model, tmp_path / name, lora=lora, max_steps=steps,
+        optim=OptimConfig(learning_rate=1e-3, schedule="constant", gradient_accumulation_steps=accumulation))
+    whole = run(cfg("whole", 1, 4), log=lambda _: None)
+    micro = run(cfg("micro", 2, 4), log=lambda _: None)
+    run(cfg("resumed", 2, 2), log=lambda _: None)
+    resumed = run(cfg("resumed", 2, 4), log=lambda _: None)
+    assert "reference" in whole["state"]["frozen"]
+    np.testing.assert_allclose(train_losses(micro["records"]), train_losses(whole["records"]), rtol=2e-5)
+    norms = lambda out: [r["grad_norm"] for r in out["records"] if r["split"] == "train"]
+    assert norms(whole)[0] > 0.1 and math.isclose(norms(micro)[0], norms(whole)[0], rel_tol=1e-5)  # the same gradient
+    np.testing.assert_allclose(train_losses(resumed["records"]), train_losses(micro["records"])[2:], rtol=2e-5)
+    assert train_losses(whole["records"])[-1] < train_losses(whole["records"])[0]
+    # The restart changes nothing; the batch cut in two only the float rounding (which Adam amplifies in near-zero
+    # gradients, so the weights are compared between the two runs of the same cut).
+    for a, b in zip(jax.tree.leaves(micro["state"]), jax.tree.leaves(resumed["state"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
