@@ -13,11 +13,12 @@ online softmax in float32, reading only the part of the cache that holds real to
 all S slots of every row every step). With one split (the default when B x Hkv already fills the GPU) a
 program covers all S and writes the normalised output. With N > 1 splits (flash-decoding: for small B x Hkv,
 where B x Hkv programs leave SMs idle) each program covers S / N slots and writes its partial sums (the
-unnormalised output, the running max and the normaliser), and a few jnp ops merge the N partials. It reads the layer straight out of the whole cache, so generation never copies a
-layer's cache out of the carried [L, ...] buffer. The G = H / Hkv queries of a KV head go through
-tensor-core matrix products, which need 16 rows: the kernel repeats its G queries 16 / G times in registers
-(padding them in memory cost a kernel per layer writing 16 / G times the queries) and keeps one copy of the
-result. The products beat elementwise products summed over K (the `use_dot=False` form) even when G = 1.
+unnormalised output, the running max and the normaliser), and a few jnp ops merge the N partials. It reads the
+layer straight out of the whole cache, so generation never copies a layer's cache out of the carried [L, ...]
+buffer. The G = H / Hkv queries of a KV head go through tensor-core matrix products, which need 16 rows: the kernel
+repeats its G queries 16 / G times in registers (padding them in memory cost a kernel per layer writing 16 / G times
+the queries) and keeps one copy of the result. The products beat elementwise products summed over K (the
+`use_dot=False` form) even when G = 1.
 
 Under tensor parallelism (`decode_attention(..., mesh=mesh)` with a "model" axis) the kernel runs per shard
 with `shard_map`: each device holds its heads' queries and cache, and its rows if "data" splits the batch.
@@ -325,24 +326,15 @@ def _pallas(q, k, v, layer, start, end, *, config):
         functools.partial(_kernel, block_s=block_s, chunk=chunk, use_dot=config.use_dot,
                           mask_loads=config.mask_loads),
         grid=(B, Hkv, splits),
-        in_specs=[
-            pl.BlockSpec((1,), lambda b, h, j: (0,)),
-            row,
-            row,
-            pl.BlockSpec((None, None, G, K), lambda b, h, j: (b, h, 0, 0)),
-            pl.no_block_spec,
-            pl.no_block_spec,
-        ],
+        in_specs=[pl.BlockSpec((1,), lambda b, h, j: (0,)), row, row,
+                  pl.BlockSpec((None, None, G, K), lambda b, h, j: (b, h, 0, 0)), pl.no_block_spec, pl.no_block_spec],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=params,
         interpret=interpret,
         name="jaxrlhf_decode_attention",
     )(layer.reshape(1), start, end, qg, k, v)
-    if splits == 1:
-        out = out[:, :, 0]
-    else:
-        out = _combine(*out).astype(q.dtype)
+    out = out[:, :, 0] if splits == 1 else _combine(*out).astype(q.dtype)
     return out.reshape(B, H, K)
 
 
@@ -395,14 +387,15 @@ def decode_step(qkv, k, v, start, slot, layer=0, *, rope=None, rms=None, layer_n
       (llama.decode_layer). Each program reduces x's row itself: no kernel before this one.
     - layer_norm (sums [B], squares [B], D, eps, colsum [Hkv, G + 2, K]): LayerNorm of rows of D values x whose sum
       and sum of squares come computed (one reduction per row before this kernel, not one in each of the row's
-      programs), each row (row - mean(x) colsum) /
-      sqrt(var(x) + eps), colsum being the column sums of the folded kernel (opt.decode_layer).
+      programs), each row (row - mean(x) colsum) / sqrt(var(x) + eps), colsum being the column sums of the folded
+      kernel (opt.decode_layer).
     bias (optional) [Hkv, G + 2, K]: added after the norm. rope (optional): (cos, sin) [B, K / 2], the rotary
     embedding of this token's position (rotate-half pairs (i, i + K / 2)), applied to q and k. The new key and value
     are written into the cache (k, v [L, B, Hkv, S, K], updated in place) at `slot` (a scalar, or [B]: each row its
-    own, as continuous batching has them), and the queries attend over slots start <= s <= slot of `layer`. Returns (out [B, H, K] in the cache's dtype, k, v). The unfused
-    equivalent: normalise, add the bias, rotate, write with dynamic_update_slice, then
-    `decode_attention(q, k, v, start, slot + 1, layer)`; tests/test_decode_attention.py checks one against the other.
+    own, as continuous batching has them), and the queries attend over slots start <= s <= slot of `layer`. Returns
+    (out [B, H, K] in the cache's dtype, k, v). The unfused equivalent: normalise, add the bias, rotate, write with
+    dynamic_update_slice, then `decode_attention(q, k, v, start, slot + 1, layer)`; tests/test_decode_attention.py
+    checks one against the other.
     """
     B, Hkv, G2, K = qkv.shape
     if rms is not None and layer_norm is not None:

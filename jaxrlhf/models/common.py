@@ -168,8 +168,9 @@ def cached_attention(q, k, v, cache, mode: Mode, backend: Backend):
     q [B, T, H, K], k, v [B, T, Hkv, K] for T new tokens (the prompt at prefill, 1 when decoding); cache:
     "k", "v" [L, B, Hkv, S, K] (each row's and head's slots contiguous, as the decode kernel streams them),
     "layer" (this layer's index), "slot" (where the T tokens go: slots slot .. slot+T-1, the same for every
-    row; or, decoding, [B]: each row's own slot), "start" [B] (each row's first valid slot: the slots before it are left padding). The write is one
-    dynamic_update_slice into the cache carried through the loops, so XLA updates it in place.
+    row; or, decoding, [B]: each row's own slot), "start" [B] (each row's first valid slot: the slots before it
+    are left padding). The write is one dynamic_update_slice into the cache carried through the loops, so XLA
+    updates it in place.
 
     A decode step (T = 1) runs the decode-attention kernel (backend.decode_attention: see kernels.decode_attention;
     grouped-query heads included), which reads only the slots start .. slot of the layer, straight from the
@@ -219,10 +220,10 @@ def fused_decode_step(module: nn.Module, mode: Mode, h, cache, config, heads: in
     the folded norm's end, the bias, the rotary embedding, the cache write and the attention). Returns (out
     [B, 1, H, K], cache), or None where it does not apply: not a decode step in the decode layout, or the kernel
     not in use or split (`fuses_step`). The caller then runs the unfused path, which on the GPU is one kernel each
-    for the rotary embedding and the two cache writes. norm: the rows of
-    a norm folded into qkv_proj (norm_rows: llama.decode_layer, opt.decode_layer), or None, with epsilon `eps`: an
-    RMSNorm (no mean) is reduced inside the kernel from h, a LayerNorm's row sums come from one reduction before it
-    (decode_step says why); the layer's own statistics are then dead code. rope (cos, sin) [B, K / 2], rotate-half."""
+    for the rotary embedding and the two cache writes. norm: the rows of a norm folded into qkv_proj (norm_rows:
+    llama.decode_layer, opt.decode_layer), or None, with epsilon `eps`: an RMSNorm (no mean) is reduced inside the
+    kernel from h, a LayerNorm's row sums come from one reduction before it (decode_step says why); the layer's own
+    statistics are then dead code. rope (cos, sin) [B, K / 2], rotate-half."""
     B = h.shape[0]
     if not (mode.decoding and mode.decode_layout):
         return None
@@ -259,10 +260,10 @@ def decode_product(module: nn.Module, mode: Mode, name: str, x, config, *, eps: 
     in the compute dtype. eps: the product's LayerNorm is folded into it (fold_norm, opt.decode_layer) and x is
     the norm's input. With eps or relu the bias and the rest end the product inside the kernel (fc1); otherwise K
     is split and the partials' sum, plus the bias, fuses into what follows (fc2). None where it does not apply: not
-    a decode step in the decode layout, the kernels not in use, LoRA factors beside the
-    kernel, or a shape the kernel does not take (decode_matmul.applies, per shard); the caller then runs its usual
-    product. Measured and not used (bench/README.md): OPT's out_proj and Llama's o_proj and down_proj, where the
-    kernel's time does not pay for the residual add that cuBLAS runs in its epilogue."""
+    a decode step in the decode layout, the kernels not in use, LoRA factors beside the kernel, or a shape the
+    kernel does not take (decode_matmul.applies, per shard); the caller then runs its usual product. Measured and
+    not used (bench/README.md): OPT's out_proj and Llama's o_proj and down_proj, where the kernel's time does not
+    pay for the residual add that cuBLAS runs in its epilogue."""
     B, _, D = x.shape
     if not (mode.decoding and mode.decode_layout and config.backend.decode_attention != "xla"):
         return None
@@ -289,7 +290,7 @@ def decode_product(module: nn.Module, mode: Mode, name: str, x, config, *, eps: 
 
 
 def attention(q, k, v, cache, config, mode: Mode, segment_ids=None):
-    """The attention a layer runs: cached (generation), plain causal, or with dropout (training). Returns (out, cache)."""
+    """The attention a layer runs: cached (generation), plain causal, or with dropout (training): (out, cache)."""
     if cache is not None:
         return cached_attention(q, k, v, cache, mode, config.backend)
     if mode.deterministic or config.attention_dropout == 0.0:
@@ -311,23 +312,15 @@ def positions_from_mask(attention_mask):
     return jnp.cumsum(mask, axis=1) * mask - 1
 
 
-def real_tokens_first(attention_mask):
-    """Per-row permutation [B, T] that moves the real tokens to the front, keeping their order.
-
-    Inside the decoder every row is laid out this way, so that "attend to earlier real tokens" is plain
-    causal attention with no mask tensor, whatever the padding (left, right or in between). Padded
-    positions end up last; their outputs are computed but meaningless, and callers ignore them.
-    """
-    return jnp.argsort(attention_mask.astype(jnp.int32) == 0, axis=1, stable=True)
-
-
 def layout_inputs(input_ids, attention_mask, positions, cache, segment_ids=None):
-    """(input_ids, positions, segment_ids, order) as the decoder runs them. Without a cache the real tokens go first
-    (`order` undoes it later), positions counted from the mask unless given (packed rows: each segment's own);
-    with one the caller's positions are used as given and order is None."""
+    """(input_ids, positions, segment_ids, order) as the decoder runs them. Without a cache the real tokens go first,
+    in their order (`order` [B, T] undoes it later), so that "attend to earlier real tokens" is plain causal attention
+    with no mask tensor, whatever the padding (its outputs, last, are computed and never read); positions counted
+    from the mask unless given (packed rows: each segment's own). With one the caller's positions are used as given
+    and order is None."""
     if cache is not None:
         return input_ids, positions, None, None
-    order = real_tokens_first(attention_mask)  # [B, T]
+    order = jnp.argsort(attention_mask.astype(jnp.int32) == 0, axis=1, stable=True)
     positions = positions_from_mask(attention_mask) if positions is None else positions
     first = lambda x: None if x is None else jnp.take_along_axis(x, order, 1)
     return first(input_ids), first(positions), first(segment_ids), order
@@ -341,12 +334,6 @@ def restore_layout(h, order):
 
 
 # ------------------------------------------------------------------------------------ scan over layers
-
-
-def carries_adapters(module: nn.Module) -> bool:
-    """True when the parameters `module` runs with carry LoRA adapters beside their kernels (lora.attach)."""
-    leaves = jax.tree_util.tree_flatten_with_path(module.variables.get("params", {}))[0]
-    return any(getattr(path[-1], "key", None) == "lora_a" for path, _ in leaves)
 
 
 def run_layers(parent: nn.Module, layer_cls, config, mode: Mode, h, cache, shared: dict, name: str = "layers"):
@@ -366,7 +353,8 @@ def run_layers(parent: nn.Module, layer_cls, config, mode: Mode, h, cache, share
         for i, params in enumerate(parent.variables["params"][name]):
             (h, kv), _ = layer_cls(config, mode, parent=None).apply({"params": params}, (h, kv), jnp.int32(i), where)
         return h, (None if cache is None else {**cache, **kv})
-    rolled = carries_adapters(parent)
+    leaves = jax.tree_util.tree_flatten_with_path(parent.variables.get("params", {}))[0]
+    rolled = any(getattr(path[-1], "key", None) == "lora_a" for path, _ in leaves)  # LoRA attached (lora.attach)
     L = config.num_hidden_layers
     layer = nn.remat(layer_cls, prevent_cse=False) if config.remat else layer_cls
     layers = nn.scan(
@@ -440,16 +428,12 @@ def param_shapes(model_cls, config, *, value_head: bool = False):
 def random_params(shapes: Any, key, *, dtype=jnp.float32, std: float = 0.02):
     """Random parameters for a tree of shapes: normal(0, std) weights, zero biases, unit norm scales."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
-    keys = jax.random.split(key, len(leaves))
     out = []
-    for (path, leaf), k in zip(leaves, keys):
+    for (path, leaf), k in zip(leaves, jax.random.split(key, len(leaves))):
         name = jax.tree_util.keystr(path, simple=True, separator="/")
-        if name.endswith("scale"):
-            out.append(jnp.ones(leaf.shape, dtype))
-        elif name.endswith("bias"):
-            out.append(jnp.zeros(leaf.shape, dtype))
-        else:
-            out.append((std * jax.random.normal(k, leaf.shape, jnp.float32)).astype(dtype))
+        fill = jnp.ones if name.endswith("scale") else jnp.zeros if name.endswith("bias") else None
+        normal = lambda: (std * jax.random.normal(k, leaf.shape, jnp.float32)).astype(dtype)
+        out.append(fill(leaf.shape, dtype) if fill else normal())
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

@@ -73,10 +73,11 @@ class LlamaConfig:
     def __post_init__(self):
         common.check_run_options(self)
         size = f"[1, {2**31})"  # larger sizes overflow the shape arithmetic
+        token = f"[0, {self.vocab_size})"
         check_fields(self, vocab_size=size, hidden_size=size, intermediate_size=size, num_hidden_layers=size,
-                     num_attention_heads=size, num_key_value_heads=size, head_dim=f"[0, {2**31})", max_position_embeddings=size,
-                     rms_norm_eps="> 0", rope_theta="> 0", pad_token_id=f"[0, {self.vocab_size})", bos_token_id=f"[0, {self.vocab_size})",
-                     eos_token_id=f"[0, {self.vocab_size})")
+                     num_attention_heads=size, num_key_value_heads=size, head_dim=f"[0, {2**31})",
+                     max_position_embeddings=size, rms_norm_eps="> 0", rope_theta="> 0", pad_token_id=token,
+                     bos_token_id=token, eos_token_id=token)
         if not self.head_dim and self.hidden_size % self.num_attention_heads:
             raise ValueError(f"LlamaConfig: hidden_size {self.hidden_size} is not divisible by "
                              f"num_attention_heads {self.num_attention_heads} (set head_dim)")

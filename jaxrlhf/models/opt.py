@@ -1,8 +1,6 @@
 """OPT decoder in Flax Linen: the language model, reward model and critic of every step.
 
-Shape vocabulary (used in comments and einsum strings throughout jaxrlhf):
-    B batch, T sequence, D model width (hidden_size), E embedding width (word_embed_proj_dim),
-    H heads, K head dim, F FFN width, V vocab, L layers.
+Shapes use models/common.py's vocabulary, plus E, the embedding width (word_embed_proj_dim; D is hidden_size).
 
 Parameter tree (mirrors Hugging Face's module names so the name table `HF` below is short):
 
@@ -73,10 +71,8 @@ class OPTConfig:
                      pad_token_id=f"[0, {self.vocab_size})", bos_token_id=f"[0, {self.vocab_size})",
                      eos_token_id=f"[0, {self.vocab_size})")
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"OPTConfig: hidden_size {self.hidden_size} is not divisible by "
-                f"num_attention_heads {self.num_attention_heads}"
-            )
+            raise ValueError(f"OPTConfig: hidden_size {self.hidden_size} is not divisible by "
+                             f"num_attention_heads {self.num_attention_heads}")
 
     @property
     def head_dim(self) -> int:
@@ -139,10 +135,8 @@ PRESETS = {
         "opt-66b": (64, 9216, 72),
     }.items()
 }
-PRESETS["opt-350m"] = dict(
-    num_hidden_layers=24, hidden_size=1024, num_attention_heads=16, ffn_dim=4096, word_embed_proj_dim=512,
-    do_layer_norm_before=False,
-)
+PRESETS["opt-350m"] = dict(num_hidden_layers=24, hidden_size=1024, num_attention_heads=16, ffn_dim=4096,
+                           word_embed_proj_dim=512, do_layer_norm_before=False)
 
 
 class OPTLayer(nn.Module):
@@ -153,10 +147,7 @@ class OPTLayer(nn.Module):
 
     @nn.compact
     def __call__(self, carry, layer, where):
-        # carry: (h [B, T, D], kv) with kv None, or {"k", "v"} caches [L, B, H, S, K] when generating;
-        # layer: this layer's index (scanned); where: "segment_ids", and "slot", "start" when generating (see
-        # cached_attention; broadcast to all layers).
-        h, kv = carry
+        h, kv = carry  # h [B, T, D]; where: "segment_ids", and "slot", "start" when generating (common.run_layers)
         cache = common.layer_cache(kv, where, layer)
         c, mode = self.config, self.mode
         dense = lambda n, name: common.Dense(n, use_bias=c.enable_bias, dtype=c.compute_dtype, name=name)
@@ -212,9 +203,8 @@ class OPTDecoder(nn.Module):
         h = embed_tokens(input_ids).astype(c.compute_dtype)  # [B, T, E]
         if c.has_projection:
             h = common.Dense(c.hidden_size, use_bias=False, dtype=c.compute_dtype, name="project_in")(h)
-        h = h + nn.Embed(c.max_position_embeddings + POSITION_OFFSET, c.hidden_size, name="embed_positions")(
-            positions
-        ).astype(c.compute_dtype)  # no dropout on the embeddings: Hugging Face's OPT has none
+        embed_positions = nn.Embed(c.max_position_embeddings + POSITION_OFFSET, c.hidden_size, name="embed_positions")
+        h = h + embed_positions(positions).astype(c.compute_dtype)  # no dropout on the embeddings: HF's OPT has none
 
         h, cache = common.run_layers(self, OPTLayer, c, self.mode, h, cache, {"segment_ids": segment_ids})
 
