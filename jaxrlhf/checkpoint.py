@@ -70,9 +70,8 @@ def config_from_hf(hf: dict, source: str = "config.json", **overrides):
                               "restore the config.json the model was saved with")
     model_type = hf.get("model_type")
     if not isinstance(model_type, str) or model_type not in _FORMATS:
-        raise CheckpointError(
-            f"{source}: model_type is {model_type!r}; jaxrlhf supports {' and '.join(map(repr, _FORMATS))} checkpoints"
-        )
+        raise CheckpointError(f"{source}: model_type is {model_type!r}; jaxrlhf supports "
+                              f"{' and '.join(map(repr, _FORMATS))} checkpoints")
     fmt = _FORMATS[model_type]
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(rope, dict):
@@ -192,10 +191,8 @@ def _read_torch(file: Path) -> dict[str, np.ndarray]:
     try:
         import torch
     except ImportError:
-        raise CheckpointError(
-            f"{file}: reading pytorch_model.bin needs torch (pip install torch), "
-            "or convert the folder to safetensors first"
-        ) from None
+        raise CheckpointError(f"{file}: reading pytorch_model.bin needs torch (pip install torch), or convert the "
+                              "folder to safetensors first") from None
     try:  # weights_only: a pickle that would run code is refused, not run
         state = torch.load(str(file), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - corrupt zip, unpickling, a truncated stream: torch raises all kinds
@@ -217,9 +214,8 @@ def read_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     for index_name, reader in ((SAFETENSORS_INDEX, _read_safetensors), (TORCH_INDEX, _read_torch)):
         index = path / index_name
         if index.is_file():
-            shards = _shard_names(index)
             tensors = {}
-            for shard in shards:
+            for shard in _shard_names(index):
                 if not (path / shard).is_file():
                     raise CheckpointError(f"{index}: lists shard {shard}, which is missing from {path}")
                 tensors.update(reader(path / shard))
@@ -228,9 +224,8 @@ def read_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
         return _read_safetensors(path / SAFETENSORS_FILE)
     if (path / TORCH_FILE).is_file():
         return _read_torch(path / TORCH_FILE)
-    raise CheckpointError(
-        f"{path}: no weights found; expected {SAFETENSORS_FILE}, {SAFETENSORS_INDEX}, {TORCH_FILE} or {TORCH_INDEX}"
-    )
+    raise CheckpointError(f"{path}: no weights found; expected {SAFETENSORS_FILE}, {SAFETENSORS_INDEX}, {TORCH_FILE} "
+                          f"or {TORCH_INDEX}")
 
 
 def _shard_names(index: Path) -> list[str]:
@@ -264,12 +259,9 @@ def _leaf_names(config, with_value_head: bool):
         if node is None:  # this variant has no such module (e.g. no project_in in pre-LN models)
             continue
         for suffix, leaf, transpose in _TENSORS[kind]:
-            if leaf not in node:
-                continue
-            layers = range(config.num_hidden_layers) if "{i}" in module else [None]
-            for i in layers:
-                name = module.replace("{i}", str(i)) + "." + suffix
-                yield name, f"{ours}/{leaf}", i, transpose
+            if leaf in node:
+                for i in range(config.num_hidden_layers) if "{i}" in module else [None]:
+                    yield module.replace("{i}", str(i)) + "." + suffix, f"{ours}/{leaf}", i, transpose
     if with_value_head:
         yield VALUE_HEAD_KEY, "value_head/kernel", None, True
 
@@ -300,8 +292,7 @@ def params_from_tensors(config, tensors: dict[str, np.ndarray], source: str, dty
             raise CheckpointError(f"{source}: lm_head.weight differs from the embedding, but the config ties them")
     with_value_head = VALUE_HEAD_KEY in tensors
     expected = _param_shapes(config, with_value_head)
-    stacked: dict[str, list] = {}
-    params: dict = {}
+    stacked, params = {}, {}
     for name, path, layer, transpose in _leaf_names(config, with_value_head):
         if name not in tensors:
             raise CheckpointError(f"{source}: missing tensor {name} (needed for {path})")
@@ -433,15 +424,8 @@ def check_replaceable(path: str | os.PathLike):
                               "move it away or choose another output folder")
 
 
-def save_hf(
-    path: str | os.PathLike,
-    config: OPTConfig | LlamaConfig,
-    params: dict,
-    tokenizer=None,
-    *,
-    max_shard_bytes: int = 5 * 2**30,
-    manifest: dict | None = None,
-) -> Path:
+def save_hf(path: str | os.PathLike, config: OPTConfig | LlamaConfig, params: dict, tokenizer=None, *,
+            max_shard_bytes: int = 5 * 2**30, manifest: dict | None = None) -> Path:
     """Write an HF folder that `transformers.AutoModelForCausalLM.from_pretrained(path)` loads.
 
     Tensors keep the parameters' dtype bit for bit; a tensor with a NaN or inf is refused by name. Models above
@@ -467,16 +451,13 @@ def save_hf(
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(config_to_hf(config, dtype), indent=2) + "\n")
         shards = _shard(model, max_shard_bytes)
-        if len(shards) == 1:
-            save_file(shards[0], str(tmp / SAFETENSORS_FILE), metadata={"format": "pt"})
-        else:
-            weight_map = {}
-            for n, shard in enumerate(shards, 1):
-                name = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(tmp / name), metadata={"format": "pt"})
-                weight_map.update(dict.fromkeys(shard, name))
-            total = sum(v.nbytes for v in model.values())
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        names = [f"model-{n:05d}-of-{len(shards):05d}.safetensors" for n in range(1, len(shards) + 1)]
+        names = names if len(shards) > 1 else [SAFETENSORS_FILE]
+        for name, shard in zip(names, shards):
+            save_file(shard, str(tmp / name), metadata={"format": "pt"})
+        if len(shards) > 1:
+            weight_map = {tensor: name for name, shard in zip(names, shards) for tensor in shard}
+            index = {"metadata": {"total_size": sum(v.nbytes for v in model.values())}, "weight_map": weight_map}
             (tmp / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         if head:
             save_file(head, str(tmp / VALUE_HEAD_FILE), metadata={"format": "pt"})
