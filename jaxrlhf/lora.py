@@ -113,10 +113,8 @@ def _targets(params: Any, cfg: LoRAConfig) -> dict[str, Any]:
     out = {m: k for m, k in kernels.items() if name in m.replace("/", ".")}
     if not out:
         names = sorted(m.replace("/", ".") for m in kernels)
-        raise ValueError(
-            f"LoRA module_name {name!r} matches no Linear kernel; available modules: "
-            f"{', '.join(names[:8])}{', ...' if len(names) > 8 else ''}"
-        )
+        raise ValueError(f"LoRA module_name {name!r} matches no Linear kernel; available modules: "
+                         f"{', '.join(names[:8])}{', ...' if len(names) > 8 else ''}")
     return out
 
 
@@ -141,10 +139,8 @@ def init_lora(params: Any, cfg: LoRAConfig, key, *, dtype=None) -> dict | None:
     """
     if cfg.dim == 0:
         return None
-    targets = _targets(params, cfg)
-    shapes = tuple(
-        (m, tuple(k.shape), jnp.dtype(k.dtype if dtype is None else dtype)) for m, k in sorted(targets.items())
-    )
+    shapes = tuple((m, tuple(k.shape), jnp.dtype(k.dtype if dtype is None else dtype))
+                   for m, k in sorted(_targets(params, cfg).items()))
     return _init(shapes, cfg.dim, key)
 
 
@@ -206,10 +202,8 @@ def _fitting_adapters(params: Any, lora: Any, cfg: LoRAConfig) -> dict[str, dict
         *lead, n_in, n_out = kernels[module].shape
         a, b = pair["lora_a"].shape, pair["lora_b"].shape
         if a != (*lead, n_in, cfg.dim) or b != (*lead, cfg.dim, n_out):
-            raise ValueError(
-                f"LoRA adapter {module}: lora_a {a} and lora_b {b} do not fit its kernel "
-                f"{kernels[module].shape} with dim {cfg.dim}"
-            )
+            raise ValueError(f"LoRA adapter {module}: lora_a {a} and lora_b {b} do not fit its kernel "
+                             f"{kernels[module].shape} with dim {cfg.dim}")
     scale = cfg.scaling / cfg.dim
     return {m: {"lora_a": p["lora_a"], "lora_b": p["lora_b"].astype(jnp.float32) * scale} for m, p in adapters.items()}
 

@@ -93,11 +93,8 @@ def partition_spec(path: str, shape: tuple[int, ...], layout: str, mesh: Mesh) -
     if layout == "fsdp":
         n = mesh.size
         # Prefer the dimension that the generation layout splits, then the largest; never the layer axis.
-        candidates = [
-            (ax in TP_RULES, size, -i)
-            for i, (size, ax) in enumerate(zip(shape, axes))
-            if ax != "layers" and size % n == 0
-        ]
+        candidates = [(ax in TP_RULES, size, -i) for i, (size, ax) in enumerate(zip(shape, axes))
+                      if ax != "layers" and size % n == 0]
         spec = [None] * len(shape)
         if candidates and n > 1:
             spec[-max(candidates)[2]] = FSDP_AXES
@@ -106,19 +103,17 @@ def partition_spec(path: str, shape: tuple[int, ...], layout: str, mesh: Mesh) -
         spec = [TP_RULES.get(ax) for ax in axes]
         for size, ax, mesh_axis in zip(shape, axes, spec):
             if mesh_axis and size % mesh.shape[mesh_axis]:
-                raise LayoutError(
-                    f"{path}: its '{ax}' dimension ({size}) does not divide over the {mesh.shape[mesh_axis]} "
-                    f"devices of mesh axis '{mesh_axis}'; choose an inference_tp_size that divides it"
-                )
+                raise LayoutError(f"{path}: its '{ax}' dimension ({size}) does not divide over the "
+                                  f"{mesh.shape[mesh_axis]} devices of mesh axis '{mesh_axis}'; choose an "
+                                  "inference_tp_size that divides it")
         return P(*spec)
     raise LayoutError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
 
 
 def shardings_for(tree: Any, layout: str, mesh: Mesh) -> Any:
     """A tree of `NamedSharding`s for `tree` (arrays or ShapeDtypeStructs) in `layout` on `mesh`."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(mesh, partition_spec(path_str(path), np.shape(x), layout, mesh)), tree
-    )
+    spec = lambda path, x: NamedSharding(mesh, partition_spec(path_str(path), np.shape(x), layout, mesh))
+    return jax.tree_util.tree_map_with_path(spec, tree)
 
 
 def batch_sharding(mesh: Mesh, layout: str) -> NamedSharding:
