@@ -8,8 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrlhf import OPTConfig, init_params, load_hf, opt_tokenizer, save_hf
-from jaxrlhf.data import DataConfig
+from helpers import jit_logits
+
+from jaxrlhf import OPTConfig, init_params, load_hf, load_tokenizer, opt_tokenizer, save_hf
+from jaxrlhf.data import DataConfig, make_batch, prepare
 from jaxrlhf.dpo import DPOConfig, main, run
 from jaxrlhf.losses import answer_mask, dpo_loss, sequence_logprobs
 from jaxrlhf.lora import LoRAConfig
@@ -145,12 +147,38 @@ def test_dpo_learns_the_builtin_preferences(tiny_model, tmp_path, lora):
     assert len(losses) == 2 * 20
     assert math.isclose(losses[0], math.log(2.0), rel_tol=1e-5)
     assert np.mean(losses[-10:]) < 0.85 * math.log(2.0)
+    # The accuracy recomputed outside jaxrlhf.dpo, from the exported policy and the starting model.
+    h = held_out_log_ratios(tiny_model, out["model_dir"], dpo_config(tiny_model, tmp_path).data)
+    assert np.mean(h > 0) > 0.65 and abs(np.mean(h > 0) - evaluation["accuracy"]) < 0.02
     assert evaluation["pairs"] == 160 and evaluation["accuracy"] > 0.65
     assert evaluation["margin"] > 0.2 and evaluation["chosen_reward"] > evaluation["rejected_reward"]
     config, exported = load_hf(out["model_dir"])
     assert "value_head" not in exported
     for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(to_host(effective_params(out["state"], lora)))):
         np.testing.assert_array_equal(a, b)
+
+
+def held_out_log_ratios(reference, policy, data):
+    """h = (log π - log π_ref)(chosen) - (log π - log π_ref)(rejected) for each held-out pair, the answer log-probs
+    summed in NumPy over the tokens after prompt_len."""
+    tok = load_tokenizer(reference)
+    arrays = prepare(data, 2, tok, log=lambda _: None)["eval"]
+    n = len(arrays["prompt_len"])
+    logps = {}
+    for name, folder in (("ref", reference), ("policy", policy)):
+        config, params = load_hf(folder)
+        for half in ("chosen", "rejected"):
+            out = []
+            for start in range(0, n, 16):
+                b = make_batch(arrays, range(start, min(start + 16, n)), 2, data, tok.pad_token_id)
+                ids, mask = b[f"{half}_ids"], b[f"{half}_mask"]
+                z = np.asarray(jit_logits(config, params, ids, mask), np.float64)[:, :-1]
+                z = z - z.max(-1, keepdims=True)
+                logp = np.take_along_axis(z, ids[:, 1:, None], -1)[..., 0] - np.log(np.exp(z).sum(-1))
+                t = np.arange(1, ids.shape[1])[None]  # the token each logit predicts
+                out.append(np.sum(logp * (mask[:, 1:] > 0) * (t >= b["prompt_len"][:, None]), 1))
+            logps[name, half] = np.concatenate(out)
+    return (logps["policy", "chosen"] - logps["ref", "chosen"]) - (logps["policy", "rejected"] - logps["ref", "rejected"])
 
 
 @pytest.mark.slow
