@@ -128,11 +128,8 @@ class RunConfig:
 
 def schedule(cfg: OptimConfig, peak: float, total_steps: int):
     decay_steps = max(total_steps - cfg.warmup_steps, 1)
-    after = {
-        "cosine": optax.cosine_decay_schedule(peak, decay_steps),
-        "linear": optax.linear_schedule(peak, 0.0, decay_steps),
-        "constant": optax.constant_schedule(peak),
-    }[cfg.schedule]
+    after = {"cosine": optax.cosine_decay_schedule(peak, decay_steps), "constant": optax.constant_schedule(peak),
+             "linear": optax.linear_schedule(peak, 0.0, decay_steps)}[cfg.schedule]
     if cfg.warmup_steps == 0:
         return after
     return optax.join_schedules([optax.linear_schedule(0.0, peak, cfg.warmup_steps), after], [cfg.warmup_steps])
@@ -146,13 +143,8 @@ def decay_mask(tree):
 def labels(trainable, lora_cfg: LoRAConfig):
     """Optimizer label of every trainable leaf: "lora" (adapters), "frozen" (kernels that carry adapters:
     DeepSpeed-Chat trains them only through the adapters) or "base"."""
-    out = {}
-    for key, tree in trainable.items():
-        if key == "lora":
-            out[key] = jax.tree.map(lambda _: "lora", tree)
-        else:
-            out[key] = jax.tree.map(lambda m: "frozen" if m else "base", adapted_mask(tree, lora_cfg))
-    return out
+    frozen = lambda tree: jax.tree.map(lambda m: "frozen" if m else "base", adapted_mask(tree, lora_cfg))
+    return {k: jax.tree.map(lambda _: "lora", t) if k == "lora" else frozen(t) for k, t in trainable.items()}
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int, lora_cfg: LoRAConfig = LoRAConfig()):
@@ -313,16 +305,6 @@ def make_eval_step(loss_fn: LossFn, lora_cfg: LoRAConfig, reference_fn=None):
 # ------------------------------------------------------------------------------------------- Steps 1 and 2
 
 
-def microbatches(batch: dict, accumulation: int) -> dict:
-    """[B, ...] -> [accumulation, B / accumulation, ...] (host arrays)."""
-    return {k: v.reshape(accumulation, v.shape[0] // accumulation, *v.shape[1:]) for k, v in batch.items()}
-
-
-def place_microbatches(batch: dict, mesh) -> dict:
-    sharding = NamedSharding(mesh, P(None, FSDP_AXES))
-    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
-
-
 def place(batch: dict[str, np.ndarray], mesh, layout: str) -> dict:
     """Put a host batch on the mesh, its leading axis split like `layout` wants (this process's rows)."""
     sharding = batch_sharding(mesh, layout)
@@ -348,10 +330,8 @@ def check_microbatches(batch_size: int, accumulation: int, n_devices: int, field
 def check_run(run: RunConfig, n_devices: int):
     """Refuse configurations that cannot work, before anything is compiled."""
     check_microbatches(run.batch_size, run.optim.gradient_accumulation_steps, n_devices)
-    if run.max_skipped_steps < 1:
+    if run.max_skipped_steps < 1:  # (RunConfig checks the dropout)
         raise ConfigError(f"max_skipped_steps: expected >= 1, got {run.max_skipped_steps}")
-    if run.dropout is not None and not 0 <= run.dropout < 1:
-        raise ValueError(f"dropout: expected a probability in [0, 1), got {run.dropout}")
 
 
 def precision_warning(precision: str, optim: OptimConfig, lora: LoRAConfig, who: str = "") -> str | None:
@@ -417,7 +397,7 @@ def fit(run: RunConfig, state, loss_fn: LossFn, tx, train_batches, eval_set, sum
     """
     out = Path(run.output_dir)
     shardings = state_shardings(state, mesh)
-    accum = run.optim.gradient_accumulation_steps
+    accum, rows = run.optim.gradient_accumulation_steps, NamedSharding(mesh, P(None, FSDP_AXES))
     step_fn = jax.jit(make_train_step(loss_fn, tx, run.lora, reference_fn), out_shardings=(shardings, None),
                       donate_argnums=0)
     eval_fn = jax.jit(make_eval_step(loss_fn, run.lora, reference_fn))
@@ -428,7 +408,9 @@ def fit(run: RunConfig, state, loss_fn: LossFn, tx, train_batches, eval_set, sum
         host = next(batches)
         where = f"step {i} (epoch {train_batches.epoch}, batch {train_batches.position - 1})"
         since["tokens"] += int(sum(v.sum() for k, v in host.items() if k.endswith("mask") and "loss" not in k))
-        state, metrics = step_fn(state, place_microbatches(microbatches(host, accum), mesh))
+        # leaves [B, ...] -> [accumulation, B / accumulation, ...], the rows split over all devices
+        micro = {k: v.reshape(accum, v.shape[0] // accum, *v.shape[1:]) for k, v in host.items()}
+        state, metrics = step_fn(state, {k: jax.make_array_from_process_local_data(rows, v) for k, v in micro.items()})
         return state, (i, metrics), [("model", metrics["skipped"], where)]
 
     def log_figures(window):
