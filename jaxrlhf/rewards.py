@@ -41,12 +41,12 @@ class RewardConfig:
     def __post_init__(self):
         check_fields(self)
         if self.weights and len(self.weights) != len(self.functions):
-            raise ConfigError(f"reward.weights: expected one weight per function ({len(self.functions)}), "
+            raise ConfigError(f"weights: expected one weight per function ({len(self.functions)}), "
                               f"got {list(self.weights)}")
         for spec in self.functions:
             load_function(spec)  # a bad name stops the run here, at start-up, before any model loads
         if self.model_scale == 0 and not self.functions:
-            raise ConfigError("reward.model_weight: 0 leaves no reward; set reward.functions too, or a weight > 0")
+            raise ConfigError("model_weight: 0 leaves no reward; set functions too, or a weight > 0")
 
     @property
     def model_scale(self) -> float:
@@ -55,19 +55,19 @@ class RewardConfig:
 
 
 def load_function(spec: str):
-    """The callable named by `spec` ("module:function"); a ConfigError naming reward.functions otherwise."""
+    """The callable named by `spec` ("module:function"); a ConfigError naming the setting (functions) otherwise."""
     module, _, name = spec.partition(":")
     if not module or not name:
-        raise ConfigError(f"reward.functions: expected 'module:function' (e.g. jaxrlhf.rewards:gsm8k), got {spec!r}")
+        raise ConfigError(f"functions: expected 'module:function' (e.g. jaxrlhf.rewards:gsm8k), got {spec!r}")
     try:
         fn = importlib.import_module(module)
     except Exception as e:  # noqa: BLE001 - any failure while importing the user's module is the same setting's fault
-        raise ConfigError(f"reward.functions: cannot import {module!r} for {spec!r} ({type(e).__name__}: "
+        raise ConfigError(f"functions: cannot import {module!r} for {spec!r} ({type(e).__name__}: "
                           f"{one_line(e)}); is it on PYTHONPATH?") from None
     for part in name.split("."):
         fn = getattr(fn, part, None)
     if not callable(fn):
-        raise ConfigError(f"reward.functions: {spec!r}: module {module!r} has no callable {name!r}")
+        raise ConfigError(f"functions: {spec!r}: module {module!r} has no callable {name!r}")
     return fn
 
 
