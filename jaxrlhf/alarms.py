@@ -66,11 +66,8 @@ def repetition_rate(rows: list[list[int]], n: int = 3) -> float:
 
 def answer_rows(tokens, mask, eos_id: int | None = None) -> list[list[int]]:
     """Each answer's real tokens (mask 1), its final EOS dropped."""
-    rows = []
-    for row, m in zip(np.asarray(tokens), np.asarray(mask)):
-        kept = [int(t) for t in row[m.astype(bool)]]
-        rows.append(kept[:-1] if kept and kept[-1] == eos_id else kept)
-    return rows
+    rows = [[int(t) for t in row[m.astype(bool)]] for row, m in zip(np.asarray(tokens), np.asarray(mask))]
+    return [row[:-1] if row and row[-1] == eos_id else row for row in rows]
 
 
 def answer_figures(tokens, mask, logprobs, *, eos_id: int | None = None, ngram: int = 3) -> dict[str, float]:

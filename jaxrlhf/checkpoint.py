@@ -76,17 +76,11 @@ def config_from_hf(hf: dict, source: str = "config.json", **overrides):
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(rope, dict):
         raise CheckpointError(f"{source}: rope_parameters / rope_scaling is {one_line(rope, 60)}; expected an object")
-    unsupported = {
-        "opt": {
-            "activation_function": (hf.get("activation_function", "relu"), "relu"),
-            "layer_norm_elementwise_affine": (hf.get("layer_norm_elementwise_affine", True), True),
-            "tie_word_embeddings": (hf.get("tie_word_embeddings", True), True),
-        },
-        "llama": {
-            "hidden_act": (hf.get("hidden_act", "silu"), "silu"),
-            "rope type": (rope.get("rope_type", rope.get("type", "default")), "default"),  # no RoPE scaling (yet)
-        },
-    }[model_type]
+    wanted = {"llama": {"hidden_act": "silu"}, "opt": {"activation_function": "relu",
+              "layer_norm_elementwise_affine": True, "tie_word_embeddings": True}}[model_type]
+    unsupported = {key: (hf.get(key, want), want) for key, want in wanted.items()}
+    if model_type == "llama":  # no RoPE scaling (yet)
+        unsupported["rope type"] = (rope.get("rope_type", rope.get("type", "default")), "default")
     for key, (got, want) in unsupported.items():
         if got != want:
             raise CheckpointError(f"{source}: {key} is {got!r}; jaxrlhf's {model_type} supports only {want!r}")
