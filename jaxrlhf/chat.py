@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jaxrlhf.config import run_cli
+from jaxrlhf.data.batches import pad_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +68,7 @@ class Chatbot:
         room = self.config.max_position_embeddings - self.max_new
         ids = ids[-room:]  # a long conversation keeps its latest part
         width = min(room, 1 << (len(ids) - 1).bit_length())  # a few prompt shapes, so few compilations
-        prompt = np.full((1, width), tok.pad_token_id, np.int32)
-        prompt[0, width - len(ids) :] = ids
-        mask = (np.arange(width) >= width - len(ids)).astype(np.int32)[None]
+        prompt, mask = pad_rows([ids], width, tok.pad_token_id, left=True)
         out = generate(self.config, self.params, prompt, mask, jax.random.key(self.cfg.seed + self.turns),
                        max_new_tokens=self.max_new, temperature=self.cfg.temperature, top_k=self.cfg.top_k,
                        top_p=self.cfg.top_p, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jaxrlhf.config import run_cli
+from jaxrlhf.data.batches import pad_rows
 from jaxrlhf.generate import generate
 from jaxrlhf.losses import lm_loss
 from jaxrlhf.models import logits
@@ -47,11 +48,7 @@ def summarise(sums) -> dict:
 
 def sample_answers(config, params, tokenizer, prompts: list[np.ndarray], n_tokens: int) -> list[str]:
     """Greedy answers (KV-cached generation, stopping at EOS) to tokenized prompts, as text."""
-    width = max(len(p) for p in prompts)
-    ids = np.full((len(prompts), width), tokenizer.pad_token_id, np.int32)
-    mask = np.zeros_like(ids)
-    for b, p in enumerate(prompts):  # left padding, as generation wants
-        ids[b, width - len(p) :], mask[b, width - len(p) :] = p, 1
+    ids, mask = pad_rows(prompts, max(len(p) for p in prompts), tokenizer.pad_token_id, left=True)
     out = generate(config, params, ids, mask, jax.random.key(0), max_new_tokens=n_tokens, temperature=0.0,
                    eos_id=tokenizer.eos_token_id)
     return decode_rows(tokenizer, out.tokens, out.mask)

@@ -26,7 +26,8 @@ def _rows(arrays, prefix: str, idx) -> list[np.ndarray]:
     return [tokens[offsets[i] : offsets[i + 1]] for i in idx]
 
 
-def _pad(rows, length: int, pad_id: int, left: bool) -> tuple[np.ndarray, np.ndarray]:
+def pad_rows(rows, length: int, pad_id: int, left: bool) -> tuple[np.ndarray, np.ndarray]:
+    """ids and mask [len(rows), length] (int32) of token rows padded with pad_id, on the left or the right."""
     ids = np.full((len(rows), length), pad_id, np.int32)
     mask = np.zeros((len(rows), length), np.int32)
     for b, row in enumerate(rows):
@@ -38,17 +39,17 @@ def _pad(rows, length: int, pad_id: int, left: bool) -> tuple[np.ndarray, np.nda
 def make_batch(arrays: dict, idx, step: int, config: DataConfig, pad_id: int) -> dict[str, np.ndarray]:
     """The batch of rows `idx` of a step's tokenized set."""
     if step == 3:
-        ids, mask = _pad(_rows(arrays, "", idx), config.max_prompt_len, pad_id, left=True)
+        ids, mask = pad_rows(_rows(arrays, "", idx), config.max_prompt_len, pad_id, left=True)
         meta = arrays.get("metadata")
         return {"prompt_ids": ids, "prompt_mask": mask, "metadata": [{} if meta is None else json.loads(meta[i]) for i in idx]}
     if step == 2:
         batch = {}
         for field in ("chosen", "rejected"):
-            batch[f"{field}_ids"], batch[f"{field}_mask"] = _pad(_rows(arrays, f"{field}_", idx), config.max_seq_len, pad_id, left=False)
+            batch[f"{field}_ids"], batch[f"{field}_mask"] = pad_rows(_rows(arrays, f"{field}_", idx), config.max_seq_len, pad_id, left=False)
         batch["prompt_len"] = arrays["prompt_len"][np.asarray(idx)].astype(np.int32)
         return batch
     length = config.unsupervised_block_size if step == "unsupervised" else config.max_seq_len
-    ids, mask = _pad(_rows(arrays, "", idx), length, pad_id, left=False)
+    ids, mask = pad_rows(_rows(arrays, "", idx), length, pad_id, left=False)
     loss_mask = mask.copy()
     loss_mask[:, 0] = 0  # BOS (or a block's first token) is never a target
     if config.mask_prompt and step == 1:
