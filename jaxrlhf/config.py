@@ -267,7 +267,8 @@ def load(cls, config_file: str | None = None, overrides: list[str] = (), default
 # The settings a newcomer sets first: `--help` shows these (where a key recurs, at its shallowest depth) and names the
 # sections; `--help-all` shows every setting with its default and help, section by section.
 MAIN = ("model", "path", "models", "tokenizer", "actor_model", "reward_model", "deployment_type", "steps", "data_path",
-        "prompt", "output_dir", "batch_size", "max_steps", "optim.learning_rate", "max_new_tokens", "beta", "loss_type")
+        "prompt", "output_dir", "batch_size", "max_steps", "optim.learning_rate", "max_new_tokens", "beta", "loss_type",
+        "algorithm", "num_samples_per_prompt")
 
 
 def _settings(obj, prefix=""):

@@ -3,6 +3,8 @@ alone, before anything is loaded or compiled. `python -m jaxrlhf.plan CONFIG [ke
 
     item                  lives                            what
     actor/critic weights  always (FSDP)                    master dtype (fp32; pure_bf16: bf16) + LoRA adapters fp32
+                                                           (critic-free algorithms: no critic, its optim, gradients
+                                                           or step; the reward model holds all its leaves)
     actor/critic optim    always; offload: its step only   Adam moments of the leaves that train
     reference / reward    always; offload: scoring only    compute dtype, only the leaves not shared (engine.py)
     ema                   always                           float32, the fused actor
@@ -40,7 +42,7 @@ from jaxrlhf.lora import adapted_mask
 from jaxrlhf.models import param_shapes, preset
 from jaxrlhf.rl import engine as rl_engine
 from jaxrlhf.rl import steps as rl_steps
-from jaxrlhf.rl.config import PPOConfig
+from jaxrlhf.rl.config import ModelSide, PPOConfig
 from jaxrlhf.sharding import AXES, make_mesh, partition_spec, path_str
 from jaxrlhf.trainer import init_state, make_optimizer
 
@@ -178,13 +180,16 @@ def _model(config, side, precision: str, mesh, value_head: bool) -> dict[str, in
 def plan(cfg, actor_config, critic_config, mesh, *, batch: int, prompt_len: int, capacity: int | None = None,
          backend: str | None = None, experiences: int = 1, unsup_rows: int = 0, unsup_len: int = 0) -> Plan:
     """The memory plan of Step 3 (`cfg`: an EngineConfig, e.g. a PPOConfig) on `mesh` (a Mesh or AbstractMesh)
-    for generation batches of `batch` prompts of `prompt_len` tokens, `experiences` of them kept per iteration
-    (generation_batches), and a mixture LM batch of `unsup_rows` x `unsup_len` tokens in the actor step."""
+    for generation batches of `batch` rows (answers: prompts x num_samples_per_prompt) of `prompt_len` + answer tokens,
+    `experiences` of them kept per iteration (generation_batches), and a mixture LM batch of `unsup_rows` x `unsup_len`
+    tokens in the actor step. A critic-free algorithm plans no critic: its rows are 0 and its step is no phase."""
     backend = backend or jax.default_backend()
     G, N, tp = cfg.max_answer_len, mesh.size, mesh.shape["model"]
     T = prompt_len + G
+    critic_free = getattr(cfg, "critic_free", False)
     a = _model(actor_config, cfg.actor, cfg.precision, mesh, value_head=False)
-    c = _model(critic_config, cfg.critic, cfg.precision, mesh, value_head=True)
+    # critic-free: the reward model alone, every leaf its own (a side without LoRA shares nothing)
+    c = _model(critic_config, ModelSide() if critic_free else cfg.critic, cfg.precision, mesh, value_head=True)
     # generation holds a cache row per decode slot (continuous batching: decode_slots < batch)
     rows, gen_rows = -(-batch // N), -(-min(getattr(cfg, "decode_slots", 0) or DECODE_SLOTS, batch) // (N // tp))
     cache = init_cache_bytes(actor_config, gen_rows, T, tp)
@@ -223,6 +228,8 @@ def plan(cfg, actor_config, critic_config, mesh, *, batch: int, prompt_len: int,
         "critic step activations": act(critic_config, cfg.critic, True, True) + gather_c,
         "experience": experiences * rows * T * 4 * 12,
     }
+    if critic_free:  # no critic: its items count nothing (kept as rows, so a table shows what is saved)
+        items.update({k: 0 for k in items if k.startswith("critic")})
     offloaded = {"actor optimizer": cfg.actor.offload, "critic optimizer": cfg.critic.offload,
                  "reference (own leaves)": cfg.offload_reference_model, "reward (own leaves)": cfg.offload_reward_model}
     uses = {"actor optimizer": "actor_step", "critic optimizer": "critic_step",
@@ -235,6 +242,8 @@ def plan(cfg, actor_config, critic_config, mesh, *, batch: int, prompt_len: int,
         "actor_step": ["actor gradients", "actor fused LoRA", "actor step activations", "experience"],
         "critic_step": ["critic gradients", "critic fused LoRA", "critic step activations", "experience"],
     }
+    if critic_free:
+        del phases["critic_step"]
     for phase, held in phases.items():
         held[:0] = resident + [i for i, on in offloaded.items() if on and uses[i] == phase]
     notes = [f"{N} device(s), inference_tp_size {tp}, batch {batch}, {prompt_len} + {G} tokens, precision "
@@ -275,12 +284,21 @@ def capacity(gib: float = 0.0) -> int | None:
 
 
 def ppo_plan(cfg, mesh, actor_config=None, critic_config=None, backend=None) -> Plan:
-    """The plan of a PPOConfig on `mesh`: its batch, prompt length and capacity (device_memory_gib)."""
+    """The plan of a PPOConfig on `mesh`: its batch (x num_samples_per_prompt answers), prompt length and capacity
+    (device_memory_gib); a critic-free one notes what PPO with the same batch would need (what dropping the critic saves)."""
     unsup = bool(cfg.data.unsupervised_data_path) and cfg.unsup_coef > 0
-    return plan(cfg, actor_config or model_config(cfg, cfg.actor), critic_config or model_config(cfg, cfg.critic), mesh,
-                batch=cfg.batch_size, prompt_len=cfg.data.max_prompt_len, capacity=capacity(cfg.device_memory_gib),
-                backend=backend, experiences=cfg.generation_batches,
-                unsup_rows=(cfg.unsup_batch_size or cfg.batch_size) if unsup else 0, unsup_len=cfg.data.max_seq_len)
+    actor_config, critic_config = actor_config or model_config(cfg, cfg.actor), critic_config or model_config(cfg, cfg.critic)
+    p = plan(cfg, actor_config, critic_config, mesh, batch=cfg.batch_size * cfg.num_samples_per_prompt,
+             prompt_len=cfg.data.max_prompt_len, capacity=capacity(cfg.device_memory_gib), backend=backend,
+             experiences=cfg.generation_batches, unsup_rows=(cfg.unsup_batch_size or cfg.batch_size) if unsup else 0,
+             unsup_len=cfg.data.max_seq_len)
+    if cfg.critic_free:
+        ppo = ppo_plan(dataclasses.replace(cfg, algorithm="ppo"), mesh, actor_config, critic_config, backend)
+        unit, name = (GiB, "GiB") if ppo.peak >= GiB else (2**20, "MiB")
+        p.notes.append(f"{cfg.algorithm} trains no critic: peak {p.peak / unit:.3f} {name} per device, PPO's with this batch "
+                       f"{ppo.peak / unit:.3f} {name} (saves {(ppo.peak - p.peak) / unit:.3f} {name}: no critic weights, "
+                       "optimizer, gradients or step; the reward model holds all its leaves)")
+    return p
 
 
 def alternatives(cfg, mesh, actor_config, critic_config, backend=None) -> list[tuple[str, str, Plan]]:

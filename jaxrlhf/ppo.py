@@ -1,10 +1,14 @@
-"""Step 3, `python -m jaxrlhf.ppo`: PPO on the Step 1 actor against the Step 2 reward model (hybrid engine).
+"""Step 3, `python -m jaxrlhf.ppo`: PPO, GRPO, RLOO or REINFORCE++ on the Step 1 actor against the Step 2 reward
+model (hybrid engine).
 
     python -m jaxrlhf.ppo actor.model=runs/sft/model critic.model=runs/reward/model output_dir=runs/ppo [key=value ...]
+    python -m jaxrlhf.ppo algorithm=grpo num_samples_per_prompt=4 actor.model=... critic.model=... [key=value ...]
 
 Each iteration: `generation_batches` batches of prompts are answered and scored (engine.generate_experience),
 then `ppo_epochs` passes of one actor and one critic step per batch (engine.train_rlhf), with the mixture
-LM loss when data.unsupervised_data_path is set. Writes output_dir/actor, critic and (enable_ema) actor_ema
+LM loss when data.unsupervised_data_path is set. The critic-free algorithms (grpo, rloo, reinforce_pp) answer each
+prompt num_samples_per_prompt times and train no critic (critic.model is the reward model only; no critic/ folder).
+Writes output_dir/actor, critic and (enable_ema) actor_ema
 as Hugging Face folders, output_dir/state (Orbax: the same command started again continues exactly, or skips a
 finished run), run_config.json, metrics.jsonl and TensorBoard events (tb/): per iteration the reward, KL to the
 reference, answer length, losses, the steps skipped by the non-finite guard, the seconds of each phase, bytes
@@ -45,9 +49,17 @@ def check(cfg: PPOConfig, mesh):
     for name in ("actor", "critic"):
         if not getattr(cfg, name).model:
             raise ConfigError(f"{name}.model: required, a Hugging Face folder (the Step {1 if name == 'actor' else 2} model)")
-    for name, rows in (("batch_size", cfg.batch_size), ("unsup_batch_size", cfg.unsup_batch_size or cfg.batch_size)):
+    if cfg.critic_free:  # settings that would change nothing are refused rather than ignored
+        for key, on in (("critic.lora.dim", cfg.critic.lora.dim), ("critic.offload", cfg.critic.offload)):
+            if on:
+                raise ConfigError(f"{key}: algorithm {cfg.algorithm} trains no critic (critic.model is its reward model "
+                                  "only); leave the critic's training settings unset")
+    n = cfg.num_samples_per_prompt
+    for name, rows in (("batch_size", cfg.batch_size * n), ("unsup_batch_size", cfg.unsup_batch_size or cfg.batch_size)):
         if rows % mesh.size:
-            raise ConfigError(f"{name} {rows} does not split over the {mesh.size} devices; use a multiple of {mesh.size}")
+            what = f"batch_size {cfg.batch_size} x num_samples_per_prompt {n} = {rows} answers" if name == "batch_size" and n > 1 \
+                else f"{name} {rows}"
+            raise ConfigError(f"{what} does not split over the {mesh.size} devices; use a multiple of {mesh.size}")
         try:
             check_accumulation(cfg, rows, mesh.size)
         except ValueError as e:
@@ -85,8 +97,10 @@ def effective_tflops(engine: HybridEngine, samples: int, seq_len: int, seconds: 
     """DeepSpeed-Chat's effective TFLOP/s per device (docs/benchmarks.md): 2 N L per forward, 6 N L per training
     pass; generation, old log-probs and reference forwards of the actor, critic and reward forwards, and the
     two updates per PPO epoch."""
-    n_actor, n_critic = (sum(x.size for x in jax.tree.leaves(base_params(engine.state[m]))) for m in ("actor", "critic"))
-    flops = seq_len * samples * (6 * n_actor + 4 * n_critic + ppo_epochs * 6 * (n_actor + n_critic))
+    n_actor = sum(x.size for x in jax.tree.leaves(base_params(engine.state["actor"])))
+    n_reward = sum(x.size for x in jax.tree.leaves(engine.reward_params()))
+    n_critic = n_reward if "critic" in engine.state else 0  # critic-free: the reward model's forward only
+    flops = seq_len * samples * (6 * n_actor + 2 * n_reward + 2 * n_critic + ppo_epochs * 6 * (n_actor + n_critic))
     return flops / max(seconds, 1e-9) / engine.mesh.size / 1e12
 
 
@@ -97,13 +111,15 @@ def peak_memory() -> int | None:
 
 
 def export_names(cfg: PPOConfig) -> list[str]:
-    return ["actor", "critic", *(["actor_ema"] if cfg.enable_ema else [])]
+    return ["actor", *([] if cfg.critic_free else ["critic"]), *(["actor_ema"] if cfg.enable_ema else [])]
 
 
 def export(engine: HybridEngine, cfg: PPOConfig, tokenizer) -> dict[str, Path]:
     """output_dir/actor, critic, actor_ema as HF folders (LoRA fused), as DeepSpeed-Chat lays them out; each one's
     manifest carries the run's settings (what tells a finished run when it is started again)."""
-    trees = {"actor": (engine.actor_config, engine.actor_params()), "critic": (engine.critic_config, engine.critic_params())}
+    trees = {"actor": (engine.actor_config, engine.actor_params())}
+    if "critic" in engine.state:
+        trees["critic"] = (engine.critic_config, engine.critic_params())
     if "ema" in engine.state:
         trees["actor_ema"] = (engine.actor_config, engine.ema_params())  # float32 while training
     folders = {name: Path(cfg.output_dir) / name for name in trees}
@@ -129,7 +145,7 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
         manager.close()
         return {"engine": None, "records": [], "folders": {name: out / name for name in export_names(cfg)},
                 "tokenizer": None, "skipped": True}
-    for who, side in (("actor ", cfg.actor), ("critic ", cfg.critic)):
+    for who, side in (("actor ", cfg.actor), *(() if cfg.critic_free else (("critic ", cfg.critic),))):
         if warning := precision_warning(cfg.precision, side.optim, side.lora, who):
             log(warning)
     log(memory_plan.check(cfg, mesh).table())  # refuses a config that cannot fit, before loading or compiling
@@ -159,7 +175,7 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
     engine.state, records = loop.fit(
         cfg, engine.state, step, lambda window: window[-1], {"prompts": prompts, **({"unsup": unsup} if unsup else {})},
         total=iterations, manager=manager, metrics_log=MetricsLog(out, cfg.report_to, settings(cfg, INPUTS)),
-        shardings=engine.shardings(), counter=("iteration", cfg.generation_batches), desc="ppo", log=log,
+        shardings=engine.shardings(), counter=("iteration", cfg.generation_batches), desc=cfg.algorithm, log=log,
         shown=("reward", "gold_reward", "kl", "answer_len", "samples_per_s"))
     folders = export(engine, cfg, tokenizer)
     log(f"Step 3 done: Hugging Face models in {', '.join(str(f) for f in folders.values())}")
@@ -168,7 +184,7 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
 
 def ppo_iteration(cfg: PPOConfig, engine: HybridEngine, tokenizer, prompts, unsup, iterations: int, log):
     """Step 3's step for the loop (jaxrlhf.loop.fit): iteration `it` answers and scores `generation_batches` batches
-    of prompts, then runs `ppo_epochs` passes of one actor and one critic step per batch; its figures (the mean
+    of prompts, then runs `ppo_epochs` passes of one actor and (PPO) one critic step per batch; its figures (the mean
     over the steps, skip counts, phase seconds, throughput, gold reward, alarms) are host floats."""
     synthetic = all(p.startswith("synthetic") for p in cfg.data.data_path)
     prompt_iter, unsup_iter = iter(prompts), iter(unsup) if unsup else None
@@ -185,11 +201,11 @@ def ppo_iteration(cfg: PPOConfig, engine: HybridEngine, tokenizer, prompts, unsu
         stats = [engine.train_rlhf(exp, next(unsup_iter) if unsup_iter else None)
                  for _ in range(cfg.ppo_epochs) for exp in experiences]
         skips = [(name, s[f"{name}_skipped"], f"iteration {it}, PPO epoch {i // cfg.generation_batches + 1}, "
-                  f"batch {i % cfg.generation_batches + 1}, {name}") for i, s in enumerate(stats) for name in ("actor", "critic")]
+                  f"batch {i % cfg.generation_batches + 1}, {name}") for i, s in enumerate(stats) for name in engine.trained]
         seconds = time.perf_counter() - clock
-        samples = cfg.batch_size * cfg.generation_batches
+        samples = cfg.batch_size * cfg.num_samples_per_prompt * cfg.generation_batches  # answers
         figures = {k: float(np.mean([s[k] for s in stats])) for k in stats[0]}
-        figures.update({k: float(sum(s[k] for s in stats)) for k in ("actor_skipped", "critic_skipped")})  # counts
+        figures.update({f"{k}_skipped": float(sum(s[f"{k}_skipped"] for s in stats)) for k in engine.trained})  # counts
         figures.update({f"{p}_s": engine.timings.get(p, 0.0) for p in PHASES}, iteration_s=seconds,
                        samples_per_s=samples / seconds, reshard_bytes=engine.reshard_bytes,
                        tflops=effective_tflops(engine, samples, experiences[0]["seq"].shape[1], seconds, cfg.ppo_epochs))

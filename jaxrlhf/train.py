@@ -1,13 +1,14 @@
 """`python -m jaxrlhf.train`: the three steps in one command, as DeepSpeed-Chat's train.py runs them.
 
     python -m jaxrlhf.train                                   the built-in task end to end on a tiny model
+    python -m jaxrlhf.train algorithm=grpo                    the same with GRPO (rloo, reinforce_pp) in Step 3
     python -m jaxrlhf.train --actor-model /data/opt-1.3b --reward-model /data/opt-350m \\
         --deployment-type single_gpu --output-dir runs/opt-1.3b
     python -m jaxrlhf.train --step 3 --output-dir runs/opt-1.3b ppo.kl_coef=0.05      Step 3 again
     python -m jaxrlhf.train [CONFIG.yaml] [sft.key=value reward.key=value ppo.key=value data.key=value ...]
 
 Outputs: OUTPUT_DIR/actor-models (Step 1: model/, state/, metrics), OUTPUT_DIR/reward-models (Step 2), and
-OUTPUT_DIR/step3-models (actor/, critic/, actor_ema/, state/, metrics). Step 2 starts from --reward-model,
+OUTPUT_DIR/step3-models (actor/, critic/ (PPO only), actor_ema/, state/, metrics). Step 2 starts from --reward-model,
 Step 3 from the two earlier outputs. Started again with the same settings, the command skips the finished steps
 and continues an interrupted one (loop.start_run). `data` is shared by the three steps (their own data sections are
 replaced by it). With no arguments the actor and reward model are tiny random OPTs with the built-in
@@ -62,6 +63,10 @@ class TrainConfig:
     deployment_type: Literal["demo", "single_gpu", "single_node", "multi_node"] = "demo"
     #: which steps to run (a later step reads the earlier ones' outputs from output_dir)
     steps: tuple[int, ...] = (1, 2, 3)
+    #: Step 3's algorithm, ppo | grpo | rloo | reinforce_pp: sets ppo.algorithm and, for grpo and rloo, 4 answers to
+    #: each of ppo.batch_size / 4 prompts (GROUP; ppo.KEY=VALUE overrides). The Step 2 reward model scores the
+    #: answers; only PPO also trains it as its critic
+    algorithm: Literal["ppo", "grpo", "rloo", "reinforce_pp"] = "ppo"
     #: everything goes under here (actor-models/, reward-models/, step3-models/)
     output_dir: str = "runs/train"
     #: held-out prompts on which the Step 1 model and the final actor are compared (built-in task)
@@ -94,6 +99,8 @@ _REAL = {"data.data_path": ["Dahoas/rm-static"], "data.max_seq_len": 512, "data.
          "ppo.precision": "bf16", "ppo.max_steps": 0, "ppo.max_answer_len": 256, "ppo.kl_coef": 0.1, "ppo.log_every": 1,
          "ppo.actor": {"optim": {"learning_rate": 9.65e-6, "warmup_steps": 100}, "remat": True},
          "ppo.critic": {"optim": {"learning_rate": 5e-6, "warmup_steps": 100}, "remat": True}, "ppo.enable_ema": True}
+# Answers per prompt of the group-baseline algorithms: a batch of batch_size / GROUP prompts, as many answers as PPO's.
+GROUP = {"grpo": 4, "rloo": 4}
 DEPLOYMENTS = {
     "demo": {},
     "single_gpu": {**_REAL, "sft.batch_size": 8, "reward.batch_size": 8, "ppo.batch_size": 8,
@@ -177,7 +184,7 @@ def run(cfg: TrainConfig, log=print, mesh=None) -> dict:
         step = dataclasses.replace(cfg.reward, model=starting_model(cfg.reward_model, 1), output_dir=str(dirs[2]), data=cfg.data)
         result["step2"] = str(reward.run(step, log=log, mesh=mesh)["model_dir"])
     if 3 in cfg.steps:
-        log(f"=== Step 3: PPO -> {dirs[3]}")
+        log(f"=== Step 3: {cfg.ppo.algorithm.upper()} -> {dirs[3]}")
         for path in (sft_model, rm_model):
             if not path.is_dir():
                 raise ConfigError(f"{path}: not found; Step 3 needs the outputs of Steps 1 and 2 (run them, e.g. --step 1 2 3)")
@@ -227,7 +234,11 @@ def flags(parser):
 
 def _preset(cfg: TrainConfig) -> TrainConfig | None:
     """The deployment preset's settings, which the file and the command line then override."""
-    dotted, tree = DEPLOYMENTS[cfg.deployment_type], {}
+    dotted, tree = dict(DEPLOYMENTS[cfg.deployment_type]), {}
+    if cfg.algorithm != "ppo":  # Step 3's algorithm; GROUP answers to each of a batch's prompts
+        n = GROUP.get(cfg.algorithm, 1)
+        dotted.update({"ppo.algorithm": cfg.algorithm, "ppo.num_samples_per_prompt": n,
+                       "ppo.batch_size": dotted.get("ppo.batch_size", TrainConfig.ppo.batch_size) // n})
     for key, value in (dotted or {}).items():
         *parents, leaf = key.split(".")
         node = tree

@@ -4,11 +4,13 @@
     experience.py  the answers scored, the KL coefficient, rewards and advantages (compiled programs)
     steps.py       the actor's and critic's training programs
     packing.py     rows sorted by length into micro-batches of a token budget
-    losses.py      PPO's math: rewards, GAE, the clipped losses, the adaptive KL controller
+    losses.py      the math: rewards, GAE, the clipped losses, the adaptive KL controller; the critic-free
+                   algorithms' advantages (GRPO, RLOO, REINFORCE++), KL loss estimators, loss aggregations
 
     config.py      the settings: EngineConfig, ModelSide, PPOConfig
 
-The entry point, `python -m jaxrlhf.ppo`, drives the engine through the one training loop (jaxrlhf.loop).
+`algorithm` (config.py) picks PPO or a critic-free algorithm (grpo, rloo, reinforce_pp: no critic, n answers per
+prompt). The entry point, `python -m jaxrlhf.ppo`, drives the engine through the one training loop (jaxrlhf.loop).
 """
 
 from jaxrlhf.rl.config import EngineConfig, ModelSide, PPOConfig

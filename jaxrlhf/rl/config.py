@@ -34,7 +34,21 @@ class ModelSide:
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """What the hybrid engine needs: the two trainable models and the PPO algorithm's settings."""
+    """What the hybrid engine needs: the trainable models and the algorithm's settings.
+
+    algorithm=ppo trains the actor and a critic (GAE on its values); grpo, rloo and reinforce_pp train the actor alone:
+    no critic is created, trained or exported (critic.model is then the reward model only, and the critic's other
+    settings, clip_value, lam and whiten_advantages are unused)."""
+
+    #: ppo (actor + critic, GAE) | grpo (group-mean baseline) | rloo (leave-one-out baseline) | reinforce_pp
+    #: (REINFORCE++: returns normalised over the batch); the last three are critic-free (see jaxrlhf.rl.losses)
+    algorithm: Literal["ppo", "grpo", "rloo", "reinforce_pp"] = "ppo"
+    #: answers sampled per prompt, n: each prompt repeated n times side by side, one group kept together through
+    #: generation, scoring and the advantages; a generation batch holds batch_size prompts x n answers (as veRL's
+    #: rollout.n; grpo and rloo need n >= 2)
+    num_samples_per_prompt: int = 1
+    #: grpo: divide each group's advantages by its reward std + 1e-6 (false: Dr. GRPO's unscaled group mean baseline)
+    scale_rewards: bool = True
 
     actor: ModelSide = ModelSide(optim=OptimConfig(learning_rate=9.65e-6, warmup_steps=100))
     critic: ModelSide = ModelSide(optim=OptimConfig(learning_rate=5e-6, warmup_steps=100))
@@ -82,6 +96,18 @@ class EngineConfig:
     clip_score: float = 5.0
     #: PPO ratio clip (DeepSpeed-Chat's cliprange)
     clip_ratio: float = 0.2
+    #: the ratio's lower clip, 1 - clip_ratio_low (null: clip_ratio)
+    clip_ratio_low: float | None = None
+    #: the ratio's upper clip, 1 + clip_ratio_high (null: clip_ratio; DAPO's clip-higher: e.g. 0.28 with low 0.2)
+    clip_ratio_high: float | None = None
+    #: how the policy loss (and a KL loss) is averaged: token_mean (every answer token alike: PPO's, DAPO's) |
+    #: seq_mean_token_mean (each answer's mean, then the answers' mean: GRPO's paper) | seq_mean_token_sum
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    #: where the KL to the reference goes: none (in the reward, kl_coef per token, as PPO) | k1 | k3 (a loss term of
+    #: weight kl_loss_coef, k1 = log p - log p_ref or k3 = exp(-k1) + k1 - 1 per token, and no KL in the reward)
+    kl_loss: Literal["none", "k1", "k3"] = "none"
+    #: the KL loss term's weight (kl_loss k1 or k3)
+    kl_loss_coef: float = 0.001
     #: value clip of the critic loss (DeepSpeed-Chat's cliprange_value)
     clip_value: float = 0.2
     #: GAE discount
@@ -120,12 +146,30 @@ class EngineConfig:
             (0 < self.gamma <= 1 and 0 <= self.lam <= 1, f"expected 0 < gamma <= 1 and 0 <= lam <= 1, got {self.gamma}, {self.lam}"),
             (0 <= self.ema_decay < 1, f"ema_decay: expected a number in [0, 1), got {self.ema_decay}"),
             (self.unsup_coef >= 0, f"unsup_coef: expected >= 0, got {self.unsup_coef}"),
+            (self.algorithm in ("ppo", "grpo", "rloo", "reinforce_pp"),
+             f"algorithm: expected ppo, grpo, rloo or reinforce_pp, got {self.algorithm!r}"),
+            (self.num_samples_per_prompt >= (2 if self.algorithm in ("grpo", "rloo") else 1),
+             f"num_samples_per_prompt: expected >= 1, and >= 2 for grpo and rloo (their baseline is the other answers "
+             f"to the same prompt); got {self.num_samples_per_prompt} with algorithm {self.algorithm}"),
+            (all(c is None or c > 0 for c in (self.clip_ratio_low, self.clip_ratio_high)),
+             f"clip_ratio_low and clip_ratio_high: expected > 0 or null, got {self.clip_ratio_low}, {self.clip_ratio_high}"),
+            (self.loss_agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"),
+             f"loss_agg: expected token_mean, seq_mean_token_mean or seq_mean_token_sum, got {self.loss_agg!r}"),
+            (self.kl_loss in ("none", "k1", "k3"), f"kl_loss: expected none, k1 or k3, got {self.kl_loss!r}"),
+            (self.kl_loss_coef >= 0, f"kl_loss_coef: expected >= 0, got {self.kl_loss_coef}"),
+            (self.kl_loss == "none" or self.kl_target is None,
+             "kl_target: the adaptive KL controller steers the KL in the reward; with kl_loss set there is none (kl_target=null)"),
         ]
         for d in (self.actor.dropout, self.critic.dropout):
             checks.append((d is None or 0 <= d < 1, f"dropout: expected a probability in [0, 1) or null, got {d}"))
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def critic_free(self) -> bool:
+        """True when no critic is trained (grpo, rloo, reinforce_pp)."""
+        return self.algorithm != "ppo"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +178,8 @@ class PPOConfig(EngineConfig):
     tokenizer: str | None = None
     #: where actor/, critic/, actor_ema/ (HF folders), state/ (Orbax), metrics.jsonl and tb/ go
     output_dir: str = "runs/ppo"
-    #: prompts per generation batch, over all devices (DeepSpeed-Chat: per-device batch x devices)
+    #: prompts per generation batch, over all devices (DeepSpeed-Chat: per-device batch x devices); the batch holds
+    #: batch_size x num_samples_per_prompt answers, which must split over the devices
     batch_size: int = 16
     #: generation batches per iteration; each then gets one actor and one critic step per PPO epoch
     generation_batches: int = 1

@@ -21,6 +21,11 @@
         ──► critic step the same way;  states donated
     (max_tokens_per_micro_batch=0: padded micro-batches of gradient_accumulation_steps instead, in one program each)
 
+Critic-free algorithms (algorithm grpo, rloo, reinforce_pp): no critic. The reward model then holds all its own
+leaves, nothing is shared; scoring computes no values; each prompt is answered num_samples_per_prompt times (its
+rows side by side: a group, whose answers differ by generation's per-row keys); the advantages come from the
+group's or the batch's rewards (rl/experience.py) and train_rlhf runs the actor's step only.
+
 Offload (ModelSide.offload, offload_reference_model, offload_reward_model): those trees live in pinned host
 memory and are copied to the device for the program that uses them (an optimizer state for its model's step,
 the reference and reward leaves for scoring), then freed there. jaxrlhf.plan counts them in those phases only.
@@ -85,6 +90,16 @@ def to_memory(tree, kind: str, donate: bool = False):
     return out
 
 
+def repeat_rows(batch: dict, n: int) -> dict:
+    """Every row of a prompt batch (arrays [B, ...] on the host or the device, lists [B]) repeated n times side by
+    side: rows i n .. i n + n - 1 are prompt i's group."""
+    if n == 1:
+        return batch
+    rep = lambda x: ([v for v in x for _ in range(n)] if isinstance(x, (list, tuple))
+                     else np.repeat(x, n, axis=0) if isinstance(x, np.ndarray) else jnp.repeat(x, n, axis=0))
+    return {k: rep(v) for k, v in batch.items()}
+
+
 def tree_bytes(tree) -> int:
     """Global bytes of the arrays in `tree` (None leaves count nothing)."""
     return sum(x.nbytes for x in jax.tree.leaves(tree))
@@ -119,15 +134,18 @@ class HybridEngine:
         memory = lambda side: "pinned_host" if side.offload else "device"  # offloaded Adam moments are born on the host
         actor_state = create_state(actor_params, cfg.actor.lora, self.static.tx("actor"), jax.random.fold_in(key, 1), mesh,
                                    memory(cfg.actor))
-        critic_state = create_state(critic_params, cfg.critic.lora, self.static.tx("critic"), jax.random.fold_in(key, 2),
-                                    mesh, memory(cfg.critic))
         frozen_dtype = self.actor_config.compute_dtype  # what the forward casts to anyway
         self.ref_own = reshard(own_leaves(actor_params, never_moves(actor_state, cfg.actor.lora), frozen_dtype), "fsdp", mesh)
-        self.reward_own = reshard(own_leaves(critic_params, never_moves(critic_state, cfg.critic.lora),
-                                             self.critic_config.compute_dtype), "fsdp", mesh)
         self._replicated = lambda x: jax.device_put(x, NamedSharding(mesh, P()))
-        self.state = {"actor": actor_state, "critic": critic_state, "kl_coef": self._replicated(np.float32(cfg.kl_coef)),
+        self.state = {"actor": actor_state, "kl_coef": self._replicated(np.float32(cfg.kl_coef)),
                       "iteration": self._replicated(np.int32(0))}
+        if cfg.critic_free:  # the reward model alone: all its leaves its own
+            shared = jax.tree.map(lambda _: False, critic_params)
+        else:
+            self.state["critic"] = create_state(critic_params, cfg.critic.lora, self.static.tx("critic"),
+                                                jax.random.fold_in(key, 2), mesh, memory(cfg.critic))
+            shared = never_moves(self.state["critic"], cfg.critic.lora)
+        self.reward_own = reshard(own_leaves(critic_params, shared, self.critic_config.compute_dtype), "fsdp", mesh)
         if cfg.enable_ema:
             self.state["ema"] = steps.fused_actor(self.static, actor_state)
         self.timings: dict[str, float] = {}
@@ -144,16 +162,21 @@ class HybridEngine:
         """The shardings of `self.state` (or a tree shaped like it): FSDP for every model, scalars replicated."""
         state = self.state if state is None else state
         replicated = NamedSharding(self.mesh, P())
-        out = {"actor": state_shardings(state["actor"], self.mesh), "critic": state_shardings(state["critic"], self.mesh),
-               "kl_coef": replicated, "iteration": replicated}
+        out = {name: state_shardings(state[name], self.mesh) for name in self.trained if name in state}
+        out.update(kl_coef=replicated, iteration=replicated)
         if "ema" in state:
             out["ema"] = shardings_for(state["ema"], "fsdp", self.mesh)
         return out
 
     def offload(self):
         """Move the optimizer states that the config offloads to host memory (after construction or a restore)."""
-        for name in ("actor", "critic"):
+        for name in self.trained:
             self._opt_to(name, "pinned_host")
+
+    @property
+    def trained(self) -> tuple[str, ...]:
+        """The trainable models: the actor, and the critic unless the algorithm is critic-free."""
+        return ("actor",) if self.cfg.critic_free else ("actor", "critic")
 
     def _opt_to(self, name: str, kind: str):
         state = self.state[name]
@@ -176,6 +199,7 @@ class HybridEngine:
         ref_logprobs, values, generation_logprobs (generation's own) [B, G]; scores [B] (reward model); kl_coef (the
         KL penalty's coefficient for this batch; an adaptive one then moves on this batch's KL)."""
         cfg, mesh = self.cfg, self.mesh
+        prompt_batch = repeat_rows(prompt_batch, cfg.num_samples_per_prompt)
         ids, mask = prompt_batch["prompt_ids"], prompt_batch["prompt_mask"]
         if ids.shape[1] + cfg.max_answer_len > self.actor_config.max_position_embeddings:
             raise ValueError(f"max_prompt_len ({ids.shape[1]}) + max_answer_len ({cfg.max_answer_len}) exceeds the "
@@ -209,7 +233,7 @@ class HybridEngine:
         # Offloaded frozen models come to the device for scoring only; the host copy stays.
         frozen = [self._timed("offload", to_memory, own, "device") if on else own for own, on in
                   ((self.ref_own, cfg.offload_reference_model), (self.reward_own, cfg.offload_reward_model))]
-        weights = {n: {k: v for k, v in self.state[n].items() if k in ("trainable", "frozen")} for n in ("actor", "critic")}
+        weights = {n: {k: v for k, v in self.state[n].items() if k in ("trainable", "frozen")} for n in self.trained}
         if cfg.max_tokens_per_micro_batch:
             exp = self._timed("score", self._score_packed, weights, frozen, ids, mask, tokens, answer_mask, gen_logprobs)
         else:
@@ -232,10 +256,10 @@ class HybridEngine:
         s, B, G = self.static, *answer_mask.shape
         exp = padded_experience_jit(s, ids, mask, tokens, answer_mask)
         micro = self._micro_batches(exp)
-        zeros = {k: jnp.zeros((B, G), jnp.float32) for k in ("logprobs", "ref_logprobs", "values")}
-        out = row_layout({**({} if self.cfg.old_logprobs_from_generation else {"logprobs": zeros["logprobs"]}),
-                     "ref_logprobs": zeros["ref_logprobs"], "values": zeros["values"], "scores": jnp.zeros((B,), jnp.float32)},
-                    self.mesh)
+        names = ("ref_logprobs", *(() if self.cfg.old_logprobs_from_generation else ("logprobs",)),
+                 *(() if self.cfg.critic_free else ("values",)))
+        out = row_layout({**{k: jnp.zeros((B, G), jnp.float32) for k in names}, "scores": jnp.zeros((B,), jnp.float32)},
+                         self.mesh)
         for W, rows in micro:
             out = score_packed(s, W, weights, *frozen, exp, out, rows)
         if self.cfg.old_logprobs_from_generation:
@@ -265,8 +289,9 @@ class HybridEngine:
 
     def train_rlhf(self, experience: dict, unsupervised: dict | None = None) -> dict:
         """One PPO step of the actor (plus the mixture LM loss on `unsupervised`, a Step 1-style batch) and one
-        of the critic on `experience`; the EMA follows the actor. Returns the batch's figures as floats."""
-        exp = {k: experience[k] for k in ("seq", "seq_mask", "mask", "logprobs", "ref_logprobs", "values", "scores")}
+        of the critic (if any) on `experience`; the EMA follows the actor. Returns the batch's figures as floats."""
+        exp = {k: experience[k] for k in ("seq", "seq_mask", "mask", "logprobs", "ref_logprobs", "values", "scores")
+               if k in experience}
         if unsupervised is not None:
             exp["unsup"] = place(unsupervised, self.mesh, "fsdp") if isinstance(unsupervised["input_ids"], np.ndarray) else unsupervised
         exp, stats = self._timed("advantages", advantages, self.static, exp, experience["kl_coef"])
@@ -281,16 +306,17 @@ class HybridEngine:
                                         exp)
         self.state.update(actor=actor, **({"ema": ema} if ema is not None else {}))
         self._opt_to("actor", "pinned_host")
-        self._opt_to("critic", "device")
-        if packed:
-            critic, _, c = self._timed("critic_step", self._step_packed, "critic", {k: v for k, v in exp.items() if k != "unsup"})
-        else:
-            critic, c = self._timed("critic_step", steps.critic_update, self.static, self.state["critic"], exp)
-        self.state["critic"] = critic
-        self._opt_to("critic", "pinned_host")
-        stats.update(actor_skipped=a["skipped"], critic_skipped=c["skipped"])  # the non-finite guard's flags (jaxrlhf.loop counts them)
-        stats.update(actor_grad_norm=a["grad_norm"], critic_loss=c["critic_loss"] / c["count"], critic_grad_norm=c["grad_norm"],
-                     kl_coef=experience["kl_coef"], **{k: a[k] / a["count"] for k in ("actor_loss", "unsup_loss") if k in a})
+        stats.update(actor_skipped=a["skipped"], actor_grad_norm=a["grad_norm"], kl_coef=experience["kl_coef"],
+                     **{k: a[k] / a["count"] for k in ("actor_loss", "unsup_loss", "kl_loss") if k in a})
+        if "critic" in self.trained:
+            self._opt_to("critic", "device")
+            if packed:
+                critic, _, c = self._timed("critic_step", self._step_packed, "critic", {k: v for k, v in exp.items() if k != "unsup"})
+            else:
+                critic, c = self._timed("critic_step", steps.critic_update, self.static, self.state["critic"], exp)
+            self.state["critic"] = critic
+            self._opt_to("critic", "pinned_host")
+            stats.update(critic_skipped=c["skipped"], critic_loss=c["critic_loss"] / c["count"], critic_grad_norm=c["grad_norm"])
         return {k: float(v) for k, v in jax.device_get(stats).items()}
 
     # ------------------------------------------------------------------------------------------------ views
@@ -300,7 +326,8 @@ class HybridEngine:
         return effective_params(self.state["actor"], self.cfg.actor.lora)
 
     def critic_params(self):
-        return effective_params(self.state["critic"], self.cfg.critic.lora)
+        """The critic's weights (LoRA fused), FSDP layout; None without a critic."""
+        return effective_params(self.state["critic"], self.cfg.critic.lora) if "critic" in self.state else None
 
     def ema_params(self):
         """The EMA of the actor in the actor's own dtypes (it is kept in float32), FSDP layout: what is exported."""
@@ -310,4 +337,4 @@ class HybridEngine:
         return with_shared(self.ref_own, self.state["actor"])
 
     def reward_params(self):
-        return with_shared(self.reward_own, self.state["critic"])
+        return with_shared(self.reward_own, self.state.get("critic"))

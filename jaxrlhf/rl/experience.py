@@ -32,7 +32,10 @@ def base_params(state):
     return {**state["frozen"], **state["trainable"]}["params"]
 
 def with_shared(own, state):
-    """The frozen model's full tree: its own leaves, and the trainable model's base leaves where it shares."""
+    """The frozen model's full tree: its own leaves, and the trainable model's base leaves where it shares (state
+    None: no trainable twin, e.g. the reward model without a critic, so `own` is the whole tree)."""
+    if state is None:
+        return own
     return jax.tree.map(lambda mine, base: base if mine is None else mine, own, base_params(state),
                         is_leaf=lambda x: x is None)
 
@@ -95,15 +98,16 @@ padded_experience_jit = jax.jit(padded_experience, static_argnums=0)
 
 
 def _score_rows(s: Static, state, ref_own, reward_own, e):
-    """Old log-probs (unless generation's are used), reference log-probs and values [rows, G] and reward scores [rows]
-    of padded or packed rows `e`."""
+    """Old log-probs (unless generation's are used), reference log-probs and values (with a critic) [rows, G] and
+    reward scores [rows] of padded or packed rows `e`."""
     cfg, m = s.cfg, e["mask"]
-    actor, critic = state["actor"], state["critic"]
+    actor, critic = state["actor"], state.get("critic")
     out = {}
     if not cfg.old_logprobs_from_generation:
         out["logprobs"] = answer_logprobs(s.actor, effective_params(actor, cfg.actor.lora, fused=False), e) * m
     out["ref_logprobs"] = answer_logprobs(s.actor, with_shared(ref_own, actor), e) * m
-    out["values"] = answer_values(s.critic, effective_params(critic, cfg.critic.lora, fused=False), e) * m
+    if critic is not None:
+        out["values"] = answer_values(s.critic, effective_params(critic, cfg.critic.lora, fused=False), e) * m
     reward = values(s.critic, with_shared(reward_own, critic), e["seq"], e["seq_mask"])
     # the answer's last real token (EOS if it ended): packed, one column after the head's position for its last token
     first = e["head_at"][:, 0] + 1 if "head_at" in e else e["seq"].shape[1] - m.shape[1]
@@ -146,23 +150,40 @@ def next_kl_coef(s: Static, kl_coef, exp):
 
 @functools.partial(jax.jit, static_argnums=0)
 def advantages(s: Static, exp, kl_coef):
-    """The experience plus rewards (with the KL coefficient the batch was scored under), advantages and returns,
-    and the batch's figures."""
-    cfg = s.cfg
-    rewards = losses.compute_rewards(exp["logprobs"], exp["ref_logprobs"], exp["scores"], exp["mask"], kl_coef, cfg.clip_score)
-    adv, ret = losses.gae(exp["values"], rewards, exp["mask"], cfg.gamma, cfg.lam)
-    if cfg.whiten_advantages:
-        adv = losses.whiten(adv, exp["mask"])
-    m = exp["mask"].astype(jnp.float32)
+    """The experience plus per-token rewards (with the KL coefficient the batch was scored under; none with a KL loss
+    term), advantages [B, G] (and returns for the critic), and the batch's figures; over the whole generation batch,
+    whose rows are groups of num_samples_per_prompt answers to one prompt, side by side.
+
+        ppo           GAE on the critic's values (whitened if whiten_advantages)
+        grpo / rloo   one advantage per answer from its sequence reward sum_t r_t (the clipped score minus the
+                      KL penalty), on each of its tokens (losses.grpo_advantages, losses.rloo_advantages)
+        reinforce_pp  the per-token returns normalised over the batch (losses.reinforce_pp_advantages)"""
+    cfg, mask = s.cfg, exp["mask"]
+    kl_coef = kl_coef if cfg.kl_loss == "none" else 0.0
+    rewards = losses.compute_rewards(exp["logprobs"], exp["ref_logprobs"], exp["scores"], mask, kl_coef, cfg.clip_score)
+    m = mask.astype(jnp.float32)
     stats = {"reward": jnp.mean(exp["scores"]), "kl": losses.sequence_kl(exp["logprobs"], exp["ref_logprobs"], m),
-             "answer_len": jnp.mean(m.sum(1)), "advantage": masked_mean(adv, m),
-             "return": masked_mean(ret, m), "value": masked_mean(exp["values"], m)}
-    return {**exp, "advantages": adv, "returns": ret}, stats
+             "answer_len": jnp.mean(m.sum(1))}
+    if cfg.algorithm == "ppo":
+        adv, ret = losses.gae(exp["values"], rewards, mask, cfg.gamma, cfg.lam)
+        if cfg.whiten_advantages:
+            adv = losses.whiten(adv, mask)
+        stats.update(advantage=masked_mean(adv, m), **{"return": masked_mean(ret, m)}, value=masked_mean(exp["values"], m))
+        return {**exp, "advantages": adv, "returns": ret}, stats
+    if cfg.algorithm == "reinforce_pp":
+        adv = losses.reinforce_pp_advantages(rewards, mask, cfg.gamma)
+    else:
+        n, sequence = cfg.num_samples_per_prompt, jnp.sum(rewards, axis=1)
+        per_answer = (losses.grpo_advantages(sequence, n, cfg.scale_rewards) if cfg.algorithm == "grpo"
+                      else losses.rloo_advantages(sequence, n))
+        adv = per_answer[:, None] * m
+    stats.update(advantage=masked_mean(adv, m), **{"return": jnp.mean(jnp.sum(rewards, axis=1))})
+    return {**exp, "advantages": adv}, stats
 
 
 def check_accumulation(cfg, batch_size: int, n_devices: int):
     """Each side's gradient_accumulation_steps must split the batch into micro-batches that split over the devices."""
-    for name in ("actor", "critic"):
+    for name in ("actor",) if cfg.critic_free else ("actor", "critic"):
         check_microbatches(batch_size, getattr(cfg, name).optim.gradient_accumulation_steps, n_devices,
                            f"{name}.optim.gradient_accumulation_steps")
 

@@ -47,16 +47,23 @@ def _one_step(s: Static, name: str, loss_fn, state, exp):
 
 
 def _actor_loss(s: Static, lm_weight=None):
-    """The actor's loss on a micro-batch: its PPO sum over answer tokens (padded or packed rows), and with an "unsup"
-    batch unsup_coef times its LM sum weighted by `lm_weight` (see actor_update); count: the answer tokens."""
+    """The actor's loss on a micro-batch: its policy-loss total over the answers (padded or packed rows; clip-higher,
+    plus kl_loss_coef times the KL estimator with a KL loss term, aggregated by loss_agg: losses.aggregate), and with
+    an "unsup" batch unsup_coef times its LM sum weighted by `lm_weight` (see actor_update); count: the answer tokens
+    (token_mean) or answers (the seq_mean modes)."""
     cfg = s.cfg
+    clip_low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
 
     def loss_fn(params, mb, key):
         loss, tokens, metrics = 0.0, jnp.zeros((), jnp.float32), {}
         if "seq" in mb:
             lp = answer_logprobs(s.actor, params, mb, key)
-            tokens = jnp.sum(mb["mask"]).astype(jnp.float32)
-            loss = losses.actor_loss(lp, mb["logprobs"], mb["advantages"], mb["mask"], cfg.clip_ratio) * tokens  # a sum
+            per_token = losses.policy_loss(lp, mb["logprobs"], mb["advantages"], clip_low, cfg.clip_ratio_high)
+            if cfg.kl_loss != "none":
+                kl = losses.kl_penalty(lp, mb["ref_logprobs"], cfg.kl_loss)
+                metrics["kl_loss"] = losses.aggregate(kl, mb["mask"], cfg.loss_agg)[0]
+                per_token = per_token + cfg.kl_loss_coef * kl
+            loss, tokens = losses.aggregate(per_token, mb["mask"], cfg.loss_agg)  # a total and its count
         metrics["actor_loss"] = jnp.asarray(loss, jnp.float32)
         if lm_weight is not None:  # DeepSpeed-Chat's mixture training, here in the same step (README: where we differ)
             lm = jnp.zeros((), jnp.float32)
@@ -81,16 +88,17 @@ def _critic_loss(s: Static):
     return loss_fn
 
 
-def _lm_weight(exp):
-    """The whole batch's answer tokens / LM targets: a micro-batch's LM sum times it, divided with the PPO sums by the
-    answer tokens, is the LM loss's mean over all targets (actor_update)."""
+def _lm_weight(s: Static, exp):
+    """The whole batch's policy-loss count (answer tokens, or answers: losses.aggregate) / LM targets: a micro-batch's
+    LM sum times it, divided with the policy sums by that count, is the LM loss's mean over all targets (actor_update)."""
     if "unsup" not in exp:
         return None
-    return jnp.sum(exp["mask"]).astype(jnp.float32) / jnp.maximum(jnp.sum(lm_targets(exp["unsup"]["loss_mask"])), 1)
+    count = losses.aggregate(exp["mask"].astype(jnp.float32), exp["mask"], s.cfg.loss_agg)[1]
+    return count / jnp.maximum(jnp.sum(lm_targets(exp["unsup"]["loss_mask"])), 1)
 
 
 def _loss(s: Static, name: str, exp):
-    return _actor_loss(s, _lm_weight(exp)) if name == "actor" else _critic_loss(s)
+    return _actor_loss(s, _lm_weight(s, exp)) if name == "actor" else _critic_loss(s)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=4)
@@ -143,7 +151,7 @@ def actor_update(s: Static, actor, ema, exp):
     the batch's answer tokens plus unsup_coef times the LM loss's mean over all the unsupervised batch's targets.
     The trainer sums the micro-batches' totals and divides once by their summed count, the answer tokens; so a
     micro-batch's LM sum enters weighted by the whole batch's answer tokens / LM targets."""
-    actor, metrics = _one_step(s, "actor", _actor_loss(s, _lm_weight(exp)), actor, exp)
+    actor, metrics = _one_step(s, "actor", _actor_loss(s, _lm_weight(s, exp)), actor, exp)
     return actor, _ema_update(s, actor, ema, metrics), metrics
 
 
