@@ -184,6 +184,7 @@ def test_plan_without_a_critic():
 # ------------------------------------------------------------------------------------------------ the engine
 
 
+@pytest.mark.slow
 def test_groups_stay_together_and_no_critic_exists(models, prompts):
     batch, eos = prompts
     e = engine(models, make_mesh(2), eos, algorithm="grpo", num_samples_per_prompt=2, temperature=1.0)
@@ -223,6 +224,7 @@ grpo_grad = jax.jit(jax.value_and_grad(grpo_objective))
 
 
 @pytest.mark.parametrize("packed", [0, 64], ids=["padded", "packed"])
+@pytest.mark.slow
 def test_one_grpo_iteration_equals_an_independent_computation(models, prompts, packed):
     """Two PPO epochs over one generation batch, in two accumulated micro-batches (padded: rows i, i + 2, ...,
     which splits every group; packed: rows by length), against one step on the whole batch in plain JAX + NumPy;
