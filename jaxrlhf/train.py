@@ -34,7 +34,7 @@ from transformers import PreTrainedTokenizerFast
 
 from jaxrlhf import ppo, reward, sft
 from jaxrlhf.checkpoint import export_manifest, load_hf, save_hf
-from jaxrlhf.config import ConfigError, build, default_xla_flags, parse_cli
+from jaxrlhf.config import ConfigError, _set_dotted, build, default_xla_flags, parse_cli
 from jaxrlhf.data import DataConfig, make_batch, prepare
 from jaxrlhf.data.synthetic import gold_reward, make_prompt, make_response
 from jaxrlhf.eval import gold_and_kl, pipeline_report
@@ -170,10 +170,7 @@ def run(cfg: TrainConfig, log=print, mesh=None) -> dict:
     sft_model, rm_model = dirs[1] / "model", dirs[2] / "model"
     result, clock = {}, time.perf_counter()
 
-    def starting_model(name: str, seed: int) -> str:
-        if name != BUILTIN:
-            return name
-        return str(builtin_model(out / f"builtin-{seed}", seed))
+    starting_model = lambda name, seed: name if name != BUILTIN else str(builtin_model(out / f"builtin-{seed}", seed))
 
     if 1 in cfg.steps:
         log(f"=== Step 1: supervised fine-tuning -> {dirs[1]}")
@@ -239,12 +236,8 @@ def _preset(cfg: TrainConfig) -> TrainConfig | None:
         n = GROUP.get(cfg.algorithm, 1)
         dotted.update({"ppo.algorithm": cfg.algorithm, "ppo.num_samples_per_prompt": n,
                        "ppo.batch_size": dotted.get("ppo.batch_size", TrainConfig.ppo.batch_size) // n})
-    for key, value in (dotted or {}).items():
-        *parents, leaf = key.split(".")
-        node = tree
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
+    for key, value in dotted.items():
+        _set_dotted(tree, key, value)
     return build(TrainConfig, tree) if dotted else None
 
 
@@ -257,8 +250,7 @@ def parse(argv: list[str] | None) -> TrainConfig:
 def main(argv=None):
     default_xla_flags()
     try:
-        cfg = parse(argv)
-        return run(cfg)
+        return run(parse(argv))
     except ValueError as e:  # ConfigError, DataError, CheckpointError and LayoutError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
