@@ -1,5 +1,5 @@
-"""The losses of Steps 1 and 2, DPO (and Step 3's mixture LM loss) as small pure functions on masked arrays; PPO's are in
-jaxrlhf.rl.losses. Each formula is in its docstring.
+"""The losses of Steps 1 and 2, DPO (and Step 3's mixture LM loss) as small pure functions on masked arrays; PPO's are
+in jaxrlhf.rl.losses. Each formula is in its docstring.
 
 Losses return SUMS and the count they are over (`(total, count, metrics)`), not means: a step that
 accumulates micro-batches, or splits a batch over devices, adds the sums and divides once, so the result
@@ -108,7 +108,8 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, *, beta: 
     r_c, r_r = beta * (policy_chosen - ref_chosen), beta * (policy_rejected - ref_rejected)
     h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
     if kind == "sigmoid":
-        per_pair = -(1 - label_smoothing) * jax.nn.log_sigmoid(beta * h) - label_smoothing * jax.nn.log_sigmoid(-beta * h)
+        per_pair = -(1 - label_smoothing) * jax.nn.log_sigmoid(beta * h) - label_smoothing * jax.nn.log_sigmoid(
+            -beta * h)
     elif kind == "ipo":
         per_pair = (h - 1 / (2 * beta)) ** 2
     else:

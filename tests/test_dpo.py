@@ -1,6 +1,5 @@
 """DPO (jaxrlhf.dpo): its loss and reward accuracy against a NumPy reference, and training end to end on tiny models."""
 
-import dataclasses
 import math
 
 import jax
@@ -9,13 +8,12 @@ import numpy as np
 import pytest
 
 from helpers import jit_logits
-
 from jaxrlhf import OPTConfig, init_params, load_hf, load_tokenizer, opt_tokenizer, save_hf
 from jaxrlhf.data import DataConfig, make_batch, prepare
-from jaxrlhf.dpo import DPOConfig, main, run
-from jaxrlhf.losses import answer_mask, dpo_loss, sequence_logprobs
-from jaxrlhf.lora import LoRAConfig
 from jaxrlhf.distributed import to_host
+from jaxrlhf.dpo import DPOConfig, main, run
+from jaxrlhf.lora import LoRAConfig
+from jaxrlhf.losses import answer_mask, dpo_loss, sequence_logprobs
 from jaxrlhf.trainer import OptimConfig, effective_params
 
 TINY = dict(vocab_size=50272, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
@@ -65,7 +63,8 @@ def test_dpo_loss_hand_computed():
     total, _, m = dpo_loss(*args, beta=0.5)
     assert math.isclose(float(total), math.log1p(math.exp(-1.5)), rel_tol=1e-6)  # -log σ(1.5)
     total, _, _ = dpo_loss(*args, beta=0.5, label_smoothing=0.25)  # 0.75 (-log σ(1.5)) + 0.25 (-log σ(-1.5))
-    assert math.isclose(float(total), 0.75 * math.log1p(math.exp(-1.5)) + 0.25 * math.log1p(math.exp(1.5)), rel_tol=1e-6)
+    smoothed = 0.75 * math.log1p(math.exp(-1.5)) + 0.25 * math.log1p(math.exp(1.5))
+    assert math.isclose(float(total), smoothed, rel_tol=1e-6)
     total, _, _ = dpo_loss(*args, beta=0.5, kind="ipo")
     assert math.isclose(float(total), (3.0 - 1.0) ** 2, rel_tol=1e-6)
     assert float(m["accuracy"]) == 1.0 and math.isclose(float(m["chosen_reward"]), 1.0) and math.isclose(
@@ -81,7 +80,8 @@ def test_answer_logprobs_match_numpy():
     ids = rng.integers(0, V, (B, T)).astype(np.int32)
     lengths, prompt_len = np.array([7, 5, 3]), np.array([3, 2, 3])  # the last row: no answer at all
     mask = (np.arange(T)[None] < lengths[:, None]).astype(np.int32)
-    got = sequence_logprobs(jnp.asarray(logits), jnp.asarray(ids), answer_mask(jnp.asarray(mask), jnp.asarray(prompt_len)))
+    targets = answer_mask(jnp.asarray(mask), jnp.asarray(prompt_len))
+    got = sequence_logprobs(jnp.asarray(logits), jnp.asarray(ids), targets)
     want = np.zeros(B)
     for b in range(B):
         for t in range(prompt_len[b], lengths[b]):  # token t, predicted by the logits at t - 1
@@ -104,7 +104,10 @@ def test_help_names_the_settings(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    assert "python -m jaxrlhf.dpo" in out and "beta" in out and "label_smoothing" in out and "loss_type" in out
+    assert "python -m jaxrlhf.dpo" in out and "beta = 0.1" in out and "loss_type = 'sigmoid'" in out
+    with pytest.raises(SystemExit):
+        main(["--help-all"])
+    assert "label_smoothing = 0.0" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------------------------ training end to end
@@ -120,7 +123,7 @@ def tiny_model(assets, tmp_path_factory):
 
 
 def dpo_config(model, tmp_path, **kw):
-    """320 training pairs of the built-in task, 160 held out; 16 pairs a step in 2 micro-batches of 8 (one per device)."""
+    """320 training pairs of the built-in task, 160 held out; 16 pairs a step in 2 micro-batches of 8 (1 a device)."""
     data = DataConfig(data_path=("synthetic:480",), data_split="0,1,0", eval_fraction=1 / 3, max_seq_len=32,
                       cache_dir=str(tmp_path / "cache"))
     base = dict(model=str(model), output_dir=str(tmp_path / "out"), batch_size=16, epochs=2, log_every=1,
@@ -152,33 +155,35 @@ def test_dpo_learns_the_builtin_preferences(tiny_model, tmp_path, lora):
     assert np.mean(h > 0) > 0.65 and abs(np.mean(h > 0) - evaluation["accuracy"]) < 0.02
     assert evaluation["pairs"] == 160 and evaluation["accuracy"] > 0.65
     assert evaluation["margin"] > 0.2 and evaluation["chosen_reward"] > evaluation["rejected_reward"]
-    config, exported = load_hf(out["model_dir"])
+    _, exported = load_hf(out["model_dir"])
     assert "value_head" not in exported
     for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(to_host(effective_params(out["state"], lora)))):
         np.testing.assert_array_equal(a, b)
 
 
+def held_out_logps(folder, data, tokenizer):
+    """log π(answer | prompt) of the chosen and the rejected answer of each held-out pair under the model in `folder`,
+    summed in NumPy over the tokens from prompt_len on (the answer and its EOS)."""
+    arrays = prepare(data, 2, tokenizer, log=lambda _: None)["eval"]
+    config, params = load_hf(folder)
+    n, out = len(arrays["prompt_len"]), {"chosen": [], "rejected": []}
+    for start in range(0, n, 16):
+        b = make_batch(arrays, range(start, min(start + 16, n)), 2, data, tokenizer.pad_token_id)
+        for half in out:
+            ids, mask = b[f"{half}_ids"], b[f"{half}_mask"]
+            z = np.asarray(jit_logits(config, params, ids, mask), np.float64)[:, :-1]
+            z = z - z.max(-1, keepdims=True)
+            logp = np.take_along_axis(z, ids[:, 1:, None], -1)[..., 0] - np.log(np.exp(z).sum(-1))
+            t = np.arange(1, ids.shape[1])[None]  # the token each logit predicts
+            out[half].append(np.sum(logp * (mask[:, 1:] > 0) * (t >= b["prompt_len"][:, None]), 1))
+    return np.concatenate(out["chosen"]), np.concatenate(out["rejected"])
+
+
 def held_out_log_ratios(reference, policy, data):
-    """h = (log π - log π_ref)(chosen) - (log π - log π_ref)(rejected) for each held-out pair, the answer log-probs
-    summed in NumPy over the tokens after prompt_len."""
+    """h = (log π - log π_ref)(chosen) - (log π - log π_ref)(rejected) of each held-out pair (held_out_logps)."""
     tok = load_tokenizer(reference)
-    arrays = prepare(data, 2, tok, log=lambda _: None)["eval"]
-    n = len(arrays["prompt_len"])
-    logps = {}
-    for name, folder in (("ref", reference), ("policy", policy)):
-        config, params = load_hf(folder)
-        for half in ("chosen", "rejected"):
-            out = []
-            for start in range(0, n, 16):
-                b = make_batch(arrays, range(start, min(start + 16, n)), 2, data, tok.pad_token_id)
-                ids, mask = b[f"{half}_ids"], b[f"{half}_mask"]
-                z = np.asarray(jit_logits(config, params, ids, mask), np.float64)[:, :-1]
-                z = z - z.max(-1, keepdims=True)
-                logp = np.take_along_axis(z, ids[:, 1:, None], -1)[..., 0] - np.log(np.exp(z).sum(-1))
-                t = np.arange(1, ids.shape[1])[None]  # the token each logit predicts
-                out.append(np.sum(logp * (mask[:, 1:] > 0) * (t >= b["prompt_len"][:, None]), 1))
-            logps[name, half] = np.concatenate(out)
-    return (logps["policy", "chosen"] - logps["ref", "chosen"]) - (logps["policy", "rejected"] - logps["ref", "rejected"])
+    (pc, pr), (rc, rr) = held_out_logps(policy, data, tok), held_out_logps(reference, data, tok)
+    return (pc - rc) - (pr - rr)
 
 
 @pytest.mark.slow
