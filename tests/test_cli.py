@@ -17,6 +17,7 @@ ENTRY_POINTS = {
     "plan": ("PPOConfig", ["--devices", "--backend", "actor.model", "critic.model"]),
     "inspect": ("InspectConfig", ["model = ", "prompt"]),
     "data": ("PrepareConfig", ["tokenizer", "data.data_path"]),
+    "dpo": ("DPOConfig", ["model = ", "beta = ", "loss_type", "data.data_path"]),
     "convert": (None, ["llama2c"]),
     "stories": (None, ["model", "out", "--n N"]),
 }
