@@ -105,7 +105,7 @@ def decode_params(config, params: Any, mesh=None) -> Any:
 
 
 # The decode slots Step 3 generates with unless told (EngineConfig.decode_slots): measured at HH-RLHF lengths
-# (bench/README.md, Step 3 at real lengths), a batch of 768 over 256 refilled slots against a batch of 256.
+# (docs/benchmarks.md, Step 3 at real lengths), a batch of 768 over 256 refilled slots against a batch of 256.
 DECODE_SLOTS = 256
 
 

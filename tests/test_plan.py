@@ -158,7 +158,7 @@ def test_offload_beyond_the_pinned_host_pool_is_refused_with_the_variable_to_set
 
 
 def test_the_eight_gpu_configurations_of_the_node_benchmark():
-    """The plans behind the eight-GPU commands (bench/README.md), on an abstract 8-device mesh (nothing
+    """The plans behind the eight-GPU commands (docs/benchmarks.md), on an abstract 8-device mesh (nothing
     allocated): OPT-13B full fine-tuning at batch 512 with tp 2 and OPT-66B with LoRA at batch 128 with tp 8 fit
     JAX's default pool on an H200 (104.9 GiB); OPT-13B does not fit one. The KV cache and the weights by hand."""
     from jaxrlhf import ppo

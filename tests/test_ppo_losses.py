@@ -1,4 +1,4 @@
-"""The PPO functions of losses.py against cases worked out by hand (DESIGN.md's contracts).
+"""The PPO functions of losses.py against cases worked out by hand (each function's docstring states its formula).
 
 Three answers of a batch padded to G = 3: row 0 has 2 real tokens, row 1 fills the whole length, row 2
 has 1. The numbers at masked positions are junk (9, 7, ...) that must not leak into any result.

@@ -5,7 +5,7 @@ them, the actor's and critic's steps accumulated over two micro-batches, the mix
 one optimizer step with PPO's, not a second step as in DeepSpeed-Chat: README, where we differ), whitened
 advantages, the adaptive KL controller, gamma != lam, clip_value != clip_ratio, the EMA. The reference takes
 only the engine's sampled tokens; it scores them with its own copies of the four models, then computes
-rewards, GAE, whitening and the KL coefficient in NumPy loops, the losses of DESIGN.md's contracts over the
+rewards, GAE, whitening and the KL coefficient in NumPy loops, the losses (their formulas in losses.py) over the
 whole batch in one piece, their gradients with jax.grad, and clipping, Adam and the EMA in NumPy. Its
 models move by its own steps only, so a difference in any step shows in the figures of the steps after it
 and in the weights after each iteration. Single-step checks cannot tell old log-probs or values from current ones (equal before the

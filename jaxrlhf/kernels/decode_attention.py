@@ -50,7 +50,7 @@ class DecodeAttentionConfig:
     """Which implementation runs, and the kernel's tuning knobs."""
 
     implementation: str = "xla"  # "auto" (the kernel where the shapes suit it), "pallas" (always) or "xla" (never)
-    # Defaults: the best of the sweep in tools/bench_decode_attention.py --tune (bench/README.md).
+    # Defaults: the best of the sweep in tools/bench_decode_attention.py --tune (docs/benchmarks.md).
     # cache slots per inner step, a power of two (smaller when S has fewer factors of 2); 0: auto, 64 slots, or
     # 4096 / head dim with grouped-query heads (32 of 128): the sweeps' best at each kind and head dim
     block_s: int = 0

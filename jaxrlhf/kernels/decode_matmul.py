@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrlhf.kernels import rows_axis
 
-# The sweep's best at 64 rows (tools/bench_decode_matmul.py, bench/README.md), for fc1 and fc2 alike
+# The sweep's best at 64 rows (tools/bench_decode_matmul.py, docs/benchmarks.md), for fc1 and fc2 alike
 BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 128, 4, 4
 ROWS = (16, 32, 64)  # tensor-core products need >= 16 rows; above 64 (not measured) cuBLAS runs
 MAX_PROGRAMS = 160  # a split over K doubles while the programs stay within about one wave of a GPU's SMs

@@ -262,7 +262,7 @@ def decode_product(module: nn.Module, mode: Mode, name: str, x, config, *, eps: 
     is split and the partials' sum, plus the bias, fuses into what follows (fc2). None where it does not apply: not
     a decode step in the decode layout, the kernels not in use, LoRA factors beside the kernel, or a shape the
     kernel does not take (decode_matmul.applies, per shard); the caller then runs its usual product. Measured and
-    not used (bench/README.md): OPT's out_proj and Llama's o_proj and down_proj, where the kernel's time does not
+    not used (docs/benchmarks.md): OPT's out_proj and Llama's o_proj and down_proj, where the kernel's time does not
     pay for the residual add that cuBLAS runs in its epilogue."""
     B, _, D = x.shape
     if not (mode.decoding and mode.decode_layout and config.backend.decode_attention != "xla"):
