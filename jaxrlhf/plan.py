@@ -305,18 +305,20 @@ def alternatives(cfg, mesh, actor_config, critic_config, backend=None) -> list[t
     """The options that change the memory, each alone: LoRA, remat, offload, a smaller batch, more devices, a
     larger inference_tp_size; as (kind, what to set, its plan)."""
     replace = dataclasses.replace
-    sides = lambda **kw: {n: replace(getattr(cfg, n), **kw) for n in ("actor", "critic")}
+    names = ("actor",) if getattr(cfg, "critic_free", False) else ("actor", "critic")  # the trained sides
+    keys = lambda key: " ".join(f"{n}.{key}" for n in names)  # noqa: E731
+    sides = lambda **kw: {n: replace(getattr(cfg, n), **kw) for n in names}  # noqa: E731
     lora = {n: replace(getattr(cfg, n), lora=replace(getattr(cfg, n).lora, dim=getattr(cfg, n).lora.dim or 128,
-                                                     only_optimize_lora=True)) for n in ("actor", "critic")}
+                                                     only_optimize_lora=True)) for n in names}
     options = []
-    if not (cfg.actor.lora.only_optimize_lora and cfg.critic.lora.only_optimize_lora):
-        options.append(("LoRA only (actor.lora.dim/critic.lora.dim 128, lora.only_optimize_lora=true)", replace(cfg, **lora), mesh))
+    if not all(getattr(cfg, n).lora.only_optimize_lora for n in names):
+        options.append((f"LoRA only ({keys('lora.dim')} 128, lora.only_optimize_lora=true)", replace(cfg, **lora), mesh))
     if cfg.precision != "pure_bf16":
         options.append(("precision=pure_bf16 (bf16 master weights and optimizer state)", replace(cfg, precision="pure_bf16"), mesh))
-    if not (cfg.actor.remat and cfg.critic.remat):
-        options.append(("remat (actor.remat=true critic.remat=true)", replace(cfg, **sides(remat=True)), mesh))
-    if not (cfg.actor.offload and cfg.critic.offload and cfg.offload_reference_model and cfg.offload_reward_model):
-        options.append(("offload (actor.offload critic.offload offload_reference_model offload_reward_model =true)",
+    if not all(getattr(cfg, n).remat for n in names):
+        options.append((f"remat ({keys('remat')} =true)", replace(cfg, **sides(remat=True)), mesh))
+    if not (all(getattr(cfg, n).offload for n in names) and cfg.offload_reference_model and cfg.offload_reward_model):
+        options.append((f"offload ({keys('offload')} offload_reference_model offload_reward_model =true)",
                         replace(cfg, **sides(offload=True), offload_reference_model=True, offload_reward_model=True), mesh))
     N, tp = mesh.size, mesh.shape["model"]
     budget, T = getattr(cfg, "max_tokens_per_micro_batch", 0), cfg.data.max_prompt_len + cfg.max_answer_len

@@ -184,6 +184,32 @@ def test_plan_without_a_critic():
 # ------------------------------------------------------------------------------------------------ the engine
 
 
+@pytest.mark.parametrize("algorithm,kl_loss", [("grpo", "none"), ("grpo", "k3"), ("rloo", "none"), ("reinforce_pp", "k1")])
+def test_the_advantages_program_on_a_whole_batch(algorithm, kl_loss):
+    """experience.advantages on 8 answers (2 groups of 4, rows side by side) with log-probs away from the reference:
+    the sequence reward is the clipped score minus kl_coef x the answer's KL, unless the KL is a loss term."""
+    from jaxrlhf.rl.experience import Static, advantages
+
+    rng = np.random.default_rng(2)
+    mask = (np.arange(4)[None] < np.array([4, 2, 3, 1, 4, 4, 2, 3])[:, None]).astype(np.float32)
+    lp, ref = (rng.normal(size=(8, 4)).astype(np.float32) * mask for _ in range(2))
+    scores = np.array([0.5, 2.0, -0.3, 0.1, 3.0, -4.0, 0.2, 1.0], np.float32)  # clip_score 1: 2 -> 1, 3 -> 1, -4 -> -1
+    n = 1 if algorithm == "reinforce_pp" else 4
+    cfg = EngineConfig(algorithm=algorithm, num_samples_per_prompt=n, kl_loss=kl_loss, clip_score=1.0, gamma=0.9)
+    exp = {"logprobs": lp, "ref_logprobs": ref, "scores": scores, "mask": mask}
+    out, stats = advantages(Static(cfg, None, None, 1, make_mesh(1)), exp, jnp.float32(0.2))
+    beta = 0.0 if kl_loss != "none" else 0.2
+    token_rewards = -beta * (lp - ref) * mask
+    for b, length in enumerate(mask.sum(1).astype(int)):
+        token_rewards[b, length - 1] += np.clip(scores[b], -1, 1)
+    if algorithm == "reinforce_pp":
+        want = np_reinforce_pp(token_rewards, mask, 0.9)
+    else:
+        want = np_group_advantages(token_rewards.sum(1), 4, algorithm)[:, None] * mask
+    np.testing.assert_allclose(out["advantages"], want, rtol=1e-5, atol=1e-5)
+    assert "returns" not in out and "value" not in stats
+
+
 @pytest.mark.slow
 def test_groups_stay_together_and_no_critic_exists(models, prompts):
     batch, eos = prompts
