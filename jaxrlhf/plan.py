@@ -213,7 +213,7 @@ def plan(cfg, actor_config, critic_config, mesh, *, batch: int, prompt_len: int,
     items = {
         "actor weights": a["weights"], "actor optimizer": a["optimizer"],
         "critic weights": c["weights"], "critic optimizer": c["optimizer"],
-        "reference (own leaves)": a["twin"], "reward (own leaves)": c["twin"],
+        "reference (own leaves)": a["twin"], "reward (own leaves)": c["twin"] if cfg.reward.model_scale else 0,
         "ema": a["master"] * (2 if cfg.precision == "pure_bf16" else 1) if cfg.enable_ema else 0,  # float32
         "switch: one layer gathered": switch, "TP generation copy": a["tp_compute"],
         "switch: fp32 LoRA delta": a["delta"],
@@ -266,6 +266,8 @@ def init_cache_bytes(config, rows: int, T: int, tp: int) -> int:
 def model_config(cfg, side):
     """The architecture of one side of a Step 3 config, as trainer.load_model sets it up, from its folder's
     config.json (or a random:NAME preset) alone."""
+    if side is cfg.critic and not side.model and cfg.critic_free and not cfg.reward.model_scale:
+        side = cfg.actor  # neither critic nor reward model: nothing of this side counts; the actor's shape stands in
     if not side.model:
         raise ConfigError("actor.model and critic.model: required, Hugging Face folders (or random:NAME)")
     config = preset(side.model.removeprefix("random:")) if side.model.startswith("random:") else read_config(side.model)

@@ -14,6 +14,13 @@ finished run), run_config.json, metrics.jsonl and TensorBoard events (tb/): per 
 reference, answer length, losses, the steps skipped by the non-finite guard, the seconds of each phase, bytes
 resharded, peak device memory, samples/s and effective TFLOP/s. On the built-in task (data_path: [synthetic]) the
 gold reward of the answers is logged too.
+
+The reward can also be Python functions of the prompts, decoded answers and the data's metadata, alone or weighted
+with the reward model's score (jaxrlhf.rewards); they run on the host while the device scores. Without the reward
+model (reward.model_weight 0) a critic-free algorithm needs no critic.model:
+
+    python -m jaxrlhf.ppo algorithm=grpo num_samples_per_prompt=4 actor.model=... data.data_path=[gsm8k/train.jsonl] \
+        reward.functions=[jaxrlhf.rewards:gsm8k]
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from jaxrlhf.data.synthetic import gold_reward
 from jaxrlhf.distributed import to_host
 from jaxrlhf.loop import settings, start_run
 from jaxrlhf.metrics import MetricsLog
+from jaxrlhf.rewards import HostRewards
 from jaxrlhf.rl import HybridEngine, ModelSide, PPOConfig
 from jaxrlhf.rl.experience import base_params, check_accumulation
 from jaxrlhf.sharding import make_mesh
@@ -41,12 +49,12 @@ from jaxrlhf.tokenizer import decode_rows
 from jaxrlhf.trainer import RunConfig, load_model, precision_warning
 
 INPUTS = ("actor.model", "critic.model")  # the model folders a run starts from (loop.settings)
-PHASES = ("reshard", "generate", "score", "advantages", "actor_step", "critic_step", "offload")
+PHASES = ("reshard", "generate", "score", "rewards", "advantages", "actor_step", "critic_step", "offload")
 
 
 def check(cfg: PPOConfig, mesh):
     """Refuse what cannot run on `mesh`, before anything is loaded or compiled."""
-    for name in ("actor", "critic"):
+    for name in ("actor", "critic") if needs_critic_model(cfg) else ("actor",):
         if not getattr(cfg, name).model:
             raise ConfigError(f"{name}.model: required, a Hugging Face folder (the Step {1 if name == 'actor' else 2} model)")
     if cfg.critic_free:  # settings that would change nothing are refused rather than ignored
@@ -87,6 +95,25 @@ def gold_rewards(tokenizer, exp) -> list[float]:
     return [gold_reward(p, a) for p, a in zip(prompts, answers)]
 
 
+def needs_critic_model(cfg: PPOConfig) -> bool:
+    """critic.model is loaded for the critic (ppo) or the reward model (a reward.model_weight above 0)."""
+    return not cfg.critic_free or bool(cfg.reward.model_scale)
+
+
+def reward_starter(rewards: HostRewards, tokenizer):
+    """engine.generate_experience's start_rewards: a batch's answers decoded as soon as they exist, then the reward
+    functions started on the host with this process's prompts and their metadata (prompt_batch["metadata"])."""
+
+    def start(prompt_batch, tokens, mask):
+        rows = len(prompt_batch["prompt_ids"])  # this process's: the global batch holds each process's rows in turn
+        local = slice(jax.process_index() * rows, (jax.process_index() + 1) * rows)
+        tokens, mask = (np.asarray(to_host(x))[local] for x in (tokens, mask))
+        prompts = decode_rows(tokenizer, prompt_batch["prompt_ids"], prompt_batch["prompt_mask"], skip_first=True)
+        return rewards.start(prompts, decode_rows(tokenizer, tokens, mask), prompt_batch["metadata"])
+
+    return start
+
+
 def host_experiences(experiences: list[dict]) -> list[dict]:
     """The token arrays and old log-probs of experience batches, whole on every process (each process holds only
     its rows of a batch): what gold rewards, alarms and printed answers read."""
@@ -98,8 +125,9 @@ def effective_tflops(engine: HybridEngine, samples: int, seq_len: int, seconds: 
     pass; generation, old log-probs and reference forwards of the actor, critic and reward forwards, and the
     two updates per PPO epoch."""
     n_actor = sum(x.size for x in jax.tree.leaves(base_params(engine.state["actor"])))
-    n_reward = sum(x.size for x in jax.tree.leaves(engine.reward_params()))
-    n_critic = n_reward if "critic" in engine.state else 0  # critic-free: the reward model's forward only
+    n_reward = sum(x.size for x in jax.tree.leaves(engine.reward_params()))  # 0 without a reward model
+    critic = engine.state.get("critic")  # none: a critic-free algorithm
+    n_critic = sum(x.size for x in jax.tree.leaves(base_params(critic))) if critic else 0
     flops = seq_len * samples * (6 * n_actor + 2 * n_reward + 2 * n_critic + ppo_epochs * 6 * (n_actor + n_critic))
     return flops / max(seconds, 1e-9) / engine.mesh.size / 1e12
 
@@ -150,7 +178,8 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
             log(warning)
     log(memory_plan.check(cfg, mesh).table())  # refuses a config that cannot fit, before loading or compiling
     # The critic first: a folder without a trained value head is refused before the actor loads.
-    critic_config, critic_params, _ = load_model(side_run(cfg, cfg.critic), value_head=True)
+    critic_config, critic_params, _ = (load_model(side_run(cfg, cfg.critic), value_head=True) if needs_critic_model(cfg)
+                                       else (None, None, None))
     actor_config, actor_params, tokenizer = load_model(side_run(cfg, cfg.actor), value_head=False)
     positions = actor_config.max_position_embeddings
     if cfg.data.max_prompt_len + cfg.max_answer_len > positions:
@@ -188,6 +217,7 @@ def ppo_iteration(cfg: PPOConfig, engine: HybridEngine, tokenizer, prompts, unsu
     over the steps, skip counts, phase seconds, throughput, gold reward, alarms) are host floats."""
     synthetic = all(p.startswith("synthetic") for p in cfg.data.data_path)
     prompt_iter, unsup_iter = iter(prompts), iter(unsup) if unsup else None
+    starter = reward_starter(HostRewards(cfg.reward), tokenizer) if cfg.reward.functions else None
     tracker = None
 
     def step(state, it):
@@ -197,7 +227,7 @@ def ppo_iteration(cfg: PPOConfig, engine: HybridEngine, tokenizer, prompts, unsu
         engine.state = state
         engine.offload()  # a restored state's offloaded optimizer states back in host memory (else a no-op)
         clock, engine.timings = time.perf_counter(), {}
-        experiences = [engine.generate_experience(next(prompt_iter)) for _ in range(cfg.generation_batches)]
+        experiences = [engine.generate_experience(next(prompt_iter), starter) for _ in range(cfg.generation_batches)]
         stats = [engine.train_rlhf(exp, next(unsup_iter) if unsup_iter else None)
                  for _ in range(cfg.ppo_epochs) for exp in experiences]
         skips = [(name, s[f"{name}_skipped"], f"iteration {it}, PPO epoch {i // cfg.generation_batches + 1}, "

@@ -56,11 +56,11 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(folders, whole, tmp_pa
     real = HybridEngine.generate_experience
     calls = []
 
-    def crash_in_iteration_3(self, batch):
+    def crash_in_iteration_3(self, batch, *rest):
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt("simulated crash")
-        return real(self, batch)
+        return real(self, batch, *rest)
 
     monkeypatch.setattr(HybridEngine, "generate_experience", crash_in_iteration_3)
     cfg = ppo_config(folders, tmp_path / "b", save_every=2)

@@ -68,6 +68,21 @@ def test_a_bad_function_name_is_a_config_error_naming_the_setting(user_module, s
         RewardConfig(functions=(spec,))
 
 
+def test_the_setting_reads_from_the_command_line(user_module):
+    from jaxrlhf.config import parse_cli
+    from jaxrlhf.rl import PPOConfig
+
+    argv = [
+        "reward.functions=[my_rewards:length,jaxrlhf.rewards:gsm8k]",
+        "reward.weights=[0.5,2]",
+        "reward.model_weight=1",
+    ]
+    cfg, _ = parse_cli(PPOConfig, "", argv, processes=False)
+    assert cfg.reward == RewardConfig(("my_rewards:length", "jaxrlhf.rewards:gsm8k"), (0.5, 2.0), 1.0)
+    with pytest.raises(ConfigError, match=r"command line: reward: functions: cannot import 'nope_x'"):
+        parse_cli(PPOConfig, "", ["reward.functions=[nope_x:f]"], processes=False)
+
+
 # ---------------------------------------------------------------------------------------- checks and runner
 
 PROMPTS, ANSWERS, META = ["p0", "p1", "p2", "p3"], ["a", "bb", "boom", "dddd"], [{}] * 4
@@ -196,3 +211,125 @@ def test_the_runner_runs_the_builtins_by_name():
     prompt = story_task.make_prompt("cat")
     out = runner([prompt] * 2, [" a cat: 4", " a dog: 5"], [{"reference": "#### 4"}] * 2)
     assert out.tolist() == [3.0, 0.0]
+
+
+# ---------------------------------------------------------------------------------------------- in Step 3
+
+
+@pytest.fixture(scope="module")
+def builtin(tmp_path_factory):
+    """The built-in task's tiny actor and critic (random), its tokenizer and a batch of its Step 3 prompts."""
+    from jaxrlhf.data import Batches, DataConfig, prepare
+    from jaxrlhf.train import builtin_model, builtin_tokenizer
+
+    root = tmp_path_factory.mktemp("rewards")
+    tok = builtin_tokenizer()
+    data = DataConfig(
+        data_path=("synthetic:300",), data_split="1,1,1", max_prompt_len=24, cache_dir=str(root / "cache")
+    )
+    batch = next(iter(Batches(prepare(data, 3, tok, log=lambda _: None)["train"], 3, 8, data, tok.pad_token_id)))
+    return (
+        builtin_model(root / "actor", seed=0),
+        builtin_model(root / "critic", seed=1, value_head=True),
+        tok,
+        batch,
+        data,
+    )
+
+
+def test_step3_rewards_are_the_weighted_sum_of_the_functions_and_the_model(builtin):
+    """Three engines on the same answers: the reward model alone, the gold rule alone (no reward model held or run),
+    and 0.5 * model + 2 * gold rule; the functions started by ppo's hook on the decoded answers and prompt metadata."""
+    import jax
+
+    from jaxrlhf.checkpoint import load_hf
+    from jaxrlhf.ppo import gold_rewards, reward_starter
+    from jaxrlhf.rl import EngineConfig, HybridEngine
+    from jaxrlhf.rl.engine import tree_bytes
+    from jaxrlhf.sharding import make_mesh
+
+    actor, critic, tok, batch, _ = builtin
+    models = load_hf(actor), load_hf(critic)
+    gold = ("jaxrlhf.rewards:synthetic",)
+    out = {}
+    for name, reward in [
+        ("model", RewardConfig()),
+        ("gold", RewardConfig(functions=gold)),
+        ("sum", RewardConfig(functions=gold, weights=(2.0,), model_weight=0.5)),
+    ]:
+        cfg = EngineConfig(precision="fp32", max_answer_len=6, temperature=1.0, seed=5, reward=reward)
+        engine = HybridEngine(
+            cfg,
+            make_mesh(1, jax.devices()[:2]),
+            *models,
+            total_steps=1,
+            eos_id=tok.eos_token_id,
+            pad_id=tok.pad_token_id,
+        )
+        start = reward_starter(HostRewards(reward), tok) if reward.functions else None
+        exp = jax.device_get(engine.generate_experience(batch, start))
+        out[name] = exp | {"own": tree_bytes(engine.reward_own)}
+    np.testing.assert_array_equal(out["gold"]["seq"], out["model"]["seq"])  # the same answers
+    np.testing.assert_array_equal(out["sum"]["seq"], out["model"]["seq"])
+    want = np.asarray(gold_rewards(tok, out["model"]), np.float32)  # the rule ppo logs, on the decoded answers
+    assert len(set(want.tolist())) > 1 and out["model"]["scores"].std() > 0
+    np.testing.assert_array_equal(out["gold"]["scores"], want)
+    np.testing.assert_allclose(out["sum"]["scores"], 0.5 * out["model"]["scores"] + 2.0 * want, rtol=1e-6, atol=1e-6)
+    assert out["gold"]["own"] == 0 < out["model"]["own"] == out["sum"]["own"]  # no reward model without its weight
+
+
+def test_the_hook_hands_each_prompt_its_metadata(builtin):
+    """reward_starter decodes this process's prompts and answers and passes the batch's metadata in row order."""
+    from jaxrlhf.ppo import reward_starter
+
+    _, _, tok, batch, _ = builtin
+    seen = []
+
+    class Spy:
+        def start(self, prompts, answers, metadata):
+            seen.append((prompts, answers, metadata))
+
+    tagged = batch | {"metadata": [{"row": i} for i in range(8)]}
+    answers = np.array([tok(" a b", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]] * 8, np.int32)
+    reward_starter(Spy(), tok)(tagged, answers, np.ones_like(answers))
+    prompts, texts, metadata = seen[0]
+    assert metadata == [{"row": i} for i in range(8)] and texts == [" a b"] * 8
+    assert prompts == [tok.decode(r[m == 1][1:]) for r, m in zip(batch["prompt_ids"], batch["prompt_mask"])]
+    assert all(synthetic_task.prompt_items(p) for p in prompts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_a_step3_run_with_the_gold_rule_as_its_reward(builtin, tmp_path, algorithm):
+    """python -m jaxrlhf.ppo with reward.functions=[jaxrlhf.rewards:synthetic]: the reward it trains on is the gold
+    reward it logs, and no reward model is planned or held; GRPO then needs no critic.model at all."""
+    import jax
+
+    from jaxrlhf import plan as memory_plan
+    from jaxrlhf.ppo import run
+    from jaxrlhf.rl import ModelSide, PPOConfig
+    from jaxrlhf.sharding import make_mesh
+
+    actor, critic, _, _, data = builtin
+    grpo = dict(algorithm="grpo", num_samples_per_prompt=2) if algorithm == "grpo" else {}
+    cfg = PPOConfig(
+        actor=ModelSide(model=str(actor)),
+        critic=ModelSide(model="" if grpo else str(critic)),
+        output_dir=str(tmp_path / "out"),
+        batch_size=8,
+        max_steps=2,
+        generation_batches=2,
+        max_answer_len=6,
+        precision="fp32",
+        data=data,
+        reward=RewardConfig(functions=("jaxrlhf.rewards:synthetic",)),
+        report_to=(),
+        **grpo,
+    )
+    mesh = make_mesh(1, jax.devices()[:1])
+    out = run(cfg, log=lambda _: None, mesh=mesh)
+    assert [r["step"] for r in out["records"]] == [1, 2]
+    for r in out["records"]:
+        assert r["reward"] == pytest.approx(r["gold_reward"], rel=1e-6) and r["rewards_s"] >= 0
+    assert out["engine"].reward_own is None
+    assert memory_plan.ppo_plan(cfg, mesh).items["reward (own leaves)"] == 0

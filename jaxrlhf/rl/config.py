@@ -12,6 +12,7 @@ from jaxrlhf.config import check_fields
 from jaxrlhf.data import DataConfig
 from jaxrlhf.lora import LoRAConfig
 from jaxrlhf.metrics import check_trackers
+from jaxrlhf.rewards import RewardConfig
 from jaxrlhf.trainer import OptimConfig
 
 
@@ -92,7 +93,9 @@ class EngineConfig:
     #: its horizon in samples: kl_coef *= 1 + clip(KL / kl_target - 1, -0.2, 0.2) * batch / kl_horizon, once per
     #: generation batch (every PPO epoch over a batch uses the coefficient it was generated under)
     kl_horizon: int = 10000
-    #: the reward model's score is clipped to [-clip_score, clip_score]
+    #: the reward: the reward model's score (critic.model's), Python functions' or a weighted sum (jaxrlhf.rewards)
+    reward: RewardConfig = RewardConfig()
+    #: the reward (model and functions) is clipped to [-clip_score, clip_score]
     clip_score: float = 5.0
     #: PPO ratio clip (DeepSpeed-Chat's cliprange)
     clip_ratio: float = 0.2

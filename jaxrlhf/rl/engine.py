@@ -5,7 +5,8 @@
     reference  frozen      the Step 1 weights: the actor's own base leaves wherever they never move (the
                            kernels that carry LoRA adapters; everything under only_optimize_lora), plus a copy
                            of the other leaves. Without LoRA that copy is the whole model.
-    reward     frozen      the Step 2 weights, sharing the critic's never-moving base leaves the same way
+    reward     frozen      the Step 2 weights, sharing the critic's never-moving base leaves the same way; none
+                           where reward.model_weight is 0 (the reward is Python functions' alone, jaxrlhf.rewards)
     ema        optional    fused actor weights, float32; ema = decay * ema + (1 - decay) * actor after each actor step
 
     generate_experience(prompts [B, P] left-padded):
@@ -14,7 +15,9 @@
         answers [B, G] ──drop the generation copy (the KV cache lives only inside the compiled generate call)──►
         score in the FSDP layout, no gradients (rl/experience.py): old log-probs, reference log-probs, critic values,
         reward score, in packed micro-batches (rl/packing.py: rows sorted by length, cut to their width, a token
-        budget each) ──► the adaptive KL coefficient's step (once per generation batch; the batch keeps the one it was scored under)
+        budget each), while the reward functions score the decoded answers on the host (a thread) ──► their
+        weighted sum added to the reward model's ──► the adaptive KL coefficient's step (once per generation
+        batch; the batch keeps the one it was scored under)
     train_rlhf(experience[, unsupervised batch]):
         rewards (KL penalty + clipped score) ──► GAE (on the padded [B, G] block) ──► actor PPO step (rl/steps.py)
         (+ unsup_coef * LM loss): gradients summed over the packed micro-batches, divided once ──► EMA
@@ -145,7 +148,9 @@ class HybridEngine:
             self.state["critic"] = create_state(critic_params, cfg.critic.lora, self.static.tx("critic"),
                                                 jax.random.fold_in(key, 2), mesh, memory(cfg.critic))
             shared = never_moves(self.state["critic"], cfg.critic.lora)
-        self.reward_own = reshard(own_leaves(critic_params, shared, self.critic_config.compute_dtype), "fsdp", mesh)
+        # No reward model where reward.model_weight is 0 (the reward is Python functions' alone): none held or run.
+        self.reward_own = (reshard(own_leaves(critic_params, shared, self.critic_config.compute_dtype), "fsdp", mesh)
+                           if cfg.reward.model_scale else None)
         if cfg.enable_ema:
             self.state["ema"] = steps.fused_actor(self.static, actor_state)
         self.timings: dict[str, float] = {}
@@ -192,12 +197,15 @@ class HybridEngine:
         self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - start
         return out
 
-    def generate_experience(self, prompt_batch: dict) -> dict:
+    def generate_experience(self, prompt_batch: dict, start_rewards=None) -> dict:
         """Answers to left-padded prompts {"prompt_ids", "prompt_mask"} [B, P] (host or device arrays; optionally
         "answer_limits" [B], each answer's own maximum length) and their scores. Returns the experience, on the mesh with rows split over every device: seq, seq_mask
         [B, P + G] (prompt then answer); mask (answer tokens up to and including EOS), logprobs (old),
-        ref_logprobs, values, generation_logprobs (generation's own) [B, G]; scores [B] (reward model); kl_coef (the
-        KL penalty's coefficient for this batch; an adaptive one then moves on this batch's KL)."""
+        ref_logprobs, values, generation_logprobs (generation's own) [B, G]; scores [B] (the reward: reward.model_weight
+        x the reward model's score, plus the reward functions'); kl_coef (the KL penalty's coefficient for this batch;
+        an adaptive one then moves on this batch's KL). `start_rewards(prompt_batch, tokens, mask)`, given, is called
+        with the answers [B, G] as soon as they exist and returns a Future of the reward functions' weighted scores of
+        this process's rows (jaxrlhf.ppo.reward_starter): they run on the host while the device scores."""
         cfg, mesh = self.cfg, self.mesh
         prompt_batch = repeat_rows(prompt_batch, cfg.num_samples_per_prompt)
         ids, mask = prompt_batch["prompt_ids"], prompt_batch["prompt_mask"]
@@ -227,6 +235,7 @@ class HybridEngine:
             return gen.tokens, gen.mask, gen.logprobs
 
         tokens, answer_mask, gen_logprobs = self._timed("generate", answer, params)
+        pending = start_rewards(prompt_batch, tokens, answer_mask) if start_rewards else None
         for leaf in fresh(params):  # DeepSpeed-Chat's release of the inference copy
             leaf.delete()
         del params
@@ -242,6 +251,9 @@ class HybridEngine:
             for leaf in jax.tree.leaves(tree) if on else ():
                 leaf.delete()
         del frozen
+        if pending is not None:  # "rewards": the wait for the functions after the device's scoring, if they outlast it
+            host = self._timed("rewards", pending.result)
+            exp["scores"] = exp["scores"] + place({"scores": host}, mesh, "fsdp")["scores"]
         exp["generation_logprobs"] = gen_logprobs
         # The KL coefficient of this batch's rewards, the same in every PPO epoch; the adaptive controller then
         # steps once per generation batch, on this batch's KL (Ziegler et al. 2019; TRL's PPOTrainer).
@@ -337,4 +349,5 @@ class HybridEngine:
         return with_shared(self.ref_own, self.state["actor"])
 
     def reward_params(self):
-        return with_shared(self.reward_own, self.state.get("critic"))
+        """The reward model's weights, FSDP layout; None without one (reward.model_weight 0)."""
+        return None if self.reward_own is None else with_shared(self.reward_own, self.state.get("critic"))

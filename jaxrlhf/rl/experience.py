@@ -108,11 +108,14 @@ def _score_rows(s: Static, state, ref_own, reward_own, e):
     out["ref_logprobs"] = answer_logprobs(s.actor, with_shared(ref_own, actor), e) * m
     if critic is not None:
         out["values"] = answer_values(s.critic, effective_params(critic, cfg.critic.lora, fused=False), e) * m
+    weight = cfg.reward.model_scale  # 0: no reward model; the host's reward functions give the whole score
+    if not weight:
+        return {**out, "scores": jnp.zeros(m.shape[:1], jnp.float32)}
     reward = values(s.critic, with_shared(reward_own, critic), e["seq"], e["seq_mask"])
     # the answer's last real token (EOS if it ended): packed, one column after the head's position for its last token
     first = e["head_at"][:, 0] + 1 if "head_at" in e else e["seq"].shape[1] - m.shape[1]
     last = first + jnp.sum(m, axis=1) - 1
-    out["scores"] = jnp.take_along_axis(reward, last[:, None], axis=1)[:, 0]
+    out["scores"] = weight * jnp.take_along_axis(reward, last[:, None], axis=1)[:, 0]
     return out
 
 
