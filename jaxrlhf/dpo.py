@@ -7,7 +7,7 @@ The policy starts from `model` (a Step 1 output) and trains on Step 2's pairs (i
 the log-ratio of the chosen answer over the rejected one against a frozen reference, the starting model itself:
 
     per micro-batch   ref_c, ref_r = log π_ref(answer | prompt)      the frozen starting weights, no gradient
-                      π_c, π_r     = log π(answer | prompt)          the policy (LoRA attached), with dropout
+                      π_c, π_r     = log π(answer | prompt)          the policy (LoRA attached; dropout if set)
                       loss         = losses.dpo_loss(π_c, π_r, ref_c, ref_r)
 
 log π(answer | prompt) sums the answer's token log-probs (its EOS included, the prompt masked). With LoRA and

@@ -208,3 +208,39 @@ def test_accumulation_and_resume_give_the_same_run(tiny_model, tmp_path):
     # gradients, so the weights are compared between the two runs of the same cut).
     for a, b in zip(jax.tree.leaves(micro["state"]), jax.tree.leaves(resumed["state"])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_dpo_raises_held_out_hh_preference_accuracy(assets, tmp_path, capsys):
+    """Real signals: stories260K (a pretrained tiny Llama, converted from llama2.c) as the starting model and reference,
+    DPO on 1,612 Anthropic HH-RLHF harmless-base pairs at 128 tokens (its 512-piece tokenizer), held out: 672 other
+    pairs. The reference's implicit reward ties every pair (accuracy 0.5); after training the accuracy's 95 % interval
+    lies above 0.5. On one device (8 virtual devices on 2 cores only add collectives to a step this small).
+
+    Measured here (100 steps of 32 pairs, 2 epochs, 7.5 min on 2 shared CPU cores): 0.5 -> 0.597 over 672 held-out
+    pairs (0.559-0.633), margin 0.34; an earlier run of the same settings 0.580 (0.543-0.617). At lr 1e-3 and one
+    epoch: 0.545. The reference's own likelihood prefers the chosen answer in 0.572 of the pairs (a length-biased
+    classifier, not the implicit reward). The training accuracy reaches ~0.85 in the second epoch: it memorises.
+    """
+    from test_reward_hh import HH, wilson
+
+    from jaxrlhf.convert import llama2c_to_hf
+    from jaxrlhf.sharding import make_mesh
+
+    src = assets / "models" / "stories260K"
+    model = llama2c_to_hf(src / "stories260K.bin", src / "tok512.bin", tmp_path / "stories260K")
+    data = DataConfig(data_path=(str(assets / HH),), on_bad_row="skip", data_split="0,1,0", eval_fraction=0.3,
+                      max_seq_len=128, cache_dir=str(tmp_path / "cache"))
+    cfg = DPOConfig(model=str(model), output_dir=str(tmp_path / "dpo"), batch_size=32, epochs=2, log_every=10,
+                    precision="fp32", beta=0.1, data=data, optim=OptimConfig(learning_rate=3e-4))
+    out = run(cfg, log=lambda _: None, mesh=make_mesh(1, jax.devices()[:1]))
+    evaluation = [r for r in out["records"] if r["split"] == "eval"][-1]
+    n = evaluation["pairs"]
+    low, high = wilson(round(evaluation["accuracy"] * n), n)
+    chosen, rejected = held_out_logps(model, data, load_tokenizer(model))
+    with capsys.disabled():
+        print(f"\nDPO on HH: held-out implicit-reward accuracy 0.5 (reference) -> {evaluation['accuracy']:.3f} over {n} "
+              f"pairs (95 % {low:.3f}-{high:.3f}), margin {evaluation['margin']:.3f}; the reference's own likelihood "
+              f"prefers chosen in {np.mean(chosen > rejected):.3f}")
+    assert n == 672
+    assert low > 0.5 and evaluation["margin"] > 0
