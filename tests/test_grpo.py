@@ -323,3 +323,41 @@ def test_the_builtin_pipeline_aligns_without_a_critic(steps_1_and_2, algorithm, 
     assert c["actor_gold_reward_greedy"] > c["step1_gold_reward_greedy"]
     assert 0 < c["kl_actor_to_step1"] < 10
     assert set(result["step3"]) == {"actor", "actor_ema"}  # no critic trained, none exported
+
+
+@pytest.mark.slow
+def test_a_critic_free_run_resumes_exactly(tmp_path, monkeypatch):
+    """python -m jaxrlhf.ppo algorithm=rloo: a crash in iteration 3 and a restart give the uninterrupted run's figures
+    and weights (the saved state has no critic); the outputs are the actor and its EMA only."""
+    from test_ppo import figures, ppo_config
+
+    from jaxrlhf.ppo import run
+    from jaxrlhf.rl import HybridEngine
+    from jaxrlhf.train import builtin_model
+
+    folders = (builtin_model(tmp_path / "actor", seed=0), builtin_model(tmp_path / "critic", seed=1, value_head=True),
+               tmp_path / "unsup.txt")
+    folders[2].write_text(" ".join("Sort these letters: a b c" for _ in range(40)))
+    kw = dict(algorithm="rloo", num_samples_per_prompt=2, batch_size=4, kl_loss="k3", loss_agg="seq_mean_token_sum")
+    whole = run(ppo_config(folders, tmp_path / "a", **kw), log=lambda _: None, mesh=ONE)
+    assert set(whole["folders"]) == {"actor", "actor_ema"} and "critic" not in whole["engine"].state
+    real, calls = HybridEngine.generate_experience, []
+
+    def crash_in_iteration_3(self, batch, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("simulated crash")
+        return real(self, batch, *args)
+
+    monkeypatch.setattr(HybridEngine, "generate_experience", crash_in_iteration_3)
+    cfg = ppo_config(folders, tmp_path / "b", save_every=2, **kw)
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg, log=lambda _: None, mesh=ONE)
+    monkeypatch.setattr(HybridEngine, "generate_experience", real)
+    resumed = run(cfg, log=lambda _: None, mesh=ONE)
+    assert [r["step"] for r in resumed["records"]] == [3, 4]
+    for g, w in zip(figures(resumed["records"]), figures(whole["records"][2:])):
+        assert g.keys() == w.keys() and "critic_loss" not in g
+        np.testing.assert_allclose([g[k] for k in sorted(g)], [w[k] for k in sorted(w)], rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(whole["engine"].state), jax.tree.leaves(resumed["engine"].state)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)

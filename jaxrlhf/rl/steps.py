@@ -56,6 +56,8 @@ def _actor_loss(s: Static, lm_weight=None):
 
     def loss_fn(params, mb, key):
         loss, tokens, metrics = 0.0, jnp.zeros((), jnp.float32), {}
+        if cfg.kl_loss != "none":  # in every micro-batch, the mixture's too: the accumulated sums have one structure
+            metrics["kl_loss"] = jnp.zeros((), jnp.float32)
         if "seq" in mb:
             lp = answer_logprobs(s.actor, params, mb, key)
             per_token = losses.policy_loss(lp, mb["logprobs"], mb["advantages"], clip_low, cfg.clip_ratio_high)
