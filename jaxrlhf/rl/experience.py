@@ -171,7 +171,7 @@ def advantages(s: Static, exp, kl_coef):
         adv, ret = losses.gae(exp["values"], rewards, mask, cfg.gamma, cfg.lam)
         if cfg.whiten_advantages:
             adv = losses.whiten(adv, mask)
-        stats.update(advantage=masked_mean(adv, m), **{"return": masked_mean(ret, m)}, value=masked_mean(exp["values"], m))
+        stats.update({"advantage": masked_mean(adv, m), "return": masked_mean(ret, m), "value": masked_mean(exp["values"], m)})
         return {**exp, "advantages": adv, "returns": ret}, stats
     if cfg.algorithm == "reinforce_pp":
         adv = losses.reinforce_pp_advantages(rewards, mask, cfg.gamma)
@@ -180,7 +180,7 @@ def advantages(s: Static, exp, kl_coef):
         per_answer = (losses.grpo_advantages(sequence, n, cfg.scale_rewards) if cfg.algorithm == "grpo"
                       else losses.rloo_advantages(sequence, n))
         adv = per_answer[:, None] * m
-    stats.update(advantage=masked_mean(adv, m), **{"return": jnp.mean(jnp.sum(rewards, axis=1))})
+    stats.update({"advantage": masked_mean(adv, m), "return": jnp.mean(jnp.sum(rewards, axis=1))})  # the sequence reward
     return {**exp, "advantages": adv}, stats
 
 
