@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxrlhf.checkpoint import CheckpointError, load_hf, save_hf
 from jaxrlhf.config import ConfigError, run_cli
 from jaxrlhf.generate import generate
-from jaxrlhf.models import Backend, init_params, logits, param_shapes, preset
+from jaxrlhf.models import Backend, init_params, param_shapes, preset
 from jaxrlhf.sharding import check_tp, describe, make_mesh, reshard, shardings_for
 from jaxrlhf.tokenizer import load_tokenizer
 
@@ -46,25 +46,6 @@ class InspectConfig:
     save_to: str | None = None
     #: seed of the random weights
     seed: int = 0
-
-
-@partial(jax.jit, static_argnums=0)
-def _next_token(config, params, ids, mask, t):
-    return jnp.argmax(logits(config, params, ids, mask)[:, t - 1], axis=-1).astype(ids.dtype)
-
-
-def greedy_reference(config, params, input_ids, attention_mask, max_new_tokens: int):
-    """Greedy continuation by recomputing the whole sequence per token: slow, cache-free, obviously right.
-
-    input_ids / attention_mask [B, P] are left-padded; returns the new tokens [B, max_new_tokens].
-    """
-    B, Pn = input_ids.shape
-    ids = jnp.concatenate([input_ids, jnp.full((B, max_new_tokens), config.pad_token_id, input_ids.dtype)], 1)
-    mask = jnp.concatenate([attention_mask, jnp.zeros((B, max_new_tokens), attention_mask.dtype)], 1)
-    for t in range(Pn, Pn + max_new_tokens):  # slots after t are masked and causally invisible
-        ids = ids.at[:, t].set(_next_token(config, params, ids, mask, t))
-        mask = mask.at[:, t].set(1)
-    return ids[:, Pn:]
 
 
 def _timed(fn, repeats=5):

@@ -84,7 +84,30 @@ def jit_values(config, params, input_ids, attention_mask):
     return _JIT_VALUES(config, params, input_ids, attention_mask)
 
 
-_JIT_LOGITS = _JIT_VALUES = None
+def greedy_reference(config, params, input_ids, attention_mask, max_new_tokens: int):
+    """Greedy continuation by recomputing the whole sequence per token: slow, cache-free, obviously right.
+
+    input_ids / attention_mask [B, P] are left-padded; returns the new tokens [B, max_new_tokens].
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrlhf import logits
+
+    global _NEXT_TOKEN
+    if _NEXT_TOKEN is None:
+        _NEXT_TOKEN = jax.jit(lambda config, params, ids, mask, t: jnp.argmax(
+            logits(config, params, ids, mask)[:, t - 1], axis=-1).astype(ids.dtype), static_argnums=0)
+    B, Pn = input_ids.shape
+    ids = jnp.concatenate([input_ids, jnp.full((B, max_new_tokens), config.pad_token_id, input_ids.dtype)], 1)
+    mask = jnp.concatenate([attention_mask, jnp.zeros((B, max_new_tokens), attention_mask.dtype)], 1)
+    for t in range(Pn, Pn + max_new_tokens):  # slots after t are masked and causally invisible
+        ids = ids.at[:, t].set(_NEXT_TOKEN(config, params, ids, mask, t))
+        mask = mask.at[:, t].set(1)
+    return ids[:, Pn:]
+
+
+_JIT_LOGITS = _JIT_VALUES = _NEXT_TOKEN = None
 
 
 def all_eqns(jaxpr):

@@ -4,11 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import POST_LN_PROJ, PRE_LN, all_eqns, kernel_calls, left_padded_batch, make_hf_opt
+from helpers import POST_LN_PROJ, PRE_LN, all_eqns, greedy_reference, kernel_calls, left_padded_batch, make_hf_opt
 
 from jaxrlhf import load_hf, logits, make_mesh, reshard
 from jaxrlhf.generate import Sampling, decode_params, generate, sample
-from jaxrlhf.inspect import greedy_reference
 from jaxrlhf.models import Backend
 
 KERNELS = Backend(decode_attention="pallas", interpret=True)  # the Pallas kernels in interpret mode
