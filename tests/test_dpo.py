@@ -240,7 +240,7 @@ def test_dpo_raises_held_out_hh_preference_accuracy(assets, tmp_path, capsys):
     chosen, rejected = held_out_logps(model, data, load_tokenizer(model))
     with capsys.disabled():
         print(f"\nDPO on HH: held-out implicit-reward accuracy 0.5 (reference) -> {evaluation['accuracy']:.3f} "
-              f"over {n} pairs (95 % {low:.3f}-{high:.3f}), margin {evaluation['margin']:.3f}; the reference's own likelihood "
-              f"prefers chosen in {np.mean(chosen > rejected):.3f}")
+              f"over {n} pairs (95 % {low:.3f}-{high:.3f}), margin {evaluation['margin']:.3f}; the reference's own "
+              f"likelihood prefers chosen in {np.mean(chosen > rejected):.3f}")
     assert n == 672
     assert low > 0.5 and evaluation["margin"] > 0
