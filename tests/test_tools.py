@@ -1,6 +1,7 @@
 """The benchmarks' own arithmetic (their timings are never tested)."""
 
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -246,3 +247,55 @@ def test_bench_summary_reads_the_latest_unlabelled_result_of_each_benchmark(tmp_
     assert updated.startswith("# bench\n\nintro\n\n") and updated.endswith("\n\nafter\n")
     assert "old table" not in updated and text in updated
     assert bench_summary.update(tmp_path / "none.md", "T") == f"{bench_summary.START}\nT\n{bench_summary.END}\n"
+
+
+@pytest.mark.slow
+def test_bench_ppo_grpo_counts_answers_and_records_the_algorithm(tmp_path, monkeypatch, capsys):
+    """bench_ppo --algorithm ppo grpo --samples-per-prompt 4: --batch counts answers (B / n prompts, n answers each, every
+    answer its own drawn length: the same answer tokens as PPO's run), one result file per algorithm and n, the
+    algorithm and n in every run's record; the PyTorch peer's GRPO iteration runs (in process here, not in a child)."""
+    from jaxrlhf.models import opt
+    from tools import bench_ppo as bench
+
+    tiny = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, ffn_dim=64, word_embed_proj_dim=32,
+                vocab_size=128, max_position_embeddings=64)
+    monkeypatch.setitem(opt.PRESETS, "opt-tiny", tiny)
+    monkeypatch.setitem(bench.PRESETS, "opt-tiny", tiny)
+    lengths = tmp_path / "lengths.json"
+    lengths.write_text(json.dumps({"pairs": [[5, 3], [7, 2], [4, 6], [2, 1], [6, 5]]}))
+    B, n = 8, 4
+    prompts, answers = bench.draw_lengths(str(lengths), B, 8, 6)
+    assert len(set(answers[:n])) > 1  # a group's answers differ in length: each answer draws its own
+
+    def child(argv, keys):  # common.torch_child, in this process (the tiny preset exists only here)
+        assert argv[argv.index("--algorithm") + 1:argv.index("--algorithm") + 2] == ["grpo"]
+        monkeypatch.setattr(sys, "argv", argv)
+        bench.main()
+        got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert set(got) == set(keys) == {f"grpo-n{n}-{B}"}
+        return got
+
+    monkeypatch.setattr(bench.common, "torch_child", child)
+    common_args = ["--actor", "opt-tiny", "--critic", "opt-tiny", "--batch", str(B), "--prompt", "8", "--new", "6",
+                   "--precision", "fp32", "--repeats", "1", "--micro-batch", str(B), "--torch-micro-batch", "4",
+                   "--lengths", str(lengths), "--out", str(tmp_path / "out")]
+    monkeypatch.setattr(sys, "argv", ["bench_ppo.py", *common_args, "--algorithm", "grpo", "--samples-per-prompt", str(n)])
+    bench.main()
+    monkeypatch.setattr(sys, "argv", ["bench_ppo.py", *common_args, "--algorithm", "ppo", "--no-torch"])
+    bench.main()
+    files = {p.name.rsplit("-", 2)[0]: json.loads(p.read_text()) for p in (tmp_path / "out").glob("*.json")}
+    assert set(files) == {"grpo-n4-opt-tiny-lengths", "ppo-opt-tiny-lengths"}
+    grpo, ppo = files["grpo-n4-opt-tiny-lengths"], files["ppo-opt-tiny-lengths"]
+    assert (grpo["algorithm"], grpo["samples_per_prompt"], ppo["algorithm"], ppo["samples_per_prompt"]) == ("grpo", n, "ppo", 1)
+    (g,), (p,) = grpo["runs"], ppo["runs"]
+    assert (g["batch"], g["prompts"], p["batch"], p["prompts"]) == (B, B // n, B, B)
+    # the real tokens: every answer's own prompt (the group's: every n-th draw) and its own drawn answer length
+    real = int(n * prompts[::n].sum() + answers.sum())
+    for side in ("ours_fp32", "torch_hf_pure_bf16"):
+        r = g[side]
+        assert (r["algorithm"], r["samples_per_prompt"], r["prompts"], r["answers"]) == ("grpo", n, B // n, B), side
+        assert r["real_tokens"] == real and r["samples_per_s"] == pytest.approx(B / r["iteration_s"])
+    assert g["ours_fp32"]["answer_tokens"] == p["ours_fp32"]["answer_tokens"] == answers.sum()  # lengths forced per answer
+    assert g["ours_fp32"]["phases_s"]["critic_step"] == 0 and p["ours_fp32"]["phases_s"]["critic_step"] > 0
+    assert "torch_hf_pure_bf16" not in p
+    assert g["effective_flops"] < p["effective_flops"]  # no critic forward or update

@@ -1,7 +1,8 @@
 """Benchmark one Step 3 iteration (BENCHMARKS.md items 3 and 5) against a plain PyTorch + HF implementation.
 
     PYTHONPATH=. python tools/bench_ppo.py --actor opt-1.3b --critic opt-350m --batch 64 128 256 \\
-        [--precision pure_bf16 bf16] [--lora 0 128] [--no-torch] [--find-max]
+        [--precision pure_bf16 bf16] [--lora 0 128] [--algorithm ppo grpo] [--samples-per-prompt 4 8] \\
+        [--no-torch] [--find-max]
 
 Ours: `HybridEngine` with random weights of the real shapes, random prompts of --prompt tokens, answers
 forced to --new tokens (EOS off), one generation batch and one PPO epoch, the generation batch = the
@@ -21,6 +22,14 @@ answer forced to end at its drawn length (ours: the engine's per-row answer_limi
 that bars EOS before the drawn length and forces it there, HF stopping once every row has ended, then padded
 scoring and training as DeepSpeed-Chat does). Reported beside samples/s: real tokens/s (prompt + answer tokens
 that are not padding). `--slots` sets ours' decode slots (continuous batching).
+`--algorithm ppo grpo` (rloo, reinforce_pp) benchmarks each algorithm, the critic-free ones at every
+`--samples-per-prompt` n (PPO: n = 1). --batch counts ANSWERS in every case: a critic-free run at batch B answers
+B / n prompts n times each (the engine's num_samples_per_prompt; theirs: HF `generate` with num_return_sequences=n),
+so samples/s (answers/s) and real tokens/s compare with PPO's on the same number of answers. With --lengths each
+answer draws its own length (the first of a group's n draws sets the prompt's length), the same answer lengths as
+PPO at that batch. Critic-free: no critic is made, scored or trained (ours: EngineConfig.algorithm; theirs: the
+reward model scores, group-normalised advantages (r - mean) / (std + 1e-6) of the sequence reward score - KL, one
+actor step). One result file per algorithm and n: ppo-ACTOR[-lengths], grpo-nN-ACTOR[-lengths], ...
 `--find-max` instead tries growing actor sizes at batch 1 and reports the largest whose iteration runs.
 `--profile` adds, per run, the device time of one more iteration by kernel, on a line per phase (generate, score,
 actor step, ...: common.kernel_totals splits them by the engine's marks).
@@ -34,6 +43,7 @@ memory the other needs (JAX preallocates 75% of the GPU when it starts).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -47,6 +57,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide  # noqa: E402
+from jaxrlhf.rl import engine as rl_engine  # noqa: E402
 from jaxrlhf.lora import LoRAConfig  # noqa: E402
 from jaxrlhf.plan import capacity, plan  # noqa: E402
 from jaxrlhf.models import Backend, init_params, llama, opt, param_shapes, preset  # noqa: E402
@@ -56,6 +67,7 @@ from tools import common  # noqa: E402
 
 PRESETS = {**opt.PRESETS, **llama.PRESETS}  # actor and critic: any family's shape (e.g. --actor tinyllama-1.1b)
 PHASES = ("reshard", "generate", "score", "advantages", "actor_step", "critic_step")
+CRITIC_FREE = ("grpo", "rloo", "reinforce_pp")
 
 
 def n_params(name: str, value_head: bool = False) -> int:
@@ -67,9 +79,11 @@ def vocab(*names: str) -> int:
     return min(preset(n).vocab_size for n in names)
 
 
-def effective_flops(actor: str, critic: str, B: int, L: int, ppo_epochs: int = 1) -> float:
-    """DeepSpeed-Chat's count for one iteration (BENCHMARKS.md)."""
+def effective_flops(actor: str, critic: str, B: int, L: int, ppo_epochs: int = 1, critic_free: bool = False) -> float:
+    """DeepSpeed-Chat's count for one iteration (BENCHMARKS.md); critic-free: no critic values, no critic update."""
     na, nc = n_params(actor), n_params(critic, True)
+    if critic_free:
+        return B * L * (2 * na * 3 + 2 * nc + ppo_epochs * 6 * na)
     return B * L * (2 * na * 3 + 2 * nc * 2 + ppo_epochs * 6 * (na + nc))
 
 
@@ -83,17 +97,48 @@ def draw_lengths(file: str | None, B: int, max_prompt: int, max_answer: int, see
     return pairs[rows, 0], np.minimum(pairs[rows, 1], max_answer)
 
 
-def prompt_batch(B: int, P: int, prompt_lens, answer_lens, vocab: int = 50272) -> dict:
-    """Random left-padded prompts of the drawn lengths (BOS first) and each row's answer limit."""
+def prompt_batch(B: int, P: int, prompt_lens, answer_lens, vocab: int = 50272, n: int = 1) -> dict:
+    """Random left-padded prompts (BOS first) for B answers, n to a prompt: B / n prompts whose lengths are every n-th
+    of the B drawn prompt lengths, and every answer's own limit [B] (answers i n .. i n + n - 1 are prompt i's)."""
+    if B % n:
+        raise ValueError(f"batch {B} is not a whole number of groups of {n} answers")
+    rows, prompt_lens = B // n, np.asarray(prompt_lens)[::n]
     rng = np.random.default_rng(0)
-    ids = rng.integers(3, vocab, (B, P), dtype=np.int32)
-    mask = (np.arange(P)[None, :] >= P - np.asarray(prompt_lens)[:, None]).astype(np.int32)
+    ids = rng.integers(3, vocab, (rows, P), dtype=np.int32)
+    mask = (np.arange(P)[None, :] >= P - prompt_lens[:, None]).astype(np.int32)
     ids = np.where(mask == 1, ids, 1)
-    ids[np.arange(B), P - np.asarray(prompt_lens)] = 2
+    ids[np.arange(rows), P - prompt_lens] = 2
     return {"prompt_ids": ids, "prompt_mask": mask, "answer_limits": np.asarray(answer_lens, np.int32)}
 
 
-def ours(args, actor: str, critic: str, B: int, precision: str, lora: int) -> dict:
+def real_tokens(batch: dict) -> int:
+    """Prompt + answer tokens that are not padding, over every answer (each answer row holds its prompt)."""
+    n = len(batch["answer_limits"]) // len(batch["prompt_ids"])
+    return int(n * batch["prompt_mask"].sum() + batch["answer_limits"].sum())
+
+
+@contextlib.contextmanager
+def per_answer_limits():
+    """The engine repeats each prompt row n times (rl.engine.repeat_rows), answer_limits with it, so the n answers to a
+    prompt would share one drawn length; a benchmark batch (prompt_batch) holds every answer's own limit already, and
+    inside this block the repeat leaves a limits array of B rows as it is."""
+    repeat = rl_engine.repeat_rows
+
+    def rows(batch, n):
+        limits = batch.get("answer_limits")
+        if limits is None or len(limits) != n * len(batch["prompt_ids"]) or n == 1:
+            return repeat(batch, n)
+        return {**repeat({k: v for k, v in batch.items() if k != "answer_limits"}, n), "answer_limits": limits}
+
+    rl_engine.repeat_rows = rows
+    try:
+        yield
+    finally:
+        rl_engine.repeat_rows = repeat
+
+
+def ours(args, actor: str, critic: str, B: int, precision: str, lora: int, algorithm: str = "ppo", n: int = 1) -> dict:
+    """One Step 3 iteration of the engine on B answers (B / n prompts, n answers each)."""
     mesh = make_mesh(args.tp)
     dtype = jnp.float32 if precision in ("bf16", "fp32") else jnp.bfloat16
     compute = "float32" if precision == "fp32" else "bfloat16"
@@ -109,7 +154,9 @@ def ours(args, actor: str, critic: str, B: int, precision: str, lora: int) -> di
     side = lambda lr: ModelSide(optim=OptimConfig(learning_rate=lr, warmup_steps=0, gradient_accumulation_steps=accumulation),
                                 lora=LoRAConfig(dim=lora, only_optimize_lora=bool(lora) and args.only_optimize_lora),
                                 remat=args.remat, dropout=0.0)
-    cfg = EngineConfig(actor=side(9.65e-6), critic=side(5e-6), precision=precision, max_answer_len=args.new,
+    critic_side = ModelSide() if algorithm in CRITIC_FREE else side(5e-6)  # critic-free: the reward model only
+    cfg = EngineConfig(actor=side(9.65e-6), critic=critic_side, precision=precision, max_answer_len=args.new,
+                       algorithm=algorithm, num_samples_per_prompt=n,
                        inference_tp_size=args.tp, enable_ema=False, old_logprobs_from_generation=args.old_from_generation,
                        decode_slots=args.slots, refill_size=args.refill, max_tokens_per_micro_batch=args.tokens,
                        packed_width_multiple=args.width_multiple)
@@ -120,25 +167,27 @@ def ours(args, actor: str, critic: str, B: int, precision: str, lora: int) -> di
     engine = HybridEngine(cfg, mesh, (configs[0], params[0]), (configs[1], params[1]), total_steps=1000,
                           eos_id=-1, pad_id=1)  # EOS never matches: every answer has its full length
     del params
-    batch = prompt_batch(B, args.prompt, *draw_lengths(args.lengths, B, args.prompt, args.new), vocab(actor, critic))
+    batch = prompt_batch(B, args.prompt, *draw_lengths(args.lengths, B, args.prompt, args.new), vocab(actor, critic), n)
     times, phases = [], []
-    for i in range(args.repeats + 1):  # the first iteration compiles
-        engine.timings.clear()
-        start = time.perf_counter()
-        stats = engine.train_rlhf(engine.generate_experience(batch))
-        elapsed = time.perf_counter() - start
-        if i:
-            times.append(elapsed)
-            phases.append(dict(engine.timings))
-    t = statistics.median(times)
-    profile = {}
-    if args.profile:  # the kernels of one more iteration by device time, per phase (HybridEngine marks them)
-        trace = Path(args.out or common.RESULTS / "ppo") / f"trace-ppo-{actor}-{B}-{precision}"
-        profile = {"profile": common.kernel_profile(lambda: engine.train_rlhf(engine.generate_experience(batch)), trace,
-                                                    top=25)}
-    real = int(batch["prompt_mask"].sum() + batch["answer_limits"].sum())
-    return {**profile, "iteration_s": t, "samples_per_s": B / t, "samples_per_s_per_gpu": B / t / mesh.size,
-            "real_tokens_per_s": real / t, "real_tokens": real, "answer_tokens": int(stats.get("answer_len", 0) * B),
+    with per_answer_limits():
+        for i in range(args.repeats + 1):  # the first iteration compiles
+            engine.timings.clear()
+            start = time.perf_counter()
+            stats = engine.train_rlhf(engine.generate_experience(batch))
+            elapsed = time.perf_counter() - start
+            if i:
+                times.append(elapsed)
+                phases.append(dict(engine.timings))
+        t = statistics.median(times)
+        profile = {}
+        if args.profile:  # the kernels of one more iteration by device time, per phase (HybridEngine marks them)
+            trace = Path(args.out or common.RESULTS / "ppo") / f"trace-{algorithm}-n{n}-{actor}-{B}-{precision}"
+            profile = {"profile": common.kernel_profile(lambda: engine.train_rlhf(engine.generate_experience(batch)),
+                                                        trace, top=25)}
+    real = real_tokens(batch)
+    return {**profile, "algorithm": algorithm, "samples_per_prompt": n, "prompts": B // n, "answers": B,
+            "iteration_s": t, "samples_per_s": B / t, "samples_per_s_per_gpu": B / t / mesh.size,
+            "real_tokens_per_s": real / t, "real_tokens": real, "answer_tokens": int(round(stats.get("answer_len", 0) * B)),
             # DeepSpeed-Chat's Step 3 benchmark: 264,292 samples (9 hours for OPT-13B on 8 A100-80G)
             "deepspeed_chat_benchmark_hours": 264292 / (B / t) / 3600, "phases_s": {p: statistics.median(x.get(p, 0.0) for x in phases)
                                                                   for p in PHASES},
@@ -160,8 +209,13 @@ def length_forcer(P: int, limits, eos: int):
     return force
 
 
-def theirs(args, actor: str, critic: str, B: int) -> dict:
-    """The same iteration in plain PyTorch + transformers, pure bf16."""
+def theirs(args, actor: str, critic: str, B: int, algorithm: str = "ppo", n: int = 1) -> dict:
+    """The same iteration in plain PyTorch + transformers, pure bf16: PPO (actor, critic, reference, reward; GAE; an
+    actor and a critic step) or GRPO's simplest (n answers to each of B / n prompts by num_return_sequences; reference
+    and reward; group-normalised advantages of the sequence reward; one actor step; no critic)."""
+    if algorithm not in ("ppo", "grpo"):
+        raise ValueError(f"the PyTorch peer runs ppo and grpo, not {algorithm}")
+    critic_free = algorithm == "grpo"
     import torch
     import torch.nn.functional as F
     import transformers
@@ -177,17 +231,19 @@ def theirs(args, actor: str, critic: str, B: int) -> dict:
 
     actor_m = mk(actor, "ForCausalLM")
     ref_m = mk(actor, "ForCausalLM").eval().requires_grad_(False)
-    critic_m, reward_m = mk(critic, "Model"), mk(critic, "Model").eval().requires_grad_(False)
+    reward_m = mk(critic, "Model").eval().requires_grad_(False)
     proj = PRESETS[critic].get("word_embed_proj_dim", PRESETS[critic]["hidden_size"])
-    v_head = torch.nn.Linear(proj, 1, bias=False).to(dev, bf16)
     r_head = torch.nn.Linear(proj, 1, bias=False).to(dev, bf16).requires_grad_(False)
     opt_a = torch.optim.AdamW(actor_m.parameters(), lr=9.65e-6, betas=(0.9, 0.95), fused=dev == "cuda")
-    opt_c = torch.optim.AdamW([*critic_m.parameters(), *v_head.parameters()], lr=5e-6, betas=(0.9, 0.95), fused=dev == "cuda")
+    if not critic_free:
+        critic_m, v_head = mk(critic, "Model"), torch.nn.Linear(proj, 1, bias=False).to(dev, bf16)
+        critic_params = [*critic_m.parameters(), *v_head.parameters()]
+        opt_c = torch.optim.AdamW(critic_params, lr=5e-6, betas=(0.9, 0.95), fused=dev == "cuda")
     mb = args.torch_micro_batch
     P, G = args.prompt, args.new
-    batch = prompt_batch(B, P, *draw_lengths(args.lengths, B, P, G), vocab(actor, critic))
+    batch = prompt_batch(B, P, *draw_lengths(args.lengths, B, P, G), vocab(actor, critic), n)
     prompts, prompt_mask = (torch.tensor(batch[k], device=dev, dtype=torch.long) for k in ("prompt_ids", "prompt_mask"))
-    limits = torch.tensor(batch["answer_limits"], device=dev)
+    limits = torch.tensor(batch["answer_limits"], device=dev)  # [B]: every answer's own length
     EOS = 2
     force_lengths = length_forcer(P, limits, EOS)
 
@@ -202,32 +258,40 @@ def theirs(args, actor: str, critic: str, B: int) -> dict:
         with torch.no_grad():
             actor_m.eval()
             lengths = dict(min_new_tokens=G) if args.lengths is None else dict(logits_processor=[force_lengths])
+            # num_return_sequences repeats each prompt n times side by side (rows i n .. i n + n - 1: prompt i's)
             seq = actor_m.generate(prompts, attention_mask=prompt_mask, max_new_tokens=G, do_sample=True, top_k=0,
-                                   eos_token_id=EOS, pad_token_id=1, cache_implementation="static", **lengths)
+                                   eos_token_id=EOS, pad_token_id=1, cache_implementation="static",
+                                   num_return_sequences=n, **lengths)
             Gb = seq.shape[1] - P  # HF stops once every row has ended: the batch's longest answer
             answer = (torch.arange(Gb, device=dev)[None, :] < limits[:, None]).long() if args.lengths else \
                 torch.ones(B, Gb, device=dev, dtype=torch.long)
-            mask = torch.cat([prompt_mask, answer], 1)
+            mask = torch.cat([prompt_mask.repeat_interleave(n, 0), answer], 1)
             last = P + answer.sum(1) - 1
             old, ref, v, score = [], [], [], []
             for i in range(0, B, mb):
                 s, m = seq[i:i + mb], mask[i:i + mb]
                 old.append(logprobs(actor_m, s, m))
                 ref.append(logprobs(ref_m, s, m))
-                v.append(vals(critic_m, v_head, s, m))
+                if not critic_free:
+                    v.append(vals(critic_m, v_head, s, m))
                 h = reward_m(s, attention_mask=m).last_hidden_state
                 score.append(r_head(h[torch.arange(len(s), device=dev), last[i:i + mb]]).float()[:, 0])
-            old, ref, v, score = map(torch.cat, (old, ref, v, score))
+            old, ref, score = map(torch.cat, (old, ref, score))
             am = answer.float()
-            old, ref, v = old * am, ref * am, v * am
+            old, ref = old * am, ref * am
             rewards = -0.1 * (old - ref)
             rewards[torch.arange(B, device=dev), answer.sum(1) - 1] += score.clamp(-5, 5)
-            adv, running = torch.zeros_like(rewards), torch.zeros(B, device=dev)
-            for t in reversed(range(Gb)):
-                nxt = v[:, t + 1] if t + 1 < Gb else torch.zeros(B, device=dev)
-                running = (rewards[:, t] + nxt - v[:, t] + 0.95 * running) * am[:, t]
-                adv[:, t] = running
-            returns = adv + v
+            if critic_free:  # GRPO: each answer's sequence reward against its group's mean, over the group's std
+                r = rewards.sum(1).view(-1, n)
+                adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).view(-1, 1) * am
+            else:  # PPO: GAE on the critic's values
+                v = torch.cat(v) * am
+                adv, running = torch.zeros_like(rewards), torch.zeros(B, device=dev)
+                for t in reversed(range(Gb)):
+                    nxt = v[:, t + 1] if t + 1 < Gb else torch.zeros(B, device=dev)
+                    running = (rewards[:, t] + nxt - v[:, t] + 0.95 * running) * am[:, t]
+                    adv[:, t] = running
+                returns = adv + v
             tokens = am.sum()
         actor_m.train()
         for i in range(0, B, mb):
@@ -236,15 +300,27 @@ def theirs(args, actor: str, critic: str, B: int) -> dict:
             a = adv[i:i + mb]
             loss = (torch.max(-a * ratio, -a * ratio.clamp(0.8, 1.2)) * w).sum() / tokens
             loss.backward()
-        torch.nn.utils.clip_grad_norm_([*critic_m.parameters(), *v_head.parameters()], 1.0)
+        torch.nn.utils.clip_grad_norm_(actor_m.parameters(), 1.0)
+        opt_a.step()
+        opt_a.zero_grad(set_to_none=True)
+        if critic_free:
+            return
+        for i in range(0, B, mb):
+            s, m, w = seq[i:i + mb], mask[i:i + mb], am[i:i + mb]
+            nv, ov, r = vals(critic_m, v_head, s, m), v[i:i + mb], returns[i:i + mb]
+            vc = ov + (nv - ov).clamp(-0.2, 0.2)
+            loss = 0.5 * (torch.max((nv - r) ** 2, (vc - r) ** 2) * w).sum() / tokens
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(critic_params, 1.0)
         opt_c.step()
         opt_c.zero_grad(set_to_none=True)
 
     sync = (lambda _: torch.cuda.synchronize()) if dev == "cuda" else (lambda _: None)
     t = common.timeit(iteration, args.repeats, warmup=1, block=sync)
     peak = torch.cuda.max_memory_allocated() if dev == "cuda" else None
-    real = int(batch["prompt_mask"].sum() + batch["answer_limits"].sum())
-    return {"iteration_s": t["median_s"], "samples_per_s": B / t["median_s"], "spread_s": [t["min_s"], t["max_s"]],
+    real = real_tokens(batch)
+    return {"algorithm": algorithm, "samples_per_prompt": n, "prompts": B // n, "answers": B,
+            "iteration_s": t["median_s"], "samples_per_s": B / t["median_s"], "spread_s": [t["min_s"], t["max_s"]],
             "real_tokens_per_s": real / t["median_s"], "real_tokens": real,
             "peak_bytes": peak, "micro_batch": mb}
 
@@ -270,11 +346,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--actor", default="opt-1.3b", choices=sorted(PRESETS))
     ap.add_argument("--critic", default="opt-350m", choices=sorted(PRESETS))
-    ap.add_argument("--batch", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--batch", type=int, nargs="+", default=[64, 128, 256], help="answers per iteration (all algorithms)")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--precision", nargs="+", default=["pure_bf16", "bf16"], choices=["pure_bf16", "bf16", "fp32"])
     ap.add_argument("--lora", type=int, nargs="+", default=[0], help="actor and critic LoRA dims to compare (0: off)")
+    ap.add_argument("--algorithm", nargs="+", default=["ppo"], choices=["ppo", *CRITIC_FREE],
+                    help="Step 3 algorithms to compare (the PyTorch peer runs ppo and grpo)")
+    ap.add_argument("--samples-per-prompt", type=int, nargs="+", default=[4, 8], metavar="N",
+                    help="critic-free algorithms: answers per prompt n (each a run; --batch counts answers, B / n prompts)")
     ap.add_argument("--only-optimize-lora", action="store_true", help="with --lora: train the adapters only (the base "
                     "weights frozen, no Adam state for them: how OPT-66B fits a node)")
     ap.add_argument("--remat", action="store_true", help="recompute layers in the backward passes")
@@ -288,6 +368,7 @@ def main():
     ap.add_argument("--width-multiple", type=int, default=64, help="ours: packed_width_multiple")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--no-ours", action="store_true", help="the PyTorch peer only (its runs in the result files alone)")
     ap.add_argument("--torch-micro-batch", type=int, default=16)
     ap.add_argument("--micro-batch", type=int, default=64, help="rows per actor/critic micro-batch (gradient accumulation)")
     ap.add_argument("--old-from-generation", action="store_true", help="old log-probs from generation (one actor forward less)")
@@ -298,44 +379,68 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.only_torch:
-        print(json.dumps({B: common.safely(theirs, args, args.actor, args.critic, B) for B in args.batch}))
+        print(json.dumps({torch_key(a, n, B): common.safely(theirs, args, args.actor, args.critic, B, a, n)
+                          for a, n in algorithms(args) for B in args.batch}))
         return
     argv = [__file__, "--only-torch", "--actor", args.actor, "--critic", args.critic, "--batch", *map(str, args.batch),
             "--prompt", str(args.prompt), "--new", str(args.new), "--repeats", str(args.repeats),
-            "--torch-micro-batch", str(args.torch_micro_batch), *(["--lengths", args.lengths] if args.lengths else [])]
-    torch_runs = {} if args.no_torch or args.find_max else common.torch_child(argv, args.batch)
-    result = {"benchmark": "ppo_step", **common.environment(), "args": vars(args), "runs": []}
+            "--torch-micro-batch", str(args.torch_micro_batch), *(["--lengths", args.lengths] if args.lengths else []),
+            "--algorithm", *args.algorithm, "--samples-per-prompt", *map(str, args.samples_per_prompt)]
+    keys = [torch_key(a, n, B) for a, n in algorithms(args) for B in args.batch]
+    torch_runs = {} if args.no_torch or args.find_max else common.torch_child(argv, keys)
     if args.find_max:
-        result["largest_actor"] = find_max(args)
+        result = {"benchmark": "ppo_step", **common.environment(), "args": vars(args), "largest_actor": find_max(args)}
         common.write("ppo", "ppo-find-max", result, args.out)
         return
     from tools.bench_forward import matmul_ceiling
 
     ceiling = matmul_ceiling() if jax.default_backend() == "gpu" else None
-    result["matmul_ceiling_flops"] = ceiling
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    # one result file per algorithm and n (bench_summary compares the ours_* and torch_* runs of one file)
+    results = {(a, n): {"benchmark": "ppo_step", **common.environment(), "args": vars(args), "algorithm": a,
+                        "samples_per_prompt": n, "matmul_ceiling_flops": ceiling, "runs": []} for a, n in algorithms(args)}
     for B in args.batch:
-        prompt_lens, answer_lens = draw_lengths(args.lengths, B, args.prompt, args.new)  # the rows' real tokens
-        flops = effective_flops(args.actor, args.critic, B, float(np.mean(prompt_lens + answer_lens)))
-        runs = {f"ours_{p}" + (f"_lora{r}" if r else ""): (p, r) for p in args.precision for r in args.lora}
-        row = {"batch": B, "effective_flops": flops}
-        for key, (precision, lora) in runs.items():
-            row[key] = common.safely(ours, args, args.actor, args.critic, B, precision, lora)
-        if str(B) in torch_runs:
-            row["torch_hf_pure_bf16"] = torch_runs[str(B)]
-        for key, r in row.items():
-            if isinstance(r, dict) and "iteration_s" in r:
-                r["tflops_per_gpu"] = flops / r["iteration_s"] / jax.device_count() / 1e12
-                if ceiling:
-                    r["matmul_fraction"] = flops / r["iteration_s"] / jax.device_count() / ceiling
-                phases = " ".join(f"{p} {s:.2f}" for p, s in r.get("phases_s", {}).items())
-                print(f"B={B:4d} {key:24s} {r['iteration_s']:7.2f} s  {r['samples_per_s']:6.1f} samples/s  "
-                      f"{r['real_tokens_per_s']:8.0f} real tok/s  {r['tflops_per_gpu']:6.1f} TFLOP/s  {phases}", flush=True)
-            elif isinstance(r, dict):
-                print(f"B={B:4d} {key:24s} {r['error']}", flush=True)
-        result["runs"].append(row)
-        common.write("ppo", f"ppo-{args.actor}" + ("-lengths" if args.lengths else ""), result, args.out, stamp)
+        draws = draw_lengths(args.lengths, B, args.prompt, args.new)  # the same answer lengths for every algorithm
+        for (algorithm, n), result in results.items():
+            if B % n:
+                print(f"B={B:4d} {algorithm} n={n}: skipped, {B} answers do not split into groups of {n}", flush=True)
+                continue
+            L = real_tokens(prompt_batch(B, args.prompt, *draws, n=n)) / B  # real tokens per answer
+            flops = effective_flops(args.actor, args.critic, B, L, critic_free=algorithm in CRITIC_FREE)
+            runs = {} if args.no_ours else {f"ours_{p}" + (f"_lora{r}" if r else ""): (p, r) for p in args.precision
+                                            for r in args.lora}
+            row = {"batch": B, "algorithm": algorithm, "samples_per_prompt": n, "prompts": B // n, "effective_flops": flops}
+            for key, (precision, lora) in runs.items():
+                row[key] = common.safely(ours, args, args.actor, args.critic, B, precision, lora, algorithm, n)
+            if torch_key(algorithm, n, B) in torch_runs:
+                row["torch_hf_pure_bf16"] = torch_runs[torch_key(algorithm, n, B)]
+            for key, r in row.items():
+                label = f"{algorithm}{f' n={n}' if n > 1 else ''} {key}"
+                if isinstance(r, dict) and "iteration_s" in r:
+                    r["tflops_per_gpu"] = flops / r["iteration_s"] / jax.device_count() / 1e12
+                    if ceiling:
+                        r["matmul_fraction"] = flops / r["iteration_s"] / jax.device_count() / ceiling
+                    phases = " ".join(f"{p} {s:.2f}" for p, s in r.get("phases_s", {}).items())
+                    print(f"B={B:4d} {label:32s} {r['iteration_s']:7.2f} s  {r['samples_per_s']:6.1f} samples/s  "
+                          f"{r['real_tokens_per_s']:8.0f} real tok/s  {r['tflops_per_gpu']:6.1f} TFLOP/s  {phases}", flush=True)
+                elif isinstance(r, dict):
+                    print(f"B={B:4d} {label:32s} {r['error']}", flush=True)
+            result["runs"].append(row)
+            common.write("ppo", result_name(args, algorithm, n), result, args.out, stamp)
 
+
+def algorithms(args) -> list[tuple[str, int]]:
+    """(algorithm, answers per prompt) of every run: PPO once with n = 1, the critic-free ones at each n."""
+    return [(a, n) for a in args.algorithm for n in ([1] if a == "ppo" else args.samples_per_prompt)]
+
+
+def torch_key(algorithm: str, n: int, B: int) -> str:
+    return f"{algorithm}-n{n}-{B}"
+
+
+def result_name(args, algorithm: str, n: int) -> str:
+    """ppo-ACTOR[-lengths], or ALGORITHM-nN-ACTOR[-lengths] for the critic-free ones."""
+    return f"{algorithm}{f'-n{n}' if algorithm != 'ppo' else ''}-{args.actor}" + ("-lengths" if args.lengths else "")
 
 if __name__ == "__main__":
     main()
