@@ -124,25 +124,6 @@ class NonFiniteError(ConfigError):
     """Too many training steps in a row had a non-finite loss or gradient norm: the run stops, nothing exported."""
 
 
-class SkipCounter:
-    """Counts one model's steps skipped in a row by the non-finite guard (trainer.apply_gradients' "skipped"), logs
-    each with where it happened, and stops the run at `limit` in a row."""
-
-    def __init__(self, limit: int, log=print):
-        self.limit, self.log, self.in_a_row = limit, log, 0
-
-    def update(self, skipped: float, where: str):
-        if not skipped:
-            self.in_a_row = 0
-            return
-        self.in_a_row += 1
-        self.log(f"{where}: step skipped, its loss or gradient norm is not finite (weights and optimizer unchanged)")
-        if self.in_a_row >= self.limit:
-            raise NonFiniteError(f"{where}: {self.in_a_row} steps in a row had a non-finite loss or gradient norm, so "
-                                 "the run stops and exports nothing; lower the learning rate (optim.learning_rate), "
-                                 "check the data, or raise max_skipped_steps")
-
-
 def fit(cfg, state, step, summarise, sources, *, total: int, manager, metrics_log, shardings, evaluate=None,
         counter: tuple[str, int] = ("step", 1), shown: tuple[str, ...] = (), desc: str = "train", log=print):
     """Run iterations up to `total` (see the module docstring); returns the final state and the logged records.
@@ -174,8 +155,7 @@ def fit(cfg, state, step, summarise, sources, *, total: int, manager, metrics_lo
         meta = {name: b.state() for name, b in named.items()} if isinstance(sources, dict) else sources.state()
         save_state(manager, state, meta, step=int(state[key]))
 
-    records, window, skipped = [], [], []
-    counters: dict[str, SkipCounter] = {}
+    records, window, skipped, in_a_row = [], [], [], {}  # in_a_row: each model's steps skipped in a row so far
 
     def write(i, split, figures):
         metrics_log.write(i, split, figures)
@@ -200,7 +180,14 @@ def fit(cfg, state, step, summarise, sources, *, total: int, manager, metrics_lo
                 bar.set_postfix({**{k: f"{figures[k]:.4g}" for k in shown if k in figures},
                                  **({"ALARM": figures["alarms"]} if "alarms" in figures else {})})
                 for model, flag, where in skipped:  # after the write: a stopped run's log shows its skips
-                    counters.setdefault(model, SkipCounter(cfg.max_skipped_steps, log)).update(float(flag), where)
+                    in_a_row[model] = in_a_row.get(model, 0) + 1 if float(flag) else 0
+                    if in_a_row[model]:
+                        log(f"{where}: step skipped, its loss or gradient norm is not finite (weights and optimizer "
+                            "unchanged)")
+                    if in_a_row[model] >= cfg.max_skipped_steps:
+                        raise NonFiniteError(f"{where}: {in_a_row[model]} steps in a row had a non-finite loss or "
+                                             "gradient norm, so the run stops and exports nothing; lower the learning "
+                                             "rate (optim.learning_rate), check the data, or raise max_skipped_steps")
                 window, skipped = [], []
             bar.update(1)
             if eval_every and i % eval_every == 0 and i != total:
