@@ -239,6 +239,21 @@ def rm_accuracy(cfg: EvalConfig, rm, arrays, pad_id: int) -> dict | None:
             "rejected_score": float(rejected.mean())}
 
 
+def step3_run(model) -> dict | None:
+    """The Step 3 run that exported `model` (ppo.run's folder: run_config.json with an algorithm, metrics.jsonl, beside
+    the model), or None: its algorithm, answers per prompt, iterations and time, iterations x the median logged
+    iteration's seconds (the compiling first iteration left out), so runs of different algorithms compare."""
+    folder = Path(model).parent
+    config = json.loads((folder / "run_config.json").read_text()) if (folder / "run_config.json").is_file() else {}
+    if "algorithm" not in config:
+        return None
+    timed = [r for r in training_records(folder / "metrics.jsonl") if "iteration_s" in r]
+    run = {"algorithm": config["algorithm"], "samples_per_prompt": config.get("num_samples_per_prompt", 1)}
+    if timed:
+        run.update(iterations=timed[-1]["step"], seconds=timed[-1]["step"] * float(np.median([r["iteration_s"] for r in timed])))
+    return run
+
+
 def find_metrics(cfg: EvalConfig) -> Path | None:
     candidates = [Path(cfg.metrics)] if cfg.metrics else [Path(m).parent / "metrics.jsonl" for m in cfg.models]
     for path in candidates:
@@ -298,7 +313,7 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
                "answer_len_percentiles": {str(q): float(np.percentile(lengths, q)) for q in (10, 50, 90)},
                "answer_len_hist": np.bincount(lengths, minlength=G + 1).tolist(),
                "truncated": float(np.mean([not r or r[-1] != eos for r in answer_rows(tokens, amask)])),
-               "perplexity": perplexity(cfg, model, held[1], pad)}
+               "perplexity": perplexity(cfg, model, held[1], pad), "step3": step3_run(path)}
         golds = gold_rewards(prompts, references, texts)
         row["gold_reward"] = float(np.mean(golds)) if golds else None
         per_prompt[name] = {"answers": texts, "scores": scores.tolist(), "gold": golds, "lengths": lengths.tolist()}
@@ -349,15 +364,16 @@ def plot_training(records: list[dict]):
 
 
 def plot_frontier(report: dict):
-    """Reward vs KL: the training trajectory and each model; a second panel for the gold reward."""
+    """Reward vs KL: the logged training iterations (points coloured by iteration: as a line the noisy per-iteration
+    figures zigzag) and each model; a second panel for the gold reward."""
     gold = report["models"][0]["gold_reward"] is not None
     fig, axes = _figure(2 if gold else 1)
     for ax, key, title in zip(axes, ("reward", "gold_reward"), ("reward model score", "gold reward")):
         training = [r for r in report["training"] if key in r]
-        if training:  # a moving average over a tenth of the run: the raw per-iteration figures zigzag
-            w = max(1, len(training) // 10)
-            smooth = lambda k: np.convolve([r[k] for r in training], np.ones(w) / w, mode="valid")
-            ax.plot(smooth("kl"), smooth(key), color="0.6", label="training (moving average)")
+        if training:
+            points = ax.scatter([r["kl"] for r in training], [r[key] for r in training], c=[r["step"] for r in training],
+                                cmap="viridis", s=12, alpha=0.7)
+            fig.colorbar(points, ax=ax, label="Step 3 iteration")
         for m in report["models"]:
             ax.plot([m["kl"]], [m[key]], marker="o", linestyle="none", label=m["name"])
         ax.set(xlabel="KL to reference (nats per answer)", title=f"{title} vs KL")
@@ -407,19 +423,25 @@ def _fmt(x, spec=".3f"):
 
 def markdown(report: dict, plots: dict) -> str:
     s = report["settings"]
+    timed = any(m.get("step3") for m in report["models"])  # Step 3 runs' algorithm and time, side by side
     lines = ["# Evaluation report\n",
              f"{s['prompts']} held-out prompts of {', '.join(s['data'])}, answers sampled (temperature {s['temperature']}, "
              f"up to {s['max_answer_len']} tokens, seed {s['seed']}, the same keys for every model). Win rates and KL "
              f"against `{report['baseline']}`; KL in nats per answer; repetition = share of repeated {s['ngram']}-grams; "
-             f"perplexity on held-out Step 1 text.\n",
+             f"perplexity on held-out Step 1 text."
+             + (" Step 3: the run's algorithm (n answers per prompt) and its time, iterations x the median logged "
+                "iteration (compilation left out)." if timed else "") + "\n",
              "| model | RM score | win rate (95% CI) | gold reward | KL | length mean (p10/p50/p90) | truncated | repetition "
-             "| entropy | perplexity |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for m in report["models"]:
-        p = m["answer_len_percentiles"]
-        lines.append(f"| {m['name']} | {m['reward']:.3f} | {m['win_rate']:.3f} ({m['win_ci'][0]:.3f}–{m['win_ci'][1]:.3f}) "
+             "| entropy | perplexity |" + (" Step 3 | Step 3 time (s) |" if timed else ""),
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" --- | ---: |" if timed else "")]
+    for i, m in enumerate(report["models"]):
+        p, run = m["answer_len_percentiles"], m.get("step3") or {}
+        win = "baseline" if i == 0 else f"{m['win_rate']:.3f} ({m['win_ci'][0]:.3f}–{m['win_ci'][1]:.3f})"
+        algorithm = run.get("algorithm", "–") + (f" (n={run['samples_per_prompt']})" if run.get("samples_per_prompt", 1) > 1 else "")
+        lines.append(f"| {m['name']} | {m['reward']:.3f} | {win} "
                      f"| {_fmt(m['gold_reward'])} | {m['kl']:.3f} | {m['answer_len']:.1f} ({p['10']:.0f}/{p['50']:.0f}/{p['90']:.0f}) "
-                     f"| {m['truncated']:.2f} | {m['repetition']:.3f} | {m['entropy']:.3f} | {_fmt(m['perplexity'], '.2f')} |")
+                     f"| {m['truncated']:.2f} | {m['repetition']:.3f} | {m['entropy']:.3f} | {_fmt(m['perplexity'], '.2f')} |"
+                     + (f" {algorithm} | {_fmt(run.get('seconds'), '.0f')} |" if timed else ""))
     r = report["reward_model"]
     if "accuracy" in r:
         lines.append(f"\nReward model `{r['path']}`: accuracy {r['accuracy']:.3f} on {r['pairs']} held-out pairs "

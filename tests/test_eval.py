@@ -13,7 +13,20 @@ from jaxrlhf.alarms import AlarmConfig, AlarmTracker, answer_figures
 from jaxrlhf.checkpoint import load_hf, save_hf
 from jaxrlhf.data import DataConfig, make_batch, prepare
 from jaxrlhf.data.synthetic import gold_answer, gold_reward
-from jaxrlhf.eval import EvalConfig, curves, final_number, gold_rewards, main, parse, plot_training, run, win_rate
+from jaxrlhf.eval import (
+    EvalConfig,
+    curves,
+    final_number,
+    gold_rewards,
+    main,
+    markdown,
+    parse,
+    plot_frontier,
+    plot_training,
+    run,
+    step3_run,
+    win_rate,
+)
 from jaxrlhf.generate import generate
 from jaxrlhf.losses import end_scores, token_logprobs
 from jaxrlhf.models import OPTConfig, init_params, logits, values
@@ -146,9 +159,14 @@ def test_report_files_and_plots(report):
     saved = json.loads((folder / "report.json").read_text())
     assert [m["name"] for m in saved["models"]] == ["sft", "ppo", "stuck"]
     assert [r["step"] for r in saved["training"]] == [1, 2, 3, 4, 5]  # eval lines dropped, step 3 once
-    # curves: training = reward + gold + KL; frontier = 2 panels x (trajectory + 3 models); lengths = 3 models +
-    # length over training; win rates = 3 bars.
-    assert {k: v["curves"] for k, v in saved["plots"].items()} == {"training": 3, "frontier": 8, "lengths": 4, "win_rates": 3}
+    # curves: training = reward + gold + KL; frontier = 2 panels x 3 models (the training iterations are points, not a
+    # line); lengths = 3 models + length over training; win rates = 3 bars.
+    assert {k: v["curves"] for k, v in saved["plots"].items()} == {"training": 3, "frontier": 6, "lengths": 4, "win_rates": 3}
+    frontier = plot_frontier(saved)  # per panel: one point per logged iteration, coloured by its iteration
+    for ax, key in zip(frontier.axes[:2], ("reward", "gold_reward")):
+        (points,) = ax.collections
+        np.testing.assert_allclose(points.get_offsets(), [[r["kl"], r[key]] for r in saved["training"]])
+        np.testing.assert_array_equal(points.get_array(), [1, 2, 3, 4, 5])
     for name in saved["plots"]:
         with Image.open(folder / f"{name}.png") as im:
             assert im.format == "PNG" and im.size[0] > 300 and im.size[1] > 200
@@ -159,6 +177,9 @@ def test_report_files_and_plots(report):
     md = (folder / "report.md").read_text()
     assert md.count("\n| sft |") == 1 + cfg.samples and "![training](training.png)" in md
     assert f"| {out['models'][1]['reward']:.3f} |" in md
+    sft_row = next(line for line in md.splitlines() if line.startswith("| sft |"))
+    assert sft_row.split(" | ")[2] == "baseline"  # not a win rate of 0.500 against itself
+    assert "Step 3 time" not in md  # none of these models came from a Step 3 run folder
     assert curves(plot_training(saved["training"][:2])) == 3
 
 
@@ -212,9 +233,10 @@ def test_step3_raises_alarms_when_the_actor_degenerates(folders, tmp_path, monke
     """ppo.run with the actor's answers replaced: short healthy ones for two iterations (the baseline), then one
     token over and over: the repetition and length alarms are logged once each and written to the metrics."""
     import jaxrlhf.rl.engine as engine
-    from jaxrlhf.rl import ModelSide
     from jaxrlhf.generate import Generation
-    from jaxrlhf.ppo import PPOConfig, run as run_ppo
+    from jaxrlhf.ppo import PPOConfig
+    from jaxrlhf.ppo import run as run_ppo
+    from jaxrlhf.rl import ModelSide
     from jaxrlhf.trainer import OptimConfig
 
     models, root = folders
@@ -247,3 +269,38 @@ def test_step3_raises_alarms_when_the_actor_degenerates(folders, tmp_path, monke
     records = out["records"]
     assert [r.get("alarms", "") for r in records] == ["", "", "repetition,answer_len", "repetition,answer_len"]
     assert records[0]["repetition"] == 0.0 and records[3]["repetition"] == pytest.approx(5 / 6)
+
+
+def test_step3_runs_side_by_side_with_their_algorithm_and_time(report, tmp_path):
+    """A model exported by a Step 3 run (run_config.json with an algorithm and metrics.jsonl beside it) shows the run's
+    algorithm and time: iterations x the median logged iteration, the compiling first one left out."""
+    cfg, out = report
+    runs = {}
+    for name, algorithm, n, seconds in (("ppo-run", "ppo", 1, [9.0, 0.2, 0.3, 0.25]), ("grpo-run", "grpo", 4, [5.0, 0.1, 0.1, 0.2])):
+        folder = tmp_path / name
+        (folder / "actor").mkdir(parents=True)
+        (folder / "run_config.json").write_text(json.dumps({"algorithm": algorithm, "num_samples_per_prompt": n}))
+        lines = [{"step": 10 * (i + 1), "split": "train", "kl": 0.1, "iteration_s": t} for i, t in enumerate(seconds)]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        runs[name] = step3_run(folder / "actor")
+    assert runs["ppo-run"] == {"algorithm": "ppo", "samples_per_prompt": 1, "iterations": 40, "seconds": pytest.approx(40 * 0.275)}
+    assert runs["grpo-run"] == {"algorithm": "grpo", "samples_per_prompt": 4, "iterations": 40, "seconds": pytest.approx(40 * 0.15)}
+    assert step3_run(tmp_path / "ppo-run") is None  # no Step 3 run_config.json beside it
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "run_config.json").write_text(json.dumps({"batch_size": 8}))  # a Step 1 run: no algorithm
+    assert step3_run(tmp_path / "sft" / "model") is None
+
+    models = [{**m, "step3": s} for m, s in zip(out["models"], (None, runs["ppo-run"], runs["grpo-run"]))]
+    md = markdown({**out, "models": models}, {})
+    lines = md.splitlines()
+    first = lines.index(next(line for line in lines if line.startswith("| model |")))
+    table = lines[first:lines.index("", first)]  # the models' table (the sample answers' tables follow)
+    rows = {line.split(" | ")[0][2:]: line.strip("| ").split(" | ") for line in table}
+    header = rows["model"]
+    assert header[-2:] == ["Step 3", "Step 3 time (s)"]
+    cell = lambda name, column: rows[name][header.index(column)]
+    assert [cell(n, "Step 3") for n in ("sft", "ppo", "stuck")] == ["–", "ppo", "grpo (n=4)"]
+    assert [cell(n, "Step 3 time (s)") for n in ("sft", "ppo", "stuck")] == ["–", "11", "6"]
+    assert [cell(n, "win rate (95% CI)") for n in ("sft", "ppo")] == ["baseline", f"{out['models'][1]['win_rate']:.3f} "
+                                                                      f"({out['models'][1]['win_ci'][0]:.3f}–{out['models'][1]['win_ci'][1]:.3f})"]
+    assert cell("stuck", "gold reward") == f"{out['models'][2]['gold_reward']:.3f}" and cell("ppo", "KL") == f"{out['models'][1]['kl']:.3f}"
