@@ -376,13 +376,6 @@ def load_hf(path: str | os.PathLike, dtype=None, **config_overrides) -> tuple[OP
     return config, params_from_tensors(config, tensors, str(path), dtype)
 
 
-def _dtype_name(params) -> str:
-    dtypes = {np.dtype(x.dtype).name for x in jax.tree.leaves(params)}
-    if len(dtypes) != 1:
-        raise ValueError(f"save_hf: parameters mix dtypes {sorted(dtypes)}; cast them to one dtype first")
-    return dtypes.pop()
-
-
 def _shard(tensors: dict[str, np.ndarray], max_bytes: int) -> list[dict[str, np.ndarray]]:
     shards, current, size = [], {}, 0
     for name, value in tensors.items():
@@ -432,7 +425,9 @@ def save_hf(path: str | os.PathLike, config: OPTConfig | LlamaConfig, params: di
 
     path = Path(path)
     model, head = params_to_tensors(config, params)
-    dtype = _dtype_name(params)
+    dtypes = {np.dtype(x.dtype).name for x in jax.tree.leaves(params)}
+    if len(dtypes) != 1:
+        raise ValueError(f"save_hf: parameters mix dtypes {sorted(dtypes)}; cast them to one dtype first")
     for name, x in {**model, **head}.items():
         if not np.issubdtype(x.dtype, np.integer) and not np.isfinite(x).all():
             raise CheckpointError(f"{path}: tensor {name} holds NaN or inf values; refusing to export it (training "
@@ -443,7 +438,7 @@ def save_hf(path: str | os.PathLike, config: OPTConfig | LlamaConfig, params: di
         shutil.rmtree(stale, ignore_errors=True)  # what a killed save of this folder left behind
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        (tmp / CONFIG_FILE).write_text(json.dumps(config_to_hf(config, dtype), indent=2) + "\n")
+        (tmp / CONFIG_FILE).write_text(json.dumps(config_to_hf(config, dtypes.pop()), indent=2) + "\n")
         shards = _shard(model, max_shard_bytes)
         names = [f"model-{n:05d}-of-{len(shards):05d}.safetensors" for n in range(1, len(shards) + 1)]
         names = names if len(shards) > 1 else [SAFETENSORS_FILE]

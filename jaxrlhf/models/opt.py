@@ -87,10 +87,6 @@ class OPTConfig:
         return self.word_embed_proj_dim != self.hidden_size
 
     @property
-    def has_final_layer_norm(self) -> bool:
-        return self.do_layer_norm_before and not self.remove_final_layer_norm
-
-    @property
     def compute_dtype(self):
         return DTYPES[self.dtype]
 
@@ -208,7 +204,7 @@ class OPTDecoder(nn.Module):
 
         h, cache = common.run_layers(self, OPTLayer, c, self.mode, h, cache, {"segment_ids": segment_ids})
 
-        if c.has_final_layer_norm:
+        if c.do_layer_norm_before and not c.remove_final_layer_norm:  # pre-LN models' closing LayerNorm
             h = nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=c.compute_dtype, name="final_layer_norm")(h)
         if c.has_projection:
             h = common.Dense(c.word_embed_proj_dim, use_bias=False, dtype=c.compute_dtype, name="project_out")(h)
