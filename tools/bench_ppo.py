@@ -12,9 +12,9 @@ memory, effective TFLOP/s per GPU by DeepSpeed-Chat's count (BENCHMARKS.md: 2·N
 forward, 6·N for every forward + backward, over the whole iteration's wall time) and its fraction of the
 bf16 matmul rate measured in the run.
 
-Theirs (same process, same GPU): transformers' own models of the same shapes (OPT or Llama) in pure bf16: actor, critic (OPTModel + a value head),
-a frozen reference copy and a frozen reward copy; HF `generate` with its static cache (compiled by
-transformers); scoring and both updates micro-batched; torch AdamW (fused); the same PPO losses.
+Theirs (same run, same GPU): transformers' own models of the same shapes (OPT or Llama) in pure bf16: actor, critic
+(OPTModel + a value head), a frozen reference copy and a frozen reward copy; HF `generate` with its static cache
+(compiled by transformers); scoring and both updates micro-batched; torch AdamW (fused); the same PPO losses.
 `--lengths FILE` (real lengths, BENCHMARKS.md): each row draws a (prompt, answer) token-length pair from FILE
 (`{"pairs": [[prompt, answer], ...]}`, e.g. ../shared/assets/data/hh-rlhf/hh_lengths.json; prompts over --prompt
 dropped, answers capped at --new), the same draws for both sides; the prompt is left-padded to --prompt and the
