@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The regression set (docs/benchmarks.md, "The redesign"): Step 1, decoding, Step 3 at HH lengths and fixed.
+# usage: bash tools/bench_regress.sh TREE TAG  (TREE: a checkout of the commit to measure, e.g. a git worktree;
+# .assets/hh_lengths.json: ../shared/assets/data/hh-rlhf/hh_lengths.json, copied and carried to the GPU)
+cd "$1"; mkdir -p $OUT/$2
+export PYTHONPATH=. XLA_FLAGS=--xla_gpu_enable_triton_gemm=false PYTHONUNBUFFERED=1 JAXRLHF_COMMIT=$2
+L=$OLDPWD/.assets/hh_lengths.json
+t0=$SECONDS
+python tools/bench_sft.py --model opt-1.3b --batch 8 --seq 512 --recipes pure_bf16 --remat 0 --no-hf --repeats 10 --out $OUT/$2 2>&1 | tail -4; echo "sft $((SECONDS-t0)) s"
+python tools/bench_generate.py --batch 64 256 --decode pallas --hf --repeats 3 --out $OUT/$2 2>&1 | tail -4; echo "gen $((SECONDS-t0)) s"
+python tools/bench_ppo.py --batch 768 --slots 256 --precision pure_bf16 --old-from-generation --repeats 2 --lengths $L --no-torch --out $OUT/$2 2>&1 | tail -4; echo "ppo-len $((SECONDS-t0)) s"
+python tools/bench_ppo.py --batch 256 --precision pure_bf16 --old-from-generation --repeats 2 --no-torch --out $OUT/$2 2>&1 | tail -4; echo "ppo-fixed $((SECONDS-t0)) s"
