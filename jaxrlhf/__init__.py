@@ -1,9 +1,9 @@
 """jaxrlhf: DeepSpeed-Chat's three-step RLHF recipe in JAX/Flax, with a hybrid FSDP / tensor-parallel engine."""
 
 from jaxrlhf.checkpoint import CheckpointError, load_hf, save_hf
-from jaxrlhf.rl import EngineConfig, HybridEngine
 from jaxrlhf.generate import generate
 from jaxrlhf.models import Backend, LlamaConfig, OPTConfig, init_params, logits, preset, values
+from jaxrlhf.rl import EngineConfig, HybridEngine
 from jaxrlhf.sharding import LayoutError, batch_sharding, describe, make_mesh, reshard, shardings_for
 from jaxrlhf.tokenizer import load_tokenizer, opt_tokenizer
 

@@ -76,9 +76,11 @@ def answer_figures(tokens, mask, logprobs, *, eos_id: int | None = None, ngram: 
     the per-token entropy's Monte-Carlo estimate at temperature 1)."""
     m = np.asarray(mask, np.float64)
     lp = np.asarray(logprobs, np.float64)
-    return {"answer_len": float(m.sum(1).mean()),
-            "repetition": repetition_rate(answer_rows(tokens, mask, eos_id), ngram),
-            "entropy": float(-(lp * m).sum() / max(m.sum(), 1.0)) + 0.0}  # + 0.0: no "-0.000" in reports
+    return {
+        "answer_len": float(m.sum(1).mean()),
+        "repetition": repetition_rate(answer_rows(tokens, mask, eos_id), ngram),
+        "entropy": float(-(lp * m).sum() / max(m.sum(), 1.0)) + 0.0,
+    }  # + 0.0: no "-0.000" in reports
 
 
 def experience_figures(experiences: list[dict], eos_id: int | None, ngram: int = 3) -> dict[str, float]:
@@ -105,7 +107,9 @@ def check(figures: dict, baseline: dict | None, bounds: AlarmConfig) -> list[tup
                 out.append(("answer_len", f"answer length {length:.3g} is {ratio:.2f}x its baseline {base_len:.3g}"))
         entropy, base_ent = figures.get("entropy"), baseline.get("entropy")
         if entropy is not None and base_ent and base_ent > 0 and entropy < bounds.min_entropy_ratio * base_ent:
-            out.append(("entropy", f"entropy {entropy:.3g} < {bounds.min_entropy_ratio:g}x its baseline {base_ent:.3g}"))
+            out.append(
+                ("entropy", f"entropy {entropy:.3g} < {bounds.min_entropy_ratio:g}x its baseline {base_ent:.3g}")
+            )
     return out
 
 
@@ -129,8 +133,10 @@ def proxy_vs_gold(rewards, golds, bounds: AlarmConfig) -> str | None:
     r_slope, r_t = slope_t(rewards[-bounds.window :])
     g_slope, g_t = slope_t(golds[-bounds.window :])
     if r_t > bounds.z and g_t < -bounds.z:
-        return (f"learned reward rising ({r_slope:+.3g}/it) while gold reward falls ({g_slope:+.3g}/it) over the last "
-                f"{bounds.window} iterations: reward hacking?")
+        return (
+            f"learned reward rising ({r_slope:+.3g}/it) while gold reward falls ({g_slope:+.3g}/it) over the last "
+            f"{bounds.window} iterations: reward hacking?"
+        )
     return None
 
 
@@ -180,7 +186,9 @@ class AlarmTracker:
         if trend:
             found.append(("proxy_vs_gold", trend))
         now = len(self.history)
-        alarms = [Alarm(name, message, now - self.last_raised.get(name, -self.bounds.window) > self.bounds.window)
-                  for name, message in found]
+        alarms = [
+            Alarm(name, message, now - self.last_raised.get(name, -self.bounds.window) > self.bounds.window)
+            for name, message in found
+        ]
         self.last_raised.update({a.name: now for a in alarms})
         return alarms

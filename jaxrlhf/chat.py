@@ -52,7 +52,9 @@ class Chatbot:
         if not cfg.path:
             raise ValueError("path: required, a Hugging Face OPT folder (e.g. --path runs/train/step3-models/actor)")
         self.cfg = cfg
-        self.config, self.params = load_hf(cfg.path, dtype=np.dtype(cfg.dtype) if cfg.dtype == "float32" else jax.numpy.bfloat16)
+        self.config, self.params = load_hf(
+            cfg.path, dtype=np.dtype(cfg.dtype) if cfg.dtype == "float32" else jax.numpy.bfloat16
+        )
         # the decode layout, built once: every answer's decode steps read each layer's own arrays
         self.params = decode_params(self.config, {k: v for k, v in self.params.items() if k != "value_head"})
         self.tokenizer = load_tokenizer(cfg.path)
@@ -69,21 +71,37 @@ class Chatbot:
         ids = ids[-room:]  # a long conversation keeps its latest part
         width = min(room, 1 << (len(ids) - 1).bit_length())  # a few prompt shapes, so few compilations
         prompt, mask = pad_rows([ids], width, tok.pad_token_id, left=True)
-        out = generate(self.config, self.params, prompt, mask, jax.random.key(self.cfg.seed + self.turns),
-                       max_new_tokens=self.max_new, temperature=self.cfg.temperature, top_k=self.cfg.top_k,
-                       top_p=self.cfg.top_p, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+        out = generate(
+            self.config,
+            self.params,
+            prompt,
+            mask,
+            jax.random.key(self.cfg.seed + self.turns),
+            max_new_tokens=self.max_new,
+            temperature=self.cfg.temperature,
+            top_k=self.cfg.top_k,
+            top_p=self.cfg.top_p,
+            eos_id=tok.eos_token_id,
+            pad_id=tok.pad_token_id,
+        )
         self.turns += 1
-        tokens = [int(t) for t, m in zip(np.asarray(out.tokens)[0], np.asarray(out.mask)[0]) if m and t != tok.eos_token_id]
+        tokens = [
+            int(t) for t, m in zip(np.asarray(out.tokens)[0], np.asarray(out.mask)[0]) if m and t != tok.eos_token_id
+        ]
         return tok.decode(tokens).split("\n\nHuman:")[0].rstrip()
 
 
-def chat(cfg: ChatConfig, read: Callable[[str], str] | None = None, write: Callable[[str], None] = print) -> list[tuple[str, str]]:
+def chat(
+    cfg: ChatConfig, read: Callable[[str], str] | None = None, write: Callable[[str], None] = print
+) -> list[tuple[str, str]]:
     """The conversation loop (reading with `input` unless given `read`); returns every (conversation sent to
     the model, answer) pair."""
     read = read or input
     bot = Chatbot(cfg)
-    write(f"model: {cfg.path} ({sum(x.size for x in jax.tree.leaves(bot.params)) / 1e6:.1f}M parameters). "
-          "Type 'clear' for a new conversation, 'quit' to leave.")
+    write(
+        f"model: {cfg.path} ({sum(x.size for x in jax.tree.leaves(bot.params)) / 1e6:.1f}M parameters). "
+        "Type 'clear' for a new conversation, 'quit' to leave."
+    )
     conversation, log = "", []
     while True:
         try:

@@ -66,18 +66,23 @@ def config_from_hf(hf: dict, source: str = "config.json", **overrides):
     """Our config (OPTConfig or LlamaConfig, by `model_type`) from an HF config dict; refuses other model
     types and options we do not implement; every value is checked against the config's field types."""
     if not isinstance(hf, dict):
-        raise CheckpointError(f"{source}: expected a JSON object of settings, got {type(hf).__name__}; "
-                              "restore the config.json the model was saved with")
+        raise CheckpointError(
+            f"{source}: expected a JSON object of settings, got {type(hf).__name__}; "
+            "restore the config.json the model was saved with"
+        )
     model_type = hf.get("model_type")
     if not isinstance(model_type, str) or model_type not in _FORMATS:
-        raise CheckpointError(f"{source}: model_type is {model_type!r}; jaxrlhf supports "
-                              f"{' and '.join(map(repr, _FORMATS))} checkpoints")
+        raise CheckpointError(
+            f"{source}: model_type is {model_type!r}; jaxrlhf supports {' and '.join(map(repr, _FORMATS))} checkpoints"
+        )
     fmt = _FORMATS[model_type]
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(rope, dict):
         raise CheckpointError(f"{source}: rope_parameters / rope_scaling is {one_line(rope, 60)}; expected an object")
-    wanted = {"llama": {"hidden_act": "silu"}, "opt": {"activation_function": "relu",
-              "layer_norm_elementwise_affine": True, "tie_word_embeddings": True}}[model_type]
+    wanted = {
+        "llama": {"hidden_act": "silu"},
+        "opt": {"activation_function": "relu", "layer_norm_elementwise_affine": True, "tie_word_embeddings": True},
+    }[model_type]
     unsupported = {key: (hf.get(key, want), want) for key, want in wanted.items()}
     if model_type == "llama":  # no RoPE scaling (yet)
         unsupported["rope type"] = (rope.get("rope_type", rope.get("type", "default")), "default")
@@ -109,14 +114,26 @@ def config_to_hf(config, torch_dtype: str) -> dict:
     hf = {theirs: getattr(config, ours) for theirs, ours in fmt.config_keys.items()}
     hf.update(model_type=config.model_type, architectures=[fmt.architecture], use_cache=True, dtype=torch_dtype)
     if config.model_type == "opt":
-        hf.update(activation_function="relu", layer_norm_elementwise_affine=True, tie_word_embeddings=True,
-                  init_std=0.02, layerdrop=0.0)
+        hf.update(
+            activation_function="relu",
+            layer_norm_elementwise_affine=True,
+            tie_word_embeddings=True,
+            init_std=0.02,
+            layerdrop=0.0,
+        )
     else:
         if config.rope_interleaved:
-            raise ValueError("save_hf: Hugging Face's Llama pairs rotary dims (i, i + K/2); these parameters use the "
-                             "interleaved layout (rope_interleaved=True): permute q/k (see convert.py) first")
-        hf.update(hidden_act="silu", initializer_range=0.02, pretraining_tp=1, rope_theta=config.rope_theta,
-                  rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta})
+            raise ValueError(
+                "save_hf: Hugging Face's Llama pairs rotary dims (i, i + K/2); these parameters use the "
+                "interleaved layout (rope_interleaved=True): permute q/k (see convert.py) first"
+            )
+        hf.update(
+            hidden_act="silu",
+            initializer_range=0.02,
+            pretraining_tp=1,
+            rope_theta=config.rope_theta,
+            rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        )
     return hf
 
 
@@ -142,9 +159,11 @@ def resolve(path: str | os.PathLike) -> Path:
     except RepositoryNotFoundError:
         raise CheckpointError(f"{name}: no such folder, nor a model on the Hugging Face Hub") from None
     except Exception as e:  # offline (LocalEntryNotFoundError, HF_HUB_OFFLINE=1), unreachable, interrupted
-        raise CheckpointError(f"{name}: no such folder, and the Hugging Face Hub is unreachable ({one_line(e, 100)}); "
-                              f"download it where it is reachable (hf download {name} --local-dir DIR) and pass DIR "
-                              "instead") from None
+        raise CheckpointError(
+            f"{name}: no such folder, and the Hugging Face Hub is unreachable ({one_line(e, 100)}); "
+            f"download it where it is reachable (hf download {name} --local-dir DIR) and pass DIR "
+            "instead"
+        ) from None
 
 
 def read_config(path: str | os.PathLike, **overrides):
@@ -177,22 +196,30 @@ def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
     try:
         return load_file(str(file))
     except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
-        raise CheckpointError(f"{file}: cannot read safetensors ({one_line(e)}); the file is truncated or corrupt: "
-                              "download or save it again") from None
+        raise CheckpointError(
+            f"{file}: cannot read safetensors ({one_line(e)}); the file is truncated or corrupt: "
+            "download or save it again"
+        ) from None
 
 
 def _read_torch(file: Path) -> dict[str, np.ndarray]:
     try:
         import torch
     except ImportError:
-        raise CheckpointError(f"{file}: reading pytorch_model.bin needs torch (pip install torch), or convert the "
-                              "folder to safetensors first") from None
+        raise CheckpointError(
+            f"{file}: reading pytorch_model.bin needs torch (pip install torch), or convert the "
+            "folder to safetensors first"
+        ) from None
     try:  # weights_only: a pickle that would run code is refused, not run
         state = torch.load(str(file), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - corrupt zip, unpickling, a truncated stream: torch raises all kinds
-        raise CheckpointError(f"{file}: cannot read a PyTorch state dict ({type(e).__name__}: {one_line(e)}); the file is "
-                              "truncated or corrupt: download or save it again") from None
-    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in state.items()):
+        raise CheckpointError(
+            f"{file}: cannot read a PyTorch state dict ({type(e).__name__}: {one_line(e)}); the file is "
+            "truncated or corrupt: download or save it again"
+        ) from None
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in state.items()
+    ):
         raise CheckpointError(f"{file}: expected a state dict (tensor names to tensors), got {type(state).__name__}")
     out = {}
     for name, t in state.items():
@@ -218,8 +245,9 @@ def read_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
         return _read_safetensors(path / SAFETENSORS_FILE)
     if (path / TORCH_FILE).is_file():
         return _read_torch(path / TORCH_FILE)
-    raise CheckpointError(f"{path}: no weights found; expected {SAFETENSORS_FILE}, {SAFETENSORS_INDEX}, {TORCH_FILE} "
-                          f"or {TORCH_INDEX}")
+    raise CheckpointError(
+        f"{path}: no weights found; expected {SAFETENSORS_FILE}, {SAFETENSORS_INDEX}, {TORCH_FILE} or {TORCH_INDEX}"
+    )
 
 
 def _shard_names(index: Path) -> list[str]:
@@ -227,12 +255,20 @@ def _shard_names(index: Path) -> list[str]:
     weight_map = _read_json(index)
     weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(f"{index}: not a weight index; expected an object whose \"weight_map\" maps tensor names "
-                              "to shard files")
+        raise CheckpointError(
+            f'{index}: not a weight index; expected an object whose "weight_map" maps tensor names to shard files'
+        )
     for name, shard in weight_map.items():
-        if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", "..") or not shard.isprintable():
-            raise CheckpointError(f"{index}: weight_map[{one_line(name, 60)!r}] is {one_line(repr(shard), 60)}; "
-                                  "expected the file name of a shard in the same folder")
+        if (
+            not isinstance(shard, str)
+            or Path(shard).name != shard
+            or shard in ("", ".", "..")
+            or not shard.isprintable()
+        ):
+            raise CheckpointError(
+                f"{index}: weight_map[{one_line(name, 60)!r}] is {one_line(repr(shard), 60)}; "
+                "expected the file name of a shard in the same folder"
+            )
     return sorted(set(weight_map.values()))
 
 
@@ -264,8 +300,9 @@ def _strip_prefix(tensors: dict[str, np.ndarray], fmt: HFNames, source: str) -> 
     for prefix in fmt.prefixes:
         if f"{prefix}{fmt.root}" in tensors:
             return {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in tensors.items()}
-    raise CheckpointError(f"{source}: missing tensor {fmt.save_prefix}{fmt.root}; "
-                          f"is this an {fmt.architecture} checkpoint?")
+    raise CheckpointError(
+        f"{source}: missing tensor {fmt.save_prefix}{fmt.root}; is this an {fmt.architecture} checkpoint?"
+    )
 
 
 def _set(tree: dict, path: str, value):
@@ -307,7 +344,9 @@ def params_from_tensors(config, tensors: dict[str, np.ndarray], source: str, dty
         _set(params, path, np.stack(values))
     if tensors:
         names = ", ".join(sorted(tensors)[:5]) + (" ..." if len(tensors) > 5 else "")
-        raise CheckpointError(f"{source}: unused tensor(s) {names}; they do not belong to this {fmt.architecture} config")
+        raise CheckpointError(
+            f"{source}: unused tensor(s) {names}; they do not belong to this {fmt.architecture} config"
+        )
     return params
 
 
@@ -315,8 +354,10 @@ def _checked(value: np.ndarray, name: str, source: str, dtype=None) -> np.ndarra
     """`value` in `dtype` (as stored if None), refused unless it is floating point and finite: integer or boolean
     tensors are not weights, and one NaN or inf makes every logit NaN."""
     if not jax.numpy.issubdtype(value.dtype, jax.numpy.floating):
-        raise CheckpointError(f"{source}: tensor {name} has dtype {value.dtype}; expected floating-point weights "
-                              "(float32, float16 or bfloat16): the file is corrupt or not a plain checkpoint")
+        raise CheckpointError(
+            f"{source}: tensor {name} has dtype {value.dtype}; expected floating-point weights "
+            "(float32, float16 or bfloat16): the file is corrupt or not a plain checkpoint"
+        )
     with np.errstate(over="ignore"):
         cast = np.ascontiguousarray(value if dtype is None else value.astype(dtype))
         # float64 weights are computed in float32 (or narrower): a value beyond its range is inf there.
@@ -324,8 +365,10 @@ def _checked(value: np.ndarray, name: str, source: str, dtype=None) -> np.ndarra
     bad = computed.size - np.count_nonzero(np.isfinite(computed))
     if bad:
         cause = f" once cast to {computed.dtype}" if np.isfinite(value).all() else ""
-        raise CheckpointError(f"{source}: tensor {name} holds {bad} non-finite value(s) (NaN or inf){cause}; the "
-                              "checkpoint is corrupt or comes from a diverged run: load an earlier one")
+        raise CheckpointError(
+            f"{source}: tensor {name} holds {bad} non-finite value(s) (NaN or inf){cause}; the "
+            "checkpoint is corrupt or comes from a diverged run: load an earlier one"
+        )
     return cast
 
 
@@ -371,7 +414,9 @@ def load_hf(path: str | os.PathLike, dtype=None, **config_overrides) -> tuple[OP
     if (path / VALUE_HEAD_FILE).is_file():
         head = _read_safetensors(path / VALUE_HEAD_FILE)
         if set(head) != {VALUE_HEAD_KEY}:
-            raise CheckpointError(f"{path / VALUE_HEAD_FILE}: expected exactly one tensor {VALUE_HEAD_KEY}, got {sorted(head)}")
+            raise CheckpointError(
+                f"{path / VALUE_HEAD_FILE}: expected exactly one tensor {VALUE_HEAD_KEY}, got {sorted(head)}"
+            )
         tensors.update(head)
     return config, params_from_tensors(config, tensors, str(path), dtype)
 
@@ -407,12 +452,21 @@ def check_replaceable(path: str | os.PathLike):
     path = Path(path)
     if path.exists() and export_manifest(path) is None:
         what = "a file" if not path.is_dir() else f"a folder without {EXPORT_MANIFEST}"
-        raise CheckpointError(f"{path}: exists and is {what}, so jaxrlhf did not write it and will not replace it; "
-                              "move it away or choose another output folder")
+        raise CheckpointError(
+            f"{path}: exists and is {what}, so jaxrlhf did not write it and will not replace it; "
+            "move it away or choose another output folder"
+        )
 
 
-def save_hf(path: str | os.PathLike, config: OPTConfig | LlamaConfig, params: dict, tokenizer=None, *,
-            max_shard_bytes: int = 5 * 2**30, manifest: dict | None = None) -> Path:
+def save_hf(
+    path: str | os.PathLike,
+    config: OPTConfig | LlamaConfig,
+    params: dict,
+    tokenizer=None,
+    *,
+    max_shard_bytes: int = 5 * 2**30,
+    manifest: dict | None = None,
+) -> Path:
     """Write an HF folder that `transformers.AutoModelForCausalLM.from_pretrained(path)` loads.
 
     Tensors keep the parameters' dtype bit for bit; a tensor with a NaN or inf is refused by name. Models above
@@ -430,8 +484,10 @@ def save_hf(path: str | os.PathLike, config: OPTConfig | LlamaConfig, params: di
         raise ValueError(f"save_hf: parameters mix dtypes {sorted(dtypes)}; cast them to one dtype first")
     for name, x in {**model, **head}.items():
         if not np.issubdtype(x.dtype, np.integer) and not np.isfinite(x).all():
-            raise CheckpointError(f"{path}: tensor {name} holds NaN or inf values; refusing to export it (training "
-                                  "diverged: lower the learning rate or check the data, and train again)")
+            raise CheckpointError(
+                f"{path}: tensor {name} holds NaN or inf values; refusing to export it (training "
+                "diverged: lower the learning rate or check the data, and train again)"
+            )
     check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in [*path.parent.glob(f".{path.name}.tmp-*"), *path.parent.glob(f".{path.name}.old-*")]:

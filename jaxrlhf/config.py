@@ -177,11 +177,15 @@ class _StrictLoader(yaml.SafeLoader):
                 continue
             if not (isinstance(key, yaml.ScalarNode) and key.tag == "tag:yaml.org,2002:str"):
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"a key that is not a string ({one_line(key.value, 40)!r}); quote it", key.start_mark)
+                    None, None, f"a key that is not a string ({one_line(key.value, 40)!r}); quote it", key.start_mark
+                )
             if key.value in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"'{key.value}' is set twice (lines {seen[key.value]} and {key.start_mark.line + 1}); "
-                    "keep one", key.start_mark)
+                    None,
+                    None,
+                    f"'{key.value}' is set twice (lines {seen[key.value]} and {key.start_mark.line + 1}); keep one",
+                    key.start_mark,
+                )
             seen[key.value] = key.start_mark.line + 1
         return super().construct_mapping(node, deep)
 
@@ -204,8 +208,10 @@ def parse_yaml(text: str, source: str, lines: bool = True):
             loader.dispose()
     except yaml.reader.ReaderError as e:
         line = text.count("\n", 0, e.position) + 1
-        raise ConfigError(f"{source}{f':{line}' if lines else ''}: not valid YAML (character #x{e.character:04x} is "
-                          "not allowed); remove it") from None
+        raise ConfigError(
+            f"{source}{f':{line}' if lines else ''}: not valid YAML (character #x{e.character:04x} is "
+            "not allowed); remove it"
+        ) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         line = f":{mark.line + 1}" if mark and lines else ""
@@ -266,9 +272,27 @@ def load(cls, config_file: str | None = None, overrides: list[str] = (), default
 
 # The settings a newcomer sets first: `--help` shows these (where a key recurs, at its shallowest depth) and names the
 # sections; `--help-all` shows every setting with its default and help, section by section.
-MAIN = ("model", "path", "models", "tokenizer", "actor_model", "reward_model", "deployment_type", "steps", "data_path",
-        "prompt", "output_dir", "batch_size", "max_steps", "optim.learning_rate", "max_new_tokens", "beta", "loss_type",
-        "algorithm", "num_samples_per_prompt")
+MAIN = (
+    "model",
+    "path",
+    "models",
+    "tokenizer",
+    "actor_model",
+    "reward_model",
+    "deployment_type",
+    "steps",
+    "data_path",
+    "prompt",
+    "output_dir",
+    "batch_size",
+    "max_steps",
+    "optim.learning_rate",
+    "max_new_tokens",
+    "beta",
+    "loss_type",
+    "algorithm",
+    "num_samples_per_prompt",
+)
 
 
 def _settings(obj, prefix=""):
@@ -292,7 +316,9 @@ def settings_help(cls, full: bool = False) -> str:
     for _, key, _, _ in rows:
         depth[main(key)] = min(depth.get(main(key), 99), key.count("."))
     shown = rows if full else [r for r in rows if main(r[1]) and r[1].count(".") == depth[main(r[1])]]
-    out = ["settings (in CONFIG.yaml or as key=value; values are YAML)" + (", by section:" if full else "; the main ones:")]
+    out = [
+        "settings (in CONFIG.yaml or as key=value; values are YAML)" + (", by section:" if full else "; the main ones:")
+    ]
     for i, (section, key, default, doc) in enumerate(shown):
         if i == 0 or section != shown[i - 1][0]:
             out.append(f" {section or root}:")
@@ -305,8 +331,15 @@ def settings_help(cls, full: bool = False) -> str:
     return "\n".join(out)
 
 
-def parse_cli(cls, description: str, argv: list[str] | None = None, prog: str | None = None, flags=None,
-              preset=None, processes: bool = True):
+def parse_cli(
+    cls,
+    description: str,
+    argv: list[str] | None = None,
+    prog: str | None = None,
+    flags=None,
+    preset=None,
+    processes: bool = True,
+):
     """Parse `[CONFIG.yaml] [key=value ...]` and the options that `flags(parser)` adds, in any order, for the entry
     point whose settings are `cls`: (settings, the parsed options), or a ConfigError. An option whose `dest` is a
     settings key (`dest="data.data_path"`) sets it, before the key=value overrides. `preset(settings)` may give
@@ -314,9 +347,13 @@ def parse_cli(cls, description: str, argv: list[str] | None = None, prog: str | 
     (`jaxrlhf.distributed`) are read too, and the process joins the others."""
     from jaxrlhf import distributed
 
-    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=settings_help(cls),
-                                     usage="%(prog)s [options] [CONFIG.yaml] [key=value ...]",
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        epilog=settings_help(cls),
+        usage="%(prog)s [options] [CONFIG.yaml] [key=value ...]",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--help-all", action="store_true", help="show every setting, with its default and help")
     parser.add_argument("args", nargs="*", metavar="CONFIG.yaml, key=value", help="settings (the main ones below)")
     if flags:
@@ -330,8 +367,11 @@ def parse_cli(cls, description: str, argv: list[str] | None = None, prog: str | 
     keys = {key for _, key, _, _ in _settings(cls())}
     for dest, value in vars(ns).items():  # "--models A B key=value": a list-valued option took the overrides
         if isinstance(value, list) and dest != "args":
-            stray = [a for a in value if isinstance(a, str) and ("=" in a or a.endswith((".yaml", ".yml")))
-                     and not Path(a).is_dir()]
+            stray = [
+                a
+                for a in value
+                if isinstance(a, str) and ("=" in a or a.endswith((".yaml", ".yml"))) and not Path(a).is_dir()
+            ]
             setattr(ns, dest, [a for a in value if a not in stray])
             ns.args += stray
     files = [a for a in ns.args if "=" not in a]

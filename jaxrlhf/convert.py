@@ -47,14 +47,27 @@ def read_llama2c(path: str | os.PathLike) -> tuple[LlamaConfig, dict]:
     dim, hidden, L, H, Hkv, vocab, seq_len = _HEADER.unpack_from(data)
     shared, vocab = vocab > 0, abs(vocab)
     if min(dim, hidden, L, H, Hkv, vocab, seq_len) <= 0 or dim % H or H % Hkv:
-        raise CheckpointError(f"{path}: not a llama2.c model header: dim {dim}, hidden {hidden}, layers {L}, "
-                              f"heads {H}, kv heads {Hkv}, vocab {vocab}, seq len {seq_len}")
+        raise CheckpointError(
+            f"{path}: not a llama2.c model header: dim {dim}, hidden {hidden}, layers {L}, "
+            f"heads {H}, kv heads {Hkv}, vocab {vocab}, seq len {seq_len}"
+        )
     K = dim // H
     kv = Hkv * K
     floats = np.frombuffer(data, "<f4", offset=_HEADER.size)
-    sizes = [("embed", vocab * dim), ("rms_att", L * dim), ("wq", L * dim * dim), ("wk", L * kv * dim),
-             ("wv", L * kv * dim), ("wo", L * dim * dim), ("rms_ffn", L * dim), ("w1", L * hidden * dim),
-             ("w2", L * dim * hidden), ("w3", L * hidden * dim), ("rms_final", dim), ("rope", seq_len * K)]
+    sizes = [
+        ("embed", vocab * dim),
+        ("rms_att", L * dim),
+        ("wq", L * dim * dim),
+        ("wk", L * kv * dim),
+        ("wv", L * kv * dim),
+        ("wo", L * dim * dim),
+        ("rms_ffn", L * dim),
+        ("w1", L * hidden * dim),
+        ("w2", L * dim * hidden),
+        ("w3", L * hidden * dim),
+        ("rms_final", dim),
+        ("rope", seq_len * K),
+    ]
     if not shared:
         sizes.append(("wcls", vocab * dim))
     need = sum(n for _, n in sizes)
@@ -65,8 +78,10 @@ def read_llama2c(path: str | os.PathLike) -> tuple[LlamaConfig, dict]:
         arrays[name], at = floats[at : at + n], at + n
     layers = lambda name, *shape: arrays[name].reshape(L, *shape)  # noqa: E731
 
-    tensors = {"model.embed_tokens.weight": arrays["embed"].reshape(vocab, dim),
-               "model.norm.weight": arrays["rms_final"]}
+    tensors = {
+        "model.embed_tokens.weight": arrays["embed"].reshape(vocab, dim),
+        "model.norm.weight": arrays["rms_final"],
+    }
     if not shared:
         tensors["lm_head.weight"] = arrays["wcls"].reshape(vocab, dim)
     per_layer = {
@@ -83,10 +98,21 @@ def read_llama2c(path: str | os.PathLike) -> tuple[LlamaConfig, dict]:
     for module, stack in per_layer.items():
         for i in range(L):
             tensors[f"model.layers.{i}.{module}.weight"] = np.asarray(stack[i])
-    config = LlamaConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=hidden, num_hidden_layers=L,
-                         num_attention_heads=H, num_key_value_heads=Hkv, max_position_embeddings=seq_len,
-                         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=shared,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=dim,
+        intermediate_size=hidden,
+        num_hidden_layers=L,
+        num_attention_heads=H,
+        num_key_value_heads=Hkv,
+        max_position_embeddings=seq_len,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=shared,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return config, params_from_tensors(config, tensors, str(path))
 
 

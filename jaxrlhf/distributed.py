@@ -20,20 +20,27 @@ import os
 import jax
 import numpy as np
 
-ENV = {"coordinator_address": "JAXRLHF_COORDINATOR_ADDRESS", "num_processes": "JAXRLHF_NUM_PROCESSES",
-       "process_id": "JAXRLHF_PROCESS_ID"}
+ENV = {
+    "coordinator_address": "JAXRLHF_COORDINATOR_ADDRESS",
+    "num_processes": "JAXRLHF_NUM_PROCESSES",
+    "process_id": "JAXRLHF_PROCESS_ID",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("several processes (multi-node; see the README)")
-    group.add_argument("--coordinator-address", metavar="HOST:PORT",
-                       help="process 0's address, the same for every process (env JAXRLHF_COORDINATOR_ADDRESS)")
+    group.add_argument(
+        "--coordinator-address",
+        metavar="HOST:PORT",
+        help="process 0's address, the same for every process (env JAXRLHF_COORDINATOR_ADDRESS)",
+    )
     group.add_argument("--num-processes", type=int, metavar="N", help="how many processes (env JAXRLHF_NUM_PROCESSES)")
     group.add_argument("--process-id", type=int, metavar="I", help="this process, 0 .. N-1 (env JAXRLHF_PROCESS_ID)")
 
 
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> bool:
+def initialize(
+    coordinator_address: str | None = None, num_processes: int | None = None, process_id: int | None = None
+) -> bool:
     """Join the other processes if the arguments, the environment or SLURM describe several; True if joined."""
     given = {"coordinator_address": coordinator_address, "num_processes": num_processes, "process_id": process_id}
     for key, var in ENV.items():

@@ -74,8 +74,15 @@ def reference_logprobs(config):
 def dpo_loss_fn(config, cfg: DPOConfig):
     def loss_fn(params, batch, key):
         c, r = answer_logprobs(config, params, batch, key)
-        return dpo_loss(c, r, batch["ref_chosen"], batch["ref_rejected"], beta=cfg.beta,
-                        label_smoothing=cfg.label_smoothing, kind=cfg.loss_type)
+        return dpo_loss(
+            c,
+            r,
+            batch["ref_chosen"],
+            batch["ref_rejected"],
+            beta=cfg.beta,
+            label_smoothing=cfg.label_smoothing,
+            kind=cfg.loss_type,
+        )
 
     return loss_fn
 
@@ -83,13 +90,22 @@ def dpo_loss_fn(config, cfg: DPOConfig):
 def summarise(sums) -> dict:
     pairs = max(float(sums["pairs"]), 1.0)
     return {k: float(sums[k]) / pairs for k in ("loss", "accuracy", "chosen_reward", "rejected_reward", "margin")} | {
-        "pairs": int(sums["pairs"])}
+        "pairs": int(sums["pairs"])
+    }
 
 
 def run(cfg: DPOConfig, log=print, mesh=None) -> dict:
     """DPO (see trainer.train); returns the final state, the logged records and the model folder."""
-    return train(cfg, step=2, value_head=False, make_loss=lambda config: dpo_loss_fn(config, cfg), summarise=summarise,
-                 log=log, mesh=mesh, make_reference=reference_logprobs)
+    return train(
+        cfg,
+        step=2,
+        value_head=False,
+        make_loss=lambda config: dpo_loss_fn(config, cfg),
+        summarise=summarise,
+        log=log,
+        mesh=mesh,
+        make_reference=reference_logprobs,
+    )
 
 
 def main(argv=None):

@@ -85,8 +85,13 @@ class EvalConfig:
     def __post_init__(self):
         if self.names and len(self.names) != len(self.models):
             raise ValueError(f"names: expected one per model ({len(self.models)}), got {len(self.names)}")
-        if min(self.num_prompts, self.batch_size, self.max_answer_len) < 1 or min(self.ppl_rows, self.rm_pairs, self.samples) < 0:
-            raise ValueError("num_prompts, batch_size and max_answer_len must be >= 1; ppl_rows, rm_pairs, samples >= 0")
+        if (
+            min(self.num_prompts, self.batch_size, self.max_answer_len) < 1
+            or min(self.ppl_rows, self.rm_pairs, self.samples) < 0
+        ):
+            raise ValueError(
+                "num_prompts, batch_size and max_answer_len must be >= 1; ppl_rows, rm_pairs, samples >= 0"
+            )
 
 
 # ---------------------------------------------------------------------------------------------- numbers
@@ -100,7 +105,13 @@ def win_rate(scores, baseline) -> dict:
     p = (wins + 0.5 * ties) / n
     centre = (p + Z95**2 / (2 * n)) / (1 + Z95**2 / n)
     half = Z95 * math.sqrt(p * (1 - p) / n + Z95**2 / (4 * n * n)) / (1 + Z95**2 / n)
-    return {"win_rate": p, "win_ci": [centre - half, centre + half], "wins": wins, "ties": ties, "losses": n - wins - ties}
+    return {
+        "win_rate": p,
+        "win_ci": [centre - half, centre + half],
+        "wins": wins,
+        "ties": ties,
+        "losses": n - wins - ties,
+    }
 
 
 def paired_t(a, b) -> float:
@@ -180,8 +191,10 @@ def _row_nll(config, params, input_ids, attention_mask, loss_mask):
 
 @partial(jax.jit, static_argnums=0)
 def _pair_scores(config, params, chosen_ids, chosen_mask, rejected_ids, rejected_mask):
-    return (end_scores(values(config, params, chosen_ids, chosen_mask), chosen_mask),
-            end_scores(values(config, params, rejected_ids, rejected_mask), rejected_mask))
+    return (
+        end_scores(values(config, params, chosen_ids, chosen_mask), chosen_mask),
+        end_scores(values(config, params, rejected_ids, rejected_mask), rejected_mask),
+    )
 
 
 def answer(cfg: EvalConfig, model, ids, mask, max_new: int, eos_id: int, pad_id: int):
@@ -189,29 +202,71 @@ def answer(cfg: EvalConfig, model, ids, mask, max_new: int, eos_id: int, pad_id:
     config, params = model
 
     def run(i, ids, mask):
-        gen = generate(config, params, ids, mask, jax.random.fold_in(jax.random.key(cfg.seed), i), max_new_tokens=max_new,
-                       temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, eos_id=eos_id, pad_id=pad_id)
+        gen = generate(
+            config,
+            params,
+            ids,
+            mask,
+            jax.random.fold_in(jax.random.key(cfg.seed), i),
+            max_new_tokens=max_new,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k,
+            top_p=cfg.top_p,
+            eos_id=eos_id,
+            pad_id=pad_id,
+        )
         return gen.tokens, gen.mask
 
     return _in_batches(run, [ids, mask], cfg.batch_size)
 
 
-def gold_and_kl(models: dict, tok, ids, mask, gold, *, samples: int, max_new_tokens: int, temperature: float,
-                top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> tuple[dict, dict]:
+def gold_and_kl(
+    models: dict,
+    tok,
+    ids,
+    mask,
+    gold,
+    *,
+    samples: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> tuple[dict, dict]:
     """The Step 1 model against the final actor (`models`: {"step1": (config, params), "actor": ...}) on left-padded
     prompts ids, mask [N, P]: the mean gold reward (`gold(prompt index, answer text)`) of each one's answers, sampled
     `samples` times per prompt and greedy once; and the KL from the actor to the Step 1 model on the actor's sampled
     answers (nats per answer). Returns (figures, {(model, "sampled" or "greedy"): answer texts})."""
-    rows = {"sampled": (np.tile(ids, (samples, 1)), np.tile(mask, (samples, 1)), temperature), "greedy": (ids, mask, 0.0)}
+    rows = {
+        "sampled": (np.tile(ids, (samples, 1)), np.tile(mask, (samples, 1)), temperature),
+        "greedy": (ids, mask, 0.0),
+    }
     out, texts, sampled = {}, {}, None
     for name, (config, params) in models.items():
         for mode, (ids_m, mask_m, temp) in rows.items():
-            gen = generate(config, params, ids_m, mask_m, jax.random.key(seed), max_new_tokens=max_new_tokens,
-                           temperature=temp, top_k=top_k, top_p=top_p, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+            gen = generate(
+                config,
+                params,
+                ids_m,
+                mask_m,
+                jax.random.key(seed),
+                max_new_tokens=max_new_tokens,
+                temperature=temp,
+                top_k=top_k,
+                top_p=top_p,
+                eos_id=tok.eos_token_id,
+                pad_id=tok.pad_token_id,
+            )
             texts[name, mode] = decode_rows(tok, gen.tokens, gen.mask)
-            out[f"{name}_gold_reward_{mode}"] = float(np.mean([gold(i % len(ids), a) for i, a in enumerate(texts[name, mode])]))
+            out[f"{name}_gold_reward_{mode}"] = float(
+                np.mean([gold(i % len(ids), a) for i, a in enumerate(texts[name, mode])])
+            )
             sampled = gen if (name, mode) == ("actor", "sampled") else sampled
-    lp = {name: _answer_logprobs(c, p, *rows["sampled"][:2], sampled.tokens, sampled.mask) for name, (c, p) in models.items()}
+    lp = {
+        name: _answer_logprobs(c, p, *rows["sampled"][:2], sampled.tokens, sampled.mask)
+        for name, (c, p) in models.items()
+    }
     out["kl_actor_to_step1"] = float(jnp.sum(lp["actor"] - lp["step1"]) / len(sampled.tokens))
     return out, texts
 
@@ -223,8 +278,11 @@ def perplexity(cfg: EvalConfig, model, arrays, pad_id: int) -> float | None:
         return None
     b = make_batch(arrays, range(n), 1, cfg.data, pad_id)
     config, params = model
-    total, count = _in_batches(lambda i, *x: _row_nll(config, params, *x), [b["input_ids"], b["attention_mask"],
-                                                                              b["loss_mask"]], cfg.batch_size)
+    total, count = _in_batches(
+        lambda i, *x: _row_nll(config, params, *x),
+        [b["input_ids"], b["attention_mask"], b["loss_mask"]],
+        cfg.batch_size,
+    )
     return math.exp(min(float(total.sum() / max(count.sum(), 1)), 50.0))
 
 
@@ -233,10 +291,17 @@ def rm_accuracy(cfg: EvalConfig, rm, arrays, pad_id: int) -> dict | None:
     if n == 0:
         return None
     b = make_batch(arrays, range(n), 2, cfg.data, pad_id)
-    chosen, rejected = _in_batches(lambda i, *x: _pair_scores(*rm, *x),
-                                   [b["chosen_ids"], b["chosen_mask"], b["rejected_ids"], b["rejected_mask"]], cfg.batch_size)
-    return {"pairs": n, "accuracy": float(np.mean(chosen > rejected)), "chosen_score": float(chosen.mean()),
-            "rejected_score": float(rejected.mean())}
+    chosen, rejected = _in_batches(
+        lambda i, *x: _pair_scores(*rm, *x),
+        [b["chosen_ids"], b["chosen_mask"], b["rejected_ids"], b["rejected_mask"]],
+        cfg.batch_size,
+    )
+    return {
+        "pairs": n,
+        "accuracy": float(np.mean(chosen > rejected)),
+        "chosen_score": float(chosen.mean()),
+        "rejected_score": float(rejected.mean()),
+    }
 
 
 def step3_run(model) -> dict | None:
@@ -250,7 +315,10 @@ def step3_run(model) -> dict | None:
     timed = [r for r in training_records(folder / "metrics.jsonl") if "iteration_s" in r]
     run = {"algorithm": config["algorithm"], "samples_per_prompt": config.get("num_samples_per_prompt", 1)}
     if timed:
-        run.update(iterations=timed[-1]["step"], seconds=timed[-1]["step"] * float(np.median([r["iteration_s"] for r in timed])))
+        run.update(
+            iterations=timed[-1]["step"],
+            seconds=timed[-1]["step"] * float(np.median([r["iteration_s"] for r in timed])),
+        )
     return run
 
 
@@ -274,7 +342,9 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
         names = [f"{Path(m).parent.name}/{Path(m).name}" for m in cfg.models]
     tok = load_tokenizer(cfg.tokenizer or cfg.models[0])
     eos, pad = tok.eos_token_id, tok.pad_token_id
-    load = lambda path: (lambda c, p: (c, {k: v for k, v in p.items() if k != "value_head"}))(*load_hf(path, dtype=dtype))
+    load = lambda path: (lambda c, p: (c, {k: v for k, v in p.items() if k != "value_head"}))(
+        *load_hf(path, dtype=dtype)
+    )
     rm = load_hf(cfg.reward_model, dtype=dtype)
     if "value_head" not in rm[1]:
         raise ValueError(f"{cfg.reward_model}: no value head; expected a reward model (the Step 2 output)")
@@ -287,7 +357,9 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
         held[2] = None
     n = min(cfg.num_prompts, len(held[3]["offsets"]) - 1)
     if n == 0:
-        raise ValueError(f"no held-out Step 3 prompts in {list(cfg.data.data_path)} (data.eval_fraction, data.data_split)")
+        raise ValueError(
+            f"no held-out Step 3 prompts in {list(cfg.data.data_path)} (data.eval_fraction, data.data_split)"
+        )
     batch = make_batch(held[3], range(n), 3, cfg.data, pad)
     ids, mask = batch["prompt_ids"], batch["prompt_mask"]
     prompts = decode_rows(tok, ids, mask, skip_first=True)
@@ -302,38 +374,65 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
     for name, path in zip(names, cfg.models):
         model = load(path)
         tokens, amask = answer(cfg, model, ids, mask, G, eos, pad)
-        logp, ref_logp = (_in_batches(lambda i, *x: [_answer_logprobs(*m, *x)], [ids, mask, tokens, amask], cfg.batch_size)[0]
-                          for m in (model, reference))
+        logp, ref_logp = (
+            _in_batches(lambda i, *x: [_answer_logprobs(*m, *x)], [ids, mask, tokens, amask], cfg.batch_size)[0]
+            for m in (model, reference)
+        )
         (scores,) = _in_batches(lambda i, *x: [_scores(*rm, *x)], [ids, mask, tokens, amask], cfg.batch_size)
         texts = decode_rows(tok, tokens, amask)
         lengths = amask.sum(1)
-        row = {"name": name, "path": str(path), "reward": float(scores.mean()),
-               **answer_figures(tokens, amask, logp, eos_id=eos, ngram=cfg.alarms.ngram),
-               "kl": float(((logp - ref_logp) * amask).sum(1).mean()),
-               "answer_len_percentiles": {str(q): float(np.percentile(lengths, q)) for q in (10, 50, 90)},
-               "answer_len_hist": np.bincount(lengths, minlength=G + 1).tolist(),
-               "truncated": float(np.mean([not r or r[-1] != eos for r in answer_rows(tokens, amask)])),
-               "perplexity": perplexity(cfg, model, held[1], pad), "step3": step3_run(path)}
+        row = {
+            "name": name,
+            "path": str(path),
+            "reward": float(scores.mean()),
+            **answer_figures(tokens, amask, logp, eos_id=eos, ngram=cfg.alarms.ngram),
+            "kl": float(((logp - ref_logp) * amask).sum(1).mean()),
+            "answer_len_percentiles": {str(q): float(np.percentile(lengths, q)) for q in (10, 50, 90)},
+            "answer_len_hist": np.bincount(lengths, minlength=G + 1).tolist(),
+            "truncated": float(np.mean([not r or r[-1] != eos for r in answer_rows(tokens, amask)])),
+            "perplexity": perplexity(cfg, model, held[1], pad),
+            "step3": step3_run(path),
+        }
         golds = gold_rewards(prompts, references, texts)
         row["gold_reward"] = float(np.mean(golds)) if golds else None
         per_prompt[name] = {"answers": texts, "scores": scores.tolist(), "gold": golds, "lengths": lengths.tolist()}
         rows.append(row)
-        log(f"eval: {name}: reward {row['reward']:.3f}" + (f", gold {row['gold_reward']:.3f}" if golds else "")
-            + f", KL {row['kl']:.3f}, length {row['answer_len']:.1f}, repetition {row['repetition']:.3f}")
+        log(
+            f"eval: {name}: reward {row['reward']:.3f}"
+            + (f", gold {row['gold_reward']:.3f}" if golds else "")
+            + f", KL {row['kl']:.3f}, length {row['answer_len']:.1f}, repetition {row['repetition']:.3f}"
+        )
     base = per_prompt[names[0]]
     for row in rows:
         mine = per_prompt[row["name"]]
         row.update(win_rate(mine["scores"], base["scores"]))
         row["alarms"] = [m for _, m in check(row, rows[0], cfg.alarms)]
-        if mine["gold"] and paired_t(mine["scores"], base["scores"]) > cfg.alarms.z and paired_t(mine["gold"], base["gold"]) < -cfg.alarms.z:
+        if (
+            mine["gold"]
+            and paired_t(mine["scores"], base["scores"]) > cfg.alarms.z
+            and paired_t(mine["gold"], base["gold"]) < -cfg.alarms.z
+        ):
             row["alarms"].append(f"higher reward but lower gold reward than {names[0]}: reward hacking?")
     metrics = find_metrics(cfg)
-    return {"models": rows, "baseline": names[0], "reference": str(cfg.reference or cfg.models[0]),
-            "reward_model": {"path": str(cfg.reward_model), **((held[2] and rm_accuracy(cfg, rm, held[2], pad)) or {})},
-            "training": training_records(metrics) if metrics else [], "metrics_log": str(metrics) if metrics else None,
-            "settings": {"prompts": n, "max_answer_len": G, "temperature": cfg.temperature, "top_k": cfg.top_k,
-                         "top_p": cfg.top_p, "seed": cfg.seed, "ngram": cfg.alarms.ngram, "data": list(cfg.data.data_path)},
-            "per_prompt": per_prompt}
+    return {
+        "models": rows,
+        "baseline": names[0],
+        "reference": str(cfg.reference or cfg.models[0]),
+        "reward_model": {"path": str(cfg.reward_model), **((held[2] and rm_accuracy(cfg, rm, held[2], pad)) or {})},
+        "training": training_records(metrics) if metrics else [],
+        "metrics_log": str(metrics) if metrics else None,
+        "settings": {
+            "prompts": n,
+            "max_answer_len": G,
+            "temperature": cfg.temperature,
+            "top_k": cfg.top_k,
+            "top_p": cfg.top_p,
+            "seed": cfg.seed,
+            "ngram": cfg.alarms.ngram,
+            "data": list(cfg.data.data_path),
+        },
+        "per_prompt": per_prompt,
+    }
 
 
 # ------------------------------------------------------------------------------------------------ plots
@@ -371,8 +470,14 @@ def plot_frontier(report: dict):
     for ax, key, title in zip(axes, ("reward", "gold_reward"), ("reward model score", "gold reward")):
         training = [r for r in report["training"] if key in r]
         if training:
-            points = ax.scatter([r["kl"] for r in training], [r[key] for r in training], c=[r["step"] for r in training],
-                                cmap="viridis", s=12, alpha=0.7)
+            points = ax.scatter(
+                [r["kl"] for r in training],
+                [r[key] for r in training],
+                c=[r["step"] for r in training],
+                cmap="viridis",
+                s=12,
+                alpha=0.7,
+            )
             fig.colorbar(points, ax=ax, label="Step 3 iteration")
         for m in report["models"]:
             ax.plot([m["kl"]], [m[key]], marker="o", linestyle="none", label=m["name"])
@@ -424,35 +529,50 @@ def _fmt(x, spec=".3f"):
 def markdown(report: dict, plots: dict) -> str:
     s = report["settings"]
     timed = any(m.get("step3") for m in report["models"])  # Step 3 runs' algorithm and time, side by side
-    lines = ["# Evaluation report\n",
-             f"{s['prompts']} held-out prompts of {', '.join(s['data'])}, answers sampled (temperature {s['temperature']}, "
-             f"up to {s['max_answer_len']} tokens, seed {s['seed']}, the same keys for every model). Win rates and KL "
-             f"against `{report['baseline']}`; KL in nats per answer; repetition = share of repeated {s['ngram']}-grams; "
-             f"perplexity on held-out Step 1 text."
-             + (" Step 3: the run's algorithm (n answers per prompt) and its time, iterations x the median logged "
-                "iteration (compilation left out)." if timed else "") + "\n",
-             "| model | RM score | win rate (95% CI) | gold reward | KL | length mean (p10/p50/p90) | truncated | repetition "
-             "| entropy | perplexity |" + (" Step 3 | Step 3 time (s) |" if timed else ""),
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" --- | ---: |" if timed else "")]
+    lines = [
+        "# Evaluation report\n",
+        f"{s['prompts']} held-out prompts of {', '.join(s['data'])}, answers sampled (temperature {s['temperature']}, "
+        f"up to {s['max_answer_len']} tokens, seed {s['seed']}, the same keys for every model). Win rates and KL "
+        f"against `{report['baseline']}`; KL in nats per answer; repetition = share of repeated {s['ngram']}-grams; "
+        f"perplexity on held-out Step 1 text."
+        + (
+            " Step 3: the run's algorithm (n answers per prompt) and its time, iterations x the median logged "
+            "iteration (compilation left out)."
+            if timed
+            else ""
+        )
+        + "\n",
+        "| model | RM score | win rate (95% CI) | gold reward | KL | length mean (p10/p50/p90) | truncated | repetition "
+        "| entropy | perplexity |" + (" Step 3 | Step 3 time (s) |" if timed else ""),
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" --- | ---: |" if timed else ""),
+    ]
     for i, m in enumerate(report["models"]):
         p, run = m["answer_len_percentiles"], m.get("step3") or {}
         win = "baseline" if i == 0 else f"{m['win_rate']:.3f} ({m['win_ci'][0]:.3f}–{m['win_ci'][1]:.3f})"
-        algorithm = run.get("algorithm", "–") + (f" (n={run['samples_per_prompt']})" if run.get("samples_per_prompt", 1) > 1 else "")
-        lines.append(f"| {m['name']} | {m['reward']:.3f} | {win} "
-                     f"| {_fmt(m['gold_reward'])} | {m['kl']:.3f} | {m['answer_len']:.1f} ({p['10']:.0f}/{p['50']:.0f}/{p['90']:.0f}) "
-                     f"| {m['truncated']:.2f} | {m['repetition']:.3f} | {m['entropy']:.3f} | {_fmt(m['perplexity'], '.2f')} |"
-                     + (f" {algorithm} | {_fmt(run.get('seconds'), '.0f')} |" if timed else ""))
+        algorithm = run.get("algorithm", "–") + (
+            f" (n={run['samples_per_prompt']})" if run.get("samples_per_prompt", 1) > 1 else ""
+        )
+        lines.append(
+            f"| {m['name']} | {m['reward']:.3f} | {win} "
+            f"| {_fmt(m['gold_reward'])} | {m['kl']:.3f} | {m['answer_len']:.1f} ({p['10']:.0f}/{p['50']:.0f}/{p['90']:.0f}) "
+            f"| {m['truncated']:.2f} | {m['repetition']:.3f} | {m['entropy']:.3f} | {_fmt(m['perplexity'], '.2f')} |"
+            + (f" {algorithm} | {_fmt(run.get('seconds'), '.0f')} |" if timed else "")
+        )
     r = report["reward_model"]
     if "accuracy" in r:
-        lines.append(f"\nReward model `{r['path']}`: accuracy {r['accuracy']:.3f} on {r['pairs']} held-out pairs "
-                     f"(mean chosen score {r['chosen_score']:.3f}, rejected {r['rejected_score']:.3f}).")
+        lines.append(
+            f"\nReward model `{r['path']}`: accuracy {r['accuracy']:.3f} on {r['pairs']} held-out pairs "
+            f"(mean chosen score {r['chosen_score']:.3f}, rejected {r['rejected_score']:.3f})."
+        )
     flagged = [(m["name"], a) for m in report["models"] for a in m["alarms"]]
     if flagged:
         lines += ["\n## Alarms\n"] + [f"- **{n}**: {a}" for n, a in flagged]
     train_alarms = [(r["step"], r["alarms"]) for r in report["training"] if r.get("alarms")]
     if train_alarms:
-        lines.append(f"\nDuring Step 3 ({report['metrics_log']}): alarms at {len(train_alarms)} logged iterations, first at "
-                     f"iteration {train_alarms[0][0]}: {train_alarms[0][1]}.")
+        lines.append(
+            f"\nDuring Step 3 ({report['metrics_log']}): alarms at {len(train_alarms)} logged iterations, first at "
+            f"iteration {train_alarms[0][0]}: {train_alarms[0][1]}."
+        )
     if plots:
         lines.append("\n## Plots\n")
         lines += [f"![{name}]({p['file']})" for name, p in plots.items()]
@@ -461,7 +581,9 @@ def markdown(report: dict, plots: dict) -> str:
     if k:
         lines.append("\n## Sample answers\n")
         for i in range(k):
-            lines.append(f"**Prompt {i + 1}:** `{pp['prompts'][i].strip()!r}`\n\n| model | answer | RM score | gold |\n| --- | --- | ---: | ---: |")
+            lines.append(
+                f"**Prompt {i + 1}:** `{pp['prompts'][i].strip()!r}`\n\n| model | answer | RM score | gold |\n| --- | --- | ---: | ---: |"
+            )
             for n in names:
                 g = pp[n]["gold"][i] if pp[n]["gold"] else None
                 text = pp[n]["answers"][i].replace("|", "\\|").replace("\n", "⏎")
@@ -480,8 +602,11 @@ def write_report(report: dict, out, samples: int = 4, log=print) -> Path:
     except ImportError:
         log("eval: matplotlib is not installed: the report has no plots")
     else:
-        makers = {"win_rates": lambda: plot_win_rates(report), "frontier": lambda: plot_frontier(report),
-                  "lengths": lambda: plot_lengths(report)}
+        makers = {
+            "win_rates": lambda: plot_win_rates(report),
+            "frontier": lambda: plot_frontier(report),
+            "lengths": lambda: plot_lengths(report),
+        }
         if report["training"]:
             makers = {"training": lambda: plot_training(report["training"]), **makers}
         for name, make in makers.items():
@@ -502,18 +627,30 @@ def run(cfg: EvalConfig, log=print) -> dict:
     return {**report, "report": str(path)}
 
 
-def pipeline_report(step1, reward_model, step3: dict, metrics, out_dir, data: DataConfig, ppo, num_prompts: int,
-                    log=print) -> str | None:
+def pipeline_report(
+    step1, reward_model, step3: dict, metrics, out_dir, data: DataConfig, ppo, num_prompts: int, log=print
+) -> str | None:
     """The report `python -m jaxrlhf.train` ends with: the Step 1 model, the final actor and its EMA (step3: the
     folders ppo.run wrote) on held-out prompts, sampled as Step 3 sampled (ppo: its PPOConfig), judged by the
     Step 2 reward model; returns the report's path. Process 0 alone evaluates (on its first device)."""
     if jax.process_index() != 0:
         return None
     names = ["step1"] + [n for n in ("actor", "actor_ema") if n in step3]
-    cfg = EvalConfig(models=(str(step1), *(str(step3[n]) for n in names[1:])), names=tuple(names),
-                     reward_model=str(reward_model), metrics=str(metrics), output_dir=str(out_dir), num_prompts=num_prompts,
-                     max_answer_len=ppo.max_answer_len, temperature=ppo.temperature, top_k=ppo.top_k, top_p=ppo.top_p,
-                     dtype="float32" if ppo.precision == "fp32" else "bfloat16", alarms=ppo.alarms, data=data)
+    cfg = EvalConfig(
+        models=(str(step1), *(str(step3[n]) for n in names[1:])),
+        names=tuple(names),
+        reward_model=str(reward_model),
+        metrics=str(metrics),
+        output_dir=str(out_dir),
+        num_prompts=num_prompts,
+        max_answer_len=ppo.max_answer_len,
+        temperature=ppo.temperature,
+        top_k=ppo.top_k,
+        top_p=ppo.top_p,
+        dtype="float32" if ppo.precision == "fp32" else "bfloat16",
+        alarms=ppo.alarms,
+        data=data,
+    )
     return run(cfg, log=log)["report"]
 
 
@@ -522,8 +659,12 @@ def flags(parser):
     parser.add_argument("--models", nargs="+", metavar="DIR")
     parser.add_argument("--names", nargs="+")
     parser.add_argument("--reward-model", "--reward_model", dest="reward_model", metavar="DIR")
-    parser.add_argument("--prompts", dest="data.data_path", type=lambda s: [s],
-                        help="the dataset of the held-out prompts (data.data_path), e.g. synthetic:6000")
+    parser.add_argument(
+        "--prompts",
+        dest="data.data_path",
+        type=lambda s: [s],
+        help="the dataset of the held-out prompts (data.data_path), e.g. synthetic:6000",
+    )
     parser.add_argument("--reference", metavar="DIR")
     parser.add_argument("--metrics", metavar="FILE")
     parser.add_argument("--output-dir", "--output_dir", dest="output_dir", metavar="DIR")

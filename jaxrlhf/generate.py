@@ -33,7 +33,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxrlhf.kernels import rows_axis
 from jaxrlhf.lora import fuse_attached
@@ -59,8 +60,9 @@ def _in_decode_layout(tree, config, mesh, layer: bool):
     if layer:  # stacked (and the query scale folded in) before the cast: one rounding
         tree = decode_layer(config, tree)
     # a folded LayerNorm's column sums stay float32 (models.common.fold_norm): they cancel the product's mean part
-    cast = lambda path, x: (x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
-                            and getattr(path[-1], "key", None) != "colsum" else x)
+    cast = lambda path, x: (
+        x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and getattr(path[-1], "key", None) != "colsum" else x
+    )
     tree = jax.tree_util.tree_map_with_path(cast, tree)
     if mesh is not None:
         wrapped = {"layers": (tree,)} if layer else tree  # per-layer paths read layers/0/... (sharding.logical_axes)
@@ -71,8 +73,9 @@ def _in_decode_layout(tree, config, mesh, layer: bool):
 
 @partial(jax.jit, static_argnames=("config", "mesh"))
 def _decode_one_layer(config, layers, i, mesh):
-    return _in_decode_layout(jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False), layers),
-                             config, mesh, layer=True)
+    return _in_decode_layout(
+        jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False), layers), config, mesh, layer=True
+    )
 
 
 @partial(jax.jit, static_argnames=("config", "mesh"))
@@ -96,8 +99,9 @@ def decode_params(config, params: Any, mesh=None) -> Any:
     layers = parent["layers"]
     # host (NumPy) leaves go to the device once, not once per layer's program
     layers = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jnp.asarray(x), layers)
-    per_layer = tuple(_decode_one_layer(config, layers, jnp.int32(i), mesh)
-                      for i in range(jax.tree.leaves(layers)[0].shape[0]))
+    per_layer = tuple(
+        _decode_one_layer(config, layers, jnp.int32(i), mesh) for i in range(jax.tree.leaves(layers)[0].shape[0])
+    )
     rest = {k: v for k, v in parent.items() if k != "layers"}
     out = _decode_rest(config, rest if key is None else {**params, key: rest}, mesh)
     (out if key is None else out[key])["layers"] = per_layer  # out's dicts are new (jit builds them)
@@ -154,10 +158,39 @@ def _row_keys(key, rows, g):
     return jax.vmap(lambda r, t: jax.random.fold_in(jax.random.fold_in(key, r), t))(rows, g)
 
 
-@partial(jax.jit, static_argnames=("config", "max_new_tokens", "sampling", "eos_id", "pad_id", "force_length", "slots",
-                                   "refill", "check_every", "mesh"))
-def _generate(config, params, input_ids, attention_mask, key, limits, *, max_new_tokens, sampling, eos_id, pad_id,
-              force_length, slots, refill, check_every, mesh):
+@partial(
+    jax.jit,
+    static_argnames=(
+        "config",
+        "max_new_tokens",
+        "sampling",
+        "eos_id",
+        "pad_id",
+        "force_length",
+        "slots",
+        "refill",
+        "check_every",
+        "mesh",
+    ),
+)
+def _generate(
+    config,
+    params,
+    input_ids,
+    attention_mask,
+    key,
+    limits,
+    *,
+    max_new_tokens,
+    sampling,
+    eos_id,
+    pad_id,
+    force_length,
+    slots,
+    refill,
+    check_every,
+    mesh,
+):
     N, Pn = input_ids.shape
     G, B, R = max_new_tokens, slots, refill
     order = jnp.argsort(attention_mask.astype(bool), axis=1, stable=True)  # padding first, real tokens in order
@@ -212,30 +245,55 @@ def _generate(config, params, input_ids, attention_mask, key, limits, *, max_new
         token, logprob, ends = pick(logits, prompts, jnp.zeros_like(prompts))
         out = record(state["out"], jnp.where(slots_at < B, prompts, N), jnp.zeros_like(prompts), token, logprob)
         put = lambda x, v: x.at[slots_at].set(v, mode="drop")
-        return {**state, "out": out, "row": put(state["row"], prompts), "g": put(state["g"], jnp.ones_like(prompts)),
-                "token": put(state["token"], token), "done": put(state["done"], ends)}
+        return {
+            **state,
+            "out": out,
+            "row": put(state["row"], prompts),
+            "g": put(state["g"], jnp.ones_like(prompts)),
+            "token": put(state["token"], token),
+            "done": put(state["done"], ends),
+        }
 
     # The first B prompts (B <= N) fill the slots; the cache has room for a whole prompt and answer in every slot.
     first = jnp.arange(B)
     logits, cache = prefill(first, Pn + G)
-    outputs = (jnp.full((N + 1, G), pad_id, jnp.int32), jnp.zeros((N + 1, G), jnp.float32),
-               jnp.zeros((N + 1, G), jnp.int32))
-    state = {"cache": cache, "row": first, "g": jnp.zeros((B,), jnp.int32), "token": jnp.zeros((B,), jnp.int32),
-             "done": jnp.ones((B,), bool), "out": outputs, "next": jnp.int32(B), "steps": jnp.int32(0)}
+    outputs = (
+        jnp.full((N + 1, G), pad_id, jnp.int32),
+        jnp.zeros((N + 1, G), jnp.float32),
+        jnp.zeros((N + 1, G), jnp.int32),
+    )
+    state = {
+        "cache": cache,
+        "row": first,
+        "g": jnp.zeros((B,), jnp.int32),
+        "token": jnp.zeros((B,), jnp.int32),
+        "done": jnp.ones((B,), bool),
+        "out": outputs,
+        "next": jnp.int32(B),
+        "steps": jnp.int32(0),
+    }
     state = start_rows(state, first, first, logits)
 
     def step(_, state):
         """Every slot advances one token: the last token goes in at its own slot, the next one comes out."""
         row, g, done = state["row"], state["g"], state["done"]
         cache = {**state["cache"], "slot": Pn + g - 1}  # each row's own slot: prompt width + answer so far
-        logits, cache = logits_with_cache(config, params, state["token"][:, None], (real[row] + g - 1)[:, None], cache,
-                                          decoding)
+        logits, cache = logits_with_cache(
+            config, params, state["token"][:, None], (real[row] + g - 1)[:, None], cache, decoding
+        )
         cache = {n: cache[n] for n in ("k", "v", "start")}
         token, logprob, ends = pick(logits[:, 0], row, g)
         out = record(state["out"], jnp.where(done, N, row), g, token, logprob)
         live = ~done
-        return {**state, "cache": cache, "out": out, "token": jnp.where(live, token, pad_id),
-                "g": jnp.where(live, jnp.minimum(g + 1, G), g), "done": done | ends, "steps": state["steps"] + 1}
+        return {
+            **state,
+            "cache": cache,
+            "out": out,
+            "token": jnp.where(live, token, pad_id),
+            "g": jnp.where(live, jnp.minimum(g + 1, G), g),
+            "done": done | ends,
+            "steps": state["steps"] + 1,
+        }
 
     def refill_due(state):  # enough slots are free for a refill's R prompts (or for all that still wait)
         waiting = N - state["next"]
@@ -249,8 +307,11 @@ def _generate(config, params, input_ids, attention_mask, key, limits, *, max_new
         slots_at = jnp.where(real_prompt, jnp.argsort(~state["done"], stable=True)[:R], B)  # free slots first
         logits, small = prefill(prompts, Pn)
         big = state["cache"]
-        cache = {**big, **{n: big[n].at[:, slots_at, :, :Pn].set(small[n], mode="drop") for n in ("k", "v")},
-                 "start": big["start"].at[slots_at].set(small["start"], mode="drop")}
+        cache = {
+            **big,
+            **{n: big[n].at[:, slots_at, :, :Pn].set(small[n], mode="drop") for n in ("k", "v")},
+            "start": big["start"].at[slots_at].set(small["start"], mode="drop"),
+        }
         state = start_rows({**state, "cache": laid_out(cache)}, slots_at, prompts, logits)
         return {**state, "next": jnp.minimum(state["next"] + R, N)}
 
@@ -264,10 +325,26 @@ def _generate(config, params, input_ids, attention_mask, key, limits, *, max_new
     return tokens, mask, logprobs * mask, state["steps"]
 
 
-def generate(config, params: Any, input_ids, attention_mask, key, *, max_new_tokens: int,
-             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_id: int | None = None,
-             pad_id: int | None = None, limits=None, force_length: bool = False, slots: int = 0, refill: int = 0,
-             check_every: int = 8, mesh=None) -> Generation:
+def generate(
+    config,
+    params: Any,
+    input_ids,
+    attention_mask,
+    key,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_id: int | None = None,
+    pad_id: int | None = None,
+    limits=None,
+    force_length: bool = False,
+    slots: int = 0,
+    refill: int = 0,
+    check_every: int = 8,
+    mesh=None,
+) -> Generation:
     """Continue left-padded prompts [B, P] by up to `max_new_tokens` tokens (see the module docstring).
 
     limits: optional [B] ints, each row's own maximum (1 .. max_new_tokens). A row ends at its first EOS or its
@@ -284,8 +361,10 @@ def generate(config, params: Any, input_ids, attention_mask, key, *, max_new_tok
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
     if input_ids.shape[1] + max_new_tokens > config.max_position_embeddings:
-        raise ValueError(f"prompt ({input_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-                         f"{config.max_position_embeddings} positions")
+        raise ValueError(
+            f"prompt ({input_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+            f"{config.max_position_embeddings} positions"
+        )
     if slots < 0 or refill < 0 or check_every < 1:
         raise ValueError(f"expected slots >= 0, refill >= 0, check_every >= 1; got {slots}, {refill}, {check_every}")
     slots = min(slots or B, B)
@@ -295,13 +374,29 @@ def generate(config, params: Any, input_ids, attention_mask, key, *, max_new_tok
     else:
         host = np.asarray(limits) if not isinstance(limits, jax.Array) or limits.is_fully_addressable else None
         if host is not None and (host.shape != (B,) or host.min() < 1 or host.max() > max_new_tokens):
-            raise ValueError(f"limits: expected {B} integers in 1 .. {max_new_tokens} (max_new_tokens), got shape "
-                             f"{host.shape}, range {host.min()} .. {host.max()}")
+            raise ValueError(
+                f"limits: expected {B} integers in 1 .. {max_new_tokens} (max_new_tokens), got shape "
+                f"{host.shape}, range {host.min()} .. {host.max()}"
+            )
         limits = jnp.asarray(limits, jnp.int32)
-    run = partial(_generate, config, params, input_ids, attention_mask, key, limits, max_new_tokens=max_new_tokens,
-                  sampling=Sampling(temperature, top_k, top_p), eos_id=eos_id,
-                  pad_id=config.pad_token_id if pad_id is None else pad_id, force_length=force_length, slots=slots,
-                  refill=refill, check_every=check_every, mesh=mesh)
+    run = partial(
+        _generate,
+        config,
+        params,
+        input_ids,
+        attention_mask,
+        key,
+        limits,
+        max_new_tokens=max_new_tokens,
+        sampling=Sampling(temperature, top_k, top_p),
+        eos_id=eos_id,
+        pad_id=config.pad_token_id if pad_id is None else pad_id,
+        force_length=force_length,
+        slots=slots,
+        refill=refill,
+        check_every=check_every,
+        mesh=mesh,
+    )
     if mesh is None:
         return Generation(*run())
     with jax.set_mesh(mesh):  # the program's arrays live on this mesh

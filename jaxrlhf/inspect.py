@@ -17,7 +17,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxrlhf.checkpoint import CheckpointError, load_hf, save_hf
 from jaxrlhf.config import ConfigError, run_cli
@@ -105,19 +106,37 @@ def run(cfg: InspectConfig) -> dict:
         prompt = np.array([[config.bos_token_id, 100, 200, 300, 400]], np.int32)
     replicated = NamedSharding(mesh, P())
     ids, mask = jax.device_put((prompt, np.ones_like(prompt)), replicated)
-    gen = lambda: generate(config, tp_params, ids, mask, jax.random.key(0), max_new_tokens=cfg.max_new_tokens,
-                           temperature=0.0, force_length=True).tokens
+    gen = lambda: (
+        generate(
+            config,
+            tp_params,
+            ids,
+            mask,
+            jax.random.key(0),
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=0.0,
+            force_length=True,
+        ).tokens
+    )
     seconds = _timed(gen, repeats=3)
     new = np.asarray(gen())[0]
     shown = tokenizer.decode(new) if tokenizer is not None else new.tolist()
     print(f"\nprompt: {cfg.prompt if tokenizer is not None else prompt[0].tolist()!r}")
-    print(f"greedy continuation ({cfg.max_new_tokens} tokens, KV-cached, generation layout, "
-          f"{cfg.max_new_tokens / seconds:.0f} tokens/s at batch 1): {shown!r}")
+    print(
+        f"greedy continuation ({cfg.max_new_tokens} tokens, KV-cached, generation layout, "
+        f"{cfg.max_new_tokens / seconds:.0f} tokens/s at batch 1): {shown!r}"
+    )
 
     if cfg.save_to:
         save_hf(cfg.save_to, config, jax.device_get(params), tokenizer)
         print(f"saved the model as a Hugging Face folder: {cfg.save_to}")
-    return {"reshard_to_tp_s": to_tp, "reshard_to_fsdp_s": back, "tokens": new, "params": n_params, "generate_s": seconds}
+    return {
+        "reshard_to_tp_s": to_tp,
+        "reshard_to_fsdp_s": back,
+        "tokens": new,
+        "params": n_params,
+        "generate_s": seconds,
+    }
 
 
 def main(argv=None):

@@ -42,17 +42,33 @@ def save_state(manager, state, meta: dict, step: int | None = None):
     step = int(state["step"]) if step is None else step
     if step in manager.all_steps():
         return
-    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-                 force=True)
+    manager.save(
+        step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True
+    )
 
 
 # --------------------------------------------------------------------------------------------- run folders
 
 RUN_SETTINGS = "run_config.json"
 # Settings that may differ between the starts of one run: they steer logging, saving and evaluation, not the weights.
-BOOKKEEPING = ("resume", "output_dir", "log_every", "save_every", "keep_checkpoints", "max_skipped_steps", "eval_every",
-               "eval_batches", "sample_prompts", "sample_tokens", "score_file", "print_answers", "alarms",
-               "device_memory_gib", "data.cache_dir", "report_to")
+BOOKKEEPING = (
+    "resume",
+    "output_dir",
+    "log_every",
+    "save_every",
+    "keep_checkpoints",
+    "max_skipped_steps",
+    "eval_every",
+    "eval_batches",
+    "sample_prompts",
+    "sample_tokens",
+    "score_file",
+    "print_answers",
+    "alarms",
+    "device_memory_gib",
+    "data.cache_dir",
+    "report_to",
+)
 # The run's length may change too: the saved state then continues to the new end (a finished run is extended).
 LENGTH = ("max_steps", "epochs")
 
@@ -79,8 +95,9 @@ def changed(old: dict, new: dict, ignore=()) -> list[str]:
     return [k for k in sorted(old.keys() | new.keys()) if not ignored(k) and old.get(k) != new.get(k)]
 
 
-def start_run(cfg, exports: list[Path], saved_step: int | None, inputs: tuple[str, ...] = ("model",),
-              log=print) -> bool:
+def start_run(
+    cfg, exports: list[Path], saved_step: int | None, inputs: tuple[str, ...] = ("model",), log=print
+) -> bool:
     """Check cfg.output_dir against `cfg` before anything is loaded; True when the run there is finished (skip it).
 
     Finished: every folder in `exports` was written by jaxrlhf (checkpoint.save_hf's manifest) with these settings.
@@ -94,23 +111,31 @@ def start_run(cfg, exports: list[Path], saved_step: int | None, inputs: tuple[st
     manifests = [export_manifest(path) for path in exports]
     saved = saved_step is not None or any(m is not None for m in manifests)
     if saved and not cfg.resume:
-        raise ConfigError(f"{out}: holds a run already (resume=false starts from scratch); choose another output_dir "
-                          "or delete this one, or leave resume=true to continue that run")
+        raise ConfigError(
+            f"{out}: holds a run already (resume=false starts from scratch); choose another output_dir "
+            "or delete this one, or leave resume=true to continue that run"
+        )
     if saved and (out / RUN_SETTINGS).is_file():
         try:
             before = json.loads((out / RUN_SETTINGS).read_text())
         except ValueError:
             before = None
         if not isinstance(before, dict):
-            raise ConfigError(f"{out / RUN_SETTINGS}: not the settings jaxrlhf wrote (a JSON object); delete that file "
-                              "to continue the run saved here with the settings given now")
+            raise ConfigError(
+                f"{out / RUN_SETTINGS}: not the settings jaxrlhf wrote (a JSON object); delete that file "
+                "to continue the run saved here with the settings given now"
+            )
         if diff := changed(before, now, BOOKKEEPING + LENGTH):
             what = "; ".join(f"'{k}' was {json.dumps(before.get(k))}, now {json.dumps(now.get(k))}" for k in diff)
-            raise ConfigError(f"{out / RUN_SETTINGS}: the run saved here has other settings ({what}); set them back to "
-                              f"continue it, or choose another output_dir (or delete {out}) to start over")
+            raise ConfigError(
+                f"{out / RUN_SETTINGS}: the run saved here has other settings ({what}); set them back to "
+                f"continue it, or choose another output_dir (or delete {out}) to start over"
+            )
     if saved and all(m is not None and not changed(m.get("settings", {}), now, BOOKKEEPING) for m in manifests):
-        log(f"{out}: finished already with these settings ({', '.join(p.name for p in exports)} complete); "
-            f"skipping it (delete {out} to train it again)")
+        log(
+            f"{out}: finished already with these settings ({', '.join(p.name for p in exports)} complete); "
+            f"skipping it (delete {out} to train it again)"
+        )
         return True
     if jax.process_index() == 0:  # written aside and renamed, so a reader never sees half of it
         out.mkdir(parents=True, exist_ok=True)
@@ -124,8 +149,23 @@ class NonFiniteError(ConfigError):
     """Too many training steps in a row had a non-finite loss or gradient norm: the run stops, nothing exported."""
 
 
-def fit(cfg, state, step, summarise, sources, *, total: int, manager, metrics_log, shardings, evaluate=None,
-        counter: tuple[str, int] = ("step", 1), shown: tuple[str, ...] = (), desc: str = "train", log=print):
+def fit(
+    cfg,
+    state,
+    step,
+    summarise,
+    sources,
+    *,
+    total: int,
+    manager,
+    metrics_log,
+    shardings,
+    evaluate=None,
+    counter: tuple[str, int] = ("step", 1),
+    shown: tuple[str, ...] = (),
+    desc: str = "train",
+    log=print,
+):
     """Run iterations up to `total` (see the module docstring); returns the final state and the logged records.
 
     `cfg` holds resume, log_every, save_every, max_skipped_steps and optionally eval_every; `sources` is a
@@ -148,8 +188,10 @@ def fit(cfg, state, step, summarise, sources, *, total: int, manager, metrics_lo
     start = int(state[key]) // per
     if start > total:
         metrics_log.close()
-        raise ConfigError(f"{Path(cfg.output_dir) / 'state'}: the saved run is at {unit} {start}, past this run's "
-                          f"{total} {unit}s (max_steps, epochs); give at least as many, or another output_dir")
+        raise ConfigError(
+            f"{Path(cfg.output_dir) / 'state'}: the saved run is at {unit} {start}, past this run's "
+            f"{total} {unit}s (max_steps, epochs); give at least as many, or another output_dir"
+        )
 
     def save():
         meta = {name: b.state() for name, b in named.items()} if isinstance(sources, dict) else sources.state()
@@ -164,8 +206,10 @@ def fit(cfg, state, step, summarise, sources, *, total: int, manager, metrics_lo
     def run_eval(i):
         if evaluate is not None and (figures := evaluate(state)) is not None:
             write(i, "eval", figures)
-            log(f"eval @ {i}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                           for k, v in figures.items()))
+            log(
+                f"eval @ {i}: "
+                + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items())
+            )
 
     eval_every = getattr(cfg, "eval_every", 0)
     bar = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True, disable=jax.process_index() != 0)
@@ -177,17 +221,25 @@ def fit(cfg, state, step, summarise, sources, *, total: int, manager, metrics_lo
             if i % cfg.log_every == 0 or i == total:
                 figures = summarise(window)
                 write(i, "train", figures)
-                bar.set_postfix({**{k: f"{figures[k]:.4g}" for k in shown if k in figures},
-                                 **({"ALARM": figures["alarms"]} if "alarms" in figures else {})})
+                bar.set_postfix(
+                    {
+                        **{k: f"{figures[k]:.4g}" for k in shown if k in figures},
+                        **({"ALARM": figures["alarms"]} if "alarms" in figures else {}),
+                    }
+                )
                 for model, flag, where in skipped:  # after the write: a stopped run's log shows its skips
                     in_a_row[model] = in_a_row.get(model, 0) + 1 if float(flag) else 0
                     if in_a_row[model]:
-                        log(f"{where}: step skipped, its loss or gradient norm is not finite (weights and optimizer "
-                            "unchanged)")
+                        log(
+                            f"{where}: step skipped, its loss or gradient norm is not finite (weights and optimizer "
+                            "unchanged)"
+                        )
                     if in_a_row[model] >= cfg.max_skipped_steps:
-                        raise NonFiniteError(f"{where}: {in_a_row[model]} steps in a row had a non-finite loss or "
-                                             "gradient norm, so the run stops and exports nothing; lower the learning "
-                                             "rate (optim.learning_rate), check the data, or raise max_skipped_steps")
+                        raise NonFiniteError(
+                            f"{where}: {in_a_row[model]} steps in a row had a non-finite loss or "
+                            "gradient norm, so the run stops and exports nothing; lower the learning "
+                            "rate (optim.learning_rate), check the data, or raise max_skipped_steps"
+                        )
                 window, skipped = [], []
             bar.update(1)
             if eval_every and i % eval_every == 0 and i != total:

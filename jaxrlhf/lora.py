@@ -101,8 +101,10 @@ def module_filter(params: Any, cfg: LoRAConfig) -> str:
     roots = [r for r in FAMILY_LAYERS if isinstance(params, Mapping) and r in params]
     if len(roots) != 1:
         top = sorted(params) if isinstance(params, Mapping) else type(params).__name__
-        raise ValueError(f"LoRA: cannot tell the model family from the parameter tree (top-level modules {top}; "
-                         f"known: {', '.join(FAMILY_LAYERS)}); set lora.module_name")
+        raise ValueError(
+            f"LoRA: cannot tell the model family from the parameter tree (top-level modules {top}; "
+            f"known: {', '.join(FAMILY_LAYERS)}); set lora.module_name"
+        )
     return FAMILY_LAYERS[roots[0]]
 
 
@@ -113,8 +115,10 @@ def _targets(params: Any, cfg: LoRAConfig) -> dict[str, Any]:
     out = {m: k for m, k in kernels.items() if name in m.replace("/", ".")}
     if not out:
         names = sorted(m.replace("/", ".") for m in kernels)
-        raise ValueError(f"LoRA module_name {name!r} matches no Linear kernel; available modules: "
-                         f"{', '.join(names[:8])}{', ...' if len(names) > 8 else ''}")
+        raise ValueError(
+            f"LoRA module_name {name!r} matches no Linear kernel; available modules: "
+            f"{', '.join(names[:8])}{', ...' if len(names) > 8 else ''}"
+        )
     return out
 
 
@@ -125,8 +129,9 @@ def adapted_mask(params: Any, cfg: LoRAConfig) -> Any:
     alone; `only_optimize_lora` additionally freezes everything else.
     """
     targets = set(_targets(params, cfg)) if cfg.dim else set()
-    return jax.tree_util.tree_map_with_path(lambda p, _: path_str(p).rpartition("/")[0] in targets
-                                            and path_str(p).endswith("/kernel"), params)
+    return jax.tree_util.tree_map_with_path(
+        lambda p, _: path_str(p).rpartition("/")[0] in targets and path_str(p).endswith("/kernel"), params
+    )
 
 
 def init_lora(params: Any, cfg: LoRAConfig, key, *, dtype=None) -> dict | None:
@@ -139,8 +144,10 @@ def init_lora(params: Any, cfg: LoRAConfig, key, *, dtype=None) -> dict | None:
     """
     if cfg.dim == 0:
         return None
-    shapes = tuple((m, tuple(k.shape), jnp.dtype(k.dtype if dtype is None else dtype))
-                   for m, k in sorted(_targets(params, cfg).items()))
+    shapes = tuple(
+        (m, tuple(k.shape), jnp.dtype(k.dtype if dtype is None else dtype))
+        for m, k in sorted(_targets(params, cfg).items())
+    )
     return _init(shapes, cfg.dim, key)
 
 
@@ -202,8 +209,10 @@ def _fitting_adapters(params: Any, lora: Any, cfg: LoRAConfig) -> dict[str, dict
         *lead, n_in, n_out = kernels[module].shape
         a, b = pair["lora_a"].shape, pair["lora_b"].shape
         if a != (*lead, n_in, cfg.dim) or b != (*lead, cfg.dim, n_out):
-            raise ValueError(f"LoRA adapter {module}: lora_a {a} and lora_b {b} do not fit its kernel "
-                             f"{kernels[module].shape} with dim {cfg.dim}")
+            raise ValueError(
+                f"LoRA adapter {module}: lora_a {a} and lora_b {b} do not fit its kernel "
+                f"{kernels[module].shape} with dim {cfg.dim}"
+            )
     scale = cfg.scaling / cfg.dim
     return {m: {"lora_a": p["lora_a"], "lora_b": p["lora_b"].astype(jnp.float32) * scale} for m, p in adapters.items()}
 

@@ -45,8 +45,9 @@ def end_scores(values, mask):
     return jnp.take_along_axis(values, last[:, None], axis=1)[:, 0]
 
 
-def reward_loss(chosen_values, rejected_values, chosen_ids, rejected_ids, chosen_mask, rejected_mask, *,
-                kind: str = "span"):
+def reward_loss(
+    chosen_values, rejected_values, chosen_ids, rejected_ids, chosen_mask, rejected_mask, *, kind: str = "span"
+):
     """Pairwise reward-model loss over B right-padded pairs: (sum of per-pair losses, pairs, metrics).
 
     kind="span" (DeepSpeed-Chat's): for each pair, the mean of -log sigmoid(v_chosen[t] - v_rejected[t])
@@ -95,8 +96,16 @@ def sequence_logprobs(logits, input_ids, loss_mask):
     return jnp.sum(token_logprobs(logits, input_ids) * lm_targets(loss_mask), axis=1)
 
 
-def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, *, beta: float, label_smoothing: float = 0.0,
-             kind: str = "sigmoid"):
+def dpo_loss(
+    policy_chosen,
+    policy_rejected,
+    ref_chosen,
+    ref_rejected,
+    *,
+    beta: float,
+    label_smoothing: float = 0.0,
+    kind: str = "sigmoid",
+):
     """DPO's loss over B pairs from answer log-probs [B] (sequence_logprobs): (sum of per-pair losses, pairs, metrics).
 
     With h = (π_c - ref_c) - (π_r - ref_r), the policy's log-ratio of chosen over rejected minus the reference's:
@@ -109,7 +118,8 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, *, beta: 
     h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
     if kind == "sigmoid":
         per_pair = -(1 - label_smoothing) * jax.nn.log_sigmoid(beta * h) - label_smoothing * jax.nn.log_sigmoid(
-            -beta * h)
+            -beta * h
+        )
     elif kind == "ipo":
         per_pair = (h - 1 / (2 * beta)) ** 2
     else:

@@ -49,8 +49,12 @@ class MetricsLog:
         if "wandb" in report_to:
             import wandb
 
-            self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "jaxrlhf"), name=out_dir.name,
-                                    dir=os.environ.get("WANDB_DIR", str(out_dir)), config=config)
+            self.wandb = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "jaxrlhf"),
+                name=out_dir.name,
+                dir=os.environ.get("WANDB_DIR", str(out_dir)),
+                config=config,
+            )
         if "mlflow" in report_to:
             import mlflow
 
@@ -74,7 +78,11 @@ class MetricsLog:
             self.mlflow.log_metrics(scalars, step=step)
 
     def close(self):
-        for done in (self.file and self.file.close, self.tb and self.tb.close, self.wandb and self.wandb.finish,
-                     self.mlflow and self.mlflow.end_run):
+        for done in (
+            self.file and self.file.close,
+            self.tb and self.tb.close,
+            self.wandb and self.wandb.finish,
+            self.mlflow and self.mlflow.end_run,
+        ):
             if done:
                 done()

@@ -59,7 +59,9 @@ def abstract_mesh(devices: int, tp: int) -> AbstractMesh:
 
 def _leaf_bytes(path: str, x, layout: str, mesh) -> int:
     spec = partition_spec(path, x.shape, layout, mesh)
-    split = math.prod(mesh.shape[a] for entry in spec if entry for a in (entry if isinstance(entry, tuple) else (entry,)))
+    split = math.prod(
+        mesh.shape[a] for entry in spec if entry for a in (entry if isinstance(entry, tuple) else (entry,))
+    )
     return math.prod(x.shape) // split * np.dtype(x.dtype).itemsize
 
 
@@ -72,8 +74,9 @@ def _cast(tree, dtype):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), tree)
 
 
-def activations(config, rows: int, T: int, *, train: bool, remat: bool, value_head: bool, backend: str,
-                head_len: int | None = None) -> int:
+def activations(
+    config, rows: int, T: int, *, train: bool, remat: bool, value_head: bool, backend: str, head_len: int | None = None
+) -> int:
     """Bytes per device of one forward (and backward with `train`) over `rows` sequences of T tokens.
 
     An estimate from the layer's tensors, per token of compute dtype c: a layer keeps for its backward its
@@ -92,7 +95,9 @@ def activations(config, rows: int, T: int, *, train: bool, remat: bool, value_he
     gated = 3 if config.model_type == "llama" else 2
     xla_scores = backend != "gpu" or c == 4 or (train and config.attention_dropout > 0)
     scores = H * T * T * 4 if xla_scores else 0  # one [H, T, T] fp32 array per sequence
-    layer = T * (7 * D + gated * F) * c + 3.5 * scores  # one layer's saved tensors per sequence: scores, probs (2 dtypes)
+    layer = (
+        T * (7 * D + gated * F) * c + 3.5 * scores
+    )  # one layer's saved tensors per sequence: scores, probs (2 dtypes)
     head = T * 4 if value_head else (head_len or T) * config.vocab_size * 4
     if not train:  # one layer at a time (fewer of its tensors live at once than a backward keeps), then the head;
         a = 4 if backend == "cpu" else c  # XLA's CPU backend computes bf16 in fp32
@@ -144,8 +149,10 @@ class Plan:
         lines.append("-" * len(head))
         lines.append("total".ljust(width) + "".join(f"{self.phase_bytes(p) / unit:12.3f}" for p in self.phases))
         cap = "no limit given" if self.capacity is None else f"{self.capacity / GiB:.2f} GiB"
-        lines.append(f"peak {self.peak / GiB:.3f} GiB per device in {self.peak_phase}; capacity {cap}"
-                     + ("" if self.fits else " -- DOES NOT FIT"))
+        lines.append(
+            f"peak {self.peak / GiB:.3f} GiB per device in {self.peak_phase}; capacity {cap}"
+            + ("" if self.fits else " -- DOES NOT FIT")
+        )
         return "\n".join(lines + self.notes)
 
 
@@ -159,26 +166,48 @@ def _model(config, side, precision: str, mesh, value_head: bool) -> dict[str, in
     state = jax.eval_shape(lambda p: init_state(p, side.lora, tx, jax.random.key(0)), params)
     adapted = adapted_mask(params, side.lora) if side.lora.dim else jax.tree.map(lambda _: False, params)
     shared = jax.tree.map(lambda _: True, params) if side.lora.only_optimize_lora else adapted  # engine.never_moves
-    leaves = list(zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(adapted), jax.tree.leaves(shared)))
+    leaves = list(
+        zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(adapted), jax.tree.leaves(shared))
+    )
     compute = jax.ShapeDtypeStruct
     # one layer's float32 copy of each adapted kernel
-    layer_fp32 = [_leaf_bytes(path_str(p), compute(x.shape, jnp.float32), "fsdp", mesh) // (x.shape[0] if x.ndim == 3 else 1)
-                  for (p, x), a, _ in leaves if a]
+    layer_fp32 = [
+        _leaf_bytes(path_str(p), compute(x.shape, jnp.float32), "fsdp", mesh) // (x.shape[0] if x.ndim == 3 else 1)
+        for (p, x), a, _ in leaves
+        if a
+    ]
     return {
         "weights": shard_bytes({k: state[k] for k in ("trainable", "frozen")}, "fsdp", mesh),
         "optimizer": shard_bytes(state["opt"], "fsdp", mesh),
         "gradients": shard_bytes(state["trainable"], "fsdp", mesh),
-        "twin": sum(_leaf_bytes(path_str(p), compute(x.shape, config.compute_dtype), "fsdp", mesh)
-                    for (p, x), _, s in leaves if not s),
+        "twin": sum(
+            _leaf_bytes(path_str(p), compute(x.shape, config.compute_dtype), "fsdp", mesh)
+            for (p, x), _, s in leaves
+            if not s
+        ),
         "fused": sum(layer_fp32),  # the steps and scoring fuse one layer at a time (lora.attach)
-        "delta": max(layer_fp32, default=0),  # the generation copy is built one layer at a time (generate.decode_params)
+        "delta": max(
+            layer_fp32, default=0
+        ),  # the generation copy is built one layer at a time (generate.decode_params)
         "master": shard_bytes(params, "fsdp", mesh),
         "tp_compute": shard_bytes(_cast(params, config.compute_dtype), "tp", mesh),
     }
 
 
-def plan(cfg, actor_config, critic_config, mesh, *, batch: int, prompt_len: int, capacity: int | None = None,
-         backend: str | None = None, experiences: int = 1, unsup_rows: int = 0, unsup_len: int = 0) -> Plan:
+def plan(
+    cfg,
+    actor_config,
+    critic_config,
+    mesh,
+    *,
+    batch: int,
+    prompt_len: int,
+    capacity: int | None = None,
+    backend: str | None = None,
+    experiences: int = 1,
+    unsup_rows: int = 0,
+    unsup_len: int = 0,
+) -> Plan:
     """The memory plan of Step 3 (`cfg`: an EngineConfig, e.g. a PPOConfig) on `mesh` (a Mesh or AbstractMesh)
     for generation batches of `batch` rows (answers: prompts x num_samples_per_prompt) of `prompt_len` + answer tokens,
     `experiences` of them kept per iteration (generation_batches), and a mixture LM batch of `unsup_rows` x `unsup_len`
@@ -202,38 +231,66 @@ def plan(cfg, actor_config, critic_config, mesh, *, batch: int, prompt_len: int,
     # a training step runs one micro-batch at a time, summing into a second gradient tree: gradient_accumulation_steps
     # of them, or packed (max_tokens_per_micro_batch) at most budget // T rows of the widest width T per device
     budget = getattr(cfg, "max_tokens_per_micro_batch", 0)
-    micro = lambda n, side: (min(max(budget // T, 1), 2 ** math.ceil(math.log2(-(-n // N)))) if budget
-                             else -(-n // (N * side.optim.gradient_accumulation_steps)))
+    micro = lambda n, side: (
+        min(max(budget // T, 1), 2 ** math.ceil(math.log2(-(-n // N))))
+        if budget
+        else -(-n // (N * side.optim.gradient_accumulation_steps))
+    )
     # the actor's log-probs take the LM head on the answer's positions only (engine._answer_logprobs); scoring runs
     # in the actor's micro-batches (engine._score)
     act = lambda config, side, value_head, train, n=batch, length=T, head_len=G + 1: activations(
-        config, micro(n, side if train else cfg.actor), length, train=train, remat=side.remat, value_head=value_head,
-        backend=backend, head_len=head_len)
+        config,
+        micro(n, side if train else cfg.actor),
+        length,
+        train=train,
+        remat=side.remat,
+        value_head=value_head,
+        backend=backend,
+        head_len=head_len,
+    )
     grads = lambda x, side: x["gradients"] * (2 if budget or side.optim.gradient_accumulation_steps > 1 else 1)
     items = {
-        "actor weights": a["weights"], "actor optimizer": a["optimizer"],
-        "critic weights": c["weights"], "critic optimizer": c["optimizer"],
-        "reference (own leaves)": a["twin"], "reward (own leaves)": c["twin"] if cfg.reward.model_scale else 0,
+        "actor weights": a["weights"],
+        "actor optimizer": a["optimizer"],
+        "critic weights": c["weights"],
+        "critic optimizer": c["optimizer"],
+        "reference (own leaves)": a["twin"],
+        "reward (own leaves)": c["twin"] if cfg.reward.model_scale else 0,
         "ema": a["master"] * (2 if cfg.precision == "pure_bf16" else 1) if cfg.enable_ema else 0,  # float32
-        "switch: one layer gathered": switch, "TP generation copy": a["tp_compute"],
+        "switch: one layer gathered": switch,
+        "TP generation copy": a["tp_compute"],
         "switch: fp32 LoRA delta": a["delta"],
-        "KV cache": cache, "generation activations": head + gen_rows * T * actor_config.hidden_size * 4 * 4,
+        "KV cache": cache,
+        "generation activations": head + gen_rows * T * actor_config.hidden_size * 4 * 4,
         "fused LoRA kernels": a["fused"] + c["fused"],
-        "scoring activations": max(act(actor_config, cfg.actor, False, False), act(critic_config, cfg.critic, True, False))
+        "scoring activations": max(
+            act(actor_config, cfg.actor, False, False), act(critic_config, cfg.critic, True, False)
+        )
         + max(gather_a, gather_c),
-        "actor gradients": grads(a, cfg.actor), "actor fused LoRA": a["fused"],
-        "actor step activations": act(actor_config, cfg.actor, False, True) + gather_a
+        "actor gradients": grads(a, cfg.actor),
+        "actor fused LoRA": a["fused"],
+        "actor step activations": act(actor_config, cfg.actor, False, True)
+        + gather_a
         + (unsup_rows and act(actor_config, cfg.actor, False, True, unsup_rows, unsup_len, unsup_len)),
-        "critic gradients": grads(c, cfg.critic), "critic fused LoRA": c["fused"],
+        "critic gradients": grads(c, cfg.critic),
+        "critic fused LoRA": c["fused"],
         "critic step activations": act(critic_config, cfg.critic, True, True) + gather_c,
         "experience": experiences * rows * T * 4 * 12,
     }
     if critic_free:  # no critic: its items count nothing (kept as rows, so a table shows what is saved)
         items.update({k: 0 for k in items if k.startswith("critic")})
-    offloaded = {"actor optimizer": cfg.actor.offload, "critic optimizer": cfg.critic.offload,
-                 "reference (own leaves)": cfg.offload_reference_model, "reward (own leaves)": cfg.offload_reward_model}
-    uses = {"actor optimizer": "actor_step", "critic optimizer": "critic_step",
-            "reference (own leaves)": "score", "reward (own leaves)": "score"}
+    offloaded = {
+        "actor optimizer": cfg.actor.offload,
+        "critic optimizer": cfg.critic.offload,
+        "reference (own leaves)": cfg.offload_reference_model,
+        "reward (own leaves)": cfg.offload_reward_model,
+    }
+    uses = {
+        "actor optimizer": "actor_step",
+        "critic optimizer": "critic_step",
+        "reference (own leaves)": "score",
+        "reward (own leaves)": "score",
+    }
     resident = ["actor weights", "critic weights", "ema"] + [i for i in offloaded if not offloaded[i]]
     phases = {
         "reshard": ["switch: one layer gathered", "switch: fp32 LoRA delta", "TP generation copy"],
@@ -246,10 +303,13 @@ def plan(cfg, actor_config, critic_config, mesh, *, batch: int, prompt_len: int,
         del phases["critic_step"]
     for phase, held in phases.items():
         held[:0] = resident + [i for i, on in offloaded.items() if on and uses[i] == phase]
-    notes = [f"{N} device(s), inference_tp_size {tp}, batch {batch}, {prompt_len} + {G} tokens, precision "
-             f"{cfg.precision}, backend {backend}, micro-batches "
-             + (f"of {budget} tokens per device" if budget else "of gradient_accumulation_steps") + "; offloaded to host: "
-             + (", ".join(i for i, on in offloaded.items() if on) or "nothing")]
+    notes = [
+        f"{N} device(s), inference_tp_size {tp}, batch {batch}, {prompt_len} + {G} tokens, precision "
+        f"{cfg.precision}, backend {backend}, micro-batches "
+        + (f"of {budget} tokens per device" if budget else "of gradient_accumulation_steps")
+        + "; offloaded to host: "
+        + (", ".join(i for i, on in offloaded.items() if on) or "nothing")
+    ]
     return Plan(items, phases, capacity, notes, host=sum(items[i] for i, on in offloaded.items() if on))
 
 
@@ -289,17 +349,31 @@ def ppo_plan(cfg, mesh, actor_config=None, critic_config=None, backend=None) -> 
     """The plan of a PPOConfig on `mesh`: its batch (x num_samples_per_prompt answers), prompt length and capacity
     (device_memory_gib); a critic-free one notes what PPO with the same batch would need (what dropping the critic saves)."""
     unsup = bool(cfg.data.unsupervised_data_path) and cfg.unsup_coef > 0
-    actor_config, critic_config = actor_config or model_config(cfg, cfg.actor), critic_config or model_config(cfg, cfg.critic)
-    p = plan(cfg, actor_config, critic_config, mesh, batch=cfg.batch_size * cfg.num_samples_per_prompt,
-             prompt_len=cfg.data.max_prompt_len, capacity=capacity(cfg.device_memory_gib), backend=backend,
-             experiences=cfg.generation_batches, unsup_rows=(cfg.unsup_batch_size or cfg.batch_size) if unsup else 0,
-             unsup_len=cfg.data.max_seq_len)
+    actor_config, critic_config = (
+        actor_config or model_config(cfg, cfg.actor),
+        critic_config or model_config(cfg, cfg.critic),
+    )
+    p = plan(
+        cfg,
+        actor_config,
+        critic_config,
+        mesh,
+        batch=cfg.batch_size * cfg.num_samples_per_prompt,
+        prompt_len=cfg.data.max_prompt_len,
+        capacity=capacity(cfg.device_memory_gib),
+        backend=backend,
+        experiences=cfg.generation_batches,
+        unsup_rows=(cfg.unsup_batch_size or cfg.batch_size) if unsup else 0,
+        unsup_len=cfg.data.max_seq_len,
+    )
     if cfg.critic_free:
         ppo = ppo_plan(dataclasses.replace(cfg, algorithm="ppo"), mesh, actor_config, critic_config, backend)
         unit, name = (GiB, "GiB") if ppo.peak >= GiB else (2**20, "MiB")
-        p.notes.append(f"{cfg.algorithm} trains no critic: peak {p.peak / unit:.3f} {name} per device, PPO's with this batch "
-                       f"{ppo.peak / unit:.3f} {name} (saves {(ppo.peak - p.peak) / unit:.3f} {name}: no critic weights, "
-                       "optimizer, gradients or step; the reward model holds all its leaves)")
+        p.notes.append(
+            f"{cfg.algorithm} trains no critic: peak {p.peak / unit:.3f} {name} per device, PPO's with this batch "
+            f"{ppo.peak / unit:.3f} {name} (saves {(ppo.peak - p.peak) / unit:.3f} {name}: no critic weights, "
+            "optimizer, gradients or step; the reward model holds all its leaves)"
+        )
     return p
 
 
@@ -310,18 +384,32 @@ def alternatives(cfg, mesh, actor_config, critic_config, backend=None) -> list[t
     names = ("actor",) if getattr(cfg, "critic_free", False) else ("actor", "critic")  # the trained sides
     keys = lambda key: " ".join(f"{n}.{key}" for n in names)  # noqa: E731
     sides = lambda **kw: {n: replace(getattr(cfg, n), **kw) for n in names}  # noqa: E731
-    lora = {n: replace(getattr(cfg, n), lora=replace(getattr(cfg, n).lora, dim=getattr(cfg, n).lora.dim or 128,
-                                                     only_optimize_lora=True)) for n in names}
+    lora = {
+        n: replace(
+            getattr(cfg, n),
+            lora=replace(getattr(cfg, n).lora, dim=getattr(cfg, n).lora.dim or 128, only_optimize_lora=True),
+        )
+        for n in names
+    }
     options = []
     if not all(getattr(cfg, n).lora.only_optimize_lora for n in names):
-        options.append((f"LoRA only ({keys('lora.dim')} 128, lora.only_optimize_lora=true)", replace(cfg, **lora), mesh))
+        options.append(
+            (f"LoRA only ({keys('lora.dim')} 128, lora.only_optimize_lora=true)", replace(cfg, **lora), mesh)
+        )
     if cfg.precision != "pure_bf16":
-        options.append(("precision=pure_bf16 (bf16 master weights and optimizer state)", replace(cfg, precision="pure_bf16"), mesh))
+        options.append(
+            ("precision=pure_bf16 (bf16 master weights and optimizer state)", replace(cfg, precision="pure_bf16"), mesh)
+        )
     if not all(getattr(cfg, n).remat for n in names):
         options.append((f"remat ({keys('remat')} =true)", replace(cfg, **sides(remat=True)), mesh))
     if not (all(getattr(cfg, n).offload for n in names) and cfg.offload_reference_model and cfg.offload_reward_model):
-        options.append((f"offload ({keys('offload')} offload_reference_model offload_reward_model =true)",
-                        replace(cfg, **sides(offload=True), offload_reference_model=True, offload_reward_model=True), mesh))
+        options.append(
+            (
+                f"offload ({keys('offload')} offload_reference_model offload_reward_model =true)",
+                replace(cfg, **sides(offload=True), offload_reference_model=True, offload_reward_model=True),
+                mesh,
+            )
+        )
     N, tp = mesh.size, mesh.shape["model"]
     budget, T = getattr(cfg, "max_tokens_per_micro_batch", 0), cfg.data.max_prompt_len + cfg.max_answer_len
     while budget and budget // 2 >= T:
@@ -330,8 +418,13 @@ def alternatives(cfg, mesh, actor_config, critic_config, backend=None) -> list[t
     k = 2
     while not cfg.max_tokens_per_micro_batch and (cfg.batch_size // N) % k == 0:
         optim = lambda n: replace(getattr(cfg, n).optim, gradient_accumulation_steps=k)
-        options.append((f"gradient_accumulation_steps={k} (actor.optim. and critic.optim.)",
-                        replace(cfg, **{n: replace(getattr(cfg, n), optim=optim(n)) for n in ("actor", "critic")}), mesh))
+        options.append(
+            (
+                f"gradient_accumulation_steps={k} (actor.optim. and critic.optim.)",
+                replace(cfg, **{n: replace(getattr(cfg, n), optim=optim(n)) for n in ("actor", "critic")}),
+                mesh,
+            )
+        )
         k *= 2
     batch = cfg.batch_size // 2
     while batch >= N and batch % N == 0:
@@ -339,8 +432,11 @@ def alternatives(cfg, mesh, actor_config, critic_config, backend=None) -> list[t
         batch //= 2
     options += [(f"{N * k} devices", cfg, abstract_mesh(N * k, tp)) for k in (2, 4, 8)]
     heads = actor_config.num_attention_heads
-    options += [(f"inference_tp_size={t}", replace(cfg, inference_tp_size=t), abstract_mesh(N, t))
-                for t in (2 * tp, 4 * tp, 8 * tp) if N % t == 0 and heads % t == 0]
+    options += [
+        (f"inference_tp_size={t}", replace(cfg, inference_tp_size=t), abstract_mesh(N, t))
+        for t in (2 * tp, 4 * tp, 8 * tp)
+        if N % t == 0 and heads % t == 0
+    ]
     kind = lambda name: "devices" if name[0].isdigit() else name.split("=")[0]
     return [(kind(name), name, ppo_plan(c, m, actor_config, critic_config, backend)) for name, c, m in options]
 
@@ -350,9 +446,11 @@ def check(cfg, mesh, actor_config=None, critic_config=None, backend=None) -> Pla
     message names the phase, the largest item and what each option would need."""
     T = cfg.data.max_prompt_len + cfg.max_answer_len
     if 0 < cfg.max_tokens_per_micro_batch < T:
-        raise ConfigError(f"max_tokens_per_micro_batch {cfg.max_tokens_per_micro_batch} is below one sequence's "
-                          f"data.max_prompt_len + max_answer_len = {T} tokens: set it to at least {T} (0: padded "
-                          "micro-batches of gradient_accumulation_steps)")
+        raise ConfigError(
+            f"max_tokens_per_micro_batch {cfg.max_tokens_per_micro_batch} is below one sequence's "
+            f"data.max_prompt_len + max_answer_len = {T} tokens: set it to at least {T} (0: padded "
+            "micro-batches of gradient_accumulation_steps)"
+        )
     actor_config = actor_config or model_config(cfg, cfg.actor)
     critic_config = critic_config or model_config(cfg, cfg.critic)
     p = ppo_plan(cfg, mesh, actor_config, critic_config, backend)
@@ -363,13 +461,16 @@ def check(cfg, mesh, actor_config=None, critic_config=None, backend=None) -> Pla
             f"out of host memory before starting: offload puts {p.host * local / 1e9:.1f} GB in pinned host memory "
             f"({local} device(s) x {p.host / GiB:.2f} GiB), above XLA's pinned-host pool of {limit / 1e9:.0f} GB. "
             f"Start with XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={math.ceil(p.host * local / 1e9 * 1.1)} (if the host has "
-            "that much memory) or offload less (actor/critic.offload, offload_reference_model, offload_reward_model)")
+            "that much memory) or offload less (actor/critic.offload, offload_reference_model, offload_reward_model)"
+        )
     if p.fits:
         return p
     item, size = p.largest()
-    lines = [f"out of memory before starting: Step 3 needs {p.peak / GiB:.2f} GiB per device in {p.peak_phase}, the "
-             f"device has {p.capacity / GiB:.2f} GiB (device_memory_gib or the device's bytes_limit); the largest item "
-             f"there is {item} ({size / GiB:.2f} GiB). Options (peak per device with each alone):"]
+    lines = [
+        f"out of memory before starting: Step 3 needs {p.peak / GiB:.2f} GiB per device in {p.peak_phase}, the "
+        f"device has {p.capacity / GiB:.2f} GiB (device_memory_gib or the device's bytes_limit); the largest item "
+        f"there is {item} ({size / GiB:.2f} GiB). Options (peak per device with each alone):"
+    ]
     shown = {}  # per kind of option: the first that fits (the largest batch, the fewest devices), else the last tried
     for kind, name, q in alternatives(cfg, mesh, actor_config, critic_config, backend):
         if kind not in shown or not shown[kind][1].fits:
@@ -424,6 +525,7 @@ def measure(engine, prompt_batch: dict) -> dict[str, int]:
             phase = current["phase"]
             peaks[phase] = max(peaks.get(phase, 0), device_bytes(device) + program)
             return fn(*args, **kwargs)
+
         return run
 
     timed = engine._timed
@@ -433,13 +535,22 @@ def measure(engine, prompt_batch: dict) -> dict[str, int]:
         return timed(phase, fn, *args)
 
     identity = sharding_mod._identity
-    patches = [mock.patch.object(engine, "_timed", in_phase),
-               mock.patch.object(sharding_mod, "_identity", lambda shardings: probe(identity(shardings))),
-               mock.patch.object(generate_mod, "_generate", probe(generate_mod._generate))]
-    patches += [mock.patch.object(generate_mod, n, probe(getattr(generate_mod, n))) for n in ("_decode_one_layer", "_decode_rest")]
-    programs = {rl_engine: ("score", "advantages", "padded_experience_jit", "score_packed"),  # as the engine calls them
-                rl_steps: ("actor_update", "critic_update", "zero_accumulator", "accumulate", "apply")}
-    patches += [mock.patch.object(module, n, probe(getattr(module, n))) for module, names in programs.items() for n in names]
+    patches = [
+        mock.patch.object(engine, "_timed", in_phase),
+        mock.patch.object(sharding_mod, "_identity", lambda shardings: probe(identity(shardings))),
+        mock.patch.object(generate_mod, "_generate", probe(generate_mod._generate)),
+    ]
+    patches += [
+        mock.patch.object(generate_mod, n, probe(getattr(generate_mod, n)))
+        for n in ("_decode_one_layer", "_decode_rest")
+    ]
+    programs = {
+        rl_engine: ("score", "advantages", "padded_experience_jit", "score_packed"),  # as the engine calls them
+        rl_steps: ("actor_update", "critic_update", "zero_accumulator", "accumulate", "apply"),
+    }
+    patches += [
+        mock.patch.object(module, n, probe(getattr(module, n))) for module, names in programs.items() for n in names
+    ]
     for p in patches:
         p.start()
     try:
@@ -454,7 +565,9 @@ def main(argv=None):
     """python -m jaxrlhf.plan CONFIG [key=value ...] [--devices N]: print the plan of a Step 3 config."""
 
     def flags(parser):
-        parser.add_argument("--devices", type=int, default=0, help="plan for this many devices (default: the ones here)")
+        parser.add_argument(
+            "--devices", type=int, default=0, help="plan for this many devices (default: the ones here)"
+        )
         parser.add_argument("--backend", default=None, help="gpu, tpu or cpu (default: this machine's)")
 
     try:

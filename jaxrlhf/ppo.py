@@ -56,17 +56,27 @@ def check(cfg: PPOConfig, mesh):
     """Refuse what cannot run on `mesh`, before anything is loaded or compiled."""
     for name in ("actor", "critic") if needs_critic_model(cfg) else ("actor",):
         if not getattr(cfg, name).model:
-            raise ConfigError(f"{name}.model: required, a Hugging Face folder (the Step {1 if name == 'actor' else 2} model)")
+            raise ConfigError(
+                f"{name}.model: required, a Hugging Face folder (the Step {1 if name == 'actor' else 2} model)"
+            )
     if cfg.critic_free:  # settings that would change nothing are refused rather than ignored
         for key, on in (("critic.lora.dim", cfg.critic.lora.dim), ("critic.offload", cfg.critic.offload)):
             if on:
-                raise ConfigError(f"{key}: algorithm {cfg.algorithm} trains no critic (critic.model is its reward model "
-                                  "only); leave the critic's training settings unset")
+                raise ConfigError(
+                    f"{key}: algorithm {cfg.algorithm} trains no critic (critic.model is its reward model "
+                    "only); leave the critic's training settings unset"
+                )
     n = cfg.num_samples_per_prompt
-    for name, rows in (("batch_size", cfg.batch_size * n), ("unsup_batch_size", cfg.unsup_batch_size or cfg.batch_size)):
+    for name, rows in (
+        ("batch_size", cfg.batch_size * n),
+        ("unsup_batch_size", cfg.unsup_batch_size or cfg.batch_size),
+    ):
         if rows % mesh.size:
-            what = f"batch_size {cfg.batch_size} x num_samples_per_prompt {n} = {rows} answers" if name == "batch_size" and n > 1 \
+            what = (
+                f"batch_size {cfg.batch_size} x num_samples_per_prompt {n} = {rows} answers"
+                if name == "batch_size" and n > 1
                 else f"{name} {rows}"
+            )
             raise ConfigError(f"{what} does not split over the {mesh.size} devices; use a multiple of {mesh.size}")
         try:
             check_accumulation(cfg, rows, mesh.size)
@@ -76,14 +86,22 @@ def check(cfg: PPOConfig, mesh):
         raise ConfigError(f"max_skipped_steps: expected >= 1, got {cfg.max_skipped_steps}")
     local = jax.local_device_count()
     if jax.process_count() > 1 and local % cfg.inference_tp_size:  # each process loads its own prompts
-        raise ConfigError(f"inference_tp_size {cfg.inference_tp_size} would span processes ({local} devices each): "
-                          f"a generation group must sit in one process; use a divisor of {local}")
+        raise ConfigError(
+            f"inference_tp_size {cfg.inference_tp_size} would span processes ({local} devices each): "
+            f"a generation group must sit in one process; use a divisor of {local}"
+        )
 
 
 def side_run(cfg: PPOConfig, side: ModelSide) -> RunConfig:
     """The Step 1/2 run settings that load one side's model (trainer.load_model)."""
-    return RunConfig(model=side.model, tokenizer=cfg.tokenizer or cfg.actor.model, precision=cfg.precision,
-                     remat=side.remat, dropout=side.dropout, seed=cfg.seed)
+    return RunConfig(
+        model=side.model,
+        tokenizer=cfg.tokenizer or cfg.actor.model,
+        precision=cfg.precision,
+        remat=side.remat,
+        dropout=side.dropout,
+        seed=cfg.seed,
+    )
 
 
 def gold_rewards(tokenizer, exp) -> list[float]:
@@ -162,8 +180,10 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
     """Step 3 from the Step 1 and 2 folders to the exported actor/critic; returns the engine, the logged
     records and the HF folders."""
     mesh = mesh or make_mesh(cfg.inference_tp_size)
-    log(f"mesh {dict(mesh.shape)}: {mesh.size} devices, {jax.process_count()} process(es), this is process "
-        f"{jax.process_index()}")
+    log(
+        f"mesh {dict(mesh.shape)}: {mesh.size} devices, {jax.process_count()} process(es), this is process "
+        f"{jax.process_index()}"
+    )
     if jax.process_index() != 0:  # the others run silently (errors still reach their stderr)
         log = lambda _: None  # noqa: E731
     check(cfg, mesh)
@@ -171,20 +191,28 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
     manager = loop.checkpoint_manager(out, cfg.keep_checkpoints)
     if start_run(cfg, [out / name for name in export_names(cfg)], manager.latest_step(), INPUTS, log=log):
         manager.close()
-        return {"engine": None, "records": [], "folders": {name: out / name for name in export_names(cfg)},
-                "tokenizer": None, "skipped": True}
+        return {
+            "engine": None,
+            "records": [],
+            "folders": {name: out / name for name in export_names(cfg)},
+            "tokenizer": None,
+            "skipped": True,
+        }
     for who, side in (("actor ", cfg.actor), *(() if cfg.critic_free else (("critic ", cfg.critic),))):
         if warning := precision_warning(cfg.precision, side.optim, side.lora, who):
             log(warning)
     log(memory_plan.check(cfg, mesh).table())  # refuses a config that cannot fit, before loading or compiling
     # The critic first: a folder without a trained value head is refused before the actor loads.
-    critic_config, critic_params, _ = (load_model(side_run(cfg, cfg.critic), value_head=True) if needs_critic_model(cfg)
-                                       else (None, None, None))
+    critic_config, critic_params, _ = (
+        load_model(side_run(cfg, cfg.critic), value_head=True) if needs_critic_model(cfg) else (None, None, None)
+    )
     actor_config, actor_params, tokenizer = load_model(side_run(cfg, cfg.actor), value_head=False)
     positions = actor_config.max_position_embeddings
     if cfg.data.max_prompt_len + cfg.max_answer_len > positions:
-        raise ConfigError(f"data.max_prompt_len ({cfg.data.max_prompt_len}) + max_answer_len ({cfg.max_answer_len}) "
-                          f"exceeds the actor's {positions} positions")
+        raise ConfigError(
+            f"data.max_prompt_len ({cfg.data.max_prompt_len}) + max_answer_len ({cfg.max_answer_len}) "
+            f"exceeds the actor's {positions} positions"
+        )
     pad = tokenizer.pad_token_id
     data = prepare(cfg.data, 3, tokenizer, log=log)
     proc = dict(process_index=jax.process_index(), process_count=jax.process_count())
@@ -195,17 +223,35 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
         unsup = Batches(blocks, "unsupervised", cfg.unsup_batch_size or cfg.batch_size, cfg.data, pad, **proc)
     iterations = cfg.max_steps or cfg.epochs * (len(prompts) // cfg.generation_batches)
     if iterations <= 0:
-        raise ConfigError(f"nothing to train: {len(prompts)} prompt batches for generation_batches {cfg.generation_batches}")
-    engine = HybridEngine(cfg, mesh, (actor_config, actor_params), (critic_config, critic_params),
-                          total_steps=iterations * cfg.generation_batches * cfg.ppo_epochs,
-                          eos_id=tokenizer.eos_token_id, pad_id=pad)
+        raise ConfigError(
+            f"nothing to train: {len(prompts)} prompt batches for generation_batches {cfg.generation_batches}"
+        )
+    engine = HybridEngine(
+        cfg,
+        mesh,
+        (actor_config, actor_params),
+        (critic_config, critic_params),
+        total_steps=iterations * cfg.generation_batches * cfg.ppo_epochs,
+        eos_id=tokenizer.eos_token_id,
+        pad_id=pad,
+    )
     del actor_params, critic_params
     step = ppo_iteration(cfg, engine, tokenizer, prompts, unsup, iterations, log)
     engine.state, records = loop.fit(
-        cfg, engine.state, step, lambda window: window[-1], {"prompts": prompts, **({"unsup": unsup} if unsup else {})},
-        total=iterations, manager=manager, metrics_log=MetricsLog(out, cfg.report_to, settings(cfg, INPUTS)),
-        shardings=engine.shardings(), counter=("iteration", cfg.generation_batches), desc=cfg.algorithm, log=log,
-        shown=("reward", "gold_reward", "kl", "answer_len", "samples_per_s"))
+        cfg,
+        engine.state,
+        step,
+        lambda window: window[-1],
+        {"prompts": prompts, **({"unsup": unsup} if unsup else {})},
+        total=iterations,
+        manager=manager,
+        metrics_log=MetricsLog(out, cfg.report_to, settings(cfg, INPUTS)),
+        shardings=engine.shardings(),
+        counter=("iteration", cfg.generation_batches),
+        desc=cfg.algorithm,
+        log=log,
+        shown=("reward", "gold_reward", "kl", "answer_len", "samples_per_s"),
+    )
     folders = export(engine, cfg, tokenizer)
     log(f"Step 3 done: Hugging Face models in {', '.join(str(f) for f in folders.values())}")
     return {"engine": engine, "records": records, "folders": folders, "tokenizer": tokenizer}
@@ -223,26 +269,45 @@ def ppo_iteration(cfg: PPOConfig, engine: HybridEngine, tokenizer, prompts, unsu
     def step(state, it):
         nonlocal tracker
         if tracker is None:  # resume: the alarms' history replayed from the iterations before this one
-            tracker = AlarmTracker(cfg.alarms, history=training_records(Path(cfg.output_dir) / "metrics.jsonl", upto=it - 1))
+            tracker = AlarmTracker(
+                cfg.alarms, history=training_records(Path(cfg.output_dir) / "metrics.jsonl", upto=it - 1)
+            )
         engine.state = state
         engine.offload()  # a restored state's offloaded optimizer states back in host memory (else a no-op)
         clock, engine.timings = time.perf_counter(), {}
         experiences = [engine.generate_experience(next(prompt_iter), starter) for _ in range(cfg.generation_batches)]
-        stats = [engine.train_rlhf(exp, next(unsup_iter) if unsup_iter else None)
-                 for _ in range(cfg.ppo_epochs) for exp in experiences]
-        skips = [(name, s[f"{name}_skipped"], f"iteration {it}, PPO epoch {i // cfg.generation_batches + 1}, "
-                  f"batch {i % cfg.generation_batches + 1}, {name}") for i, s in enumerate(stats) for name in engine.trained]
+        stats = [
+            engine.train_rlhf(exp, next(unsup_iter) if unsup_iter else None)
+            for _ in range(cfg.ppo_epochs)
+            for exp in experiences
+        ]
+        skips = [
+            (
+                name,
+                s[f"{name}_skipped"],
+                f"iteration {it}, PPO epoch {i // cfg.generation_batches + 1}, "
+                f"batch {i % cfg.generation_batches + 1}, {name}",
+            )
+            for i, s in enumerate(stats)
+            for name in engine.trained
+        ]
         seconds = time.perf_counter() - clock
         samples = cfg.batch_size * cfg.num_samples_per_prompt * cfg.generation_batches  # answers
         figures = {k: float(np.mean([s[k] for s in stats])) for k in stats[0]}
         figures.update({f"{k}_skipped": float(sum(s[f"{k}_skipped"] for s in stats)) for k in engine.trained})  # counts
-        figures.update({f"{p}_s": engine.timings.get(p, 0.0) for p in PHASES}, iteration_s=seconds,
-                       samples_per_s=samples / seconds, reshard_bytes=engine.reshard_bytes,
-                       tflops=effective_tflops(engine, samples, experiences[0]["seq"].shape[1], seconds, cfg.ppo_epochs))
+        figures.update(
+            {f"{p}_s": engine.timings.get(p, 0.0) for p in PHASES},
+            iteration_s=seconds,
+            samples_per_s=samples / seconds,
+            reshard_bytes=engine.reshard_bytes,
+            tflops=effective_tflops(engine, samples, experiences[0]["seq"].shape[1], seconds, cfg.ppo_epochs),
+        )
         if peak_memory() is not None:
             figures["peak_memory_bytes"] = peak_memory()
         logged = it % cfg.log_every == 0 or it == iterations
-        host = host_experiences(experiences) if synthetic or cfg.alarms.enabled or (cfg.print_answers and logged) else None
+        host = (
+            host_experiences(experiences) if synthetic or cfg.alarms.enabled or (cfg.print_answers and logged) else None
+        )
         if synthetic:
             figures["gold_reward"] = float(np.mean([g for e in host for g in gold_rewards(tokenizer, e)]))
         if cfg.alarms.enabled:  # signs of reward hacking: logged when they start, on the bar while they last

@@ -46,17 +46,28 @@ def reward_loss_fn(config, kind: str):
         mask = jnp.concatenate([batch["chosen_mask"], batch["rejected_mask"]])
         v = values(config, params, ids, mask, dropout_rng=key)
         n = batch["chosen_ids"].shape[0]
-        return reward_loss(v[:n], v[n:], batch["chosen_ids"], batch["rejected_ids"], batch["chosen_mask"],
-                           batch["rejected_mask"], kind=kind)
+        return reward_loss(
+            v[:n],
+            v[n:],
+            batch["chosen_ids"],
+            batch["rejected_ids"],
+            batch["chosen_mask"],
+            batch["rejected_mask"],
+            kind=kind,
+        )
 
     return loss_fn
 
 
 def summarise(sums) -> dict:
     pairs = max(float(sums["pairs"]), 1.0)
-    return {"loss": float(sums["loss"]) / max(float(sums["count"]), 1.0), "accuracy": float(sums["accuracy"]) / pairs,
-            "chosen_score": float(sums["chosen_score"]) / pairs, "rejected_score": float(sums["rejected_score"]) / pairs,
-            "pairs": int(sums["pairs"])}
+    return {
+        "loss": float(sums["loss"]) / max(float(sums["count"]), 1.0),
+        "accuracy": float(sums["accuracy"]) / pairs,
+        "chosen_score": float(sums["chosen_score"]) / pairs,
+        "rejected_score": float(sums["rejected_score"]) / pairs,
+        "pairs": int(sums["pairs"]),
+    }
 
 
 def score_texts(config, params, tokenizer, prompts: list[str], answers: list[str], max_len: int = 512, batch: int = 8):
@@ -75,11 +86,17 @@ def score_texts(config, params, tokenizer, prompts: list[str], answers: list[str
 def score(cfg: RewardConfig, log=print) -> list[dict]:
     config, params, tokenizer = load_model(cfg, value_head=True)
     path = Path(cfg.score_file)
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.suffix == ".jsonl" else json.loads(path.read_text())
+    rows = (
+        [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if path.suffix == ".jsonl"
+        else json.loads(path.read_text())
+    )
     out = []
     for i, row in enumerate(rows):
         if "prompt" not in row or not ({"answer"} <= row.keys() or {"chosen", "rejected"} <= row.keys()):
-            raise DataError(f"{path} row {i}: expected fields prompt + answer, or prompt + chosen + rejected; got {sorted(row)}")
+            raise DataError(
+                f"{path} row {i}: expected fields prompt + answer, or prompt + chosen + rejected; got {sorted(row)}"
+            )
     for row in rows:
         answers = [row["answer"]] if "answer" in row else [row["chosen"], row["rejected"]]
         s = score_texts(config, params, tokenizer, [row["prompt"]] * len(answers), answers, cfg.data.max_seq_len)
@@ -93,12 +110,21 @@ def score(cfg: RewardConfig, log=print) -> list[dict]:
 
 def run(cfg: RewardConfig, log=print, mesh=None) -> dict:
     """Step 2 (see trainer.train); returns the final state, the logged records and the model folder."""
-    return train(cfg, step=2, value_head=True, make_loss=lambda config: reward_loss_fn(config, cfg.loss_kind),
-                 summarise=summarise, log=log, mesh=mesh)
+    return train(
+        cfg,
+        step=2,
+        value_head=True,
+        make_loss=lambda config: reward_loss_fn(config, cfg.loss_kind),
+        summarise=summarise,
+        log=log,
+        mesh=mesh,
+    )
 
 
 def main(argv=None):
-    run_cli(RewardConfig, __doc__, "python -m jaxrlhf.reward", lambda cfg: score(cfg) if cfg.score_file else run(cfg), argv)
+    run_cli(
+        RewardConfig, __doc__, "python -m jaxrlhf.reward", lambda cfg: score(cfg) if cfg.score_file else run(cfg), argv
+    )
 
 
 if __name__ == "__main__":

@@ -41,8 +41,9 @@ class RewardConfig:
     def __post_init__(self):
         check_fields(self)
         if self.weights and len(self.weights) != len(self.functions):
-            raise ConfigError(f"weights: expected one weight per function ({len(self.functions)}), "
-                              f"got {list(self.weights)}")
+            raise ConfigError(
+                f"weights: expected one weight per function ({len(self.functions)}), got {list(self.weights)}"
+            )
         for spec in self.functions:
             load_function(spec)  # a bad name stops the run here, at start-up, before any model loads
         if self.model_scale == 0 and not self.functions:
@@ -62,8 +63,10 @@ def load_function(spec: str):
     try:
         fn = importlib.import_module(module)
     except Exception as e:  # noqa: BLE001 - any failure while importing the user's module is the same setting's fault
-        raise ConfigError(f"functions: cannot import {module!r} for {spec!r} ({type(e).__name__}: "
-                          f"{one_line(e)}); is it on PYTHONPATH?") from None
+        raise ConfigError(
+            f"functions: cannot import {module!r} for {spec!r} ({type(e).__name__}: "
+            f"{one_line(e)}); is it on PYTHONPATH?"
+        ) from None
     for part in name.split("."):
         fn = getattr(fn, part, None)
     if not callable(fn):
@@ -87,8 +90,9 @@ def checked_scores(spec: str, fn, prompts: list[str], answers: list[str], metada
             except Exception as row_error:  # noqa: BLE001
                 where, first = _row(prompts, answers, i), row_error
                 break
-        raise RewardError(f"reward function {spec} raised {type(first).__name__} on {where}: "
-                          f"{one_line(first)}") from first
+        raise RewardError(
+            f"reward function {spec} raised {type(first).__name__} on {where}: {one_line(first)}"
+        ) from first
     name = f"reward function {spec}"
     try:
         scores = np.asarray(out, np.float64)

@@ -49,8 +49,16 @@ def summarise(sums) -> dict:
 def sample_answers(config, params, tokenizer, prompts: list[np.ndarray], n_tokens: int) -> list[str]:
     """Greedy answers (KV-cached generation, stopping at EOS) to tokenized prompts, as text."""
     ids, mask = pad_rows(prompts, max(len(p) for p in prompts), tokenizer.pad_token_id, left=True)
-    out = generate(config, params, ids, mask, jax.random.key(0), max_new_tokens=n_tokens, temperature=0.0,
-                   eos_id=tokenizer.eos_token_id)
+    out = generate(
+        config,
+        params,
+        ids,
+        mask,
+        jax.random.key(0),
+        max_new_tokens=n_tokens,
+        temperature=0.0,
+        eos_id=tokenizer.eos_token_id,
+    )
     return decode_rows(tokenizer, out.tokens, out.mask)
 
 
@@ -64,18 +72,32 @@ def prompt_eval(cfg: SFTConfig):
             return None
         starts = arrays["offsets"][:n]
         prompts = [arrays["tokens"][a : a + length] for a, length in zip(starts, arrays["prompt_len"][:n])]
-        answers = lambda st: sample_answers(config, effective_params(st, cfg.lora), tokenizer, prompts, cfg.sample_tokens)
+        answers = lambda st: sample_answers(
+            config, effective_params(st, cfg.lora), tokenizer, prompts, cfg.sample_tokens
+        )
         before = answers(state)
-        return lambda st: {"samples": [{"prompt": tokenizer.decode(p[1:]), "before": b, "after": a}
-                                       for p, b, a in zip(prompts, before, answers(st))]}
+        return lambda st: {
+            "samples": [
+                {"prompt": tokenizer.decode(p[1:]), "before": b, "after": a}
+                for p, b, a in zip(prompts, before, answers(st))
+            ]
+        }
 
     return make
 
 
 def run(cfg: SFTConfig, log=print, mesh=None) -> dict:
     """Step 1 (see trainer.train); returns the final state, the logged records and the model folder."""
-    return train(cfg, step=1, value_head=False, make_loss=sft_loss, summarise=summarise, log=log, mesh=mesh,
-                 make_on_eval=prompt_eval(cfg))
+    return train(
+        cfg,
+        step=1,
+        value_head=False,
+        make_loss=sft_loss,
+        summarise=summarise,
+        log=log,
+        mesh=mesh,
+        make_on_eval=prompt_eval(cfg),
+    )
 
 
 def main(argv=None):

@@ -28,9 +28,10 @@ import re
 from typing import Any
 
 import jax
-from jax.experimental import mesh_utils
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxrlhf.models import PARAM_AXES
 
@@ -73,7 +74,7 @@ def logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
         return ()
     one_layer = re.search(r"(^|/)layers/\d+/", path)
     if one_layer:  # one layer of the decode layout (layers/3/...): the stacked leaf's axes but the layer axis
-        return logical_axes(path[: one_layer.end() - 1].rpartition("/")[0] + path[one_layer.end() - 1:], ndim + 1)[1:]
+        return logical_axes(path[: one_layer.end() - 1].rpartition("/")[0] + path[one_layer.end() - 1 :], ndim + 1)[1:]
     leaf = path.rpartition("/")[2]
     if leaf in ("lora_a", "lora_b"):  # LoRA factors (jaxrlhf.lora): their kernel's axes, None on the rank
         axes = list(logical_axes(path[: -len(leaf)] + "kernel", ndim))
@@ -93,8 +94,11 @@ def partition_spec(path: str, shape: tuple[int, ...], layout: str, mesh: Mesh) -
     if layout == "fsdp":
         n = mesh.size
         # Prefer the dimension that the generation layout splits, then the largest; never the layer axis.
-        candidates = [(ax in TP_RULES, size, -i) for i, (size, ax) in enumerate(zip(shape, axes))
-                      if ax != "layers" and size % n == 0]
+        candidates = [
+            (ax in TP_RULES, size, -i)
+            for i, (size, ax) in enumerate(zip(shape, axes))
+            if ax != "layers" and size % n == 0
+        ]
         spec = [None] * len(shape)
         if candidates and n > 1:
             spec[-max(candidates)[2]] = FSDP_AXES
@@ -103,9 +107,11 @@ def partition_spec(path: str, shape: tuple[int, ...], layout: str, mesh: Mesh) -
         spec = [TP_RULES.get(ax) for ax in axes]
         for size, ax, mesh_axis in zip(shape, axes, spec):
             if mesh_axis and size % mesh.shape[mesh_axis]:
-                raise LayoutError(f"{path}: its '{ax}' dimension ({size}) does not divide over the "
-                                  f"{mesh.shape[mesh_axis]} devices of mesh axis '{mesh_axis}'; choose an "
-                                  "inference_tp_size that divides it")
+                raise LayoutError(
+                    f"{path}: its '{ax}' dimension ({size}) does not divide over the "
+                    f"{mesh.shape[mesh_axis]} devices of mesh axis '{mesh_axis}'; choose an "
+                    "inference_tp_size that divides it"
+                )
         return P(*spec)
     raise LayoutError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
 
@@ -128,7 +134,9 @@ def check_tp(num_attention_heads: int, mesh: Mesh, num_key_value_heads: int | No
     tp = mesh.shape["model"]
     for name, n in (("num_attention_heads", num_attention_heads), ("num_key_value_heads", num_key_value_heads)):
         if n is not None and n % tp:
-            raise LayoutError(f"{name} ({n}) is not divisible by inference_tp_size ({tp}); choose a tp size that divides it")
+            raise LayoutError(
+                f"{name} ({n}) is not divisible by inference_tp_size ({tp}); choose a tp size that divides it"
+            )
 
 
 @functools.lru_cache(maxsize=64)

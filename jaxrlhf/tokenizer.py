@@ -27,9 +27,16 @@ def opt_tokenizer(path: str | os.PathLike):
     path = Path(path)
     missing = [f for f in _BPE_FILES if not (path / f).is_file()]
     if missing:
-        raise CheckpointError(f"{path}: missing {' and '.join(missing)}; OPT's tokenizer needs vocab.json and merges.txt")
+        raise CheckpointError(
+            f"{path}: missing {' and '.join(missing)}; OPT's tokenizer needs vocab.json and merges.txt"
+        )
     return GPT2Tokenizer.from_pretrained(
-        str(path), bos_token="</s>", eos_token="</s>", unk_token="</s>", pad_token="<pad>", add_bos_token=True,
+        str(path),
+        bos_token="</s>",
+        eos_token="</s>",
+        unk_token="</s>",
+        pad_token="<pad>",
+        add_bos_token=True,
         local_files_only=True,
     )
 
@@ -68,17 +75,28 @@ def sentencepiece_bpe(pieces: list[str], scores: list[float]):
     for i, piece in enumerate(pieces):
         if i < 3 or (piece.startswith("<0x") and len(piece) == 6):
             continue
-        merges += [(-scores[i], i, piece[:j], piece[j:]) for j in range(1, len(piece))
-                   if piece[:j] in vocab and piece[j:] in vocab]
+        merges += [
+            (-scores[i], i, piece[:j], piece[j:])
+            for j in range(1, len(piece))
+            if piece[:j] in vocab and piece[j:] in vocab
+        ]
     merges = [(a, b) for *_, a, b in sorted(merges)]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                       special_tokens=[("<s>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="<unk>", clean_up_tokenization_spaces=False)
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<unk>",
+        clean_up_tokenization_spaces=False,
+    )
 
 
 def decode_rows(tokenizer, ids, mask, skip_first: bool = False) -> list[str]:

@@ -48,8 +48,16 @@ from jaxrlhf.trainer import OptimConfig
 
 BUILTIN = "builtin"
 # The built-in model: small enough to train all three steps on two CPU cores in minutes.
-BUILTIN_MODEL = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=256,
-                     max_position_embeddings=64, word_embed_proj_dim=64, dropout=0.0)
+BUILTIN_MODEL = dict(
+    vocab_size=64,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    ffn_dim=256,
+    max_position_embeddings=64,
+    word_embed_proj_dim=64,
+    dropout=0.0,
+)
 DEMO_DATA = DataConfig(data_path=("synthetic:6000",), data_split="2,4,4", max_seq_len=32, max_prompt_len=24)
 
 
@@ -75,13 +83,33 @@ class TrainConfig:
     eval_samples: int = 4
     #: the datasets and lengths of all three steps
     data: DataConfig = DEMO_DATA
-    sft: SFTConfig = SFTConfig(batch_size=16, max_steps=1500, log_every=100, precision="fp32", sample_prompts=2,
-                               optim=OptimConfig(learning_rate=3e-3, schedule="constant", warmup_steps=20))
-    reward: RewardConfig = RewardConfig(batch_size=16, max_steps=300, log_every=50, precision="fp32", loss_kind="last",
-                                        optim=OptimConfig(learning_rate=1e-3, schedule="constant", warmup_steps=20))
-    ppo: PPOConfig = PPOConfig(batch_size=32, max_steps=300, max_answer_len=8, precision="fp32", kl_coef=0.1,
-                               log_every=10, enable_ema=True, actor=ModelSide(optim=OptimConfig(learning_rate=5e-4, warmup_steps=5)),
-                               critic=ModelSide(optim=OptimConfig(learning_rate=2e-3, warmup_steps=5)))
+    sft: SFTConfig = SFTConfig(
+        batch_size=16,
+        max_steps=1500,
+        log_every=100,
+        precision="fp32",
+        sample_prompts=2,
+        optim=OptimConfig(learning_rate=3e-3, schedule="constant", warmup_steps=20),
+    )
+    reward: RewardConfig = RewardConfig(
+        batch_size=16,
+        max_steps=300,
+        log_every=50,
+        precision="fp32",
+        loss_kind="last",
+        optim=OptimConfig(learning_rate=1e-3, schedule="constant", warmup_steps=20),
+    )
+    ppo: PPOConfig = PPOConfig(
+        batch_size=32,
+        max_steps=300,
+        max_answer_len=8,
+        precision="fp32",
+        kl_coef=0.1,
+        log_every=10,
+        enable_ema=True,
+        actor=ModelSide(optim=OptimConfig(learning_rate=5e-4, warmup_steps=5)),
+        critic=ModelSide(optim=OptimConfig(learning_rate=2e-3, warmup_steps=5)),
+    )
 
     def __post_init__(self):
         if not self.steps or any(s not in (1, 2, 3) for s in self.steps) or list(self.steps) != sorted(set(self.steps)):
@@ -91,20 +119,43 @@ class TrainConfig:
 # DeepSpeed-Chat's training scripts per deployment (OPT-1.3B / 13B / 66B actor with an OPT-350M reward model):
 # dotted overrides applied before the config file and the command line. Models come from --actor-model and
 # --reward-model (no hub here); data from its hub names unless data.data_path says otherwise.
-_REAL = {"data.data_path": ["Dahoas/rm-static"], "data.max_seq_len": 512, "data.max_prompt_len": 256,
-         "sft.precision": "bf16", "sft.max_steps": 0, "sft.epochs": 1, "sft.sample_prompts": 3, "sft.log_every": 10,
-         "sft.optim": {"learning_rate": 9.65e-6, "weight_decay": 0.0, "schedule": "cosine", "warmup_steps": 0},
-         "reward.precision": "bf16", "reward.max_steps": 0, "reward.epochs": 1, "reward.loss_kind": "span",
-         "reward.log_every": 10, "reward.optim": {"learning_rate": 5e-5, "weight_decay": 0.1, "schedule": "cosine", "warmup_steps": 0},
-         "ppo.precision": "bf16", "ppo.max_steps": 0, "ppo.max_answer_len": 256, "ppo.kl_coef": 0.1, "ppo.log_every": 1,
-         "ppo.actor": {"optim": {"learning_rate": 9.65e-6, "warmup_steps": 100}, "remat": True},
-         "ppo.critic": {"optim": {"learning_rate": 5e-6, "warmup_steps": 100}, "remat": True}, "ppo.enable_ema": True}
+_REAL = {
+    "data.data_path": ["Dahoas/rm-static"],
+    "data.max_seq_len": 512,
+    "data.max_prompt_len": 256,
+    "sft.precision": "bf16",
+    "sft.max_steps": 0,
+    "sft.epochs": 1,
+    "sft.sample_prompts": 3,
+    "sft.log_every": 10,
+    "sft.optim": {"learning_rate": 9.65e-6, "weight_decay": 0.0, "schedule": "cosine", "warmup_steps": 0},
+    "reward.precision": "bf16",
+    "reward.max_steps": 0,
+    "reward.epochs": 1,
+    "reward.loss_kind": "span",
+    "reward.log_every": 10,
+    "reward.optim": {"learning_rate": 5e-5, "weight_decay": 0.1, "schedule": "cosine", "warmup_steps": 0},
+    "ppo.precision": "bf16",
+    "ppo.max_steps": 0,
+    "ppo.max_answer_len": 256,
+    "ppo.kl_coef": 0.1,
+    "ppo.log_every": 1,
+    "ppo.actor": {"optim": {"learning_rate": 9.65e-6, "warmup_steps": 100}, "remat": True},
+    "ppo.critic": {"optim": {"learning_rate": 5e-6, "warmup_steps": 100}, "remat": True},
+    "ppo.enable_ema": True,
+}
 # Answers per prompt of the group-baseline algorithms: a batch of batch_size / GROUP prompts, as many answers as PPO's.
 GROUP = {"grpo": 4, "rloo": 4}
 DEPLOYMENTS = {
     "demo": {},
-    "single_gpu": {**_REAL, "sft.batch_size": 8, "reward.batch_size": 8, "ppo.batch_size": 8,
-                   "sft.lora": {"dim": 128}, "ppo.actor": {**_REAL["ppo.actor"], "lora": {"dim": 128}}},
+    "single_gpu": {
+        **_REAL,
+        "sft.batch_size": 8,
+        "reward.batch_size": 8,
+        "ppo.batch_size": 8,
+        "sft.lora": {"dim": 128},
+        "ppo.actor": {**_REAL["ppo.actor"], "lora": {"dim": 128}},
+    },
     "single_node": {**_REAL, "sft.batch_size": 32, "reward.batch_size": 32, "ppo.batch_size": 32},
     "multi_node": {**_REAL, "sft.batch_size": 64, "reward.batch_size": 64, "ppo.batch_size": 64},
 }
@@ -123,8 +174,9 @@ def builtin_tokenizer():
         vocab.setdefault(piece, len(vocab))
     tok = Tokenizer(token_models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer, tok.decoder = pre, decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="</s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="<pad>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="</s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
 
 
 def builtin_model(folder: Path, seed: int, value_head: bool = False) -> Path:
@@ -150,11 +202,22 @@ def compare(cfg: TrainConfig, sft_model: Path, actor_model: Path, log=print) -> 
     batch = make_batch(held, range(n), 3, cfg.data, tok.pad_token_id)
     prompts = decode_rows(tok, batch["prompt_ids"], batch["prompt_mask"], skip_first=True)
     models = {"step1": load_hf(sft_model), "actor": load_hf(actor_model)}
-    out, texts = gold_and_kl(models, tok, batch["prompt_ids"], batch["prompt_mask"], lambda i, a: gold_reward(prompts[i], a),
-                             samples=cfg.eval_samples, max_new_tokens=cfg.ppo.max_answer_len, temperature=cfg.ppo.temperature,
-                             top_k=cfg.ppo.top_k, top_p=cfg.ppo.top_p)
-    out["examples"] = [{"prompt": p, "step1": texts["step1", "greedy"][i], "actor": texts["actor", "greedy"][i]}
-                       for i, p in enumerate(prompts[:3])]
+    out, texts = gold_and_kl(
+        models,
+        tok,
+        batch["prompt_ids"],
+        batch["prompt_mask"],
+        lambda i, a: gold_reward(prompts[i], a),
+        samples=cfg.eval_samples,
+        max_new_tokens=cfg.ppo.max_answer_len,
+        temperature=cfg.ppo.temperature,
+        top_k=cfg.ppo.top_k,
+        top_p=cfg.ppo.top_p,
+    )
+    out["examples"] = [
+        {"prompt": p, "step1": texts["step1", "greedy"][i], "actor": texts["actor", "greedy"][i]}
+        for i, p in enumerate(prompts[:3])
+    ]
     out["eval_answers"] = n * cfg.eval_samples
     return out
 
@@ -174,20 +237,30 @@ def run(cfg: TrainConfig, log=print, mesh=None) -> dict:
 
     if 1 in cfg.steps:
         log(f"=== Step 1: supervised fine-tuning -> {dirs[1]}")
-        step = dataclasses.replace(cfg.sft, model=starting_model(cfg.actor_model, 0), output_dir=str(dirs[1]), data=cfg.data)
+        step = dataclasses.replace(
+            cfg.sft, model=starting_model(cfg.actor_model, 0), output_dir=str(dirs[1]), data=cfg.data
+        )
         result["step1"] = str(sft.run(step, log=log, mesh=mesh)["model_dir"])
     if 2 in cfg.steps:
         log(f"=== Step 2: reward model -> {dirs[2]}")
-        step = dataclasses.replace(cfg.reward, model=starting_model(cfg.reward_model, 1), output_dir=str(dirs[2]), data=cfg.data)
+        step = dataclasses.replace(
+            cfg.reward, model=starting_model(cfg.reward_model, 1), output_dir=str(dirs[2]), data=cfg.data
+        )
         result["step2"] = str(reward.run(step, log=log, mesh=mesh)["model_dir"])
     if 3 in cfg.steps:
         log(f"=== Step 3: {cfg.ppo.algorithm.upper()} -> {dirs[3]}")
         for path in (sft_model, rm_model):
             if not path.is_dir():
-                raise ConfigError(f"{path}: not found; Step 3 needs the outputs of Steps 1 and 2 (run them, e.g. --step 1 2 3)")
-        step = dataclasses.replace(cfg.ppo, actor=dataclasses.replace(cfg.ppo.actor, model=str(sft_model)),
-                                   critic=dataclasses.replace(cfg.ppo.critic, model=str(rm_model)),
-                                   output_dir=str(dirs[3]), data=cfg.data)
+                raise ConfigError(
+                    f"{path}: not found; Step 3 needs the outputs of Steps 1 and 2 (run them, e.g. --step 1 2 3)"
+                )
+        step = dataclasses.replace(
+            cfg.ppo,
+            actor=dataclasses.replace(cfg.ppo.actor, model=str(sft_model)),
+            critic=dataclasses.replace(cfg.ppo.critic, model=str(rm_model)),
+            output_dir=str(dirs[3]),
+            data=cfg.data,
+        )
         result["step3"] = {k: str(v) for k, v in ppo.run(step, log=log, mesh=mesh)["folders"].items()}
         # What the evaluation depends on: these settings and these exact exports (their manifests' ids).
         folders = (sft_model, rm_model, *map(Path, result["step3"].values()))
@@ -200,18 +273,32 @@ def run(cfg: TrainConfig, log=print, mesh=None) -> dict:
         else:
             if all(p.startswith("synthetic") for p in cfg.data.data_path):
                 result["comparison"] = compare(cfg, sft_model, dirs[3] / "actor", log=log)
-            result["report"] = pipeline_report(sft_model, rm_model, result["step3"], dirs[3] / "metrics.jsonl",
-                                               out / "eval", cfg.data, cfg.ppo, cfg.eval_prompts, log=log)
+            result["report"] = pipeline_report(
+                sft_model,
+                rm_model,
+                result["step3"],
+                dirs[3] / "metrics.jsonl",
+                out / "eval",
+                cfg.data,
+                cfg.ppo,
+                cfg.eval_prompts,
+                log=log,
+            )
     result["seconds"] = time.perf_counter() - clock
     if "comparison" in result:
         c = result["comparison"]
-        log(f"gold reward on {c['eval_answers']} answers to held-out prompts (sampled / greedy): Step 1 model "
+        log(
+            f"gold reward on {c['eval_answers']} answers to held-out prompts (sampled / greedy): Step 1 model "
             f"{c['step1_gold_reward_sampled']:.3f} / {c['step1_gold_reward_greedy']:.3f}, final actor "
             f"{c['actor_gold_reward_sampled']:.3f} / {c['actor_gold_reward_greedy']:.3f}; "
-            f"KL(actor || Step 1) {c['kl_actor_to_step1']:.3f} nats per answer")
+            f"KL(actor || Step 1) {c['kl_actor_to_step1']:.3f} nats per answer"
+        )
         for e in c["examples"]:
             log(f"  {e['prompt']!r}\n     Step 1: {e['step1']!r}\n     actor:  {e['actor']!r}")
-    log(f"done in {result['seconds']:.0f} s" + (f"; evaluation report: {result['report']}" if "report" in result else ""))
+    log(
+        f"done in {result['seconds']:.0f} s"
+        + (f"; evaluation report: {result['report']}" if "report" in result else "")
+    )
     (out / ".summary.json.tmp").write_text(json.dumps(result, indent=2) + "\n")
     os.replace(out / ".summary.json.tmp", out / "summary.json")  # whole or not at all: the next start reads it
     return result
@@ -221,11 +308,23 @@ def flags(parser):
     """DeepSpeed-Chat's flags, the same as the settings of their names."""
     parser.add_argument("--actor-model", "--actor_model", dest="actor_model", metavar="DIR")
     parser.add_argument("--reward-model", "--reward_model", dest="reward_model", metavar="DIR")
-    parser.add_argument("--deployment-type", "--deployment_type", dest="deployment_type", choices=list(DEPLOYMENTS),
-                        metavar="NAME", help=", ".join(DEPLOYMENTS))
+    parser.add_argument(
+        "--deployment-type",
+        "--deployment_type",
+        dest="deployment_type",
+        choices=list(DEPLOYMENTS),
+        metavar="NAME",
+        help=", ".join(DEPLOYMENTS),
+    )
     # "--step 1 2 3"; what is not a number is a key=value or CONFIG.yaml that the list took (parse_cli hands it back)
-    parser.add_argument("--step", dest="steps", nargs="+", action="extend", metavar="{1,2,3}",
-                        type=lambda s: int(s) if s.isdigit() else s)
+    parser.add_argument(
+        "--step",
+        dest="steps",
+        nargs="+",
+        action="extend",
+        metavar="{1,2,3}",
+        type=lambda s: int(s) if s.isdigit() else s,
+    )
     parser.add_argument("--output-dir", "--output_dir", dest="output_dir", metavar="DIR")
 
 
@@ -234,8 +333,13 @@ def _preset(cfg: TrainConfig) -> TrainConfig | None:
     dotted, tree = dict(DEPLOYMENTS[cfg.deployment_type]), {}
     if cfg.algorithm != "ppo":  # Step 3's algorithm; GROUP answers to each of a batch's prompts
         n = GROUP.get(cfg.algorithm, 1)
-        dotted.update({"ppo.algorithm": cfg.algorithm, "ppo.num_samples_per_prompt": n,
-                       "ppo.batch_size": dotted.get("ppo.batch_size", TrainConfig.ppo.batch_size) // n})
+        dotted.update(
+            {
+                "ppo.algorithm": cfg.algorithm,
+                "ppo.num_samples_per_prompt": n,
+                "ppo.batch_size": dotted.get("ppo.batch_size", TrainConfig.ppo.batch_size) // n,
+            }
+        )
     for key, value in dotted.items():
         _set_dotted(tree, key, value)
     return build(TrainConfig, tree) if dotted else None

@@ -68,8 +68,16 @@ class OptimConfig:
     def __post_init__(self):
         if len(self.betas) != 2:
             raise ValueError(f"betas: expected two numbers in [0, 1), got {self.betas}")
-        check_fields(self, learning_rate="> 0", weight_decay=">= 0", betas="[0, 1)", eps="> 0", warmup_steps=">= 0",
-                     clip_grad_norm=">= 0", gradient_accumulation_steps=">= 1")
+        check_fields(
+            self,
+            learning_rate="> 0",
+            weight_decay=">= 0",
+            betas="[0, 1)",
+            eps="> 0",
+            warmup_steps=">= 0",
+            clip_grad_norm=">= 0",
+            gradient_accumulation_steps=">= 1",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +126,19 @@ class RunConfig:
     data: DataConfig = DataConfig()
 
     def __post_init__(self):
-        check_fields(self, batch_size=">= 1", epochs=">= 1", max_steps=">= 0", eval_every=">= 0", eval_batches=">= 0",
-                     save_every=">= 0", keep_checkpoints=">= 1", dropout="[0, 1)", tp=">= 1", log_every=">= 1")
+        check_fields(
+            self,
+            batch_size=">= 1",
+            epochs=">= 1",
+            max_steps=">= 0",
+            eval_every=">= 0",
+            eval_batches=">= 0",
+            save_every=">= 0",
+            keep_checkpoints=">= 1",
+            dropout="[0, 1)",
+            tp=">= 1",
+            log_every=">= 1",
+        )
         check_trackers(self.report_to)
 
 
@@ -128,8 +147,11 @@ class RunConfig:
 
 def schedule(cfg: OptimConfig, peak: float, total_steps: int):
     decay_steps = max(total_steps - cfg.warmup_steps, 1)
-    after = {"cosine": optax.cosine_decay_schedule(peak, decay_steps), "constant": optax.constant_schedule(peak),
-             "linear": optax.linear_schedule(peak, 0.0, decay_steps)}[cfg.schedule]
+    after = {
+        "cosine": optax.cosine_decay_schedule(peak, decay_steps),
+        "constant": optax.constant_schedule(peak),
+        "linear": optax.linear_schedule(peak, 0.0, decay_steps),
+    }[cfg.schedule]
     if cfg.warmup_steps == 0:
         return after
     return optax.join_schedules([optax.linear_schedule(0.0, peak, cfg.warmup_steps), after], [cfg.warmup_steps])
@@ -153,13 +175,27 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, lora_cfg: LoRAConfig = Lo
     is clipped by global norm, and the adapters have their own learning rate."""
 
     def adamw(peak):
-        return optax.adamw(schedule(cfg, peak, total_steps), b1=cfg.betas[0], b2=cfg.betas[1], eps=cfg.eps,
-                           weight_decay=cfg.weight_decay, mask=decay_mask)
+        return optax.adamw(
+            schedule(cfg, peak, total_steps),
+            b1=cfg.betas[0],
+            b2=cfg.betas[1],
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            mask=decay_mask,
+        )
 
     label_fn = lambda tree: labels(tree, lora_cfg)
-    zero_frozen = optax.multi_transform({"frozen": optax.set_to_zero(), "base": optax.identity(), "lora": optax.identity()}, label_fn)
-    update = optax.multi_transform({"base": adamw(cfg.learning_rate), "lora": adamw(lora_cfg.learning_rate or cfg.learning_rate),
-                                    "frozen": optax.set_to_zero()}, label_fn)
+    zero_frozen = optax.multi_transform(
+        {"frozen": optax.set_to_zero(), "base": optax.identity(), "lora": optax.identity()}, label_fn
+    )
+    update = optax.multi_transform(
+        {
+            "base": adamw(cfg.learning_rate),
+            "lora": adamw(lora_cfg.learning_rate or cfg.learning_rate),
+            "frozen": optax.set_to_zero(),
+        },
+        label_fn,
+    )
     clip = [optax.clip_by_global_norm(cfg.clip_grad_norm)] if cfg.clip_grad_norm > 0 else []
     return optax.chain(zero_frozen, *clip, update)
 
@@ -176,12 +212,18 @@ def init_state(params, lora_cfg: LoRAConfig, tx, key, reference: bool = False) -
     else:
         trainable, frozen = {"params": params, **({"lora": lora} if lora is not None else {})}, {}
         frozen = {"reference": params} if reference else frozen
-    return {"trainable": trainable, "frozen": frozen, "opt": tx.init(trainable), "step": jnp.zeros((), jnp.int32),
-            "rng": jax.random.key_data(key)}
+    return {
+        "trainable": trainable,
+        "frozen": frozen,
+        "opt": tx.init(trainable),
+        "step": jnp.zeros((), jnp.int32),
+        "rng": jax.random.key_data(key),
+    }
 
 
-def create_state(params, lora_cfg: LoRAConfig, tx, key, mesh, opt_memory: str = "device",
-                 reference: bool = False) -> dict:
+def create_state(
+    params, lora_cfg: LoRAConfig, tx, key, mesh, opt_memory: str = "device", reference: bool = False
+) -> dict:
     """The training state built directly in the FSDP layout: no device ever holds the whole model. The
     optimizer state is made in `opt_memory` ("pinned_host": offloaded, never on the device)."""
     params = reshard(params, "fsdp", mesh)
@@ -193,8 +235,11 @@ def create_state(params, lora_cfg: LoRAConfig, tx, key, mesh, opt_memory: str = 
 
 def state_shardings(state, mesh):
     replicated = NamedSharding(mesh, P())
-    return {**{k: shardings_for(state[k], "fsdp", mesh) for k in ("trainable", "frozen", "opt")},
-            "step": replicated, "rng": replicated}
+    return {
+        **{k: shardings_for(state[k], "fsdp", mesh) for k in ("trainable", "frozen", "opt")},
+        "step": replicated,
+        "rng": replicated,
+    }
 
 
 def effective_params(state, lora_cfg: LoRAConfig, fused: bool = True):
@@ -214,7 +259,9 @@ def micro_gradients(loss_fn: LossFn, lora_cfg: LoRAConfig, state, mb, key):
     """(gradients, total, count, sums) of one micro-batch: what a step adds up over its micro-batches."""
 
     def compute(trainable):
-        total, count, sums = loss_fn(effective_params({**state, "trainable": trainable}, lora_cfg, fused=False), mb, key)
+        total, count, sums = loss_fn(
+            effective_params({**state, "trainable": trainable}, lora_cfg, fused=False), mb, key
+        )
         return total, (count, sums)
 
     (total, (count, sums)), grads = jax.value_and_grad(compute, has_aux=True)(state["trainable"])
@@ -248,8 +295,13 @@ def apply_gradients(tx, lora_cfg: LoRAConfig, state, acc):
     opt = jax.tree.map(lambda new, old: new.astype(old.dtype), opt, state["opt"])
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # an elementwise select, fused
     key = jax.random.split(jax.random.wrap_key_data(state["rng"]))[0]
-    new = {**state, "trainable": keep(optax.apply_updates(state["trainable"], updates), state["trainable"]),
-           "opt": keep(opt, state["opt"]), "step": state["step"] + 1, "rng": jax.random.key_data(key)}
+    new = {
+        **state,
+        "trainable": keep(optax.apply_updates(state["trainable"], updates), state["trainable"]),
+        "opt": keep(opt, state["opt"]),
+        "step": state["step"] + 1,
+        "rng": jax.random.key_data(key),
+    }
     skipped = jnp.where(finite, 0.0, 1.0).astype(jnp.float32)
     return new, {**sums, "count": count, "grad_norm": grad_norm, "skipped": skipped}
 
@@ -323,8 +375,10 @@ def check_microbatches(batch_size: int, accumulation: int, n_devices: int, field
     if batch_size % accumulation:
         raise ValueError(f"batch_size {batch_size} is not divisible by {field} {accumulation}")
     if (batch_size // accumulation) % n_devices:
-        raise ValueError(f"micro-batch of {batch_size // accumulation} sequences (batch_size / {field}) does not "
-                         f"split over {n_devices} devices; use a multiple of {n_devices}")
+        raise ValueError(
+            f"micro-batch of {batch_size // accumulation} sequences (batch_size / {field}) does not "
+            f"split over {n_devices} devices; use a multiple of {n_devices}"
+        )
 
 
 def check_run(run: RunConfig, n_devices: int):
@@ -344,9 +398,11 @@ def precision_warning(precision: str, optim: OptimConfig, lora: LoRAConfig, who:
     """
     if precision != "pure_bf16" or lora.only_optimize_lora or optim.learning_rate >= 1e-4:
         return None
-    return (f"warning: {who}precision=pure_bf16 at learning_rate {optim.learning_rate:g}: the weights are bf16, which "
-            "rounds away most Adam steps this small (at 1e-5 about 19 % of the update survives), so the model barely "
-            "learns; use precision=bf16 (fp32 master weights, the default) or LoRA with only_optimize_lora")
+    return (
+        f"warning: {who}precision=pure_bf16 at learning_rate {optim.learning_rate:g}: the weights are bf16, which "
+        "rounds away most Adam steps this small (at 1e-5 about 19 % of the update survives), so the model barely "
+        "learns; use precision=bf16 (fp32 master weights, the default) or LoRA with only_optimize_lora"
+    )
 
 
 def load_model(run: RunConfig, *, value_head: bool, fresh_head: bool = False):
@@ -365,13 +421,17 @@ def load_model(run: RunConfig, *, value_head: bool, fresh_head: bool = False):
         config = preset(run.model.removeprefix("random:"))  # any family's (opt-125m, llama-2-7b, ...)
         params = jax.device_get(init_params(config, key, value_head=value_head, dtype=dtype))
         if run.tokenizer is None:
-            raise ValueError("tokenizer: required with a random model (e.g. a folder with OPT's vocab.json + merges.txt)")
+            raise ValueError(
+                "tokenizer: required with a random model (e.g. a folder with OPT's vocab.json + merges.txt)"
+            )
     else:
         config, params = load_hf(run.model, dtype=dtype)
     if value_head and "value_head" not in params:
         if not fresh_head:
-            raise ConfigError(f"{run.model}: no {VALUE_HEAD_FILE}, so no trained value head; a reward model or critic "
-                              "must be a Step 2 output (python -m jaxrlhf.reward writes output_dir/model with it)")
+            raise ConfigError(
+                f"{run.model}: no {VALUE_HEAD_FILE}, so no trained value head; a reward model or critic "
+                "must be a Step 2 output (python -m jaxrlhf.reward writes output_dir/model with it)"
+            )
         head = 0.02 * jax.random.normal(jax.random.fold_in(key, 7), (config.word_embed_proj_dim, 1))
         params = {**params, "value_head": {"kernel": np.asarray(head, dtype)}}
     if not value_head:
@@ -384,8 +444,22 @@ def load_model(run: RunConfig, *, value_head: bool, fresh_head: bool = False):
     return config, params, tokenizer
 
 
-def fit(run: RunConfig, state, loss_fn: LossFn, tx, train_batches, eval_set, summarise, mesh, *,
-        total_steps: int, on_eval=None, log=print, manager=None, reference_fn=None) -> tuple[dict, list[dict]]:
+def fit(
+    run: RunConfig,
+    state,
+    loss_fn: LossFn,
+    tx,
+    train_batches,
+    eval_set,
+    summarise,
+    mesh,
+    *,
+    total_steps: int,
+    on_eval=None,
+    log=print,
+    manager=None,
+    reference_fn=None,
+) -> tuple[dict, list[dict]]:
     """Train `state` for `total_steps` optimizer steps in the one loop (jaxrlhf.loop.fit); returns the final state and
     the logged records.
 
@@ -398,8 +472,9 @@ def fit(run: RunConfig, state, loss_fn: LossFn, tx, train_batches, eval_set, sum
     out = Path(run.output_dir)
     shardings = state_shardings(state, mesh)
     accum, rows = run.optim.gradient_accumulation_steps, NamedSharding(mesh, P(None, FSDP_AXES))
-    step_fn = jax.jit(make_train_step(loss_fn, tx, run.lora, reference_fn), out_shardings=(shardings, None),
-                      donate_argnums=0)
+    step_fn = jax.jit(
+        make_train_step(loss_fn, tx, run.lora, reference_fn), out_shardings=(shardings, None), donate_argnums=0
+    )
     eval_fn = jax.jit(make_eval_step(loss_fn, run.lora, reference_fn))
     lr_fn = schedule(run.optim, run.optim.learning_rate, total_steps)
     since = {"tokens": 0, "clock": time.perf_counter()}  # of the log window
@@ -417,9 +492,13 @@ def fit(run: RunConfig, state, loss_fn: LossFn, tx, train_batches, eval_set, sum
         i, window = window[-1][0], jax.device_get([m for _, m in window])
         kept = [m for m in window if not m["skipped"]]
         sums = jax.tree.map(lambda *xs: np.sum(xs), *(kept or window))  # all skipped: the figures show the NaN
-        figures = {**summarise(sums), "grad_norm": float(sums["grad_norm"]) / len(kept or window),
-                   "skipped": len(window) - len(kept), "lr": float(lr_fn(i - 1)),
-                   "tokens_per_s": since["tokens"] * jax.process_count() / (time.perf_counter() - since["clock"])}
+        figures = {
+            **summarise(sums),
+            "grad_norm": float(sums["grad_norm"]) / len(kept or window),
+            "skipped": len(window) - len(kept),
+            "lr": float(lr_fn(i - 1)),
+            "tokens_per_s": since["tokens"] * jax.process_count() / (time.perf_counter() - since["clock"]),
+        }
         since.update(tokens=0, clock=time.perf_counter())
         return figures
 
@@ -427,7 +506,10 @@ def fit(run: RunConfig, state, loss_fn: LossFn, tx, train_batches, eval_set, sum
         sums, n, B = None, num_rows(eval_set) // run.batch_size, run.batch_size
         for i in range(min(n, run.eval_batches) if run.eval_batches else n):
             batch = make_batch(eval_set, range(i * B, (i + 1) * B), train_batches.step, run.data, train_batches.pad_id)
-            placed = {k: jax.make_array_from_process_local_data(NamedSharding(mesh, P(FSDP_AXES)), v) for k, v in batch.items()}
+            placed = {
+                k: jax.make_array_from_process_local_data(NamedSharding(mesh, P(FSDP_AXES)), v)
+                for k, v in batch.items()
+            }
             m = jax.device_get(eval_fn(state, placed))
             sums = m if sums is None else jax.tree.map(np.add, sums, m)
         if sums is None:
@@ -435,10 +517,20 @@ def fit(run: RunConfig, state, loss_fn: LossFn, tx, train_batches, eval_set, sum
         return {**summarise(sums), **(on_eval(state) if on_eval is not None else {})}
 
     batches = iter(train_batches)
-    return loop.fit(run, state, step, log_figures, train_batches, total=total_steps, evaluate=evaluate, log=log,
-                    manager=manager or loop.checkpoint_manager(out, run.keep_checkpoints), shardings=shardings,
-                    metrics_log=MetricsLog(out, run.report_to, settings(run)),
-                    shown=("loss", "accuracy", "lr", "tokens_per_s"))
+    return loop.fit(
+        run,
+        state,
+        step,
+        log_figures,
+        train_batches,
+        total=total_steps,
+        evaluate=evaluate,
+        log=log,
+        manager=manager or loop.checkpoint_manager(out, run.keep_checkpoints),
+        shardings=shardings,
+        metrics_log=MetricsLog(out, run.report_to, settings(run)),
+        shown=("loss", "accuracy", "lr", "tokens_per_s"),
+    )
 
 
 def total_steps(run: RunConfig, batches_per_epoch: int) -> int:
@@ -452,8 +544,18 @@ def perplexity(loss_per_token: float) -> float:
     return math.exp(min(loss_per_token, 50.0))
 
 
-def train(run: RunConfig, *, step: int, value_head: bool, make_loss, summarise, log=print, mesh=None,
-          make_on_eval=None, make_reference=None) -> dict:
+def train(
+    run: RunConfig,
+    *,
+    step: int,
+    value_head: bool,
+    make_loss,
+    summarise,
+    log=print,
+    mesh=None,
+    make_on_eval=None,
+    make_reference=None,
+) -> dict:
     """Step 1 or 2 (or DPO) from start to HF export: checks, model, data, state, `fit`, then output_dir/model.
 
     `make_loss(config)` gives the loss function; `make_on_eval(config, tokenizer, data, state)` may give
@@ -467,25 +569,45 @@ def train(run: RunConfig, *, step: int, value_head: bool, make_loss, summarise, 
     if start_run(run, [out / "model"], manager.latest_step(), log=log):
         manager.close()
         return {"state": None, "records": [], "config": None, "model_dir": out / "model", "skipped": True}
-    log(f"mesh {dict(mesh.shape)}: {mesh.size} devices, {jax.process_count()} process(es), this is process "
-        f"{jax.process_index()}")
+    log(
+        f"mesh {dict(mesh.shape)}: {mesh.size} devices, {jax.process_count()} process(es), this is process "
+        f"{jax.process_index()}"
+    )
     if warning := precision_warning(run.precision, run.optim, run.lora):
         log(warning)
     config, params, tokenizer = load_model(run, value_head=value_head, fresh_head=True)
     data = prepare(run.data, step, tokenizer, log=log)
     pad = tokenizer.pad_token_id
-    batches = Batches(data["train"], step, run.batch_size, run.data, pad,
-                      process_index=jax.process_index(), process_count=jax.process_count())
+    batches = Batches(
+        data["train"],
+        step,
+        run.batch_size,
+        run.data,
+        pad,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    )
     steps = total_steps(run, len(batches))
     tx = make_optimizer(run.optim, steps, run.lora)
     state = create_state(params, run.lora, tx, jax.random.key(run.seed), mesh, reference=make_reference is not None)
     on_eval = make_on_eval(config, tokenizer, data, state) if make_on_eval else None
-    state, records = fit(run, state, make_loss(config), tx, batches, data["eval"], summarise, mesh, total_steps=steps,
-                         on_eval=on_eval, log=log, manager=manager,
-                         reference_fn=make_reference(config) if make_reference else None)
+    state, records = fit(
+        run,
+        state,
+        make_loss(config),
+        tx,
+        batches,
+        data["eval"],
+        summarise,
+        mesh,
+        total_steps=steps,
+        on_eval=on_eval,
+        log=log,
+        manager=manager,
+        reference_fn=make_reference(config) if make_reference else None,
+    )
     final = to_host(effective_params(state, run.lora))
     if jax.process_index() == 0:
         save_hf(out / "model", config, final, tokenizer, manifest={"settings": settings(run)})
     log(f"Step {step} done: Hugging Face model in {out / 'model'}")
     return {"state": state, "records": records, "config": config, "model_dir": out / "model"}
-

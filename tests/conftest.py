@@ -39,12 +39,22 @@ def _fresh_jit_caches():
 # unit of work, so its module fixtures are built once, in one worker; the three long learning tests, which share no
 # fixture with the rest of their file, are units of their own. The workers take the units in collection order:
 # the longest first (seconds measured on a 2-core CPU), so that the two finish close together.
-ALONE = ("tests/test_readme.py::test_readme_commands_run",
-         "tests/test_llama_stories.py::test_stories_preset_raises_the_gold_reward_over_the_step1_model",
-         "tests/test_ppo.py::test_the_builtin_pipeline_aligns",
-         "tests/test_train.py::test_reward_model_learns_the_builtin_preferences")
-LONGEST_FIRST = ALONE + ("tests/test_train.py", "tests/test_multiprocess.py", "tests/test_engine.py", "tests/test_plan.py",
-                         "tests/test_ppo.py", "tests/test_eval.py", "tests/test_lora.py", "tests/test_llama.py")
+ALONE = (
+    "tests/test_readme.py::test_readme_commands_run",
+    "tests/test_llama_stories.py::test_stories_preset_raises_the_gold_reward_over_the_step1_model",
+    "tests/test_ppo.py::test_the_builtin_pipeline_aligns",
+    "tests/test_train.py::test_reward_model_learns_the_builtin_preferences",
+)
+LONGEST_FIRST = ALONE + (
+    "tests/test_train.py",
+    "tests/test_multiprocess.py",
+    "tests/test_engine.py",
+    "tests/test_plan.py",
+    "tests/test_ppo.py",
+    "tests/test_eval.py",
+    "tests/test_lora.py",
+    "tests/test_llama.py",
+)
 
 
 def _group(item) -> str:

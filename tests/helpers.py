@@ -11,12 +11,24 @@ import numpy as np
 #   post-LN without final LayerNorm, with project_in/out (opt-350m).
 # vocab 64 and 4 heads divide over 8 devices and over tp = 2 and 4.
 PRE_LN = dict(
-    vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, ffn_dim=64,
-    max_position_embeddings=40, word_embed_proj_dim=32, do_layer_norm_before=True,
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    ffn_dim=64,
+    max_position_embeddings=40,
+    word_embed_proj_dim=32,
+    do_layer_norm_before=True,
 )
 POST_LN_PROJ = dict(
-    vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=48,
-    max_position_embeddings=40, word_embed_proj_dim=16, do_layer_norm_before=False,
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    ffn_dim=48,
+    max_position_embeddings=40,
+    word_embed_proj_dim=16,
+    do_layer_norm_before=False,
 )
 
 
@@ -96,8 +108,12 @@ def greedy_reference(config, params, input_ids, attention_mask, max_new_tokens: 
 
     global _NEXT_TOKEN
     if _NEXT_TOKEN is None:
-        _NEXT_TOKEN = jax.jit(lambda config, params, ids, mask, t: jnp.argmax(
-            logits(config, params, ids, mask)[:, t - 1], axis=-1).astype(ids.dtype), static_argnums=0)
+        _NEXT_TOKEN = jax.jit(
+            lambda config, params, ids, mask, t: jnp.argmax(
+                logits(config, params, ids, mask)[:, t - 1], axis=-1
+            ).astype(ids.dtype),
+            static_argnums=0,
+        )
     B, Pn = input_ids.shape
     ids = jnp.concatenate([input_ids, jnp.full((B, max_new_tokens), config.pad_token_id, input_ids.dtype)], 1)
     mask = jnp.concatenate([attention_mask, jnp.zeros((B, max_new_tokens), attention_mask.dtype)], 1)
@@ -118,7 +134,9 @@ def all_eqns(jaxpr):
     while todo:
         for eqn in todo.pop().eqns:
             yield eqn
-            todo += [sub.jaxpr if hasattr(sub, "jaxpr") else sub for sub in jax.extend.core.jaxprs_in_params(eqn.params)]
+            todo += [
+                sub.jaxpr if hasattr(sub, "jaxpr") else sub for sub in jax.extend.core.jaxprs_in_params(eqn.params)
+            ]
 
 
 def kernel_calls(jaxpr, name: str) -> int:

@@ -68,9 +68,12 @@ def simulate(policy, rm, iterations=60, seed=0):
     tracker, first = AlarmTracker(AlarmConfig(window=20, z=3.0)), {}
     for t in range(iterations):
         answers = [policy(p, t, rng) for p in PROMPTS]
-        figures = {"reward": float(np.mean([rm(p, a, rng) for p, a in zip(PROMPTS, answers)])),
-                   "gold_reward": float(np.mean([gold_reward(p, a) for p, a in zip(PROMPTS, answers)])),
-                   "answer_len": float(np.mean([len(a.split()) + 1 for a in answers])), "kl": 0.05 * t}
+        figures = {
+            "reward": float(np.mean([rm(p, a, rng) for p, a in zip(PROMPTS, answers)])),
+            "gold_reward": float(np.mean([gold_reward(p, a) for p, a in zip(PROMPTS, answers)])),
+            "answer_len": float(np.mean([len(a.split()) + 1 for a in answers])),
+            "kl": 0.05 * t,
+        }
         for alarm in tracker.update(figures):
             first.setdefault(alarm.name, t)
     return first
@@ -101,5 +104,7 @@ def test_a_reward_model_that_rewards_length_trips_proxy_vs_gold():
     assert "proxy_vs_gold" not in simulate(padded, gold_rm)
     # a healthy run (learned and gold reward rise together) and a flat noisy one raise nothing
     assert "proxy_vs_gold" not in simulate(improving, gold_rm)
-    assert "proxy_vs_gold" not in simulate(lambda p, t, rng: gold_answer(p) if rng.random() < 0.7 else " a", gold_rm, 120)
+    assert "proxy_vs_gold" not in simulate(
+        lambda p, t, rng: gold_answer(p) if rng.random() < 0.7 else " a", gold_rm, 120
+    )
     assert proxy_vs_gold([1, 2, 3], [3, 2, 1], AlarmConfig(window=5)) is None  # too few points for a trend

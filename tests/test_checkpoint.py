@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import POST_LN_PROJ, PRE_LN, hf_logits, left_padded_batch, make_hf_opt
 from safetensors.numpy import load_file, save_file
 
+from helpers import POST_LN_PROJ, PRE_LN, hf_logits, left_padded_batch, make_hf_opt
 from jaxrlhf import CheckpointError, load_hf, logits, save_hf
 from jaxrlhf.checkpoint import VALUE_HEAD_FILE, read_tensors
 
@@ -31,7 +31,9 @@ def test_round_trip_is_bit_identical_and_transformers_loads_it(hf_folder, tmp_pa
     ids, mask = left_padded_batch(config.vocab_size, [7, 2], T=7)
     real = mask.astype(bool)
     np.testing.assert_allclose(hf_logits(out, ids, mask)[real], hf_logits(hf_folder, ids, mask)[real], atol=1e-6)
-    np.testing.assert_allclose(np.asarray(logits(config, params, ids, mask))[real], hf_logits(out, ids, mask)[real], atol=1e-4)
+    np.testing.assert_allclose(
+        np.asarray(logits(config, params, ids, mask))[real], hf_logits(out, ids, mask)[real], atol=1e-4
+    )
     # And once more through ourselves: load what we saved, save again, same bytes.
     config2, params2 = load_hf(out)
     assert config2 == config
@@ -72,7 +74,10 @@ def test_sharded_safetensors_and_pytorch_bin(hf_folder, tmp_path):
     as_bin = tmp_path / "bin"
     as_bin.mkdir()
     shutil.copy(hf_folder / "config.json", as_bin)
-    torch.save({k: torch.from_numpy(v) for k, v in load_file(hf_folder / "model.safetensors").items()}, as_bin / "pytorch_model.bin")
+    torch.save(
+        {k: torch.from_numpy(v) for k, v in load_file(hf_folder / "model.safetensors").items()},
+        as_bin / "pytorch_model.bin",
+    )
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(load_hf(as_bin)[1])):
         np.testing.assert_array_equal(a, b)
 
@@ -99,12 +104,17 @@ def test_deepspeed_chat_reward_checkpoint(hf_folder, tmp_path):
     ds = tmp_path / "ds"
     ds.mkdir()
     shutil.copy(hf_folder / "config.json", ds)
-    state = {k.replace("model.", "rwtranrsformer.", 1): torch.from_numpy(v) for k, v in load_file(hf_folder / "model.safetensors").items()}
+    state = {
+        k.replace("model.", "rwtranrsformer.", 1): torch.from_numpy(v)
+        for k, v in load_file(hf_folder / "model.safetensors").items()
+    }
     state["v_head.weight"] = torch.ones(1, config.word_embed_proj_dim)
     torch.save(state, ds / "pytorch_model.bin")
     _, loaded = load_hf(ds)
     np.testing.assert_array_equal(loaded["value_head"]["kernel"], 1.0)
-    np.testing.assert_array_equal(loaded["decoder"]["embed_tokens"]["embedding"], params["decoder"]["embed_tokens"]["embedding"])
+    np.testing.assert_array_equal(
+        loaded["decoder"]["embed_tokens"]["embedding"], params["decoder"]["embed_tokens"]["embedding"]
+    )
 
 
 def _edit_tensors(folder, edit):
@@ -142,7 +152,7 @@ def test_bad_configs_are_refused(tmp_path):
     _one_line_error(folder, r"config\.json: model_type is 'bloom'; jaxrlhf supports 'opt' and 'llama'")
     (folder / "config.json").write_text(json.dumps({**cfg, "activation_function": "gelu"}))
     _one_line_error(folder, "activation_function is 'gelu'")
-    (folder / "config.json").write_text("{\n  \"model_type\": \"opt\",\n  oops\n}")
+    (folder / "config.json").write_text('{\n  "model_type": "opt",\n  oops\n}')
     _one_line_error(folder, r"config\.json:3: not valid JSON")
     (folder / "config.json").unlink()
     _one_line_error(folder, r"config\.json: missing")
@@ -206,17 +216,46 @@ def _edit_config(folder, edit):
         ("opt", lambda c: [c], r"config\.json: expected a JSON object of settings, got list"),  # was AttributeError
         ("opt", lambda c: {**c, "model_type": ["opt"]}, r"config\.json: model_type is \['opt'\]; jaxrlhf supports"),
         ("opt", lambda c: {**c, "hidden_size": "16"}, r"config\.json: 'hidden_size': expected int, got '16'"),
-        ("opt", lambda c: {**c, "num_hidden_layers": True}, r"config\.json: 'num_hidden_layers': expected int, got True"),
-        ("opt", lambda c: {**c, "num_attention_heads": 0},  # was a ZeroDivisionError
-         r"config\.json: OPTConfig: num_attention_heads: expected \[1, 2147483648\), got 0"),
-        ("opt", lambda c: {**c, "word_embed_proj_dim": 2**63},  # was a TypeError deep in JAX's shape arithmetic
-         r"config\.json: OPTConfig: word_embed_proj_dim: expected \[1, 2147483648\), got 9223372036854775808"),
-        ("opt", lambda c: {**c, "eos_token_id": 64}, r"config\.json: OPTConfig: eos_token_id: expected \[0, 64\), got 64"),
-        ("llama", lambda c: {**c, "eos_token_id": []}, r"config\.json: eos_token_id is an empty list"),  # was IndexError
-        ("llama", lambda c: {**c, "rope_parameters": None, "rope_scaling": "linear"},
-         r"config\.json: rope_parameters / rope_scaling is linear; expected an object"),
-        ("llama", lambda c: {**c, "rope_parameters": None, "rope_theta": "big"}, r"'rope_theta': expected float, got 'big'"),
-        ("llama", lambda c: {**c, "rms_norm_eps": float("nan")}, r"LlamaConfig: rms_norm_eps: expected a finite number"),
+        (
+            "opt",
+            lambda c: {**c, "num_hidden_layers": True},
+            r"config\.json: 'num_hidden_layers': expected int, got True",
+        ),
+        (
+            "opt",
+            lambda c: {**c, "num_attention_heads": 0},  # was a ZeroDivisionError
+            r"config\.json: OPTConfig: num_attention_heads: expected \[1, 2147483648\), got 0",
+        ),
+        (
+            "opt",
+            lambda c: {**c, "word_embed_proj_dim": 2**63},  # was a TypeError deep in JAX's shape arithmetic
+            r"config\.json: OPTConfig: word_embed_proj_dim: expected \[1, 2147483648\), got 9223372036854775808",
+        ),
+        (
+            "opt",
+            lambda c: {**c, "eos_token_id": 64},
+            r"config\.json: OPTConfig: eos_token_id: expected \[0, 64\), got 64",
+        ),
+        (
+            "llama",
+            lambda c: {**c, "eos_token_id": []},
+            r"config\.json: eos_token_id is an empty list",
+        ),  # was IndexError
+        (
+            "llama",
+            lambda c: {**c, "rope_parameters": None, "rope_scaling": "linear"},
+            r"config\.json: rope_parameters / rope_scaling is linear; expected an object",
+        ),
+        (
+            "llama",
+            lambda c: {**c, "rope_parameters": None, "rope_theta": "big"},
+            r"'rope_theta': expected float, got 'big'",
+        ),
+        (
+            "llama",
+            lambda c: {**c, "rms_norm_eps": float("nan")},
+            r"LlamaConfig: rms_norm_eps: expected a finite number",
+        ),
     ],
 )
 def test_malformed_config_values_are_refused(tiny, tmp_path, name, edit, message):
@@ -240,9 +279,14 @@ def test_config_json_encoding_and_old_llama_padding(tiny, tmp_path):
     [
         ("[1]", r"index\.json: not a weight index; expected an object whose \"weight_map\""),
         ('{"weight_map": []}', r"index\.json: not a weight index"),  # was AttributeError
-        ('{"weight_map": {"a.weight": 3}}',  # was TypeError
-         r"index\.json: weight_map\['a\.weight'\] is 3; expected the file name of a shard in the same folder"),
-        ('{"weight_map": {"a.weight": "../model.safetensors"}}', r"weight_map\['a\.weight'\] is '\.\./model\.safetensors'"),
+        (
+            '{"weight_map": {"a.weight": 3}}',  # was TypeError
+            r"index\.json: weight_map\['a\.weight'\] is 3; expected the file name of a shard in the same folder",
+        ),
+        (
+            '{"weight_map": {"a.weight": "../model.safetensors"}}',
+            r"weight_map\['a\.weight'\] is '\.\./model\.safetensors'",
+        ),
         ('{"weight_map": {"a.weight": "x\\ny.safetensors"}}', r"weight_map\['a\.weight'\] is 'x\\ny\.safetensors'"),
     ],
 )
@@ -256,7 +300,9 @@ def test_corrupt_weight_files_are_refused(tiny, tmp_path):
     folder = _copy(tiny, "opt_torch", tmp_path)
     data = (folder / "pytorch_model.bin").read_bytes()
     (folder / "pytorch_model.bin").write_bytes(data[: len(data) // 2])  # was a raw RuntimeError / UnpicklingError
-    _one_line_error(folder, r"pytorch_model\.bin: cannot read a PyTorch state dict \(.*\); the file is truncated or corrupt")
+    _one_line_error(
+        folder, r"pytorch_model\.bin: cannot read a PyTorch state dict \(.*\); the file is truncated or corrupt"
+    )
     folder = _copy(tiny, "opt", tmp_path)
     data = (folder / "model.safetensors").read_bytes()
     (folder / "model.safetensors").write_bytes(data[:-100])
@@ -266,8 +312,13 @@ def test_corrupt_weight_files_are_refused(tiny, tmp_path):
 @pytest.mark.parametrize("dtype", [np.int32, np.bool_, np.uint8])
 def test_integer_and_boolean_tensors_are_not_weights(tiny, tmp_path, dtype):
     folder = _copy(tiny, "opt", tmp_path)
-    _edit_tensors(folder, lambda t: t.update({"model.decoder.layers.1.fc1.weight": t["model.decoder.layers.1.fc1.weight"].astype(dtype)}))
-    _one_line_error(folder, rf"tensor decoder\.layers\.1\.fc1\.weight has dtype {np.dtype(dtype).name}; expected floating-point")
+    _edit_tensors(
+        folder,
+        lambda t: t.update({"model.decoder.layers.1.fc1.weight": t["model.decoder.layers.1.fc1.weight"].astype(dtype)}),
+    )
+    _one_line_error(
+        folder, rf"tensor decoder\.layers\.1\.fc1\.weight has dtype {np.dtype(dtype).name}; expected floating-point"
+    )
 
 
 def test_non_finite_tensors_are_named(tiny, tmp_path):
@@ -277,15 +328,24 @@ def test_non_finite_tensors_are_named(tiny, tmp_path):
 
     folder = _copy(tiny, "opt", tmp_path)
     _edit_tensors(folder, lambda t: poison(t, "model.decoder.layers.0.self_attn.k_proj.bias", np.nan))  # was NaN logits
-    _one_line_error(folder, r"tensor decoder\.layers\.0\.self_attn\.k_proj\.bias holds 1 non-finite value\(s\) \(NaN or inf\); "
-                            "the checkpoint is corrupt or comes from a diverged run")
+    _one_line_error(
+        folder,
+        r"tensor decoder\.layers\.0\.self_attn\.k_proj\.bias holds 1 non-finite value\(s\) \(NaN or inf\); "
+        "the checkpoint is corrupt or comes from a diverged run",
+    )
     folder = _copy(tiny, "llama", tmp_path)
     _edit_tensors(folder, lambda t: poison(t, "model.norm.weight", 1e6))
     load_hf(folder)  # finite in float32
-    with pytest.raises(CheckpointError, match=r"tensor model\.norm\.weight holds 1 non-finite value\(s\) \(NaN or inf\) once cast to float16"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"tensor model\.norm\.weight holds 1 non-finite value\(s\) \(NaN or inf\) once cast to float16",
+    ):
         load_hf(folder, dtype=np.float16)
     _edit_tensors(folder, lambda t: t.update({"model.norm.weight": t["model.norm.weight"].astype(np.float64) * 1e300}))
-    with pytest.raises(CheckpointError, match=r"tensor model\.norm\.weight holds 16 non-finite value\(s\) \(NaN or inf\) once cast to float32"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"tensor model\.norm\.weight holds 16 non-finite value\(s\) \(NaN or inf\) once cast to float32",
+    ):
         load_hf(folder)  # kept as stored (float64), but the model computes in float32
     folder = _copy(tiny, "opt_head", tmp_path)
     head = load_file(folder / VALUE_HEAD_FILE)
@@ -311,7 +371,6 @@ def test_a_local_folder_never_asks_the_network(tiny, tmp_path, monkeypatch):
     import huggingface_hub
 
     from jaxrlhf.tokenizer import load_tokenizer
-
     from jaxrlhf.train import builtin_tokenizer
 
     folder, asked, want = _with_tokenizer(tiny, tmp_path), [], builtin_tokenizer()("a b c")["input_ids"]
@@ -320,8 +379,13 @@ def test_a_local_folder_never_asks_the_network(tiny, tmp_path, monkeypatch):
         asked.append(args[:2])
         raise OSError("network blocked by the test")
 
-    for owner, name in [(socket, "getaddrinfo"), (socket, "create_connection"), (socket.socket, "connect"),
-                        (huggingface_hub, "snapshot_download"), (huggingface_hub, "hf_hub_download")]:
+    for owner, name in [
+        (socket, "getaddrinfo"),
+        (socket, "create_connection"),
+        (socket.socket, "connect"),
+        (huggingface_hub, "snapshot_download"),
+        (huggingface_hub, "hf_hub_download"),
+    ]:
         monkeypatch.setattr(owner, name, refuse)
     config, params = load_hf(folder)
     assert load_tokenizer(folder)("a b c")["input_ids"] == want
@@ -342,9 +406,12 @@ def test_a_hub_name_offline_says_so_at_once(monkeypatch):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     start = time.perf_counter()
     for load in (load_hf, load_tokenizer):
-        with pytest.raises(CheckpointError, match=r"^facebook/opt-1\.3b: no such folder, and the Hugging Face Hub is "
-                           r"unreachable \(.*\); download it where it is reachable \(hf download facebook/opt-1\.3b "
-                           r"--local-dir DIR\) and pass DIR instead$"):
+        with pytest.raises(
+            CheckpointError,
+            match=r"^facebook/opt-1\.3b: no such folder, and the Hugging Face Hub is "
+            r"unreachable \(.*\); download it where it is reachable \(hf download facebook/opt-1\.3b "
+            r"--local-dir DIR\) and pass DIR instead$",
+        ):
             load("facebook/opt-1.3b")
     assert time.perf_counter() - start < 1.0
     with pytest.raises(CheckpointError, match="/no/such/folder: not a folder"):  # a path is never a Hub name

@@ -10,8 +10,14 @@ from jaxrlhf.config import _settings
 ENTRY_POINTS = {
     "sft": ("SFTConfig", ["model = ", "data.data_path", "optim.learning_rate", "every setting (--help-all)"]),
     "reward": ("RewardConfig", ["model = ", "data.data_path", "optim.learning_rate"]),
-    "ppo": ("PPOConfig", ["actor.model", "critic.model", "data.data_path", "batch_size", "algorithm", "num_samples_per_prompt"]),
-    "train": ("TrainConfig", ["--actor-model", "--step", "actor_model = ", "deployment_type", "sft.optim.learning_rate", "algorithm"]),
+    "ppo": (
+        "PPOConfig",
+        ["actor.model", "critic.model", "data.data_path", "batch_size", "algorithm", "num_samples_per_prompt"],
+    ),
+    "train": (
+        "TrainConfig",
+        ["--actor-model", "--step", "actor_model = ", "deployment_type", "sft.optim.learning_rate", "algorithm"],
+    ),
     "eval": ("EvalConfig", ["--models", "--prompts", "models = ", "reward_model"]),
     "chat": ("ChatConfig", ["--path", "--max-new-tokens", "path = ", "max_new_tokens"]),
     "plan": ("PPOConfig", ["--devices", "--backend", "actor.model", "critic.model"]),

@@ -18,9 +18,16 @@ from jaxrlhf.eval import EvalConfig  # noqa: E402
 from jaxrlhf.ppo import PPOConfig  # noqa: E402
 from jaxrlhf.train import TrainConfig  # noqa: E402
 
-ENTRY_POINTS = {"inspect.yaml": InspectConfig, "data.yaml": PrepareConfig,  # shipped config -> its settings
-                "ppo.yaml": PPOConfig, "train.yaml": TrainConfig, "eval.yaml": EvalConfig, "sft.yaml": SFTConfig,
-                "reward.yaml": RewardConfig, "stories.yaml": TrainConfig}
+ENTRY_POINTS = {
+    "inspect.yaml": InspectConfig,
+    "data.yaml": PrepareConfig,  # shipped config -> its settings
+    "ppo.yaml": PPOConfig,
+    "train.yaml": TrainConfig,
+    "eval.yaml": EvalConfig,
+    "sft.yaml": SFTConfig,
+    "reward.yaml": RewardConfig,
+    "stories.yaml": TrainConfig,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +96,11 @@ def test_a_config_file_flags_and_overrides_go_in_any_order(tmp_path):
         parser.add_argument("--tags", dest="tags", nargs="+")
 
     want = Run(out="here", steps=5, tags=("a",), optim=Optim(lr=2.0))
-    for argv in ([str(f), "--steps", "5", "optim.lr=2", "--tags", "a"], ["optim.lr=2", "--tags", "a", str(f), "--steps", "5"],
-                 ["--tags", "a", "optim.lr=2", str(f), "--steps", "4", "steps=5"]):  # key=value after the flag wins
+    for argv in (
+        [str(f), "--steps", "5", "optim.lr=2", "--tags", "a"],
+        ["optim.lr=2", "--tags", "a", str(f), "--steps", "5"],
+        ["--tags", "a", "optim.lr=2", str(f), "--steps", "4", "steps=5"],
+    ):  # key=value after the flag wins
         assert parse_cli(Run, "demo", argv, flags=flags)[0] == want, argv
 
 
@@ -129,8 +139,10 @@ def _one_line_error(match, cls, path=None, overrides=()):
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("out: here\nckpt: !!python/object/apply:os.system ['true']\n",  # was a raw ConstructorError
-         r":2: not valid YAML \(could not determine a constructor for the tag '.*python/object/apply:os\.system'\)"),
+        (
+            "out: here\nckpt: !!python/object/apply:os.system ['true']\n",  # was a raw ConstructorError
+            r":2: not valid YAML \(could not determine a constructor for the tag '.*python/object/apply:os\.system'\)",
+        ),
         ("out: 2001-13-45\n", r":1: not valid YAML \(month must be in 1\.\.12\)"),  # a date slip: was a raw ValueError
         ("out: here\nsteps: 3\n\x07\n", r":3: not valid YAML \(character #x0007 is not allowed\); remove it"),
         ("out: here\nsteps: 3\nout: there\n", r":3: not valid YAML \('out' is set twice \(lines 1 and 3\); keep one\)"),
@@ -148,21 +160,33 @@ def test_non_utf8_files_and_bad_override_values_are_one_line_errors(tmp_path):
     f = tmp_path / "run.yaml"
     f.write_bytes(b"out: here\nsteps: 3\nckpt: caf\xe9\n")  # was a UnicodeDecodeError without the file's name
     _one_line_error(rf"{f}:3: not UTF-8 \(byte 0xe9\); save the file as UTF-8", Run, f)
-    _one_line_error(r"command line: 'ckpt': not valid YAML \(could not determine a constructor", Run,
-                    overrides=["ckpt=!!python/name:os.system"])
-    _one_line_error(r"command line: 'optim': not valid YAML \(a key that is not a string \('1'\)", Run,
-                    overrides=["optim={1: 2}"])  # was a TypeError deep in build
+    _one_line_error(
+        r"command line: 'ckpt': not valid YAML \(could not determine a constructor",
+        Run,
+        overrides=["ckpt=!!python/name:os.system"],
+    )
+    _one_line_error(
+        r"command line: 'optim': not valid YAML \(a key that is not a string \('1'\)", Run, overrides=["optim={1: 2}"]
+    )  # was a TypeError deep in build
 
 
 @pytest.mark.parametrize(
     "cls, override, message",
     [
-        (SFTConfig, "optim.learning_rate=.nan", r"command line: optim: learning_rate: expected a finite number, got nan"),
+        (
+            SFTConfig,
+            "optim.learning_rate=.nan",
+            r"command line: optim: learning_rate: expected a finite number, got nan",
+        ),
         (SFTConfig, "optim.eps=-1e-8", r"optim: eps: expected > 0, got -1e-08"),
         (SFTConfig, "batch_size=0", r"command line: SFTConfig: batch_size: expected >= 1, got 0"),
         (SFTConfig, "log_every=0", r"log_every: expected >= 1, got 0"),
         (SFTConfig, "epochs=-1", r"epochs: expected >= 1, got -1"),
-        (SFTConfig, "seed=9223372036854775808", r"seed: expected an integer in \[0, 2\*\*32\), got 9223372036854775808"),
+        (
+            SFTConfig,
+            "seed=9223372036854775808",
+            r"seed: expected an integer in \[0, 2\*\*32\), got 9223372036854775808",
+        ),
         (SFTConfig, "data.seed=-1", r"data: seed: expected an integer in \[0, 2\*\*32\), got -1"),
         (SFTConfig, "data.unsupervised_block_size=1", r"unsupervised_block_size: expected >= 2, got 1"),
         (RewardConfig, "lora.learning_rate=.inf", r"lora: learning_rate: expected a finite number, got inf"),
@@ -181,7 +205,9 @@ def test_settings_built_in_python_are_checked_too():
 
     with pytest.raises(ConfigError, match="learning_rate: expected a finite number, got nan"):
         OptimConfig(learning_rate=float("nan"))
-    with pytest.raises(ConfigError, match=r"num_attention_heads: expected \[1, 2147483648\), got 0"):  # was ZeroDivisionError
+    with pytest.raises(
+        ConfigError, match=r"num_attention_heads: expected \[1, 2147483648\), got 0"
+    ):  # was ZeroDivisionError
         OPTConfig(num_attention_heads=0)
     with pytest.raises(ConfigError, match=r"eos_token_id: expected \[0, 64\), got 64"):
         LlamaConfig(vocab_size=64, hidden_size=16, num_attention_heads=2, num_key_value_heads=1, eos_token_id=64)

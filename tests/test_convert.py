@@ -22,8 +22,9 @@ def stories(assets, tmp_path_factory):
 
 def _greedy_from_bos(config, params, n, mesh=None):
     bos = np.full((2, 1), config.bos_token_id, np.int32)  # two rows: the batch splits over "data" too
-    out = generate(config, params, bos, np.ones_like(bos), jax.random.key(0), max_new_tokens=n, temperature=0.0,
-                   mesh=mesh)
+    out = generate(
+        config, params, bos, np.ones_like(bos), jax.random.key(0), max_new_tokens=n, temperature=0.0, mesh=mesh
+    )
     return np.asarray(out.tokens)
 
 
@@ -65,15 +66,18 @@ def _llama2c_encode(text, pieces, scores):
     for ch in "\u2581" + text.replace(" ", "\u2581"):
         ids += [vocab[ch]] if ch in vocab else [vocab[f"<0x{b:02X}>"] for b in ch.encode()]
     while True:
-        pairs = [(scores[vocab[pieces[a] + pieces[b]]], -i) for i, (a, b) in enumerate(zip(ids, ids[1:]))
-                 if pieces[a] + pieces[b] in vocab]
+        pairs = [
+            (scores[vocab[pieces[a] + pieces[b]]], -i)
+            for i, (a, b) in enumerate(zip(ids, ids[1:]))
+            if pieces[a] + pieces[b] in vocab
+        ]
         if not pairs:
             return [1] + ids
         i = -max(pairs)[1]
         ids[i : i + 2] = [vocab[pieces[ids[i]] + pieces[ids[i + 1]]]]
 
 
-@pytest.mark.parametrize("text", [STORY, "The cat sat. It said: \"hi!\"\nThen 42 dogs ran", "Ünïcode ☃ and tabs\t"])
+@pytest.mark.parametrize("text", [STORY, 'The cat sat. It said: "hi!"\nThen 42 dogs ran', "Ünïcode ☃ and tabs\t"])
 def test_tokenizer_encodes_like_llama2c_and_decodes_back(stories, text):
     src, _, _, _, tok = stories
     pieces, scores = read_llama2c_tokenizer(src / "tok512.bin")

@@ -7,7 +7,18 @@ import json
 import numpy as np
 import pytest
 
-from jaxrlhf.data import Batches, DataConfig, DataError, Record, make_batch, prepare, read_source, step_indices, step_records, tokenize
+from jaxrlhf.data import (
+    Batches,
+    DataConfig,
+    DataError,
+    Record,
+    make_batch,
+    prepare,
+    read_source,
+    step_indices,
+    step_records,
+    tokenize,
+)
 from jaxrlhf.data.sources import HUB_ADAPTERS, read_texts
 from jaxrlhf.tokenizer import opt_tokenizer
 
@@ -36,7 +47,9 @@ def test_hh_rlhf_parses_and_reconstructs_the_dialogues(hh):
 
 
 def test_hh_rlhf_without_skip_stops_at_the_first_bad_row(hh):
-    with pytest.raises(DataError, match=r"jsonl\.gz:87: prompt with no response \(field 'chosen' is empty\) \(set on_bad_row to 'skip'"):
+    with pytest.raises(
+        DataError, match=r"jsonl\.gz:87: prompt with no response \(field 'chosen' is empty\) \(set on_bad_row to 'skip'"
+    ):
         read_source(str(hh))
 
 
@@ -49,17 +62,24 @@ def _write(path, lines):
     "line, message",
     [
         ('{"prompt": "Hi", "chosen": 3}', r"x\.jsonl:2: field 'chosen' must be a string, got int"),
-        ('{"prompt": "Hi", "answer": "yo"}', r"x\.jsonl:2: expected fields prompt \+ chosen .* got \['answer', 'prompt'\]"),
+        (
+            '{"prompt": "Hi", "answer": "yo"}',
+            r"x\.jsonl:2: expected fields prompt \+ chosen .* got \['answer', 'prompt'\]",
+        ),
         ('{"prompt": "Hi", "chosen": "  "}', r"x\.jsonl:2: prompt with no response \(field 'chosen' is empty\)"),
         ('{"prompt": "Hi", "chosen": ', r"x\.jsonl:2: invalid JSON"),
-        ('[1, 2]', r"x\.jsonl:2: expected an object with fields, got list"),
+        ("[1, 2]", r"x\.jsonl:2: expected an object with fields, got list"),
         ('{"chosen": "no assistant turn", "rejected": "x"}', r"x\.jsonl:2: no 'Assistant:' turn"),
-        ('{"prompt": "Hi \\ud800", "chosen": " b"}',  # JSON's escape of half a character: the tokenizer's TypeError
-         r"x\.jsonl:2: field 'prompt' holds a lone UTF-16 surrogate \('\\ud800' at character 3\)"),
+        (
+            '{"prompt": "Hi \\ud800", "chosen": " b"}',  # JSON's escape of half a character: the tokenizer's TypeError
+            r"x\.jsonl:2: field 'prompt' holds a lone UTF-16 surrogate \('\\ud800' at character 3\)",
+        ),
     ],
 )
 def test_bad_rows_name_file_line_and_field(tmp_path, line, message):
-    f = _write(tmp_path / "x.jsonl", ['{"prompt": "\\n\\nHuman: a\\n\\nAssistant:", "chosen": " b", "rejected": " c"}', line])
+    f = _write(
+        tmp_path / "x.jsonl", ['{"prompt": "\\n\\nHuman: a\\n\\nAssistant:", "chosen": " b", "rejected": " c"}', line]
+    )
     with pytest.raises(DataError, match=message):
         read_source(str(f))
     if "invalid JSON" not in message:  # a broken line is not a row we can skip past safely
@@ -88,24 +108,33 @@ def _one_line_error(spec, match, **kwargs):
 
 
 def test_broken_files_are_one_line_errors_naming_the_file(tmp_path):
-    text = "".join(json.dumps({"prompt": f" Human: q{i} Assistant:", "chosen": f" a{i}"}) + "\n" for i in range(50)).encode()
+    text = "".join(
+        json.dumps({"prompt": f" Human: q{i} Assistant:", "chosen": f" a{i}"}) + "\n" for i in range(50)
+    ).encode()
     packed = gzip.compress(text)
     (tmp_path / "cut.jsonl.gz").write_bytes(packed[: len(packed) // 2])  # was EOFError
-    _one_line_error(tmp_path / "cut.jsonl.gz", r"cut\.jsonl\.gz: cannot decompress \(.*\); the file is truncated or corrupt")
+    _one_line_error(
+        tmp_path / "cut.jsonl.gz", r"cut\.jsonl\.gz: cannot decompress \(.*\); the file is truncated or corrupt"
+    )
     (tmp_path / "plain.jsonl.gz").write_bytes(text)  # was gzip.BadGzipFile
     _one_line_error(tmp_path / "plain.jsonl.gz", r"plain\.jsonl\.gz: cannot decompress \(Not a gzipped file")
     latin = text + '{"prompt": " Human: caf\u00e9 Assistant:", "chosen": " a"}\n'.encode("latin-1")
     (tmp_path / "latin.jsonl").write_bytes(latin)  # was a UnicodeDecodeError without the file's name
     _one_line_error(tmp_path / "latin.jsonl", r"latin\.jsonl:51: not UTF-8 \(byte 0xe9\); save the file as UTF-8")
     (tmp_path / "bad.parquet").write_bytes(b"PAR1" + text[:100] + b"PAR1")  # was an ArrowInvalid
-    _one_line_error(tmp_path / "bad.parquet", r"bad\.parquet: cannot read parquet \(.*\); the file is truncated or corrupt")
+    _one_line_error(
+        tmp_path / "bad.parquet", r"bad\.parquet: cannot read parquet \(.*\); the file is truncated or corrupt"
+    )
     (tmp_path / "deep.jsonl").write_text("[" * 100_000 + "\n")  # was a RecursionError
     _one_line_error(tmp_path / "deep.jsonl", r"deep\.jsonl:1: invalid JSON \(nested too deeply\)")
 
 
 def test_json_lines_end_at_newline_only(tmp_path):
     # U+2028 and U+0085 are line breaks to str.splitlines, but JSON allows them unescaped inside a string.
-    rows = [{"prompt": " Human: a\u2028b\u0085c Assistant:", "chosen": " d\u2029e"}, {"prompt": " Human: f Assistant:", "chosen": 3}]
+    rows = [
+        {"prompt": " Human: a\u2028b\u0085c Assistant:", "chosen": " d\u2029e"},
+        {"prompt": " Human: f Assistant:", "chosen": 3},
+    ]
     f = tmp_path / "x.jsonl"
     f.write_bytes(b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\r\n" for r in rows))
     _one_line_error(f, r"x\.jsonl:2: field 'chosen' must be a string")  # the line count is the file's
@@ -114,7 +143,9 @@ def test_json_lines_end_at_newline_only(tmp_path):
 
 def test_pairs_missing_rejected_are_refused_for_step_2_in_eval_too(tmp_path):
     rows = [{"prompt": f" Human: q{i} Assistant:", "chosen": f" a{i}", "rejected": f" b{i}"} for i in range(9)]
-    f = _write(tmp_path / "x.jsonl", [json.dumps(r) for r in rows] + ['{"prompt": " Human: q Assistant:", "chosen": " a"}'])
+    f = _write(
+        tmp_path / "x.jsonl", [json.dumps(r) for r in rows] + ['{"prompt": " Human: q Assistant:", "chosen": " a"}']
+    )
     for seed in range(6):  # wherever the SFT row lands: train or eval (before: eval rows reached the tokenizer as None)
         with pytest.raises(DataError, match=r"x\.jsonl: has rows without a rejected response"):
             step_records(DataConfig(data_path=(str(f),), eval_fraction=0.5, seed=seed), 2)
@@ -128,7 +159,9 @@ def test_local_formats_json_parquet_datasets_folder(tmp_path):
     with gzip.open(tmp_path / "b.jsonl.gz", "wt") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "c.parquet"))
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(rows[:2])}).save_to_disk(str(tmp_path / "d"))
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(rows[:2])}
+    ).save_to_disk(str(tmp_path / "d"))
     want = [Record(**r) for r in rows]
     for name in ("a.json", "b.jsonl.gz", "c.parquet"):
         assert read_source(str(tmp_path / name))["train"][0] == want
@@ -139,14 +172,24 @@ def test_local_formats_json_parquet_datasets_folder(tmp_path):
 
 
 def test_hub_adapters_follow_deepspeed_chat():
-    webgpt = {"question": {"full_text": "Why?"}, "answer_0": "Because [1] it is (2).", "answer_1": "No.", "score_0": 1.0, "score_1": -1.0}
-    assert HUB_ADAPTERS["openai/webgpt_comparisons"].to_record(webgpt) == Record(" Human: Why? Assistant:", " Because it is.", " No.")
+    webgpt = {
+        "question": {"full_text": "Why?"},
+        "answer_0": "Because [1] it is (2).",
+        "answer_1": "No.",
+        "score_0": 1.0,
+        "score_1": -1.0,
+    }
+    assert HUB_ADAPTERS["openai/webgpt_comparisons"].to_record(webgpt) == Record(
+        " Human: Why? Assistant:", " Because it is.", " No."
+    )
     shp = {"history": "Q", "human_ref_A": "a", "human_ref_B": "b", "labels": 0}
     assert HUB_ADAPTERS["stanfordnlp/SHP"].to_record(shp) == Record(" Human: Q Assistant:", " b", " a")
     yx = {"prompt": "Human: Q ", "chosen": "Human: Q Assistant: yes", "rejected": "Human: Q Assistant: no"}
     assert HUB_ADAPTERS["yitingxie/rlhf-reward-datasets"].to_record(yx) == Record("Human: Q Assistant:", " yes", " no")
     gptj = {"prompt": "Q", "chosen": "a", "rejected": "b"}
-    assert HUB_ADAPTERS["Dahoas/synthetic-instruct-gptj-pairwise"].to_record(gptj) == Record(" Human: Q Assistant:", " a", " b")
+    assert HUB_ADAPTERS["Dahoas/synthetic-instruct-gptj-pairwise"].to_record(gptj) == Record(
+        " Human: Q Assistant:", " a", " b"
+    )
 
 
 def test_step_shares_are_disjoint_cover_and_are_reproducible():
@@ -155,18 +198,26 @@ def test_step_shares_are_disjoint_cover_and_are_reproducible():
     assert np.array_equal(np.sort(np.concatenate(shares)), np.arange(1000))
     assert all(np.array_equal(a, step_indices(1000, "2,4,4", s, seed=7, name="x")) for s, a in zip((1, 2, 3), shares))
     assert not np.array_equal(shares[0], step_indices(1000, "2,4,4", 1, seed=8, name="x"))
-    assert len(step_indices(10, "1,0,0", 1, seed=0, name="x")) == 10 and len(step_indices(10, "1,0,0", 2, seed=0, name="x")) == 0
+    assert (
+        len(step_indices(10, "1,0,0", 1, seed=0, name="x")) == 10
+        and len(step_indices(10, "1,0,0", 2, seed=0, name="x")) == 0
+    )
     with pytest.raises(ValueError, match="data_split: expected three non-negative numbers"):
         DataConfig(data_split="2,4")
 
 
 def test_step_records_blend_sources_and_keep_sft_only_data_in_step_1(tmp_path, hh):
-    sft = _write(tmp_path / "sft.jsonl", [json.dumps({"prompt": f" Human: {i} Assistant:", "response": f" r{i}"}) for i in range(30)])
+    sft = _write(
+        tmp_path / "sft.jsonl",
+        [json.dumps({"prompt": f" Human: {i} Assistant:", "response": f" r{i}"}) for i in range(30)],
+    )
     config = DataConfig(data_path=(str(hh),), sft_only_data_path=(str(sft),), on_bad_row="skip", eval_fraction=0.1)
     steps = {s: step_records(config, s)[0] for s in (1, 2, 3)}
     hh_train = {(r.prompt, r.chosen) for s in (1, 2, 3) for r in steps[s]["train"] if r.rejected is not None}
     hh_eval = {(r.prompt, r.chosen) for s in (1, 2, 3) for r in steps[s]["eval"] if r.rejected is not None}
-    assert len(hh_train) + len(hh_eval) == len({(r.prompt, r.chosen) for r in read_source(str(hh), on_bad_row="skip")["train"][0]})
+    assert len(hh_train) + len(hh_eval) == len(
+        {(r.prompt, r.chosen) for r in read_source(str(hh), on_bad_row="skip")["train"][0]}
+    )
     assert not hh_train & hh_eval
     sft_rows = [r for r in steps[1]["train"] + steps[1]["eval"] if r.rejected is None]
     assert len(sft_rows) == 30 and all(r.rejected is not None for s in (2, 3) for r in steps[s]["train"])
@@ -192,7 +243,10 @@ def test_tokenized_batches_for_each_step(hh, tok):
     assert b["attention_mask"][0].sum() == 128 and b["loss_mask"][0].tolist() == [0] + [1] * 127
     masked = make_batch(arrays, [0], 1, dataclasses.replace(config, mask_prompt=True), tok.pad_token_id)
     assert masked["loss_mask"][0].tolist() == [0] * (1 + len(kept)) + [1] * (len(chosen_ids) + 1)
-    assert tok.decode(b["input_ids"][1][b["attention_mask"][1] == 1][1:-1]) == (records[1].prompt + records[1].chosen) or stats["prompts_cut"]
+    assert (
+        tok.decode(b["input_ids"][1][b["attention_mask"][1] == 1][1:-1]) == (records[1].prompt + records[1].chosen)
+        or stats["prompts_cut"]
+    )
 
     arrays, stats = tokenize(records, tok, 2, config)
     b = make_batch(arrays, [0], 2, config, tok.pad_token_id)
@@ -203,7 +257,9 @@ def test_tokenized_batches_for_each_step(hh, tok):
     n = 1 + len(kept) + len(chosen_ids) + 1
     assert b["chosen_ids"][0, :n].tolist() == [2] + kept + chosen_ids + [2] and b["chosen_mask"][0].sum() == n
     # The prompt keeps what the longer answer leaves of the 126 tokens besides BOS and EOS, and at least 63.
-    lengths = [[len(tok(t, add_special_tokens=False)["input_ids"]) for t in (r.prompt, r.chosen, r.rejected)] for r in records]
+    lengths = [
+        [len(tok(t, add_special_tokens=False)["input_ids"]) for t in (r.prompt, r.chosen, r.rejected)] for r in records
+    ]
     kept = [min(p, max(126 - max(c, r), 63)) for p, c, r in lengths]
     assert stats["prompts_cut"] == sum(k < p for k, (p, _, _) in zip(kept, lengths)) > 0
     assert stats["chosen_truncated"] == sum(k + c > 126 for k, (_, c, _) in zip(kept, lengths)) > 0
@@ -219,7 +275,10 @@ def test_tokenized_batches_for_each_step(hh, tok):
 
 
 def test_cache_is_hit_and_rebuilt_when_a_source_changes(tmp_path, tok):
-    rows = [json.dumps({"prompt": f" Human: {i} Assistant:", "chosen": f" yes {i}", "rejected": f" no {i}"}) for i in range(50)]
+    rows = [
+        json.dumps({"prompt": f" Human: {i} Assistant:", "chosen": f" yes {i}", "rejected": f" no {i}"})
+        for i in range(50)
+    ]
     src = _write(tmp_path / "pairs.jsonl", rows)
     config = DataConfig(data_path=(str(src),), cache_dir=str(tmp_path / "cache"), max_seq_len=32)
     logs = []
@@ -252,7 +311,10 @@ def test_batches_are_deterministic_and_resume_mid_epoch(tok):
     it = iter(resumed)
     assert np.array_equal(next(it)["input_ids"], run[3]) and np.array_equal(next(it)["input_ids"], run[4])
     assert np.array_equal(next(it)["input_ids"], run[5]) and resumed.state() == {"epoch": 1, "position": 1}
-    halves = [next(iter(Batches(arrays, 1, 8, config, tok.pad_token_id, process_index=p, process_count=2)))["input_ids"] for p in (0, 1)]
+    halves = [
+        next(iter(Batches(arrays, 1, 8, config, tok.pad_token_id, process_index=p, process_count=2)))["input_ids"]
+        for p in (0, 1)
+    ]
     assert np.array_equal(np.concatenate(halves), run[0])  # two processes split every global batch
     with pytest.raises(ValueError, match="fewer than one batch of 64"):
         Batches(arrays, 1, 64, config, tok.pad_token_id)
@@ -307,7 +369,10 @@ def test_prepare_cli(assets, tmp_path, capsys):
     main([f"tokenizer={assets / 'opt-tokenizer'}", "steps=[3]", f"data.cache_dir={tmp_path}", "data.max_prompt_len=32"])
     out = capsys.readouterr().out
     assert "step 3: 1440 train, 160 eval" in out and "prompt_ids sample: '</s>\\n\\nHuman: Sort these letters:" in out
-    for args, message in ((["steps=[1]"], "error: tokenizer: required"), ([f"tokenizer={tmp_path}"], "no tokenizer found")):
+    for args, message in (
+        (["steps=[1]"], "error: tokenizer: required"),
+        ([f"tokenizer={tmp_path}"], "no tokenizer found"),
+    ):
         with pytest.raises(SystemExit):
             main(args)
         assert message in capsys.readouterr().err
@@ -338,27 +403,45 @@ def test_hub_datasets_come_through_huggingface_hub_and_fail_at_once_offline(tmp_
         (snapshot / "data" / f"{split}.jsonl").write_text(json.dumps(row) + "\n")
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda name, repo_type: str(snapshot))
     data = read_source("Dahoas/rm-static")
-    assert (data["train"][0], data["eval"][0]) == ([Record(" Human: Q Assistant:", " a", " b")],
-                                                   [Record(" Human: Q Assistant:", " c", " b")])
+    assert (data["train"][0], data["eval"][0]) == (
+        [Record(" Human: Q Assistant:", " a", " b")],
+        [Record(" Human: Q Assistant:", " c", " b")],
+    )
 
 
 def test_gsm8k_rows_and_metadata_reach_step_3_batches(tmp_path, tok):
-    gsm = [{"question": f"Tom has {i} apples and buys {i + 1}. How many now?", "answer": f"{i} + {i + 1} = {2 * i + 1}\n#### {2 * i + 1}"}
-           for i in range(8)]
+    gsm = [
+        {
+            "question": f"Tom has {i} apples and buys {i + 1}. How many now?",
+            "answer": f"{i} + {i + 1} = {2 * i + 1}\n#### {2 * i + 1}",
+        }
+        for i in range(8)
+    ]
     long = {"question": "Why? " * 300, "answer": "#### 0"}  # over max_prompt_len: dropped, and its metadata with it
     src = _write(tmp_path / "gsm8k.jsonl", [json.dumps(r) for r in [long] + gsm])
-    assert read_source(str(src))["train"][0][1] == Record(gsm[0]["question"], " " + gsm[0]["answer"], None, {"reference": gsm[0]["answer"]})
-    own = _write(tmp_path / "own.jsonl", ['{"prompt": " Human: 1+1? Assistant:", "chosen": " 2", "metadata": {"tests": ["2"]}}',
-                                          '{"prompt": " Human: hi Assistant:", "chosen": " hello"}'])
+    assert read_source(str(src))["train"][0][1] == Record(
+        gsm[0]["question"], " " + gsm[0]["answer"], None, {"reference": gsm[0]["answer"]}
+    )
+    own = _write(
+        tmp_path / "own.jsonl",
+        [
+            '{"prompt": " Human: 1+1? Assistant:", "chosen": " 2", "metadata": {"tests": ["2"]}}',
+            '{"prompt": " Human: hi Assistant:", "chosen": " hello"}',
+        ],
+    )
     assert [r.metadata for r in read_source(str(own))["train"][0]] == [{"tests": ["2"]}, None]
     bad = _write(tmp_path / "bad.jsonl", ['{"prompt": " Human: hi Assistant:", "chosen": " hello", "metadata": [1]}'])
     _one_line_error(bad, r"bad\.jsonl:1: field 'metadata' must be an object, got list")
-    config = DataConfig(data_path=(str(src), str(own)), data_split="0,0,1", eval_fraction=0.0, cache_dir=str(tmp_path / "cache"))
+    config = DataConfig(
+        data_path=(str(src), str(own)), data_split="0,0,1", eval_fraction=0.0, cache_dir=str(tmp_path / "cache")
+    )
     for _ in range(2):  # tokenized, then from the cache
         data = prepare(config, 3, tok, log=lambda _: None)
         assert data["stats"]["train"]["dropped_too_long"] == 1
         batch = next(iter(Batches(data["train"], 3, 8, config, tok.pad_token_id)))
         prompts = [tok.decode(r[m.astype(bool)][1:]) for r, m in zip(batch["prompt_ids"], batch["prompt_mask"])]
-        want = {r["question"]: {"reference": r["answer"]} for r in gsm} | {" Human: 1+1? Assistant:": {"tests": ["2"]},
-                                                                          " Human: hi Assistant:": {}}
+        want = {r["question"]: {"reference": r["answer"]} for r in gsm} | {
+            " Human: 1+1? Assistant:": {"tests": ["2"]},
+            " Human: hi Assistant:": {},
+        }
         assert set(prompts) <= set(want) and len(set(prompts)) == 8 and batch["metadata"] == [want[p] for p in prompts]

@@ -107,10 +107,13 @@ def test_held_out_pairs_are_labelled_by_the_gold_reward():
     assert len(splits["train"]) == 1800 and len(splits["eval"]) == 200
     records = preference_records(2000, seed=5)
     assert splits["train"] == records[:1800]  # the same pairs, the same noisy labels
-    assert {(r["prompt"], frozenset((r["chosen"], r["rejected"]))) for r in splits["eval"]} == \
-        {(r["prompt"], frozenset((r["chosen"], r["rejected"]))) for r in records[1800:]}
+    assert {(r["prompt"], frozenset((r["chosen"], r["rejected"]))) for r in splits["eval"]} == {
+        (r["prompt"], frozenset((r["chosen"], r["rejected"]))) for r in records[1800:]
+    }
     assert all(gold_reward(r["prompt"], r["chosen"]) > gold_reward(r["prompt"], r["rejected"]) for r in splits["eval"])
-    flipped = sum(gold_reward(r["prompt"], r["chosen"]) < gold_reward(r["prompt"], r["rejected"]) for r in records[1800:])
+    flipped = sum(
+        gold_reward(r["prompt"], r["chosen"]) < gold_reward(r["prompt"], r["rejected"]) for r in records[1800:]
+    )
     assert flipped > 5  # relabelling had something to fix
 
 

@@ -8,8 +8,13 @@ import numpy as np
 import pytest
 
 from jaxrlhf import make_mesh
-from jaxrlhf.kernels.decode_attention import (DecodeAttentionConfig, decode_attention, decode_attention_reference,
-                                             decode_step, fuses_step)
+from jaxrlhf.kernels.decode_attention import (
+    DecodeAttentionConfig,
+    decode_attention,
+    decode_attention_reference,
+    decode_step,
+    fuses_step,
+)
 
 KERNEL = DecodeAttentionConfig(implementation="pallas", block_s=16, interpret=True)
 
@@ -34,8 +39,11 @@ CASES = [  # (L, B, H, Hkv, S, K, dtype): multi-head and grouped-query, head dim
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
-@pytest.mark.parametrize("implementation, use_dot", [("pallas", True), ("pallas", False), ("xla", True)],
-                         ids=["kernel", "kernel_elementwise", "xla"])
+@pytest.mark.parametrize(
+    "implementation, use_dot",
+    [("pallas", True), ("pallas", False), ("xla", True)],
+    ids=["kernel", "kernel_elementwise", "xla"],
+)
 @pytest.mark.slow
 def test_kernel_and_xla_match_the_reference(case, implementation, use_dot):
     L, B, H, Hkv, S, K, dtype = CASES[case]
@@ -148,9 +156,9 @@ def test_kernel_lowers_to_triton_for_an_h200(mask_loads):
         config = DecodeAttentionConfig("pallas", interpret=False, mask_loads=mask_loads, num_splits=splits)
         fn = jax.jit(lambda q, k, v, s, e: decode_attention(q, k, v, s, e, 1, config=config))
         with jax.sharding.use_abstract_mesh(h200):
-            exported = export.export(fn, platforms=["cuda"], disabled_checks=[
-                export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-                bf16(4, H, K), bf16(2, 4, Hkv, 2048, K), bf16(2, 4, Hkv, 2048, K), rows, rows)
+            exported = export.export(
+                fn, platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+            )(bf16(4, H, K), bf16(2, 4, Hkv, 2048, K), bf16(2, 4, Hkv, 2048, K), rows, rows)
         module = exported.mlir_module()
         assert module.count('name = "jaxrlhf_decode_attention"') == 1
         assert ("masked_load" in module) == mask_loads  # the Triton IR's debug names
@@ -158,15 +166,39 @@ def test_kernel_lowers_to_triton_for_an_h200(mask_loads):
         # multi-head with a LayerNorm, its float32 product and a bias (OPT)
         f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
         G2, llama = H // Hkv + 2, Hkv < H
-        step = jax.jit(lambda qkv, k, v, s, c, n, x, m, r, cs, b: decode_step(
-            qkv, k, v, s, 300, 1, rope=(c, n) if llama else None, rms=(x, 1e-5) if llama else None,
-            layer_norm=None if llama else (m, r, 2048, 1e-5, cs), bias=None if llama else b, config=config))
+        step = jax.jit(
+            lambda qkv, k, v, s, c, n, x, m, r, cs, b: decode_step(
+                qkv,
+                k,
+                v,
+                s,
+                300,
+                1,
+                rope=(c, n) if llama else None,
+                rms=(x, 1e-5) if llama else None,
+                layer_norm=None if llama else (m, r, 2048, 1e-5, cs),
+                bias=None if llama else b,
+                config=config,
+            )
+        )
         with jax.sharding.use_abstract_mesh(h200):
-            exported = export.export(step, platforms=["cuda"], disabled_checks=[
-                export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-                (bf16 if llama else f32)(4, Hkv, G2, K), bf16(2, 4, Hkv, 512, K), bf16(2, 4, Hkv, 512, K), rows,
-                f32(4, K // 2), f32(4, K // 2), bf16(4, 5120), f32(4), f32(4),  # Llama-13B's width: 5 pieces
-                f32(Hkv, G2, K), bf16(Hkv, G2, K))
+            exported = export.export(
+                step,
+                platforms=["cuda"],
+                disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+            )(
+                (bf16 if llama else f32)(4, Hkv, G2, K),
+                bf16(2, 4, Hkv, 512, K),
+                bf16(2, 4, Hkv, 512, K),
+                rows,
+                f32(4, K // 2),
+                f32(4, K // 2),
+                bf16(4, 5120),
+                f32(4),
+                f32(4),  # Llama-13B's width: 5 pieces
+                f32(Hkv, G2, K),
+                bf16(Hkv, G2, K),
+            )
         module = exported.mlir_module()
         assert module.count('name = "jaxrlhf_decode_attention_step"') == 1 and "output_operand_alias" in module
 
@@ -206,8 +238,9 @@ def step_reference(qkv, k, v, start, slot, layer, rope, rms=None, layer_norm=Non
     q, k_new, v_new = x[:, :, : G2 - 2], x[:, :, G2 - 2], x[:, :, G2 - 1]
     if rope is not None:
         cos, sin = rope[0][:, None, None, :], rope[1][:, None, None, :]
-        turn = lambda t: jnp.concatenate([t[..., : K // 2] * cos - t[..., K // 2 :] * sin,
-                                          t[..., K // 2 :] * cos + t[..., : K // 2] * sin], axis=-1)
+        turn = lambda t: jnp.concatenate(
+            [t[..., : K // 2] * cos - t[..., K // 2 :] * sin, t[..., K // 2 :] * cos + t[..., : K // 2] * sin], axis=-1
+        )
         q, k_new = turn(q), turn(k_new[:, :, None])[:, :, 0]
     k = k.at[layer, :, :, slot].set(k_new.astype(k.dtype))
     v = v.at[layer, :, :, slot].set(v_new.astype(v.dtype))
@@ -242,15 +275,21 @@ def test_the_fused_step_equals_normalise_rotate_write_attend(case):
     rope = (jnp.cos(angle), jnp.sin(angle)) if rope else None
     rms = (norm_input(ks[5], B, D, dtype), 0.5) if norm == "rms" else None
     x = norm_input(ks[5], B, 96)  # a LayerNorm's input rows: their sums and sums of squares
-    layer_norm = (x.sum(-1), (x * x).sum(-1), 96, 0.5, jax.random.normal(ks[6], (Hkv, G + 2, K))) if norm == "layer" else None
+    layer_norm = (
+        (x.sum(-1), (x * x).sum(-1), 96, 0.5, jax.random.normal(ks[6], (Hkv, G + 2, K))) if norm == "layer" else None
+    )
     bias = jax.random.normal(ks[7], (Hkv, G + 2, K), dtype) if bias else None
-    got = decode_step(qkv, k, v, start, slot, layer, rope=rope, rms=rms, layer_norm=layer_norm, bias=bias, config=KERNEL)
+    got = decode_step(
+        qkv, k, v, start, slot, layer, rope=rope, rms=rms, layer_norm=layer_norm, bias=bias, config=KERNEL
+    )
     want = step_reference(qkv, k, v, start, slot, layer, rope, rms, layer_norm, bias)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), atol=tol, rtol=tol)
     for name, g, w in (("k", got[1], want[1]), ("v", got[2], want[2])):  # the write, and every other slot untouched
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), atol=1e-6, err_msg=name)
-    assert not np.allclose(np.asarray(want[1][layer, :, :, slot], np.float32), np.asarray(k[layer, :, :, slot], np.float32))
+    assert not np.allclose(
+        np.asarray(want[1][layer, :, :, slot], np.float32), np.asarray(k[layer, :, :, slot], np.float32)
+    )
     differs = lambda other: np.abs(np.asarray(other[0], np.float32) - np.asarray(want[0], np.float32)).max() > 0.05
     if rope is not None:  # each part matters: without it the answer differs
         assert differs(step_reference(qkv, k, v, start, slot, layer, None, rms, layer_norm, bias))
@@ -273,14 +312,16 @@ def test_the_fused_step_per_shard_and_when_it_applies():
     bias = jax.random.normal(ks[7], qkv.shape[1:])  # per KV head: each shard takes its heads' part
     want = step_reference(qkv, k, v, start, 20, 1, rope, rms, None, bias)
     got = jax.jit(lambda *a: decode_step(*a, 20, 1, rope=rope, rms=rms, bias=bias, config=KERNEL, mesh=mesh))(
-        qkv, k, v, start)
+        qkv, k, v, start
+    )
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-5)
     x = norm_input(ks[6], B, 64)
     layer_norm = (x.sum(-1), (x * x).sum(-1), 64, 1e-5, jax.random.normal(ks[6], qkv.shape[1:]))  # sums per row
     want = step_reference(qkv, k, v, start, 20, 1, None, None, layer_norm, bias)
     got = jax.jit(lambda *a: decode_step(*a, 20, 1, layer_norm=layer_norm, bias=bias, config=KERNEL, mesh=mesh))(
-        qkv, k, v, start)
+        qkv, k, v, start
+    )
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-5)
     # Only the kernel, only with tensor-core products, only unsplit: elsewhere the model runs the unfused path.

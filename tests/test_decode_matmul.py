@@ -49,7 +49,10 @@ def test_the_ffn_in_product_equals_the_definition(M, K, N, dtype):
     np.testing.assert_allclose(float(got[M - 1, N - 1]), max(y, 0.0), atol=tol, rtol=tol)
     assert 0.1 < float(jnp.mean(got > 0)) < 0.9  # the ReLU cuts some of the outputs and keeps others
     # the mean term and the scale each matter: without either the answer is far off
-    for wrong in [(jnp.zeros(M), layer_norm[1], colsum, 1e-5), (layer_norm[0], layer_norm[0] ** 2 / K + K, colsum, 1e-5)]:
+    for wrong in [
+        (jnp.zeros(M), layer_norm[1], colsum, 1e-5),
+        (layer_norm[0], layer_norm[0] ** 2 / K + K, colsum, 1e-5),
+    ]:
         off = decode_matmul_reference(x, w, bias=bias, layer_norm=wrong, relu=True)
         assert np.abs(np.asarray(off) - np.asarray(got, np.float32)).max() > 0.5
 
@@ -61,8 +64,9 @@ def test_the_split_product_equals_the_definition(M, K, N):
     got = decode_matmul(x, w, interpret=True)
     assert got.dtype == jnp.float32 and got.shape == (M, N)
     np.testing.assert_allclose(np.asarray(got), np.asarray(decode_matmul_reference(x, w)), atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(float(got[3, 5]), float(np.asarray(x[3], np.float64) @ np.asarray(w[:, 5], np.float64)),
-                               atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        float(got[3, 5]), float(np.asarray(x[3], np.float64) @ np.asarray(w[:, 5], np.float64)), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_per_shard_and_bad_shapes():
@@ -71,8 +75,11 @@ def test_per_shard_and_bad_shapes():
     x, w, colsum, bias = inputs(64, 256, 256, jnp.float32, seed=7)
     layer_norm = (*stats(x), colsum, 1e-5)
     with jax.set_mesh(mesh):
-        got = jax.jit(lambda x, w, b, s, q, c: decode_matmul(x, w, bias=b, layer_norm=(s, q, c, 1e-5), relu=True,
-                                                             interpret=True, mesh=mesh))(x, w, bias, *layer_norm[:3])
+        got = jax.jit(
+            lambda x, w, b, s, q, c: decode_matmul(
+                x, w, bias=b, layer_norm=(s, q, c, 1e-5), relu=True, interpret=True, mesh=mesh
+            )
+        )(x, w, bias, *layer_norm[:3])
         split = jax.jit(lambda x, w: decode_matmul(x, w, interpret=True, mesh=mesh))(x, w)
     want = decode_matmul_reference(x, w, bias=bias, layer_norm=layer_norm, relu=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
@@ -93,14 +100,18 @@ def test_kernel_lowers_to_triton_for_an_h200():
     h200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", 132, "gpu"))
     bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-    fc1 = jax.jit(lambda x, w, s, q, c, b: decode_matmul(x, w, bias=b, layer_norm=(s, q, c, 1e-5), relu=True,
-                                                         interpret=False))
+    fc1 = jax.jit(
+        lambda x, w, s, q, c, b: decode_matmul(x, w, bias=b, layer_norm=(s, q, c, 1e-5), relu=True, interpret=False)
+    )
     fc2 = jax.jit(lambda x, w: decode_matmul(x, w, interpret=False))
-    for fn, args, grid in [(fc1, (bf16(64, 2048), bf16(2048, 8192), f32(64), f32(64), f32(8192), bf16(8192)), (128, 1)),
-                           (fc2, (bf16(64, 8192), bf16(8192, 2048)), (32, 4))]:
+    for fn, args, grid in [
+        (fc1, (bf16(64, 2048), bf16(2048, 8192), f32(64), f32(64), f32(8192), bf16(8192)), (128, 1)),
+        (fc2, (bf16(64, 8192), bf16(8192, 2048)), (32, 4)),
+    ]:
         with jax.sharding.use_abstract_mesh(h200):
-            exported = export.export(fn, platforms=["cuda"], disabled_checks=[
-                export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+            exported = export.export(
+                fn, platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+            )(*args)
         module = exported.mlir_module()
         assert module.count('name = "jaxrlhf_decode_matmul"') == 1
         assert f"grid_x = {grid[0]} : i32, grid_y = {grid[1]} : i32" in module

@@ -16,8 +16,16 @@ from jaxrlhf.lora import LoRAConfig
 from jaxrlhf.losses import answer_mask, dpo_loss, sequence_logprobs
 from jaxrlhf.trainer import OptimConfig, effective_params
 
-TINY = dict(vocab_size=50272, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
-            max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.0)
+TINY = dict(
+    vocab_size=50272,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    ffn_dim=64,
+    max_position_embeddings=64,
+    word_embed_proj_dim=32,
+    dropout=0.0,
+)
 
 
 # ------------------------------------------------------------------------------------ the formulas, against NumPy
@@ -41,8 +49,10 @@ def reference_dpo(pc, pr, rc, rr, beta, eps, kind):
     return np.array(losses), np.array(hits)
 
 
-@pytest.mark.parametrize("kind,beta,eps", [("sigmoid", 0.1, 0.0), ("sigmoid", 0.5, 0.2), ("sigmoid", 2.0, 0.4),
-                                           ("ipo", 0.1, 0.0), ("ipo", 1.5, 0.0)])
+@pytest.mark.parametrize(
+    "kind,beta,eps",
+    [("sigmoid", 0.1, 0.0), ("sigmoid", 0.5, 0.2), ("sigmoid", 2.0, 0.4), ("ipo", 0.1, 0.0), ("ipo", 1.5, 0.0)],
+)
 def test_dpo_loss_matches_numpy(kind, beta, eps):
     rng = np.random.default_rng(0)
     pc, pr, rc, rr = (rng.normal(-20, 6, 12).astype(np.float32) for _ in range(4))
@@ -67,8 +77,11 @@ def test_dpo_loss_hand_computed():
     assert math.isclose(float(total), smoothed, rel_tol=1e-6)
     total, _, _ = dpo_loss(*args, beta=0.5, kind="ipo")
     assert math.isclose(float(total), (3.0 - 1.0) ** 2, rel_tol=1e-6)
-    assert float(m["accuracy"]) == 1.0 and math.isclose(float(m["chosen_reward"]), 1.0) and math.isclose(
-        float(m["rejected_reward"]), -0.5)
+    assert (
+        float(m["accuracy"]) == 1.0
+        and math.isclose(float(m["chosen_reward"]), 1.0)
+        and math.isclose(float(m["rejected_reward"]), -0.5)
+    )
     assert math.isclose(float(dpo_loss(*args[:2], *args[:2], beta=0.1)[0]), math.log(2.0), rel_tol=1e-6)
 
 
@@ -118,17 +131,34 @@ def tiny_model(assets, tmp_path_factory):
     """A tiny random OPT with the real OPT tokenizer, as an HF folder."""
     folder = tmp_path_factory.mktemp("tiny") / "model"
     config = OPTConfig(**TINY)
-    return save_hf(folder, config, jax.device_get(init_params(config, jax.random.key(0), std=0.1)),
-                   opt_tokenizer(assets / "opt-tokenizer"))
+    return save_hf(
+        folder,
+        config,
+        jax.device_get(init_params(config, jax.random.key(0), std=0.1)),
+        opt_tokenizer(assets / "opt-tokenizer"),
+    )
 
 
 def dpo_config(model, tmp_path, **kw):
     """320 training pairs of the built-in task, 160 held out; 16 pairs a step in 2 micro-batches of 8 (1 a device)."""
-    data = DataConfig(data_path=("synthetic:480",), data_split="0,1,0", eval_fraction=1 / 3, max_seq_len=32,
-                      cache_dir=str(tmp_path / "cache"))
-    base = dict(model=str(model), output_dir=str(tmp_path / "out"), batch_size=16, epochs=2, log_every=1,
-                precision="fp32", beta=0.5, data=data,
-                optim=OptimConfig(learning_rate=1e-2, warmup_steps=2, gradient_accumulation_steps=2))
+    data = DataConfig(
+        data_path=("synthetic:480",),
+        data_split="0,1,0",
+        eval_fraction=1 / 3,
+        max_seq_len=32,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    base = dict(
+        model=str(model),
+        output_dir=str(tmp_path / "out"),
+        batch_size=16,
+        epochs=2,
+        log_every=1,
+        precision="fp32",
+        beta=0.5,
+        data=data,
+        optim=OptimConfig(learning_rate=1e-2, warmup_steps=2, gradient_accumulation_steps=2),
+    )
     return DPOConfig(**{**base, **kw})
 
 
@@ -137,8 +167,9 @@ def train_losses(records):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora", [LoRAConfig(), LoRAConfig(dim=8, only_optimize_lora=True, learning_rate=3e-2)],
-                         ids=["full", "lora"])
+@pytest.mark.parametrize(
+    "lora", [LoRAConfig(), LoRAConfig(dim=8, only_optimize_lora=True, learning_rate=3e-2)], ids=["full", "lora"]
+)
 def test_dpo_learns_the_builtin_preferences(tiny_model, tmp_path, lora):
     """Two epochs of 20 steps on 8 devices, with gradient accumulation: the first step's loss is log 2 (the policy is
     the reference), the loss falls, and on 160 held-out pairs the implicit reward prefers the chosen answer well
@@ -192,8 +223,12 @@ def test_accumulation_and_resume_give_the_same_run(tiny_model, tmp_path):
     2 micro-batches, and as 2 steps then 2 more after a restart (the reference restored from the checkpoint) agree."""
     lora = LoRAConfig(dim=4, learning_rate=3e-3)
     cfg = lambda name, accumulation, steps: dpo_config(
-        tiny_model, tmp_path / name, lora=lora, max_steps=steps,
-        optim=OptimConfig(learning_rate=1e-3, schedule="constant", gradient_accumulation_steps=accumulation))
+        tiny_model,
+        tmp_path / name,
+        lora=lora,
+        max_steps=steps,
+        optim=OptimConfig(learning_rate=1e-3, schedule="constant", gradient_accumulation_steps=accumulation),
+    )
     whole = run(cfg("whole", 1, 4), log=lambda _: None)
     micro = run(cfg("micro", 2, 4), log=lambda _: None)
     run(cfg("resumed", 2, 2), log=lambda _: None)
@@ -229,18 +264,35 @@ def test_dpo_raises_held_out_hh_preference_accuracy(assets, tmp_path, capsys):
 
     src = assets / "models" / "stories260K"
     model = llama2c_to_hf(src / "stories260K.bin", src / "tok512.bin", tmp_path / "stories260K")
-    data = DataConfig(data_path=(str(assets / HH),), on_bad_row="skip", data_split="0,1,0", eval_fraction=0.3,
-                      max_seq_len=128, cache_dir=str(tmp_path / "cache"))
-    cfg = DPOConfig(model=str(model), output_dir=str(tmp_path / "dpo"), batch_size=32, epochs=2, log_every=10,
-                    precision="fp32", beta=0.1, data=data, optim=OptimConfig(learning_rate=3e-4))
+    data = DataConfig(
+        data_path=(str(assets / HH),),
+        on_bad_row="skip",
+        data_split="0,1,0",
+        eval_fraction=0.3,
+        max_seq_len=128,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    cfg = DPOConfig(
+        model=str(model),
+        output_dir=str(tmp_path / "dpo"),
+        batch_size=32,
+        epochs=2,
+        log_every=10,
+        precision="fp32",
+        beta=0.1,
+        data=data,
+        optim=OptimConfig(learning_rate=3e-4),
+    )
     out = run(cfg, log=lambda _: None, mesh=make_mesh(1, jax.devices()[:1]))
     evaluation = [r for r in out["records"] if r["split"] == "eval"][-1]
     n = evaluation["pairs"]
     low, high = wilson(round(evaluation["accuracy"] * n), n)
     chosen, rejected = held_out_logps(model, data, load_tokenizer(model))
     with capsys.disabled():
-        print(f"\nDPO on HH: held-out implicit-reward accuracy 0.5 (reference) -> {evaluation['accuracy']:.3f} "
-              f"over {n} pairs (95 % {low:.3f}-{high:.3f}), margin {evaluation['margin']:.3f}; the reference's own "
-              f"likelihood prefers chosen in {np.mean(chosen > rejected):.3f}")
+        print(
+            f"\nDPO on HH: held-out implicit-reward accuracy 0.5 (reference) -> {evaluation['accuracy']:.3f} "
+            f"over {n} pairs (95 % {low:.3f}-{high:.3f}), margin {evaluation['margin']:.3f}; the reference's own "
+            f"likelihood prefers chosen in {np.mean(chosen > rejected):.3f}"
+        )
     assert n == 672
     assert low > 0.5 and evaluation["margin"] > 0

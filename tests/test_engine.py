@@ -9,15 +9,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import POST_LN_PROJ, PRE_LN, jit_logits, jit_values, left_padded_batch
 
+from helpers import POST_LN_PROJ, PRE_LN, jit_logits, jit_values, left_padded_batch
 from jaxrlhf import OPTConfig, init_params, make_mesh
-from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide
-from jaxrlhf.rl.engine import tree_bytes
 from jaxrlhf.generate import decode_params, generate
 from jaxrlhf.lora import LoRAConfig
-from jaxrlhf.sharding import path_str
 from jaxrlhf.losses import lm_loss
+from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide
+from jaxrlhf.rl.engine import tree_bytes
+from jaxrlhf.sharding import path_str
 from jaxrlhf.trainer import OptimConfig
 
 ACTOR = OPTConfig(**PRE_LN, dropout=0.0)
@@ -52,7 +52,9 @@ def config(**kw):
 
 
 def engine(models, mesh, eos, **kw):
-    return HybridEngine(config(**kw), mesh, (ACTOR, models[0]), (CRITIC, models[1]), total_steps=10, eos_id=eos, pad_id=1)
+    return HybridEngine(
+        config(**kw), mesh, (ACTOR, models[0]), (CRITIC, models[1]), total_steps=10, eos_id=eos, pad_id=1
+    )
 
 
 def host(tree):
@@ -83,7 +85,10 @@ def test_one_iteration_on_8_devices_with_tp_2_equals_one_device(models, prompts)
         # key); Adam normalises its float noise into a full-size step, different on 1 and 8 devices.
         if "k_proj/bias" not in path_str(path):
             np.testing.assert_allclose(a, b, atol=1e-4, err_msg=path_str(path))
-    moved = np.abs(state1["actor"]["trainable"]["params"]["decoder"]["layers"]["fc1"]["kernel"] - models[0]["decoder"]["layers"]["fc1"]["kernel"])
+    moved = np.abs(
+        state1["actor"]["trainable"]["params"]["decoder"]["layers"]["fc1"]["kernel"]
+        - models[0]["decoder"]["layers"]["fc1"]["kernel"]
+    )
     assert moved.max() > 1e-3  # the step did something
 
 
@@ -117,13 +122,16 @@ def live_bytes():
     """Bytes of every array alive on the mesh (per-device views of shards, SingleDeviceSharding, share the
     buffers of their global array and are not counted twice)."""
     gc.collect()  # what earlier tests left in reference cycles
-    return sum(x.nbytes for x in jax.live_arrays() if not x.is_deleted() and isinstance(x.sharding, jax.sharding.NamedSharding))
+    return sum(
+        x.nbytes for x in jax.live_arrays() if not x.is_deleted() and isinstance(x.sharding, jax.sharding.NamedSharding)
+    )
 
 
 def adapted_bytes(params):
     layers = params["decoder"]["layers"]
     return sum(layers[m]["kernel"].nbytes for m in ("fc1", "fc2")) + sum(
-        layers["self_attn"][m]["kernel"].nbytes for m in ("q_proj", "k_proj", "v_proj", "out_proj"))
+        layers["self_attn"][m]["kernel"].nbytes for m in ("q_proj", "k_proj", "v_proj", "out_proj")
+    )
 
 
 @pytest.mark.slow
@@ -154,7 +162,9 @@ def test_lora_shares_the_base_weights_ema_mixture_and_adaptive_kl(models, prompt
     copy = jax.eval_shape(lambda p: decode_params(ACTOR, p), models[0])
     assert e.reshard_bytes == sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(copy))
     assert live_bytes() - before == tree_bytes(e.state) + tree_bytes(e.ref_own) + tree_bytes(exp)  # ... and is gone
-    total, count, _ = lm_loss(jit_logits(ACTOR, models[0], unsup_ids, unsup["attention_mask"]), unsup_ids, unsup["loss_mask"])
+    total, count, _ = lm_loss(
+        jit_logits(ACTOR, models[0], unsup_ids, unsup["attention_mask"]), unsup_ids, unsup["loss_mask"]
+    )
     stats = e.train_rlhf(exp, unsup)
     np.testing.assert_allclose(stats["unsup_loss"], float(total / count), rtol=1e-5)  # LM loss before the step
     actor = host(e.actor_params())
@@ -166,15 +176,21 @@ def test_lora_shares_the_base_weights_ema_mixture_and_adaptive_kl(models, prompt
         np.testing.assert_array_equal(a, b)  # the reference is still exactly the Step 1 model ...
     layers = models[0]["decoder"]["layers"]  # ... while the actor moved, through its adapters and directly
     assert np.abs(actor["decoder"]["layers"]["fc1"]["kernel"] - layers["fc1"]["kernel"]).max() > 1e-4
-    assert np.abs(actor["decoder"]["layers"]["final_layer_norm"]["bias"] - layers["final_layer_norm"]["bias"]).max() > 1e-4
+    assert (
+        np.abs(actor["decoder"]["layers"]["final_layer_norm"]["bias"] - layers["final_layer_norm"]["bias"]).max() > 1e-4
+    )
     for a, b in zip(jax.tree.leaves(host(e.reward_params())), jax.tree.leaves(models[1])):
         np.testing.assert_array_equal(a, b)  # and the reward model is still the Step 2 model
 
     # Actor with only_optimize_lora: the reference shares every leaf; without LoRA it is a whole copy.
     shared = engine(models, mesh, eos, actor=only, enable_ema=False)
     assert tree_bytes(shared.ref_own) == 0
-    assert all(a is b for a, b in zip(jax.tree.leaves(shared.reference_params()),
-                                      jax.tree.leaves(shared.state["actor"]["frozen"]["params"])))
+    assert all(
+        a is b
+        for a, b in zip(
+            jax.tree.leaves(shared.reference_params()), jax.tree.leaves(shared.state["actor"]["frozen"]["params"])
+        )
+    )
     full = engine(models, mesh, eos, enable_ema=False)
     assert tree_bytes(full.ref_own) == tree_bytes(models[0]) and tree_bytes(full.reward_own) == tree_bytes(models[1])
 
@@ -186,8 +202,15 @@ def test_ema_is_float32_under_pure_bf16_and_stays_when_the_actor_step_is_skipped
     skips leaves the actor and the EMA as they were."""
     batch, eos = prompts
     bf16 = lambda tree: jax.tree.map(lambda x: np.asarray(x, jnp.bfloat16), tree)
-    e = HybridEngine(config(precision="pure_bf16", ema_decay=0.992), make_mesh(1, jax.devices()[:1]),
-                     (ACTOR, bf16(models[0])), (CRITIC, bf16(models[1])), total_steps=10, eos_id=eos, pad_id=1)
+    e = HybridEngine(
+        config(precision="pure_bf16", ema_decay=0.992),
+        make_mesh(1, jax.devices()[:1]),
+        (ACTOR, bf16(models[0])),
+        (CRITIC, bf16(models[1])),
+        total_steps=10,
+        eos_id=eos,
+        pad_id=1,
+    )
     ema0 = host(e.state["ema"])
     assert {x.dtype for x in jax.tree.leaves(ema0)} == {np.dtype(np.float32)}
     exp = e.generate_experience(batch)
@@ -218,14 +241,19 @@ def test_gradient_accumulation_gives_the_whole_batch_step(models, prompts):
     one = make_mesh(1, jax.devices()[:1])
     runs, exps = [], []
     for n in (1, 4):
-        side = ModelSide(optim=OptimConfig(learning_rate=1e-2, warmup_steps=0, schedule="constant", eps=1e-4,
-                                           gradient_accumulation_steps=n))
+        side = ModelSide(
+            optim=OptimConfig(
+                learning_rate=1e-2, warmup_steps=0, schedule="constant", eps=1e-4, gradient_accumulation_steps=n
+            )
+        )
         e = engine(models, one, eos, actor=side, critic=side, enable_ema=False, max_tokens_per_micro_batch=0)  # padded
         exp = e.generate_experience(batch)
         exps.append(host(exp))
         runs.append((e.train_rlhf(exp), host(e.state)))
     for k in ("seq", "mask", "logprobs", "ref_logprobs", "values", "scores"):
-        np.testing.assert_allclose(exps[0][k], exps[1][k], rtol=1e-5, atol=1e-5, err_msg=k)  # fp32 sums in another order
+        np.testing.assert_allclose(
+            exps[0][k], exps[1][k], rtol=1e-5, atol=1e-5, err_msg=k
+        )  # fp32 sums in another order
     assert np.abs(exps[0]["scores"]).max() > 0.1 and np.abs(exps[0]["ref_logprobs"]).max() > 0.1  # not all zeros
     (stats1, state1), (stats4, state4) = runs
     for k in stats1:
@@ -252,8 +280,11 @@ def test_each_phase_is_marked_in_a_profile_with_its_measured_time(models, prompt
     with jax.profiler.trace(str(tmp_path), create_perfetto_trace=True):
         e.train_rlhf(e.generate_experience(batch))
     events = json.load(gzip.open(next(tmp_path.rglob("perfetto_trace.json.gz"))))["traceEvents"]
-    marks = sorted((ev["ts"], ev["name"].removeprefix("jaxrlhf."), ev["dur"] / 1e6) for ev in events
-                   if ev.get("ph") == "X" and ev.get("name", "").startswith("jaxrlhf."))
+    marks = sorted(
+        (ev["ts"], ev["name"].removeprefix("jaxrlhf."), ev["dur"] / 1e6)
+        for ev in events
+        if ev.get("ph") == "X" and ev.get("name", "").startswith("jaxrlhf.")
+    )
     assert [name for _, name, _ in marks] == list(e.timings)  # every phase once, in the order it ran
     assert list(e.timings)[:3] == ["reshard", "generate", "score"]
     for _, name, seconds in marks:

@@ -50,12 +50,26 @@ def folders(tmp_path_factory):
     q = tok(REPEATED, add_special_tokens=False)["input_ids"][0]
     stuck = jax.tree.map(np.copy, lm)
     emb = stuck["decoder"]["embed_tokens"]["embedding"]
-    stuck["decoder"]["final_layer_norm"] = {"scale": np.zeros(64, np.float32), "bias": 50 * emb[q] / np.sum(emb[q] ** 2)}
-    out = {name: save_hf(root / name, config, params, tok)
-           for name, params in (("sft", lm), ("ppo", moved), ("stuck", stuck), ("rm", base))}
+    stuck["decoder"]["final_layer_norm"] = {
+        "scale": np.zeros(64, np.float32),
+        "bias": 50 * emb[q] / np.sum(emb[q] ** 2),
+    }
+    out = {
+        name: save_hf(root / name, config, params, tok)
+        for name, params in (("sft", lm), ("ppo", moved), ("stuck", stuck), ("rm", base))
+    }
     # A Step 3 log as ppo.run writes it (a resumed run repeats step 3: the later line wins).
-    lines = [{"step": s, "split": "train", "reward": 0.1 * s, "gold_reward": 0.5 + 0.01 * s, "kl": 0.2 * s,
-              "answer_len": 6 + s % 2} for s in (1, 2, 3, 3, 4, 5)]
+    lines = [
+        {
+            "step": s,
+            "split": "train",
+            "reward": 0.1 * s,
+            "gold_reward": 0.5 + 0.01 * s,
+            "kl": 0.2 * s,
+            "answer_len": 6 + s % 2,
+        }
+        for s in (1, 2, 3, 3, 4, 5)
+    ]
     lines.insert(1, {"step": 1, "split": "eval", "loss": 1.0})
     (root / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     return {k: str(v) for k, v in out.items()}, root
@@ -65,15 +79,26 @@ def folders(tmp_path_factory):
 def report(folders):
     models, root = folders
     data = DataConfig(data_path=("synthetic:600",), max_seq_len=32, max_prompt_len=24, cache_dir=str(root / "cache"))
-    cfg = EvalConfig(models=(models["sft"], models["ppo"], models["stuck"]), reward_model=models["rm"],
-                     metrics=str(root / "metrics.jsonl"), output_dir=str(root / "report"), num_prompts=PROMPTS,
-                     batch_size=PROMPTS, max_answer_len=G, ppl_rows=HELD, rm_pairs=HELD, data=data)
+    cfg = EvalConfig(
+        models=(models["sft"], models["ppo"], models["stuck"]),
+        reward_model=models["rm"],
+        metrics=str(root / "metrics.jsonl"),
+        output_dir=str(root / "report"),
+        num_prompts=PROMPTS,
+        batch_size=PROMPTS,
+        max_answer_len=G,
+        ppl_rows=HELD,
+        rm_pairs=HELD,
+        data=data,
+    )
     return cfg, run(cfg, log=lambda _: None)
 
 
 def prompts_batch(cfg):
     tok = builtin_tokenizer()
-    return make_batch(prepare(cfg.data, 3, tok, log=lambda _: None)["eval"], range(PROMPTS), 3, cfg.data, tok.pad_token_id)
+    return make_batch(
+        prepare(cfg.data, 3, tok, log=lambda _: None)["eval"], range(PROMPTS), 3, cfg.data, tok.pad_token_id
+    )
 
 
 @pytest.mark.slow
@@ -86,8 +111,16 @@ def test_gold_reward_and_win_rate_agree_with_direct_computation(report):
     direct = {}
     for name, path in zip(("sft", "ppo"), cfg.models):
         config, params = load_hf(path)
-        gen = generate(config, params, ids, mask, jax.random.fold_in(jax.random.key(cfg.seed), 0), max_new_tokens=G,
-                       eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+        gen = generate(
+            config,
+            params,
+            ids,
+            mask,
+            jax.random.fold_in(jax.random.key(cfg.seed), 0),
+            max_new_tokens=G,
+            eos_id=tok.eos_token_id,
+            pad_id=tok.pad_token_id,
+        )
         tokens, keep = np.asarray(gen.tokens), np.asarray(gen.mask)
         prompts = [tok.decode(r[m.astype(bool)][1:]) for r, m in zip(ids, mask)]
         answers = [tok.decode([t for t in r[k.astype(bool)] if t != tok.eos_token_id]) for r, k in zip(tokens, keep)]
@@ -123,13 +156,21 @@ def test_wilson_interval_and_ties():
 
 
 def test_gold_reward_of_the_tasks_and_gsm8k_style_references():
-    assert [final_number(t) for t in ("so 9 * 2 = 18.\n#### 1,018", "It is 42.", "-3.5 then 7", "none")] == [1018, 42, 7, None]
+    assert [final_number(t) for t in ("so 9 * 2 = 18.\n#### 1,018", "It is 42.", "-3.5 then 7", "none")] == [
+        1018,
+        42,
+        7,
+        None,
+    ]
     refs = ["9 * 2 = 18\n#### 18", "#### 3"]
     assert gold_rewards(["Q1", "Q2"], refs, ["She makes $18 a day.", "#### 4"]) == [1.0, 0.0]
     assert gold_rewards(["Q1", "Q2"], ["18", None], ["18", "3"]) is None  # no "#### N" references: no gold
     sort = "\n\nHuman: Sort these letters: c a b\n\nAssistant:"
     assert gold_rewards([sort], [None], [" a b c"]) == [1.0]
-    story = ["\n\nHuman: Tell me a story about a dog.\n\nAssistant:", "\n\nHuman: Tell me a story about an apple.\n\nAssistant:"]
+    story = [
+        "\n\nHuman: Tell me a story about a dog.\n\nAssistant:",
+        "\n\nHuman: Tell me a story about an apple.\n\nAssistant:",
+    ]
     assert gold_rewards(story, [None, None], [" Max the dog ran.", " Tim ate a pineapple."]) == [1.0, 0.0]
     assert gold_rewards([story[0], sort], [None, None], [" dogs", " a b c"]) is None  # one task per report
 
@@ -146,7 +187,10 @@ def test_perplexity_and_reward_model_accuracy(report):
     assert out["models"][1]["perplexity"] == pytest.approx(math.exp(-(lp * m).sum() / m.sum()), rel=1e-5)
     p = make_batch(held[2], range(HELD), 2, cfg.data, tok.pad_token_id)
     rm_config, rm = load_hf(cfg.reward_model)
-    c, r = (np.asarray(end_scores(values(rm_config, rm, p[f"{k}_ids"], p[f"{k}_mask"]), p[f"{k}_mask"])) for k in ("chosen", "rejected"))
+    c, r = (
+        np.asarray(end_scores(values(rm_config, rm, p[f"{k}_ids"], p[f"{k}_mask"]), p[f"{k}_mask"]))
+        for k in ("chosen", "rejected")
+    )
     assert out["reward_model"]["pairs"] == HELD
     assert out["reward_model"]["accuracy"] == pytest.approx(np.mean(c > r))
 
@@ -161,7 +205,12 @@ def test_report_files_and_plots(report):
     assert [r["step"] for r in saved["training"]] == [1, 2, 3, 4, 5]  # eval lines dropped, step 3 once
     # curves: training = reward + gold + KL; frontier = 2 panels x 3 models (the training iterations are points, not a
     # line); lengths = 3 models + length over training; win rates = 3 bars.
-    assert {k: v["curves"] for k, v in saved["plots"].items()} == {"training": 3, "frontier": 6, "lengths": 4, "win_rates": 3}
+    assert {k: v["curves"] for k, v in saved["plots"].items()} == {
+        "training": 3,
+        "frontier": 6,
+        "lengths": 4,
+        "win_rates": 3,
+    }
     frontier = plot_frontier(saved)  # per panel: one point per logged iteration, coloured by its iteration
     for ax, key in zip(frontier.axes[:2], ("reward", "gold_reward")):
         (points,) = ax.collections
@@ -204,8 +253,12 @@ def test_degenerate_model_trips_repetition_and_length_alarms(report):
     healthy = {**answer_figures(tokens, mask, -2.0 * mask, eos_id=tok.eos_token_id), "kl": 0.1}
     tracker = AlarmTracker(AlarmConfig(baseline_iterations=2))
     assert tracker.update(healthy) == [] and tracker.update(healthy) == [] and tracker.update(healthy) == []
-    degenerate = {**answer_figures(np.full((PROMPTS, G), q), np.ones((PROMPTS, G)), np.zeros((PROMPTS, G)),
-                                   eos_id=tok.eos_token_id), "kl": 0.1}
+    degenerate = {
+        **answer_figures(
+            np.full((PROMPTS, G), q), np.ones((PROMPTS, G)), np.zeros((PROMPTS, G)), eos_id=tok.eos_token_id
+        ),
+        "kl": 0.1,
+    }
     alarms = tracker.update(degenerate)
     assert {a.name for a in alarms} == {"repetition", "answer_len", "entropy"} and all(a.new for a in alarms)
     assert [a.new for a in tracker.update(degenerate)] == [False, False, False]
@@ -213,19 +266,48 @@ def test_degenerate_model_trips_repetition_and_length_alarms(report):
 
 def test_cli_flags_and_errors(folders, tmp_path, capsys):
     models, root = folders
-    cfg = parse(["--models", "a", "b", "--reward-model", "rm", "--prompts", "synthetic:600", "--output-dir", "x",
-                 "num_prompts=8", "alarms.ngram=2"])
-    assert (cfg.models, cfg.reward_model, cfg.data.data_path, cfg.output_dir) == (("a", "b"), "rm", ("synthetic:600",), "x")
+    cfg = parse(
+        [
+            "--models",
+            "a",
+            "b",
+            "--reward-model",
+            "rm",
+            "--prompts",
+            "synthetic:600",
+            "--output-dir",
+            "x",
+            "num_prompts=8",
+            "alarms.ngram=2",
+        ]
+    )
+    assert (cfg.models, cfg.reward_model, cfg.data.data_path, cfg.output_dir) == (
+        ("a", "b"),
+        "rm",
+        ("synthetic:600",),
+        "x",
+    )
     assert (cfg.num_prompts, cfg.alarms.ngram) == (8, 2)
     config = tmp_path / "eval.yaml"
     config.write_text("samples: 2\n")
     cfg = parse(["--reward-model", "rm", "--models", "a", "b", str(config), "num_prompts=8"])
     assert (cfg.models, cfg.samples, cfg.num_prompts) == (("a", "b"), 2, 8)
     with pytest.raises(SystemExit):  # a language model is not a reward model
-        main(["--models", models["sft"], "--reward-model", models["sft"], "--prompts", "synthetic:600",
-              "--output-dir", str(tmp_path), f"data.cache_dir={root / 'cache'}", "data.max_prompt_len=24"])
+        main(
+            [
+                "--models",
+                models["sft"],
+                "--reward-model",
+                models["sft"],
+                "--prompts",
+                "synthetic:600",
+                "--output-dir",
+                str(tmp_path),
+                f"data.cache_dir={root / 'cache'}",
+                "data.max_prompt_len=24",
+            ]
+        )
     assert "no value head" in capsys.readouterr().err
-
 
 
 @pytest.mark.slow
@@ -258,9 +340,17 @@ def test_step3_raises_alarms_when_the_actor_degenerates(folders, tmp_path, monke
     monkeypatch.setattr(engine, "generate", scripted)
     data = DataConfig(data_path=("synthetic:600",), max_seq_len=32, max_prompt_len=24, cache_dir=str(root / "cache"))
     optim = OptimConfig(learning_rate=1e-4)
-    cfg = PPOConfig(actor=ModelSide(model=models["sft"], optim=optim), critic=ModelSide(model=models["rm"], optim=optim),
-                    output_dir=str(tmp_path), batch_size=8, max_steps=4, max_answer_len=8, precision="fp32",
-                    alarms=AlarmConfig(baseline_iterations=2), data=data)
+    cfg = PPOConfig(
+        actor=ModelSide(model=models["sft"], optim=optim),
+        critic=ModelSide(model=models["rm"], optim=optim),
+        output_dir=str(tmp_path),
+        batch_size=8,
+        max_steps=4,
+        max_answer_len=8,
+        precision="fp32",
+        alarms=AlarmConfig(baseline_iterations=2),
+        data=data,
+    )
     lines = []
     out = run_ppo(cfg, log=lines.append)
     alarms = [line for line in lines if line.startswith("alarm")]
@@ -276,15 +366,28 @@ def test_step3_runs_side_by_side_with_their_algorithm_and_time(report, tmp_path)
     algorithm and time: iterations x the median logged iteration, the compiling first one left out."""
     cfg, out = report
     runs = {}
-    for name, algorithm, n, seconds in (("ppo-run", "ppo", 1, [9.0, 0.2, 0.3, 0.25]), ("grpo-run", "grpo", 4, [5.0, 0.1, 0.1, 0.2])):
+    for name, algorithm, n, seconds in (
+        ("ppo-run", "ppo", 1, [9.0, 0.2, 0.3, 0.25]),
+        ("grpo-run", "grpo", 4, [5.0, 0.1, 0.1, 0.2]),
+    ):
         folder = tmp_path / name
         (folder / "actor").mkdir(parents=True)
         (folder / "run_config.json").write_text(json.dumps({"algorithm": algorithm, "num_samples_per_prompt": n}))
         lines = [{"step": 10 * (i + 1), "split": "train", "kl": 0.1, "iteration_s": t} for i, t in enumerate(seconds)]
         (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
         runs[name] = step3_run(folder / "actor")
-    assert runs["ppo-run"] == {"algorithm": "ppo", "samples_per_prompt": 1, "iterations": 40, "seconds": pytest.approx(40 * 0.275)}
-    assert runs["grpo-run"] == {"algorithm": "grpo", "samples_per_prompt": 4, "iterations": 40, "seconds": pytest.approx(40 * 0.15)}
+    assert runs["ppo-run"] == {
+        "algorithm": "ppo",
+        "samples_per_prompt": 1,
+        "iterations": 40,
+        "seconds": pytest.approx(40 * 0.275),
+    }
+    assert runs["grpo-run"] == {
+        "algorithm": "grpo",
+        "samples_per_prompt": 4,
+        "iterations": 40,
+        "seconds": pytest.approx(40 * 0.15),
+    }
     assert step3_run(tmp_path / "ppo-run") is None  # no Step 3 run_config.json beside it
     (tmp_path / "sft").mkdir()
     (tmp_path / "sft" / "run_config.json").write_text(json.dumps({"batch_size": 8}))  # a Step 1 run: no algorithm
@@ -294,13 +397,18 @@ def test_step3_runs_side_by_side_with_their_algorithm_and_time(report, tmp_path)
     md = markdown({**out, "models": models}, {})
     lines = md.splitlines()
     first = lines.index(next(line for line in lines if line.startswith("| model |")))
-    table = lines[first:lines.index("", first)]  # the models' table (the sample answers' tables follow)
+    table = lines[first : lines.index("", first)]  # the models' table (the sample answers' tables follow)
     rows = {line.split(" | ")[0][2:]: line.strip("| ").split(" | ") for line in table}
     header = rows["model"]
     assert header[-2:] == ["Step 3", "Step 3 time (s)"]
     cell = lambda name, column: rows[name][header.index(column)]
     assert [cell(n, "Step 3") for n in ("sft", "ppo", "stuck")] == ["–", "ppo", "grpo (n=4)"]
     assert [cell(n, "Step 3 time (s)") for n in ("sft", "ppo", "stuck")] == ["–", "11", "6"]
-    assert [cell(n, "win rate (95% CI)") for n in ("sft", "ppo")] == ["baseline", f"{out['models'][1]['win_rate']:.3f} "
-                                                                      f"({out['models'][1]['win_ci'][0]:.3f}–{out['models'][1]['win_ci'][1]:.3f})"]
-    assert cell("stuck", "gold reward") == f"{out['models'][2]['gold_reward']:.3f}" and cell("ppo", "KL") == f"{out['models'][1]['kl']:.3f}"
+    assert [cell(n, "win rate (95% CI)") for n in ("sft", "ppo")] == [
+        "baseline",
+        f"{out['models'][1]['win_rate']:.3f} ({out['models'][1]['win_ci'][0]:.3f}–{out['models'][1]['win_ci'][1]:.3f})",
+    ]
+    assert (
+        cell("stuck", "gold reward") == f"{out['models'][2]['gold_reward']:.3f}"
+        and cell("ppo", "KL") == f"{out['models'][1]['kl']:.3f}"
+    )

@@ -28,6 +28,7 @@ def test_the_oracle_refuses_tracebacks_vague_messages_and_accepted_invalid_input
     def raising(e):
         def load():
             raise e
+
         return load
 
     fuzz.judge(tally, "raw", ["x.yaml"], raising(KeyError("k")), lambda r: None)

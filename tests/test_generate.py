@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import POST_LN_PROJ, PRE_LN, all_eqns, greedy_reference, kernel_calls, left_padded_batch, make_hf_opt
 
+from helpers import POST_LN_PROJ, PRE_LN, all_eqns, greedy_reference, kernel_calls, left_padded_batch, make_hf_opt
 from jaxrlhf import load_hf, logits, make_mesh, reshard
 from jaxrlhf.generate import Sampling, decode_params, generate, sample
 from jaxrlhf.models import Backend
@@ -32,7 +32,9 @@ def test_greedy_equals_the_cache_free_reference_and_transformers(model):
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     for b, n in enumerate([7, 3, 5, 1]):  # transformers row by row, unpadded
         row = torch.tensor(ids[b : b + 1, 7 - n :], dtype=torch.long)
-        want = hf.generate(row, attention_mask=torch.ones_like(row), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        want = hf.generate(
+            row, attention_mask=torch.ones_like(row), max_new_tokens=6, min_new_tokens=6, do_sample=False
+        )
         assert np.asarray(out.tokens)[b].tolist() == want[0, n:].tolist()
 
 
@@ -71,8 +73,18 @@ def test_same_key_same_tokens_and_eos_masking(model):
         assert (np.asarray(out.logprobs)[row, end:] == 0).all()
     # Forced lengths (benchmarks): EOS barred before each row's limit and forced at it.
     limits = np.array([3, 12, 7], np.int32)
-    forced = generate(config, params, ids, mask, jax.random.key(7), max_new_tokens=12, temperature=1.0, eos_id=eos,
-                      force_length=True, limits=limits)
+    forced = generate(
+        config,
+        params,
+        ids,
+        mask,
+        jax.random.key(7),
+        max_new_tokens=12,
+        temperature=1.0,
+        eos_id=eos,
+        force_length=True,
+        limits=limits,
+    )
     t, m = np.asarray(forced.tokens), np.asarray(forced.mask)
     for row, n in enumerate(limits):
         assert m[row].tolist() == [1] * n + [0] * (12 - n)
@@ -134,7 +146,9 @@ def test_the_decode_kernel_gives_the_xla_tokens(model, tp):
     fast = decode_params(kernel, reshard(params, "fsdp", mesh) if mesh else params, mesh)
     run = lambda p: generate(kernel, p, ids, mask, jax.random.key(2), max_new_tokens=5, temperature=1.0, mesh=mesh)
     if mesh is None:  # (generate sets its mesh itself, which cannot happen under a trace)
-        assert "jaxrlhf_decode_attention_step" in str(jax.make_jaxpr(lambda p: run(p).tokens)(fast))  # tokens can't tell
+        assert "jaxrlhf_decode_attention_step" in str(
+            jax.make_jaxpr(lambda p: run(p).tokens)(fast)
+        )  # tokens can't tell
     got = run(fast)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
@@ -150,8 +164,12 @@ def test_the_ffn_kernels_give_the_xla_tokens(tmp_path, monkeypatch, tp):
 
     from jaxrlhf.kernels import decode_matmul
 
-    config, params = load_hf(make_hf_opt(tmp_path / "m", **{**PRE_LN, "hidden_size": 128, "word_embed_proj_dim": 128,
-                                                             "ffn_dim": 512, "num_hidden_layers": 2}))
+    config, params = load_hf(
+        make_hf_opt(
+            tmp_path / "m",
+            **{**PRE_LN, "hidden_size": 128, "word_embed_proj_dim": 128, "ffn_dim": 512, "num_hidden_layers": 2},
+        )
+    )
     ids, mask = left_padded_batch(config.vocab_size, [6, 2, 4, 5] * 4, T=6, seed=7)
     want = generate(config, params, ids, mask, jax.random.key(3), max_new_tokens=4, temperature=1.0)
     kernel = dataclasses.replace(config, backend=KERNELS)
@@ -226,8 +244,9 @@ def test_the_decode_layout(model):
     from_attached = decode_params(config, attach(params, lora, lora_cfg))
     from_fused = decode_params(config, fuse(params, lora, lora_cfg))
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), from_attached, from_fused)
-    assert not np.array_equal(np.asarray(from_fused["decoder"]["layers"][0]["fc1"]["kernel"]),
-                              np.asarray(layers[0]["fc1"]["kernel"]))
+    assert not np.array_equal(
+        np.asarray(from_fused["decoder"]["layers"][0]["fc1"]["kernel"]), np.asarray(layers[0]["fc1"]["kernel"])
+    )
 
     ids, mask = left_padded_batch(config.vocab_size, [6, 3, 5], T=6, seed=6)
     want = generate(config, params, ids, mask, jax.random.key(4), max_new_tokens=5, temperature=0.0)
@@ -280,8 +299,9 @@ def test_continuous_batching_gives_each_prompt_its_own_answer(model, temperature
     key, G = jax.random.key(11), 9
     eos = _eos_in_the_answers(config, params, ids, mask, key, G, temperature)
     limits = np.array([9, 2, 5, 1, 7, 3, 8], np.int32)
-    run = lambda **kw: generate(config, params, ids, mask, key, max_new_tokens=G, temperature=temperature,
-                                eos_id=eos, limits=limits, **kw)
+    run = lambda **kw: generate(
+        config, params, ids, mask, key, max_new_tokens=G, temperature=temperature, eos_id=eos, limits=limits, **kw
+    )
     want = run()
     assert 0 < np.asarray(want.mask).sum() < limits.sum()  # some rows ended at the EOS, some at their limit
     for slots, refill, every in ((2, 1, 1), (3, 2, 2), (4, 3, 3)):
@@ -306,7 +326,8 @@ def test_continuous_batching_under_tensor_parallelism_with_the_decode_kernels(mo
     kernel = dataclasses.replace(config, backend=KERNELS)
     mesh = make_mesh(tp=2)
     fast = decode_params(kernel, reshard(params, "fsdp", mesh), mesh)
-    got = generate(kernel, fast, ids, mask, key, max_new_tokens=G, limits=limits, slots=4, refill=2, check_every=2,
-                   mesh=mesh)
+    got = generate(
+        kernel, fast, ids, mask, key, max_new_tokens=G, limits=limits, slots=4, refill=2, check_every=2, mesh=mesh
+    )
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_engine import ACTOR, CRITIC, engine, host, models, prompts  # noqa: F401  (fixtures)
-from test_ppo_reference import OPTIM, P, Adam, answer_logprobs, jit_values
+from test_ppo_reference import OPTIM, Adam, P, answer_logprobs, jit_values
 
 from jaxrlhf import make_mesh
 from jaxrlhf import plan as memory_plan
@@ -64,8 +64,9 @@ def test_grpo_and_rloo_advantages_by_hand():
     r = jnp.array([1.0, 2.0, 3.0, 0.0, 0.0, 9.0])  # two groups of 3: means 2 and 3, stds (ddof 1) 1 and sqrt(27)
     s = math.sqrt(27)
     np.testing.assert_allclose(grpo_advantages(r, 3, scale=False), [-1, 0, 1, -3, -3, 6], rtol=1e-6)
-    np.testing.assert_allclose(grpo_advantages(r, 3), [-1 / (1 + 1e-6), 0, 1 / (1 + 1e-6), -3 / s, -3 / s, 6 / s],
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        grpo_advantages(r, 3), [-1 / (1 + 1e-6), 0, 1 / (1 + 1e-6), -3 / s, -3 / s, 6 / s], rtol=1e-5
+    )
     # the mean of the two others: 1 - 2.5, 2 - 2, 3 - 1.5; 0 - 4.5, 0 - 4.5, 9 - 0
     np.testing.assert_allclose(rloo_advantages(r, 3), [-1.5, 0, 1.5, -4.5, -4.5, 9], rtol=1e-6)
 
@@ -80,7 +81,9 @@ def test_group_advantages_equal_numpy_loops(kind):
     # A group's advantages depend on its own rewards only: the other groups' rewards changed, its own stay.
     r2 = r.copy()
     r2[4:] += rng.normal(size=12) * 10
-    got2 = rloo_advantages(jnp.asarray(r2), 4) if kind == "rloo" else grpo_advantages(jnp.asarray(r2), 4, kind == "grpo")
+    got2 = (
+        rloo_advantages(jnp.asarray(r2), 4) if kind == "rloo" else grpo_advantages(jnp.asarray(r2), 4, kind == "grpo")
+    )
     np.testing.assert_allclose(got2[:4], got[:4], rtol=1e-5, atol=1e-6)
 
 
@@ -147,13 +150,15 @@ def test_settings_refused():
 
 def test_ppo_check_refuses_a_split_batch_and_critic_settings(tmp_path):
     from jaxrlhf.config import ConfigError
-    from jaxrlhf.ppo import PPOConfig, check
     from jaxrlhf.lora import LoRAConfig
+    from jaxrlhf.ppo import PPOConfig, check
 
     mesh = make_mesh(1)  # 8 devices
     side = lambda **kw: ModelSide(model="x", **kw)  # noqa: E731
     base = dict(actor=side(), critic=side(), algorithm="grpo", num_samples_per_prompt=3)
-    with pytest.raises(ConfigError, match=r"batch_size 4 x num_samples_per_prompt 3 = 12 answers does not split over the 8"):
+    with pytest.raises(
+        ConfigError, match=r"batch_size 4 x num_samples_per_prompt 3 = 12 answers does not split over the 8"
+    ):
         check(PPOConfig(**base, batch_size=4), mesh)
     check(PPOConfig(**base, batch_size=8), mesh)  # 24 answers: 3 per device
     with pytest.raises(ConfigError, match="critic.lora.dim: algorithm grpo trains no critic"):
@@ -168,8 +173,9 @@ def test_plan_without_a_critic():
     cfg = PPOConfig(actor=side, critic=side, batch_size=8, data=DataConfig(max_prompt_len=128), max_answer_len=128)
     mesh = memory_plan.abstract_mesh(8, 1)
     ppo = memory_plan.ppo_plan(cfg, mesh, backend="gpu")
-    grpo = memory_plan.ppo_plan(PPOConfig(**{**cfg.__dict__, "algorithm": "grpo", "num_samples_per_prompt": 4}), mesh,
-                                backend="gpu")
+    grpo = memory_plan.ppo_plan(
+        PPOConfig(**{**cfg.__dict__, "algorithm": "grpo", "num_samples_per_prompt": 4}), mesh, backend="gpu"
+    )
     assert "critic_step" in ppo.phases and "critic_step" not in grpo.phases
     assert grpo.items["critic weights"] == grpo.items["critic optimizer"] == 0 < ppo.items["critic optimizer"]
     # the reward model holds all its leaves (as PPO's does without LoRA): the critic's weights in bf16, not fp32
@@ -178,13 +184,17 @@ def test_plan_without_a_critic():
     assert grpo.items["experience"] == 4 * ppo.items["experience"]
     assert "grpo trains no critic" in grpo.table() and "saves" in grpo.table()
     same_batch = memory_plan.ppo_plan(PPOConfig(**{**cfg.__dict__, "num_samples_per_prompt": 4}), mesh, backend="gpu")
-    assert grpo.phase_bytes("score") < same_batch.phase_bytes("score")  # no critic weights, optimizer, critic's own values
+    assert grpo.phase_bytes("score") < same_batch.phase_bytes(
+        "score"
+    )  # no critic weights, optimizer, critic's own values
 
 
 # ------------------------------------------------------------------------------------------------ the engine
 
 
-@pytest.mark.parametrize("algorithm,kl_loss", [("grpo", "none"), ("grpo", "k3"), ("rloo", "none"), ("reinforce_pp", "k1")])
+@pytest.mark.parametrize(
+    "algorithm,kl_loss", [("grpo", "none"), ("grpo", "k3"), ("rloo", "none"), ("reinforce_pp", "k1")]
+)
 def test_the_advantages_program_on_a_whole_batch(algorithm, kl_loss):
     """experience.advantages on 8 answers (2 groups of 4, rows side by side) with log-probs away from the reference:
     the sequence reward is the clipped score minus kl_coef x the answer's KL, unless the KL is a loss term."""
@@ -231,8 +241,18 @@ def test_groups_stay_together_and_no_critic_exists(models, prompts):
 
 # ----------------------------------------------------------- one GRPO iteration against an independent reference
 
-GRPO = dict(algorithm="grpo", num_samples_per_prompt=2, kl_loss="k3", kl_loss_coef=0.5, loss_agg="seq_mean_token_mean",
-            clip_ratio=0.2, clip_ratio_high=0.3, clip_score=1.0, kl_coef=0.3, ema_decay=0.9)
+GRPO = dict(
+    algorithm="grpo",
+    num_samples_per_prompt=2,
+    kl_loss="k3",
+    kl_loss_coef=0.5,
+    loss_agg="seq_mean_token_mean",
+    clip_ratio=0.2,
+    clip_ratio_high=0.3,
+    clip_score=1.0,
+    kl_coef=0.3,
+    ema_decay=0.9,
+)
 EPOCHS, MICRO = 2, 2
 
 
@@ -273,7 +293,9 @@ def test_one_grpo_iteration_equals_an_independent_computation(models, prompts, p
     adv = np_group_advantages(np.clip(scores, -1, 1), 2, "grpo")[:, None] * mask
     for epoch in range(EPOCHS):
         stats = e.train_rlhf(exp)
-        loss, grads = grpo_grad(f32(actor), seq, seq_mask, *(jnp.asarray(x, jnp.float32) for x in (mask, old, ref, adv)))
+        loss, grads = grpo_grad(
+            f32(actor), seq, seq_mask, *(jnp.asarray(x, jnp.float32) for x in (mask, old, ref, adv))
+        )
         leaves, norm = adam.step(jax.tree.leaves(actor), [np.asarray(g, np.float64) for g in jax.tree.leaves(grads)])
         actor = jax.tree.unflatten(jax.tree.structure(actor), leaves)
         ema = jax.tree.map(lambda m, a: 0.9 * m + 0.1 * a, ema, actor)
@@ -295,11 +317,15 @@ def test_one_grpo_iteration_equals_an_independent_computation(models, prompts, p
 @pytest.fixture(scope="module")
 def steps_1_and_2(tmp_path_factory):
     """`python -m jaxrlhf.train --step 1 2` on the built-in task, once for the algorithms below."""
-    from jaxrlhf.train import parse, run as run_train
+    from jaxrlhf.train import parse
+    from jaxrlhf.train import run as run_train
 
     root = tmp_path_factory.mktemp("pipeline")
-    run_train(parse(["--step", "1", "2", "--output-dir", str(root / "run"), f"data.cache_dir={root / 'cache'}"]),
-              log=lambda _: None, mesh=ONE)
+    run_train(
+        parse(["--step", "1", "2", "--output-dir", str(root / "run"), f"data.cache_dir={root / 'cache'}"]),
+        log=lambda _: None,
+        mesh=ONE,
+    )
     return root
 
 
@@ -311,11 +337,18 @@ def test_the_builtin_pipeline_aligns_without_a_critic(steps_1_and_2, algorithm, 
     Step 1 model's, at a bounded KL."""
     import shutil
 
-    from jaxrlhf.train import parse, run as run_train
+    from jaxrlhf.train import parse
+    from jaxrlhf.train import run as run_train
 
     shutil.copytree(steps_1_and_2 / "run", tmp_path / "run")
-    args = ["--step", "3", "--output-dir", str(tmp_path / "run"), f"data.cache_dir={steps_1_and_2 / 'cache'}",
-            f"algorithm={algorithm}"]
+    args = [
+        "--step",
+        "3",
+        "--output-dir",
+        str(tmp_path / "run"),
+        f"data.cache_dir={steps_1_and_2 / 'cache'}",
+        f"algorithm={algorithm}",
+    ]
     result = run_train(parse(args), mesh=ONE)
     c = result["comparison"]
     print(algorithm, {k: v for k, v in c.items() if k != "examples"}, f"{result['seconds']:.0f} s")
@@ -335,8 +368,11 @@ def test_a_critic_free_run_resumes_exactly(tmp_path, monkeypatch):
     from jaxrlhf.rl import HybridEngine
     from jaxrlhf.train import builtin_model
 
-    folders = (builtin_model(tmp_path / "actor", seed=0), builtin_model(tmp_path / "critic", seed=1, value_head=True),
-               tmp_path / "unsup.txt")
+    folders = (
+        builtin_model(tmp_path / "actor", seed=0),
+        builtin_model(tmp_path / "critic", seed=1, value_head=True),
+        tmp_path / "unsup.txt",
+    )
     folders[2].write_text(" ".join("Sort these letters: a b c" for _ in range(40)))
     kw = dict(algorithm="rloo", num_samples_per_prompt=2, batch_size=4, kl_loss="k3", loss_agg="seq_mean_token_sum")
     whole = run(ppo_config(folders, tmp_path / "a", **kw), log=lambda _: None, mesh=ONE)

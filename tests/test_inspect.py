@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-from helpers import PRE_LN, make_hf_opt
 
+from helpers import PRE_LN, make_hf_opt
 from jaxrlhf import load_hf, opt_tokenizer, save_hf
 from jaxrlhf.inspect import InspectConfig, main, run
 
@@ -32,7 +32,9 @@ def test_default_random_model_runs_and_saves(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "125.2M parameters" in text and "reshard fsdp -> tp" in text
     config, params = load_hf(out_dir)
-    assert config.num_hidden_layers == 12 and params["decoder"]["embed_tokens"]["embedding"].dtype == np.dtype("bfloat16")
+    assert config.num_hidden_layers == 12 and params["decoder"]["embed_tokens"]["embedding"].dtype == np.dtype(
+        "bfloat16"
+    )
 
 
 def test_bad_preset_is_refused(capsys):

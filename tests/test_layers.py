@@ -180,7 +180,8 @@ def test_each_kernel_file_is_self_contained():
     kernels share (jaxrlhf/kernels/__init__.py, which imports nothing of jaxrlhf); no kernel imports another."""
     graph = import_graph()
     assert {k: v - {"jaxrlhf.kernels"} for k, v in graph.items() if k.startswith("jaxrlhf.kernels")} == {
-        k: set() for k in graph if k.startswith("jaxrlhf.kernels")}
+        k: set() for k in graph if k.startswith("jaxrlhf.kernels")
+    }
 
 
 def test_a_cycle_is_found():

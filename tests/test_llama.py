@@ -8,26 +8,45 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import hf_logits, jit_logits, jit_values, left_padded_batch
 from safetensors.numpy import load_file
 
+from helpers import hf_logits, jit_logits, jit_values, left_padded_batch
 from jaxrlhf import LlamaConfig, load_hf, make_mesh, reshard, save_hf, shardings_for
 from jaxrlhf.generate import decode_params, generate
 from jaxrlhf.models import Backend, init_params, llama, param_shapes
 
 # Grouped-query attention (4 query heads over 2 KV heads), untied head, a non-default rope_theta; and
 # plain multi-head attention with a tied head and biases (Qwen-style). 4 heads and vocab 64 split over tp 2.
-GQA_UNTIED = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, rope_theta=500.0)
-MHA_TIED_BIAS = dict(vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=True,
-                     attention_bias=True, mlp_bias=True)
+GQA_UNTIED = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    rope_theta=500.0,
+)
+MHA_TIED_BIAS = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=40,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=64,
+    tie_word_embeddings=True,
+    attention_bias=True,
+    mlp_bias=True,
+)
 
 
 def make_hf_llama(folder, seed: int = 0, **kwargs):
     """Save a randomly initialised `LlamaForCausalLM` (random norms and biases, O(1) logits) to `folder`."""
     import torch
-    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(HFConfig(pad_token_id=0, bos_token_id=1, eos_token_id=2, **kwargs)).eval()
@@ -52,7 +71,10 @@ def test_config_is_read_from_config_json(model):
     hf = json.loads((folder / "config.json").read_text())
     assert isinstance(config, LlamaConfig)
     assert (config.num_key_value_heads, config.tie_word_embeddings, config.head_dim) == (
-        hf["num_key_value_heads"], hf["tie_word_embeddings"], 8)
+        hf["num_key_value_heads"],
+        hf["tie_word_embeddings"],
+        8,
+    )
     assert config.rope_theta == hf["rope_parameters"]["rope_theta"]
 
 
@@ -124,13 +146,15 @@ def test_greedy_generation_equals_transformers(model):
     lengths = [7, 3, 5, 1]
     ids, mask = left_padded_batch(config.vocab_size, lengths, T=7, seed=1)
     out = generate(config, params, ids, mask, jax.random.key(0), max_new_tokens=8, temperature=0.0)
-    fast = generate(config, decode_params(config, params), ids, mask, jax.random.key(0), max_new_tokens=8,
-                    temperature=0.0)  # the decode layout: q/k/v (and gate/up) stacked, each layer its own arrays
+    fast = generate(
+        config, decode_params(config, params), ids, mask, jax.random.key(0), max_new_tokens=8, temperature=0.0
+    )  # the decode layout: q/k/v (and gate/up) stacked, each layer its own arrays
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     for b, n in enumerate(lengths):  # transformers row by row, unpadded
         row = torch.tensor(ids[b : b + 1, 7 - n :], dtype=torch.long)
-        want = hf.generate(row, attention_mask=torch.ones_like(row), max_new_tokens=8, min_new_tokens=8,
-                           do_sample=False)
+        want = hf.generate(
+            row, attention_mask=torch.ones_like(row), max_new_tokens=8, min_new_tokens=8, do_sample=False
+        )
         assert np.asarray(out.tokens)[b].tolist() == want[0, n:].tolist()
         assert np.asarray(fast.tokens)[b].tolist() == want[0, n:].tolist()
     np.testing.assert_allclose(np.asarray(fast.logprobs), np.asarray(out.logprobs), atol=1e-5)
@@ -221,15 +245,19 @@ def test_the_decode_layout_folds_each_norm_into_its_product(model):
     assert np.abs(g1 - 1).max() > 0.01  # the fixture's norms are not ones: a missing fold shows
     qkv = np.asarray(fast["self_attn"]["qkv_proj"]["kernel"])  # [D, Hkv, (G + 2) K]
     attn = layer["self_attn"]
-    np.testing.assert_allclose(qkv[:, :, : G * K], (g1[:, None] * attn["q_proj"]["kernel"] * K**-0.5).reshape(-1, Hkv, G * K),
-                               rtol=1e-6)
-    np.testing.assert_allclose(qkv[:, :, G * K : (G + 1) * K], (g1[:, None] * attn["k_proj"]["kernel"]).reshape(-1, Hkv, K),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        qkv[:, :, : G * K], (g1[:, None] * attn["q_proj"]["kernel"] * K**-0.5).reshape(-1, Hkv, G * K), rtol=1e-6
+    )
+    np.testing.assert_allclose(
+        qkv[:, :, G * K : (G + 1) * K], (g1[:, None] * attn["k_proj"]["kernel"]).reshape(-1, Hkv, K), rtol=1e-6
+    )
     gate_up = np.asarray(fast["mlp"]["gate_up_proj"]["kernel"])  # [D, 2, F]
     np.testing.assert_allclose(gate_up[:, 1], g2[:, None] * layer["mlp"]["up_proj"]["kernel"], rtol=1e-6)
     if config.attention_bias:  # biases are added after the rows' scale: not folded
-        np.testing.assert_array_equal(np.asarray(fast["self_attn"]["qkv_proj"]["bias"])[:, G * K : (G + 1) * K],
-                                      attn["k_proj"]["bias"].reshape(Hkv, K))
+        np.testing.assert_array_equal(
+            np.asarray(fast["self_attn"]["qkv_proj"]["bias"])[:, G * K : (G + 1) * K],
+            attn["k_proj"]["bias"].reshape(Hkv, K),
+        )
 
 
 @pytest.mark.slow

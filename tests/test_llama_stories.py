@@ -28,19 +28,28 @@ def test_prompt_and_gold_reward():
 
 
 def test_records_pair_a_story_with_the_word_against_one_without():
-    pool = [" There was a dog.", " A big dog ran.", " The cat slept.", " A bird sang.", " The sun was hot.",
-            " Lily had a ball and a cat."]
+    pool = [
+        " There was a dog.",
+        " A big dog ran.",
+        " The cat slept.",
+        " A bird sang.",
+        " The sun was hot.",
+        " Lily had a ball and a cat.",
+    ]
     rows = stories.records(pool, 2000, seed=0, label_noise=0.1, min_hits=1)
-    right = [stories.gold_reward(r["prompt"], r["chosen"]) == 1.0 and stories.gold_reward(r["prompt"], r["rejected"]) == 0.0
-             for r in rows]
-    swapped = [stories.gold_reward(r["prompt"], r["chosen"]) == 0.0 and stories.gold_reward(r["prompt"], r["rejected"]) == 1.0
-               for r in rows]
+    right = [
+        stories.gold_reward(r["prompt"], r["chosen"]) == 1.0 and stories.gold_reward(r["prompt"], r["rejected"]) == 0.0
+        for r in rows
+    ]
+    swapped = [
+        stories.gold_reward(r["prompt"], r["chosen"]) == 0.0 and stories.gold_reward(r["prompt"], r["rejected"]) == 1.0
+        for r in rows
+    ]
     assert all(a or b for a, b in zip(right, swapped))
     assert abs(np.mean(swapped) - 0.1) < 0.03  # the annotator's noise
     assert {stories.prompt_word(r["prompt"]) for r in rows} == {"dog", "cat", "bird", "sun", "ball"}
     assert rows == stories.records(pool, 2000, seed=0, label_noise=0.1, min_hits=1)  # seeded
     assert {stories.prompt_word(r["prompt"]) for r in stories.records(pool, 50, min_hits=2)} == {"dog", "cat"}
-
 
 
 def test_demonstrations_answer_some_prompts_on_request():
@@ -67,9 +76,18 @@ def test_stories_preset_raises_the_gold_reward_over_the_step1_model(assets, tmp_
     model = llama2c_to_hf(src / "stories260K.bin", src / "tok512.bin", tmp_path / "stories260K")
     task = story_task.build(model, tmp_path / "task")
     monkeypatch.setattr("jaxrlhf.eval.pipeline_report", lambda *a, **k: None)  # the report has tests of its own
-    cfg = train.parse([str(PRESET), f"actor_model={model}", f"reward_model={model}", f"output_dir={tmp_path / 'run'}",
-                       f"data.data_path=[{task / 'pairs.jsonl'}]", f"data.sft_only_data_path=[{task / 'demos.jsonl'}]",
-                       f"data.cache_dir={tmp_path / 'cache'}", *(f"{step}.seed=1" for step in ("sft", "reward", "ppo", "data"))])
+    cfg = train.parse(
+        [
+            str(PRESET),
+            f"actor_model={model}",
+            f"reward_model={model}",
+            f"output_dir={tmp_path / 'run'}",
+            f"data.data_path=[{task / 'pairs.jsonl'}]",
+            f"data.sft_only_data_path=[{task / 'demos.jsonl'}]",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            *(f"{step}.seed=1" for step in ("sft", "reward", "ppo", "data")),
+        ]
+    )
     # One device, as the command sees a CPU machine: 8 virtual devices on 2 cores more than double the time, and
     # the meshes' equality is test_train's and test_engine's. Seeds 1, 2, 3 here: 0.23 / 0.41 / 0.28 -> 0.94 /
     # 0.95 / 0.97 sampled, 0.25 / 0.75 / 0.50 -> 1.00 greedy, KL 9.4 / 6.7 / 5.9.
@@ -77,9 +95,11 @@ def test_stories_preset_raises_the_gold_reward_over_the_step1_model(assets, tmp_
     words = stories.task_words(task / "pairs.jsonl")
     r = story_task.evaluate(tmp_path / "run/actor-models/model", tmp_path / "run/step3-models/actor", words)
     with capsys.disabled():
-        print(f"\nstories: {len(words)} words; gold reward sampled / greedy: Step 1 {r['step1_gold_reward_sampled']:.3f} / "
-              f"{r['step1_gold_reward_greedy']:.3f}, actor {r['actor_gold_reward_sampled']:.3f} / "
-              f"{r['actor_gold_reward_greedy']:.3f}; KL {r['kl_actor_to_step1']:.2f} nats per answer")
+        print(
+            f"\nstories: {len(words)} words; gold reward sampled / greedy: Step 1 {r['step1_gold_reward_sampled']:.3f} / "
+            f"{r['step1_gold_reward_greedy']:.3f}, actor {r['actor_gold_reward_sampled']:.3f} / "
+            f"{r['actor_gold_reward_greedy']:.3f}; KL {r['kl_actor_to_step1']:.2f} nats per answer"
+        )
     for mode, margin in (("sampled", MARGIN_SAMPLED), ("greedy", MARGIN_GREEDY)):  # all of them, if fewer are left
         assert r[f"actor_gold_reward_{mode}"] >= min(1.0, r[f"step1_gold_reward_{mode}"] + margin), mode
     assert 0.0 < r["kl_actor_to_step1"] < 20.0

@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import POST_LN_PROJ, PRE_LN, left_padded_batch
 from jax.sharding import PartitionSpec as P
 
+from helpers import POST_LN_PROJ, PRE_LN, left_padded_batch
 from jaxrlhf import LlamaConfig, OPTConfig, init_params, logits, make_mesh, reshard, shardings_for
 from jaxrlhf.config import ConfigError, field_help, load
 from jaxrlhf.lora import LoRAConfig, attach, fuse, init_lora
@@ -188,8 +188,11 @@ def test_module_filter_selects_like_deepspeed_chat():
     assert pick("fc") == [f"{LAYERS}fc1", f"{LAYERS}fc2"]
     assert pick("decoder.layers.self_attn.q_proj") == [f"{LAYERS}self_attn/q_proj"]
     assert pick("value_head") == ["value_head"]  # a Linear like any other when asked for
-    with pytest.raises(ValueError, match=r"module_name 'lm_head' matches no Linear kernel; available modules: "
-                       r"decoder\.layers\.fc1, decoder\.layers\.fc2, decoder\.layers\.self_attn\.k_proj"):
+    with pytest.raises(
+        ValueError,
+        match=r"module_name 'lm_head' matches no Linear kernel; available modules: "
+        r"decoder\.layers\.fc1, decoder\.layers\.fc2, decoder\.layers\.self_attn\.k_proj",
+    ):
         pick("lm_head")
     with pytest.raises(ValueError, match="matches no Linear kernel"):  # embeddings are never adapted
         pick("embed_tokens")
@@ -200,20 +203,33 @@ def test_llama_default_filter_adapts_attention_and_mlp_and_only_optimize_lora_fr
     from jaxrlhf.sft import sft_loss
     from jaxrlhf.trainer import OptimConfig, create_state, effective_params, make_optimizer, make_train_step
 
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
     params = init_params(config, jax.random.key(0), std=0.2)
     cfg = LoRAConfig(dim=4, only_optimize_lora=True)
     lora = init_lora(params, cfg, jax.random.key(1))
     layers = "model/layers/"
-    assert modules(lora) == sorted([f"{layers}self_attn/{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-                                   + [f"{layers}mlp/{n}" for n in ("gate_proj", "up_proj", "down_proj")])  # not lm_head
+    assert modules(lora) == sorted(
+        [f"{layers}self_attn/{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        + [f"{layers}mlp/{n}" for n in ("gate_proj", "up_proj", "down_proj")]
+    )  # not lm_head
     got = leaves(lora)
     assert got[f"{layers}self_attn/k_proj/lora_b"].shape == (2, 4, 16)  # 2 KV heads x head dim 8
     assert got[f"{layers}mlp/down_proj/lora_a"].shape == (2, 48, 4)
     assert modules(init_lora(params, LoRAConfig(dim=4, module_name="lm_head"), jax.random.key(1))) == ["lm_head"]
-    with pytest.raises(ValueError, match=r"cannot tell the model family from the parameter tree \(top-level modules \['encoder'\]; "
-                       r"known: decoder, model\); set lora.module_name"):
+    with pytest.raises(
+        ValueError,
+        match=r"cannot tell the model family from the parameter tree \(top-level modules \['encoder'\]; "
+        r"known: decoder, model\); set lora.module_name",
+    ):
         init_lora({"encoder": params["model"]}, cfg, jax.random.key(1))
     # A few steps of Step 1's loss with only the adapters trained: the loss falls, the base stays bit-identical.
     before = jax.tree.map(np.array, params)
@@ -233,10 +249,13 @@ def test_llama_default_filter_adapts_attention_and_mlp_and_only_optimize_lora_fr
     assert all(np.abs(np.asarray(trained[f"{m}/lora_b"])).max() > 0 for m in modules(lora))
     fused = leaves(effective_params(state, cfg))
     for path, x in leaves(params).items():  # only the adapted kernels moved in the model that runs
-        assert np.array_equal(np.asarray(fused[path]), np.asarray(x)) == (path.rpartition("/")[0] not in modules(lora)), path
+        assert np.array_equal(np.asarray(fused[path]), np.asarray(x)) == (
+            path.rpartition("/")[0] not in modules(lora)
+        ), path
     ref = LOGITS(config, hand_fused(params, state["trainable"]["lora"], cfg), ids[0], batch["attention_mask"][0])
-    np.testing.assert_allclose(LOGITS(config, effective_params(state, cfg), ids[0], batch["attention_mask"][0]),
-                               ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        LOGITS(config, effective_params(state, cfg), ids[0], batch["attention_mask"][0]), ref, atol=1e-5, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize(
@@ -295,9 +314,19 @@ def test_layouts_follow_the_kernels_and_fuse_runs_sharded():
 def test_attach_fuses_one_layer_at_a_time_with_fuse_arithmetic_and_no_whole_fused_copy(family):
     """lora.attach (adapters beside their kernels; models.common.Dense fuses as each layer runs) gives fuse's
     logits and adapter gradients, and its compiled step holds no second copy of the adapted kernels."""
-    config = OPTConfig(**PRE_LN) if family == "opt" else LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64)
+    config = (
+        OPTConfig(**PRE_LN)
+        if family == "opt"
+        else LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+    )
     params = init_params(config, jax.random.key(0), std=0.2)
     cfg = LoRAConfig(dim=4, scaling=2.0)
     lora = randomize_b(init_lora(params, cfg, jax.random.key(1)))
@@ -311,19 +340,43 @@ def test_attach_fuses_one_layer_at_a_time_with_fuse_arithmetic_and_no_whole_fuse
 
     # Memory: on a model whose adapted kernels dominate, attach's step needs at least one whole fused copy of
     # those kernels less than fuse's (XLA's compiled memory analysis of the temporaries).
-    big = (OPTConfig(**{**PRE_LN, "hidden_size": 256, "ffn_dim": 1024, "num_hidden_layers": 6})
-           if family == "opt" else LlamaConfig(**{**vars(config), "hidden_size": 256, "intermediate_size": 1024,
-                                                  "num_hidden_layers": 6, "num_attention_heads": 8}))
+    big = (
+        OPTConfig(**{**PRE_LN, "hidden_size": 256, "ffn_dim": 1024, "num_hidden_layers": 6})
+        if family == "opt"
+        else LlamaConfig(
+            **{
+                **vars(config),
+                "hidden_size": 256,
+                "intermediate_size": 1024,
+                "num_hidden_layers": 6,
+                "num_attention_heads": 8,
+            }
+        )
+    )
     shapes = jax.eval_shape(lambda: init_params(big, jax.random.key(0)))
     lora_shapes = jax.eval_shape(lambda: init_lora(shapes, cfg, jax.random.key(1)))
-    adapted = sum(x.size * 4 for p, x in leaves(shapes).items() if p.rpartition("/")[0] in modules(lora_shapes)
-                  and p.endswith("kernel"))
-    temp = {m.__name__: jax.jit(jax.grad(lambda lo, p: logits(big, m(p, lo, cfg), ids, mask).std())).lower(
-        lora_shapes, shapes).compile().memory_analysis().temp_size_in_bytes for m in (fuse, attach)}
+    adapted = sum(
+        x.size * 4
+        for p, x in leaves(shapes).items()
+        if p.rpartition("/")[0] in modules(lora_shapes) and p.endswith("kernel")
+    )
+    temp = {
+        m.__name__: jax.jit(jax.grad(lambda lo, p: logits(big, m(p, lo, cfg), ids, mask).std()))
+        .lower(lora_shapes, shapes)
+        .compile()
+        .memory_analysis()
+        .temp_size_in_bytes
+        for m in (fuse, attach)
+    }
     assert temp["fuse"] - temp["attach"] > adapted, (temp, adapted)
     # With the layers unrolled (a GPU's backend), adapters attached still run one layer per iteration: unrolled,
     # XLA fused every layer's kernels up front (OPT-30B's scoring ran out of memory); rolled, one layer's at a time.
     unrolled = dataclasses.replace(config, backend=Backend(scan_unroll=0))
-    loops = {m.__name__: jax.jit(lambda p, lo: logits(unrolled, m(p, lo, cfg), ids, mask)).lower(params, lora)
-             .as_text().count("stablehlo.while") for m in (fuse, attach)}
+    loops = {
+        m.__name__: jax.jit(lambda p, lo: logits(unrolled, m(p, lo, cfg), ids, mask))
+        .lower(params, lora)
+        .as_text()
+        .count("stablehlo.while")
+        for m in (fuse, attach)
+    }
     assert loops == {"fuse": 0, "attach": 1}, loops

@@ -12,7 +12,11 @@ from jaxrlhf.metrics import MetricsLog, check_trackers
 from jaxrlhf.ppo import PPOConfig
 from jaxrlhf.sft import SFTConfig
 
-STEPS = [(1, "train", {"loss": 2.5, "lr": 1e-4, "note": "text"}), (1, "eval", {"loss": 2.75}), (2, "train", {"loss": 1.25})]
+STEPS = [
+    (1, "train", {"loss": 2.5, "lr": 1e-4, "note": "text"}),
+    (1, "eval", {"loss": 2.75}),
+    (2, "train", {"loss": 1.25}),
+]
 SCALARS = [(1, {"train/loss": 2.5, "train/lr": 1e-4}), (1, {"eval/loss": 2.75}), (2, {"train/loss": 1.25})]
 
 
@@ -36,7 +40,9 @@ def test_a_tracker_named_but_not_installed_fails_at_start_up(cls, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` fails, as where it is not installed
     with pytest.raises(ConfigError, match=r"report_to: wandb is not installed; pip install 'jaxrlhf\[wandb\]'"):
         load(cls, None, ["report_to=[tensorboard, wandb]"])
-    with pytest.raises(ConfigError, match=r"report_to: unknown tracker 'comet'; expected some of \['tensorboard', 'wandb', 'mlflow'\]"):
+    with pytest.raises(
+        ConfigError, match=r"report_to: unknown tracker 'comet'; expected some of \['tensorboard', 'wandb', 'mlflow'\]"
+    ):
         check_trackers(("comet",))
 
 

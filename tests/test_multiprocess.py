@@ -22,8 +22,9 @@ from test_train import sft_config, tiny_model  # noqa: F401 - the fixture
 from jaxrlhf.checkpoint import load_hf
 from jaxrlhf.data import DataConfig
 from jaxrlhf.distributed import initialize
+from jaxrlhf.ppo import PPOConfig
+from jaxrlhf.ppo import run as run_ppo
 from jaxrlhf.rl import ModelSide
-from jaxrlhf.ppo import PPOConfig, run as run_ppo
 from jaxrlhf.sft import run as run_sft
 from jaxrlhf.sharding import make_mesh
 from jaxrlhf.train import builtin_model
@@ -31,8 +32,10 @@ from jaxrlhf.trainer import OptimConfig
 
 CONSTANT = OptimConfig(learning_rate=1e-3, warmup_steps=2, schedule="constant")  # the same at any run length
 # Both command lines in one process, so that the pair starts (JAX, gloo, the coordinator) once.
-DRIVER = ("import json, sys; from jaxrlhf import ppo, sft; a, flags = json.loads(sys.argv[1]), sys.argv[2:]; "
-          "sft.main(a['sft'] + flags); ppo.main(a['ppo'] + flags)")
+DRIVER = (
+    "import json, sys; from jaxrlhf import ppo, sft; a, flags = json.loads(sys.argv[1]), sys.argv[2:]; "
+    "sft.main(a['sft'] + flags); ppo.main(a['ppo'] + flags)"
+)
 
 
 def free_port() -> int:
@@ -58,13 +61,30 @@ def launch(args: dict, tmp_path, n: int = 2, timeout: float = 300) -> list[str]:
     """Run DRIVER in `n` processes of 4 CPU devices joined through a coordinator on 127.0.0.1; their outputs.
     One that fails ends the others (they would wait for it in a collective)."""
     # Unoptimised CPU code compiles in about 60 % of the time, and this run is mostly compilation.
-    flags = ["--xla_force_host_platform_device_count=4", "--xla_backend_optimization_level=0",
-             "--xla_llvm_disable_expensive_passes=true"]
+    flags = [
+        "--xla_force_host_platform_device_count=4",
+        "--xla_backend_optimization_level=0",
+        "--xla_llvm_disable_expensive_passes=true",
+    ]
     env = {**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
     port, logs = free_port(), [tmp_path / f"process{i}.log" for i in range(n)]
-    procs = [subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps(args), f"--coordinator-address=127.0.0.1:{port}",
-                               f"--num-processes={n}", f"--process-id={i}"],
-                              env=env, stdout=open(logs[i], "w"), stderr=subprocess.STDOUT) for i in range(n)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                DRIVER,
+                json.dumps(args),
+                f"--coordinator-address=127.0.0.1:{port}",
+                f"--num-processes={n}",
+                f"--process-id={i}",
+            ],
+            env=env,
+            stdout=open(logs[i], "w"),
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(n)
+    ]
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p in procs):
         if any(p.returncode for p in procs) or time.monotonic() > deadline:
@@ -81,11 +101,21 @@ def launch(args: dict, tmp_path, n: int = 2, timeout: float = 300) -> list[str]:
 def ppo_config(tmp_path, **kw):
     """Step 3 on the built-in task's tiny models, sampling, with the EMA, alarms and gold rewards (not the mixture
     loss: its batches load as the prompts do, and it would lengthen the actor step's compilation)."""
-    data = DataConfig(data_path=("synthetic:300",), data_split="1,1,1", max_prompt_len=24, cache_dir=str(tmp_path / "cache"))
-    base = dict(actor=ModelSide(model=str(builtin_model(tmp_path / "actor", seed=0)), optim=CONSTANT),
-                critic=ModelSide(model=str(builtin_model(tmp_path / "critic", seed=1, value_head=True)), optim=CONSTANT),
-                output_dir=str(tmp_path / "out"), batch_size=8, max_steps=4, max_answer_len=6, precision="fp32",
-                enable_ema=True, old_logprobs_from_generation=True, data=data)
+    data = DataConfig(
+        data_path=("synthetic:300",), data_split="1,1,1", max_prompt_len=24, cache_dir=str(tmp_path / "cache")
+    )
+    base = dict(
+        actor=ModelSide(model=str(builtin_model(tmp_path / "actor", seed=0)), optim=CONSTANT),
+        critic=ModelSide(model=str(builtin_model(tmp_path / "critic", seed=1, value_head=True)), optim=CONSTANT),
+        output_dir=str(tmp_path / "out"),
+        batch_size=8,
+        max_steps=4,
+        max_answer_len=6,
+        precision="fp32",
+        enable_ema=True,
+        old_logprobs_from_generation=True,
+        data=data,
+    )
     return PPOConfig(**{**base, **kw})
 
 
@@ -132,7 +162,9 @@ def test_two_processes_run_step1_like_one_and_their_checkpoint_restores_in_one(t
 def test_two_processes_run_step3_like_one_and_their_checkpoint_restores_in_one(two_processes, tmp_path):
     _, cfg, _ = two_processes
     one_device = make_mesh(1, jax.devices()[:1])
-    one = run_ppo(dataclasses.replace(cfg, output_dir=str(tmp_path / "one"), max_steps=4), log=lambda _: None, mesh=one_device)
+    one = run_ppo(
+        dataclasses.replace(cfg, output_dir=str(tmp_path / "one"), max_steps=4), log=lambda _: None, mesh=one_device
+    )
     want = [figures(r) for r in one["records"]]
     got = [figures(r) for r in train_records(cfg.output_dir)]
     assert [r["step"] for r in got] == [1, 2] and {"gold_reward", "repetition", "actor_loss"} <= got[0].keys()

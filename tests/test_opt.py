@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import POST_LN_PROJ, PRE_LN, hf_logits, jit_logits, left_padded_batch, make_hf_opt
 
+from helpers import POST_LN_PROJ, PRE_LN, hf_logits, jit_logits, left_padded_batch, make_hf_opt
 from jaxrlhf import load_hf, logits, values
 from jaxrlhf.models import Backend, Mode, OPTConfig, init_params, positions_from_mask
 
@@ -61,16 +61,18 @@ def test_packed_sequences_give_the_logits_of_each_alone(hf_folder):
     a, b = ids[:, :3], ids[:, 3:]
     row = np.concatenate([np.full((1, 2), config.pad_token_id, np.int32), a, b], 1)
     mask = np.array([[0, 0, 1, 1, 1, 1, 1, 1, 1]], np.int32)
-    packing = dict(segment_ids=np.array([[0, 0, 1, 1, 1, 2, 2, 2, 2]]),
-                   positions=np.array([[-1, -1, 0, 1, 2, 0, 1, 2, 3]]))
+    packing = dict(
+        segment_ids=np.array([[0, 0, 1, 1, 1, 2, 2, 2, 2]]), positions=np.array([[-1, -1, 0, 1, 2, 0, 1, 2, 3]])
+    )
     packed = np.asarray(jax.jit(partial(logits, config))(params, row, mask, **packing))[0]
     head = {**params, "value_head": {"kernel": jax.random.normal(jax.random.key(1), (config.word_embed_proj_dim, 1))}}
     packed_values = np.asarray(jax.jit(partial(values, config))(head, row, mask, **packing))[0]
     for seq, at in ((a, slice(2, 5)), (b, slice(5, 9))):
         alone = np.asarray(jit_logits(config, params, seq, np.ones_like(seq)))[0]
         np.testing.assert_allclose(packed[at], alone, atol=1e-5)
-        np.testing.assert_allclose(packed_values[at], np.asarray(values(config, head, seq, np.ones_like(seq)))[0],
-                                   atol=1e-5)
+        np.testing.assert_allclose(
+            packed_values[at], np.asarray(values(config, head, seq, np.ones_like(seq)))[0], atol=1e-5
+        )
 
 
 def test_the_backend_is_detected_once_and_its_default_is_plain_xla():
@@ -107,9 +109,11 @@ def _value_and_grad(p, cfg, ids, mask):
     return jnp.sum(jax.nn.log_softmax(logits(cfg, p, ids, mask))[..., 5] * mask)
 
 
-@pytest.mark.parametrize("change", [{"remat": True}, {"backend": Backend(scan_unroll=2)},
-                                    {"remat": True, "backend": Backend(scan_unroll=0)}],
-                         ids=["remat", "unroll", "remat_unrolled"])
+@pytest.mark.parametrize(
+    "change",
+    [{"remat": True}, {"backend": Backend(scan_unroll=2)}, {"remat": True, "backend": Backend(scan_unroll=0)}],
+    ids=["remat", "unroll", "remat_unrolled"],
+)
 @pytest.mark.slow
 def test_remat_and_unrolling_change_neither_values_nor_gradients(hf_folder, change):
     config, params = load_hf(hf_folder)

@@ -6,12 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import POST_LN_PROJ, PRE_LN, left_padded_batch
 
+from helpers import POST_LN_PROJ, PRE_LN, left_padded_batch
 from jaxrlhf import OPTConfig, init_params, make_mesh
-from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide
 from jaxrlhf.lora import LoRAConfig
 from jaxrlhf.models.llama import LlamaConfig
+from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide
 from jaxrlhf.rl.packing import pack, plan, unpack
 from jaxrlhf.trainer import OptimConfig
 
@@ -36,10 +36,15 @@ def test_packed_rows_are_the_real_tokens_and_unpack_puts_them_back():
     seq = rng.integers(3, 50, (B, P + G)).astype(np.int32)
     seq_mask = np.ones((B, P + G), np.int32)
     seq_mask[0, :2] = seq_mask[1, 3] = seq_mask[2, :5] = 0  # left padding, and a hole in row 1
-    seq_mask[3, P + 2:] = seq_mask[4, P + 1:] = 0  # answers that ended early
+    seq_mask[3, P + 2 :] = seq_mask[4, P + 1 :] = 0  # answers that ended early
     mask = seq_mask[:, P:]
-    exp = {"seq": seq, "seq_mask": seq_mask, "mask": mask, "values": rng.normal(size=(B, G)).astype(np.float32) * mask,
-           "scores": rng.normal(size=B).astype(np.float32)}
+    exp = {
+        "seq": seq,
+        "seq_mask": seq_mask,
+        "mask": mask,
+        "values": rng.normal(size=(B, G)).astype(np.float32) * mask,
+        "scores": rng.normal(size=B).astype(np.float32),
+    }
     rows = np.array([3, 1, 0, 5], np.int32)  # 5: an empty row
     out = jax.tree.map(np.asarray, pack(jax.tree.map(jnp.asarray, exp), jnp.asarray(rows), 10))
     for i, r in enumerate(rows[:3]):
@@ -59,8 +64,16 @@ def test_packed_rows_are_the_real_tokens_and_unpack_puts_them_back():
 
 
 OPT = (OPTConfig(**PRE_LN, dropout=0.0), OPTConfig(**POST_LN_PROJ, dropout=0.0))
-LLAMA = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+LLAMA = LlamaConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
 
 
 @pytest.mark.parametrize("family", ["opt", "llama"])
@@ -77,14 +90,25 @@ def test_packed_equals_padded_experience_losses_and_updates(family):
     unsup_ids = np.random.default_rng(0).integers(3, 64, (8, 7)).astype(np.int32)
     unsup = {"input_ids": unsup_ids, "attention_mask": np.ones_like(unsup_ids), "loss_mask": np.ones_like(unsup_ids)}
     mesh = make_mesh(1)
-    optim = OptimConfig(learning_rate=1e-2, warmup_steps=0, schedule="constant", eps=1e-4, gradient_accumulation_steps=2)
+    optim = OptimConfig(
+        learning_rate=1e-2, warmup_steps=0, schedule="constant", eps=1e-4, gradient_accumulation_steps=2
+    )
     runs = []
     for budget in (0, 12):  # 12 tokens per device: one row per device in micro-batches of widths 11 and 8
-        cfg = EngineConfig(actor=ModelSide(optim=optim, lora=LoRAConfig(dim=4)), critic=ModelSide(optim=optim),
-                           precision="fp32", max_answer_len=5, enable_ema=True, seed=3, unsup_coef=0.5,
-                           max_tokens_per_micro_batch=budget, packed_width_multiple=4,
-                           # the packed engine also generates in 8 slots refilled 4 at a time: the same answers
-                           decode_slots=8 if budget else 0, refill_size=4)
+        cfg = EngineConfig(
+            actor=ModelSide(optim=optim, lora=LoRAConfig(dim=4)),
+            critic=ModelSide(optim=optim),
+            precision="fp32",
+            max_answer_len=5,
+            enable_ema=True,
+            seed=3,
+            unsup_coef=0.5,
+            max_tokens_per_micro_batch=budget,
+            packed_width_multiple=4,
+            # the packed engine also generates in 8 slots refilled 4 at a time: the same answers
+            decode_slots=8 if budget else 0,
+            refill_size=4,
+        )
         engine = HybridEngine(cfg, mesh, (actor_cfg, actor), (critic_cfg, critic), total_steps=10, eos_id=-1, pad_id=1)
         exp = engine.generate_experience({"prompt_ids": ids, "prompt_mask": mask, "answer_limits": limits})
         if budget:

@@ -16,9 +16,9 @@ import pytest
 from jaxrlhf import OPTConfig, init_params, make_mesh
 from jaxrlhf import plan as memory_plan
 from jaxrlhf.config import ConfigError, load
+from jaxrlhf.lora import LoRAConfig
 from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide
 from jaxrlhf.rl.engine import tree_bytes
-from jaxrlhf.lora import LoRAConfig
 from jaxrlhf.trainer import OptimConfig
 
 ARCH = dict(vocab_size=512, max_position_embeddings=128, dropout=0.0)
@@ -31,12 +31,15 @@ def build(precision="bf16", remat=False, lora=0, mesh=None, offload=False, **kw)
     dtype = "float32" if precision == "fp32" else "bfloat16"
     actor = OPTConfig(**ARCH, **ACTOR, dtype=dtype, remat=remat)
     critic = OPTConfig(**ARCH, **CRITIC, dtype=dtype, remat=remat)
-    side = ModelSide(optim=OptimConfig(learning_rate=1e-3, warmup_steps=0), lora=LoRAConfig(dim=lora), remat=remat,
-                    offload=offload)
+    side = ModelSide(
+        optim=OptimConfig(learning_rate=1e-3, warmup_steps=0), lora=LoRAConfig(dim=lora), remat=remat, offload=offload
+    )
     cfg = EngineConfig(actor=side, critic=side, precision=precision, max_answer_len=G, enable_ema=True, seed=7, **kw)
     mesh = mesh or make_mesh(1, jax.devices()[:1])
-    params = (jax.device_get(init_params(actor, jax.random.key(0), std=0.2)),
-              jax.device_get(init_params(critic, jax.random.key(1), value_head=True, std=0.2)))
+    params = (
+        jax.device_get(init_params(actor, jax.random.key(0), std=0.2)),
+        jax.device_get(init_params(critic, jax.random.key(1), value_head=True, std=0.2)),
+    )
     engine = HybridEngine(cfg, mesh, (actor, params[0]), (critic, params[1]), total_steps=10, eos_id=-1, pad_id=1)
     return engine, cfg, actor, critic, mesh
 
@@ -76,22 +79,45 @@ def test_plan_counts_the_state_exactly_and_offload_moves_items_out_of_other_phas
     assert p.items["ema"] == live(state["ema"])
     # KV cache: 2 x L x B x H x (P + G up to 64) x K x 4 bytes
     assert p.items["KV cache"] == 2 * 4 * B * 4 * 64 * 16 * 4
-    off = memory_plan.plan(EngineConfig(**{**cfg.__dict__, "offload_reference_model": True,
-                                           "actor": ModelSide(**{**cfg.actor.__dict__, "offload": True})}),
-                           actor, critic, mesh, batch=B, prompt_len=PROMPT)
+    off = memory_plan.plan(
+        EngineConfig(
+            **{
+                **cfg.__dict__,
+                "offload_reference_model": True,
+                "actor": ModelSide(**{**cfg.actor.__dict__, "offload": True}),
+            }
+        ),
+        actor,
+        critic,
+        mesh,
+        batch=B,
+        prompt_len=PROMPT,
+    )
     assert off.phase_bytes("actor_step") == p.phase_bytes("actor_step") - p.items["reference (own leaves)"]
-    assert off.phase_bytes("generate") == (p.phase_bytes("generate") - p.items["actor optimizer"]
-                                           - p.items["reference (own leaves)"])
+    assert off.phase_bytes("generate") == (
+        p.phase_bytes("generate") - p.items["actor optimizer"] - p.items["reference (own leaves)"]
+    )
 
 
 def test_an_impossible_config_is_refused_before_loading_or_compiling(tmp_path, monkeypatch):
     from jaxrlhf import ppo
 
-    cfg = load(ppo.PPOConfig, None, ["actor.model=random:opt-30b", "critic.model=random:opt-350m", "batch_size=8",
-                                     "device_memory_gib=80", f"output_dir={tmp_path}", "tokenizer=nowhere"])
+    cfg = load(
+        ppo.PPOConfig,
+        None,
+        [
+            "actor.model=random:opt-30b",
+            "critic.model=random:opt-350m",
+            "batch_size=8",
+            "device_memory_gib=80",
+            f"output_dir={tmp_path}",
+            "tokenizer=nowhere",
+        ],
+    )
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda event, seconds, **kw: compiles.append(kw.get("fun_name")) if "backend_compile" in event else None)
+        lambda event, seconds, **kw: compiles.append(kw.get("fun_name")) if "backend_compile" in event else None
+    )
     monkeypatch.setattr(ppo, "load_model", lambda *a, **k: pytest.fail("loaded a model before refusing"))
     with pytest.raises(ConfigError) as e:
         ppo.run(cfg, mesh=make_mesh(1, jax.devices()[:1]), log=lambda *_: None)
@@ -114,7 +140,9 @@ def test_offloaded_runs_give_the_same_losses_as_device_resident_ones_and_phases_
     assert "pinned_host" in kinds  # the CPU backend of jax 0.11 has it too, so the code path runs here
     runs = {}
     for offload in (False, True):
-        engine = build("fp32", True, 8, offload=offload, offload_reference_model=offload, offload_reward_model=offload)[0]
+        engine = build("fp32", True, 8, offload=offload, offload_reference_model=offload, offload_reward_model=offload)[
+            0
+        ]
         if offload:  # the offloaded Adam moments are made in host memory, never moved there from the device
             assert {x.sharding.memory_kind for x in jax.tree.leaves(engine.state["actor"]["opt"])} == {"pinned_host"}
             assert "offload" not in engine.timings
@@ -142,9 +170,20 @@ def test_offload_beyond_the_pinned_host_pool_is_refused_with_the_variable_to_set
     offloads more is refused before loading, naming the variable and the value that fits."""
     from jaxrlhf import ppo
 
-    cfg = load(ppo.PPOConfig, None, ["actor.model=random:opt-6.7b", "critic.model=random:opt-350m", "batch_size=8",
-                                     "actor.offload=true", "critic.offload=true", "offload_reference_model=true",
-                                     "device_memory_gib=1000", "tokenizer=nowhere"])
+    cfg = load(
+        ppo.PPOConfig,
+        None,
+        [
+            "actor.model=random:opt-6.7b",
+            "critic.model=random:opt-350m",
+            "batch_size=8",
+            "actor.offload=true",
+            "critic.offload=true",
+            "offload_reference_model=true",
+            "device_memory_gib=1000",
+            "tokenizer=nowhere",
+        ],
+    )
     mesh = memory_plan.abstract_mesh(1, 1)
     p = memory_plan.ppo_plan(cfg, mesh, backend="gpu")
     # 6.7B fp32 Adam moments (8 bytes a weight) + critic's + the reference's own bf16 leaves: past 64 GB
@@ -165,8 +204,18 @@ def test_the_eight_gpu_configurations_of_the_node_benchmark():
     from jaxrlhf.models import param_shapes, preset
 
     def plan(devices, tp, *extra):
-        cfg = load(ppo.PPOConfig, None, ["critic.model=random:opt-350m", "precision=pure_bf16", "data.max_prompt_len=256",
-                                         "max_answer_len=256", "device_memory_gib=104.9", *extra])
+        cfg = load(
+            ppo.PPOConfig,
+            None,
+            [
+                "critic.model=random:opt-350m",
+                "precision=pure_bf16",
+                "data.max_prompt_len=256",
+                "max_answer_len=256",
+                "device_memory_gib=104.9",
+                *extra,
+            ],
+        )
         return memory_plan.ppo_plan(cfg, memory_plan.abstract_mesh(devices, tp), backend="gpu")
 
     # 8 sequences of 512 tokens per device in each micro-batch, as the node benchmark's --micro-batch
@@ -179,23 +228,44 @@ def test_the_eight_gpu_configurations_of_the_node_benchmark():
     n = sum(x.size for x in jax.tree.leaves(param_shapes(preset("opt-13b"))))
     assert abs(p.items["actor weights"] - 2 * n / 8) < 2 * n / 8 * 0.01  # bf16, split over 8 (up to rounding)
     assert 35 * 2**30 < p.peak < 70 * 2**30
-    assert plan(8, 8, "actor.model=random:opt-66b", "batch_size=128", "inference_tp_size=8", "actor.lora.dim=128",
-                "actor.lora.only_optimize_lora=true", *steps).fits
+    assert plan(
+        8,
+        8,
+        "actor.model=random:opt-66b",
+        "batch_size=128",
+        "inference_tp_size=8",
+        "actor.lora.dim=128",
+        "actor.lora.only_optimize_lora=true",
+        *steps,
+    ).fits
     assert not plan(1, 1, "actor.model=random:opt-13b", "batch_size=64", "inference_tp_size=1", *steps).fits
 
 
 def test_a_token_budget_below_one_sequence_is_refused_and_a_smaller_one_is_an_option(tmp_path):
     from jaxrlhf import ppo
 
-    args = ["actor.model=random:opt-1.3b", "critic.model=random:opt-350m", "batch_size=8", f"output_dir={tmp_path}",
-            "tokenizer=nowhere", "data.max_prompt_len=256", "max_answer_len=256"]
+    args = [
+        "actor.model=random:opt-1.3b",
+        "critic.model=random:opt-350m",
+        "batch_size=8",
+        f"output_dir={tmp_path}",
+        "tokenizer=nowhere",
+        "data.max_prompt_len=256",
+        "max_answer_len=256",
+    ]
     cfg = load(ppo.PPOConfig, None, args + ["max_tokens_per_micro_batch=500"])
-    with pytest.raises(ConfigError, match="max_tokens_per_micro_batch 500 is below one sequence's data.max_prompt_len "
-                                          r"\+ max_answer_len = 512 tokens: set it to at least 512"):
+    with pytest.raises(
+        ConfigError,
+        match="max_tokens_per_micro_batch 500 is below one sequence's data.max_prompt_len "
+        r"\+ max_answer_len = 512 tokens: set it to at least 512",
+    ):
         memory_plan.check(cfg, make_mesh(1, jax.devices()[:1]))
     # A budget that does not fit: the plan offers smaller ones (their activations scale with the rows per micro-batch)
-    cfg = load(ppo.PPOConfig, None, args + ["max_tokens_per_micro_batch=65536", "batch_size=256", "device_memory_gib=80",
-                                            "precision=pure_bf16"])
+    cfg = load(
+        ppo.PPOConfig,
+        None,
+        args + ["max_tokens_per_micro_batch=65536", "batch_size=256", "device_memory_gib=80", "precision=pure_bf16"],
+    )
     with pytest.raises(ConfigError) as e:
         memory_plan.check(cfg, make_mesh(1, jax.devices()[:1]), backend="gpu")
     assert "in actor_step" in str(e.value)

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from jaxrlhf.checkpoint import load_hf
-from jaxrlhf.sharding import make_mesh
 from jaxrlhf.data import DataConfig
-from jaxrlhf.rl import HybridEngine, ModelSide
 from jaxrlhf.ppo import PPOConfig, main, run
+from jaxrlhf.rl import HybridEngine, ModelSide
+from jaxrlhf.sharding import make_mesh
 from jaxrlhf.train import builtin_model
 from jaxrlhf.trainer import OptimConfig
 
@@ -31,11 +31,27 @@ def folders(tmp_path_factory):
 def ppo_config(folders, tmp_path, **kw):
     actor, critic, text = folders
     optim = OptimConfig(learning_rate=1e-3, warmup_steps=1)
-    data = DataConfig(data_path=("synthetic:300",), data_split="1,1,1", max_prompt_len=24, cache_dir=str(tmp_path / "cache"),
-                      unsupervised_data_path=(str(text),), unsupervised_block_size=16)
-    base = dict(actor=ModelSide(model=str(actor), optim=optim), critic=ModelSide(model=str(critic), optim=optim),
-                output_dir=str(tmp_path / "out"), batch_size=8, max_steps=4, max_answer_len=6, precision="fp32",
-                enable_ema=True, unsup_coef=0.1, old_logprobs_from_generation=True, data=data)
+    data = DataConfig(
+        data_path=("synthetic:300",),
+        data_split="1,1,1",
+        max_prompt_len=24,
+        cache_dir=str(tmp_path / "cache"),
+        unsupervised_data_path=(str(text),),
+        unsupervised_block_size=16,
+    )
+    base = dict(
+        actor=ModelSide(model=str(actor), optim=optim),
+        critic=ModelSide(model=str(critic), optim=optim),
+        output_dir=str(tmp_path / "out"),
+        batch_size=8,
+        max_steps=4,
+        max_answer_len=6,
+        precision="fp32",
+        enable_ema=True,
+        unsup_coef=0.1,
+        old_logprobs_from_generation=True,
+        data=data,
+    )
     return PPOConfig(**{**base, **kw})
 
 
@@ -83,15 +99,34 @@ def test_outputs_are_hf_folders_and_metrics(whole):
     out, folder = whole
     engine = out["engine"]
     assert set(out["folders"]) == {"actor", "critic", "actor_ema"}
-    for name, params in (("actor", engine.actor_params()), ("critic", engine.critic_params()), ("actor_ema", engine.state["ema"])):
+    for name, params in (
+        ("actor", engine.actor_params()),
+        ("critic", engine.critic_params()),
+        ("actor_ema", engine.state["ema"]),
+    ):
         _, loaded = load_hf(out["folders"][name])
         for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(jax.device_get(params))):
             np.testing.assert_array_equal(a, b)
     assert "value_head" in load_hf(out["folders"]["critic"])[1]
     lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3, 4]
-    phases = {"reshard_s", "generate_s", "score_s", "actor_step_s", "critic_step_s", "reshard_bytes", "samples_per_s",
-              "tflops", "reward", "kl", "answer_len", "gold_reward", "actor_loss", "critic_loss", "unsup_loss"}
+    phases = {
+        "reshard_s",
+        "generate_s",
+        "score_s",
+        "actor_step_s",
+        "critic_step_s",
+        "reshard_bytes",
+        "samples_per_s",
+        "tflops",
+        "reward",
+        "kl",
+        "answer_len",
+        "gold_reward",
+        "actor_loss",
+        "critic_loss",
+        "unsup_loss",
+    }
     assert phases <= lines[0].keys()
     assert abs(lines[0]["kl"]) < 1e-4 and 0 < lines[0]["answer_len"] <= 6 and lines[0]["reshard_bytes"] > 0
     assert list((folder / "tb").glob("events.out.tfevents.*"))
@@ -99,21 +134,35 @@ def test_outputs_are_hf_folders_and_metrics(whole):
 
 def test_bad_configs_are_refused_before_compiling(folders, tmp_path, capsys):
     actor, critic, _ = folders
-    models = [f"actor.model={actor}", f"critic.model={critic}", f"data.cache_dir={tmp_path / 'cache'}",
-              "data.data_path=[synthetic:300]", "data.max_prompt_len=24", "precision=fp32"]
+    models = [
+        f"actor.model={actor}",
+        f"critic.model={critic}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.data_path=[synthetic:300]",
+        "data.max_prompt_len=24",
+        "precision=fp32",
+    ]
     bad = tmp_path / "bad.yaml"
     bad.write_text("batch_size: 8\nkl_coeff: 0.2\n")
     negative = tmp_path / "negative.yaml"
     negative.write_text("kl_target: -1.0\n")
     for args, message in [
-        ([str(bad)], f"{bad}:2: unknown key 'kl_coeff' (did you mean kl_coef, kl_target, kl_horizon, kl_loss, kl_loss_coef?)"),
+        (
+            [str(bad)],
+            f"{bad}:2: unknown key 'kl_coeff' (did you mean kl_coef, kl_target, kl_horizon, kl_loss, kl_loss_coef?)",
+        ),
         ([str(negative)], f"{negative}:1: PPOConfig: kl_target: expected > 0 or null, got -1.0"),
         (["actor.lora.only_optimize_lora=true"], "LoRAConfig.only_optimize_lora: needs LoRA on (dim > 0)"),
         ([*models, "batch_size=12"], "batch_size 12 does not split over the 8 devices; use a multiple of 8"),
-        ([*models, "batch_size=16", "actor.optim.gradient_accumulation_steps=4"],
-         "micro-batch of 4 sequences (batch_size / actor.optim.gradient_accumulation_steps) does not split over 8 devices"),
+        (
+            [*models, "batch_size=16", "actor.optim.gradient_accumulation_steps=4"],
+            "micro-batch of 4 sequences (batch_size / actor.optim.gradient_accumulation_steps) does not split over 8 devices",
+        ),
         ([*models, "inference_tp_size=3"], "inference_tp_size 3 must be >= 1 and divide the number of devices (8)"),
-        ([*models, "max_answer_len=48"], "data.max_prompt_len (24) + max_answer_len (48) exceeds the actor's 64 positions"),
+        (
+            [*models, "max_answer_len=48"],
+            "data.max_prompt_len (24) + max_answer_len (48) exceeds the actor's 64 positions",
+        ),
         (["critic.model=x"], "actor.model: required"),
     ]:
         with pytest.raises(SystemExit):
@@ -124,8 +173,20 @@ def test_bad_configs_are_refused_before_compiling(folders, tmp_path, capsys):
 def test_train_flags_presets_and_nested_defaults():
     from jaxrlhf.train import parse
 
-    cfg = parse(["--actor-model", "/m/opt-1.3b", "--deployment-type", "single_gpu", "--step", "2", "3",
-                 "--output-dir", "runs/x", "ppo.critic.optim.weight_decay=0.1"])
+    cfg = parse(
+        [
+            "--actor-model",
+            "/m/opt-1.3b",
+            "--deployment-type",
+            "single_gpu",
+            "--step",
+            "2",
+            "3",
+            "--output-dir",
+            "runs/x",
+            "ppo.critic.optim.weight_decay=0.1",
+        ]
+    )
     assert (cfg.actor_model, cfg.steps, cfg.output_dir) == ("/m/opt-1.3b", (2, 3), "runs/x")
     assert cfg.ppo.actor.lora.dim == 128 and cfg.ppo.enable_ema and cfg.data.data_path == ("Dahoas/rm-static",)
     # Setting one field of a section keeps the section's other defaults (the critic's own learning rate).
@@ -138,7 +199,8 @@ def test_train_flags_presets_and_nested_defaults():
 def test_the_builtin_pipeline_aligns(tmp_path):
     """`python -m jaxrlhf.train` with no arguments: Steps 1, 2 and 3 on the built-in task; the final actor's
     gold reward on held-out prompts is clearly above the Step 1 model's, at a bounded KL."""
-    from jaxrlhf.train import parse, run as run_train
+    from jaxrlhf.train import parse
+    from jaxrlhf.train import run as run_train
 
     # One device, as the command sees a CPU machine (8 virtual devices on 2 cores would double the time).
     result = run_train(parse(["--output-dir", str(tmp_path / "run"), f"data.cache_dir={tmp_path / 'cache'}"]), mesh=ONE)

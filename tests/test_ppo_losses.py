@@ -19,12 +19,16 @@ def test_compute_rewards_by_hand():
     logprobs = jnp.array([[-1.0, -2.0, 9.0], [1.0, 0.0, 3.0], [0.5, 7.0, 7.0]])  # minus ref = the log-ratio
     score = jnp.array([2.0, 10.0, -7.0])  # clipped to 2, 5, -5
     got = compute_rewards(logprobs, ref, score, MASK, kl_coef=0.1, clip_score=5.0)
-    want = [[0.1, 0.2 + 2.0, 0.0],  # -0.1 * (-1), -0.1 * (-2) + score at t = n - 1 = 1
-            [-0.1, 0.0, -0.3 + 5.0],  # the full-length row gets its score at the very last position
-            [-0.05 - 5.0, 0.0, 0.0]]
+    want = [
+        [0.1, 0.2 + 2.0, 0.0],  # -0.1 * (-1), -0.1 * (-2) + score at t = n - 1 = 1
+        [-0.1, 0.0, -0.3 + 5.0],  # the full-length row gets its score at the very last position
+        [-0.05 - 5.0, 0.0, 0.0],
+    ]
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
     # The KL term uses logprobs - ref_logprobs, not the logprobs alone.
-    np.testing.assert_allclose(compute_rewards(logprobs, logprobs, score, MASK, 0.1, 5.0)[:, :1], [[0.0], [0.0], [-5.0]])
+    np.testing.assert_allclose(
+        compute_rewards(logprobs, logprobs, score, MASK, 0.1, 5.0)[:, :1], [[0.0], [0.0], [-5.0]]
+    )
 
 
 def test_gae_by_hand():
@@ -47,7 +51,9 @@ def test_whiten_by_hand():
     mask = jnp.array([[1, 1, 0], [1, 0, 0]])
     s = math.sqrt(2 / 3 + 1e-8)  # mean 2, variance ((1-2)^2 + 0 + (3-2)^2) / 3
     np.testing.assert_allclose(whiten(x, mask), [[-1 / s, 0.0, 0.0], [1 / s, 0.0, 0.0]], rtol=1e-6)
-    np.testing.assert_allclose(whiten(x, mask, shift_mean=False), [[2 - 1 / s, 2.0, 0.0], [2 + 1 / s, 0.0, 0.0]], rtol=1e-6)
+    np.testing.assert_allclose(
+        whiten(x, mask, shift_mean=False), [[2 - 1 / s, 2.0, 0.0], [2 + 1 / s, 0.0, 0.0]], rtol=1e-6
+    )
 
 
 def test_actor_loss_by_hand():

@@ -16,9 +16,9 @@ of four steps can.
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import jit_values
 from test_engine import ACTOR, CRITIC, G, engine, host, models, prompts  # noqa: F401  (fixtures)
 
+from helpers import jit_values
 from jaxrlhf import logits, make_mesh, values
 from jaxrlhf.rl import ModelSide
 from jaxrlhf.trainer import OptimConfig
@@ -26,8 +26,19 @@ from jaxrlhf.trainer import OptimConfig
 P = 6  # prompt length of the `prompts` fixture
 ITERATIONS, BATCHES, EPOCHS, MICRO = 2, 2, 2, 2
 OPTIM = dict(learning_rate=1e-2, warmup_steps=0, schedule="constant", betas=(0.9, 0.95), eps=1e-4, clip_grad_norm=1.0)
-PPO = dict(kl_coef=0.1, kl_target=0.05, kl_horizon=20, clip_score=1.0, clip_ratio=0.2, clip_value=0.05, gamma=0.9,
-           lam=0.7, whiten_advantages=True, unsup_coef=0.5, ema_decay=0.9)
+PPO = dict(
+    kl_coef=0.1,
+    kl_target=0.05,
+    kl_horizon=20,
+    clip_score=1.0,
+    clip_ratio=0.2,
+    clip_value=0.05,
+    gamma=0.9,
+    lam=0.7,
+    whiten_advantages=True,
+    unsup_coef=0.5,
+    ema_decay=0.9,
+)
 
 
 # ------------------------------------------------------------------------------- the reference, in NumPy
@@ -132,8 +143,14 @@ class Reference:
     def score(self, seq, seq_mask, mask):
         """The experience of one batch, with the KL coefficient of its rewards; the controller then steps."""
         f = lambda fn, p: np.asarray(fn(self.f32(p), seq, seq_mask), np.float64) * mask
-        exp = {"seq": seq, "seq_mask": seq_mask, "mask": mask, "logprobs": f(answer_logprobs, self.actor),
-               "ref_logprobs": f(answer_logprobs, self.ref), "values": f(answer_values, self.critic)}
+        exp = {
+            "seq": seq,
+            "seq_mask": seq_mask,
+            "mask": mask,
+            "logprobs": f(answer_logprobs, self.actor),
+            "ref_logprobs": f(answer_logprobs, self.ref),
+            "values": f(answer_values, self.critic),
+        }
         reward = np.asarray(jit_values(CRITIC, self.f32(self.reward), seq, seq_mask), np.float64)
         exp["scores"] = reward[np.arange(len(mask)), P + mask.sum(1).astype(int) - 1]
         exp["kl"] = np.sum((exp["logprobs"] - exp["ref_logprobs"]) * mask) / len(mask)
@@ -149,18 +166,36 @@ class Reference:
         adv = ref_whiten(adv, mask)
         batch = [jnp.asarray(exp[k], jnp.float32) for k in ("mask", "logprobs")] + [jnp.asarray(adv, jnp.float32)]
         (_, (ppo, lm)), grads = actor_grad(self.f32(self.actor), exp["seq"], exp["seq_mask"], *batch, unsup)
-        leaves, norm_a = self.opt["actor"].step(jax.tree.leaves(self.actor), [np.asarray(g, np.float64) for g in jax.tree.leaves(grads)])
+        leaves, norm_a = self.opt["actor"].step(
+            jax.tree.leaves(self.actor), [np.asarray(g, np.float64) for g in jax.tree.leaves(grads)]
+        )
         self.actor = jax.tree.unflatten(jax.tree.structure(self.actor), leaves)
         d = PPO["ema_decay"]
         self.ema = jax.tree.map(lambda e, a: d * e + (1 - d) * a, self.ema, self.actor)
-        critic_loss, grads = critic_grad(self.f32(self.critic), exp["seq"], exp["seq_mask"], jnp.asarray(mask, jnp.float32),
-                                         jnp.asarray(exp["values"], jnp.float32), jnp.asarray(ret, jnp.float32))
-        leaves, norm_c = self.opt["critic"].step(jax.tree.leaves(self.critic), [np.asarray(g, np.float64) for g in jax.tree.leaves(grads)])
+        critic_loss, grads = critic_grad(
+            self.f32(self.critic),
+            exp["seq"],
+            exp["seq_mask"],
+            jnp.asarray(mask, jnp.float32),
+            jnp.asarray(exp["values"], jnp.float32),
+            jnp.asarray(ret, jnp.float32),
+        )
+        leaves, norm_c = self.opt["critic"].step(
+            jax.tree.leaves(self.critic), [np.asarray(g, np.float64) for g in jax.tree.leaves(grads)]
+        )
         self.critic = jax.tree.unflatten(jax.tree.structure(self.critic), leaves)
         real = mask > 0
-        return {"kl": exp["kl"], "kl_coef": exp["beta"], "advantage": adv[real].mean(), "return": ret[real].mean(),
-                "actor_loss": float(ppo), "unsup_loss": float(lm), "critic_loss": float(critic_loss),
-                "actor_grad_norm": norm_a, "critic_grad_norm": norm_c}
+        return {
+            "kl": exp["kl"],
+            "kl_coef": exp["beta"],
+            "advantage": adv[real].mean(),
+            "return": ret[real].mean(),
+            "actor_loss": float(ppo),
+            "unsup_loss": float(lm),
+            "critic_loss": float(critic_loss),
+            "actor_grad_norm": norm_a,
+            "critic_grad_norm": norm_c,
+        }
 
 
 # ----------------------------------------------------------------------------------------------- the test
@@ -171,8 +206,10 @@ def unsup_batches(n):
     weighted by anything but their LM targets differ from the whole batch's mean."""
     rng = np.random.default_rng(10)
     mask = (np.arange(10)[None, :] < np.array([10, 3, 7, 5])[:, None]).astype(np.int32)
-    return [{"input_ids": rng.integers(3, 64, (4, 10)).astype(np.int32), "attention_mask": mask, "loss_mask": mask}
-            for _ in range(n)]
+    return [
+        {"input_ids": rng.integers(3, 64, (4, 10)).astype(np.int32), "attention_mask": mask, "loss_mask": mask}
+        for _ in range(n)
+    ]
 
 
 def test_two_ppo_iterations_equal_an_independent_numpy_computation(models, prompts):
@@ -204,11 +241,18 @@ def test_two_ppo_iterations_equal_an_independent_numpy_computation(models, promp
                 stats = e.train_rlhf(exp, u)
                 want = ref.train(want_exp, u)
                 for k, v in want.items():
-                    np.testing.assert_allclose(stats[k], v, rtol=2e-4, atol=2e-5, err_msg=f"iteration {it}, epoch {epoch}: {k}")
-        for name, got, want in (("actor", e.actor_params(), ref.actor), ("critic", e.critic_params(), ref.critic),
-                                ("ema", e.state["ema"], ref.ema)):
+                    np.testing.assert_allclose(
+                        stats[k], v, rtol=2e-4, atol=2e-5, err_msg=f"iteration {it}, epoch {epoch}: {k}"
+                    )
+        for name, got, want in (
+            ("actor", e.actor_params(), ref.actor),
+            ("critic", e.critic_params(), ref.critic),
+            ("ema", e.state["ema"], ref.ema),
+        ):
             for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(host(got))[0], jax.tree.leaves(want)):
-                np.testing.assert_allclose(a, b, atol=2e-5, err_msg=f"iteration {it}: {name} {jax.tree_util.keystr(path)}")
+                np.testing.assert_allclose(
+                    a, b, atol=2e-5, err_msg=f"iteration {it}: {name} {jax.tree_util.keystr(path)}"
+                )
     # The case is one where every term matters: ratios beyond the clip, a KL the controller steers by.
     assert max(clipped) > PPO["clip_ratio"], clipped
     assert kls[:BATCHES] == [0.0] * BATCHES and min(kls[BATCHES:]) > 1e-3, kls

@@ -11,7 +11,8 @@ import pytest
 from jaxrlhf.checkpoint import EXPORT_MANIFEST, CheckpointError, export_manifest, load_hf, save_hf
 from jaxrlhf.config import ConfigError
 from jaxrlhf.data import DataConfig
-from jaxrlhf.sft import SFTConfig, run as run_sft
+from jaxrlhf.sft import SFTConfig
+from jaxrlhf.sft import run as run_sft
 from jaxrlhf.sharding import make_mesh
 from jaxrlhf.train import builtin_model
 from jaxrlhf.trainer import OptimConfig
@@ -26,10 +27,25 @@ def base(tmp_path_factory):
 
 
 def sft_config(base, tmp_path, **kw):
-    data = DataConfig(data_path=("synthetic:300",), data_split="1,1,1", max_seq_len=32, cache_dir=str(tmp_path / "cache"))
-    return SFTConfig(**{**dict(model=str(base), output_dir=str(tmp_path / "out"), batch_size=8, max_steps=3, log_every=1,
-                               precision="fp32", sample_prompts=0, data=data,
-                               optim=OptimConfig(learning_rate=1e-3, warmup_steps=1)), **kw})
+    data = DataConfig(
+        data_path=("synthetic:300",), data_split="1,1,1", max_seq_len=32, cache_dir=str(tmp_path / "cache")
+    )
+    return SFTConfig(
+        **{
+            **dict(
+                model=str(base),
+                output_dir=str(tmp_path / "out"),
+                batch_size=8,
+                max_steps=3,
+                log_every=1,
+                precision="fp32",
+                sample_prompts=0,
+                data=data,
+                optim=OptimConfig(learning_rate=1e-3, warmup_steps=1),
+            ),
+            **kw,
+        }
+    )
 
 
 def no_loading(monkeypatch):
@@ -56,10 +72,19 @@ def test_a_finished_run_started_again_is_skipped_and_a_changed_setting_is_refuse
         lines = []
         again = run_sft(dataclasses.replace(cfg, log_every=2), log=lines.append, mesh=ONE)  # log_every: bookkeeping
         assert again["skipped"] and again["model_dir"] == first["model_dir"]
-        assert any("finished already with these settings (model complete); skipping it" in line for line in lines), lines
-        with pytest.raises(ConfigError, match=r"run_config.json: the run saved here has other settings \('optim.learning_rate' "
-                                              r"was 0.001, now 0.002\); set them back to continue it"):
-            run_sft(dataclasses.replace(cfg, optim=OptimConfig(learning_rate=2e-3, warmup_steps=1)), log=lambda _: None, mesh=ONE)
+        assert any("finished already with these settings (model complete); skipping it" in line for line in lines), (
+            lines
+        )
+        with pytest.raises(
+            ConfigError,
+            match=r"run_config.json: the run saved here has other settings \('optim.learning_rate' "
+            r"was 0.001, now 0.002\); set them back to continue it",
+        ):
+            run_sft(
+                dataclasses.replace(cfg, optim=OptimConfig(learning_rate=2e-3, warmup_steps=1)),
+                log=lambda _: None,
+                mesh=ONE,
+            )
         with pytest.raises(ConfigError, match="holds a run already .resume=false starts from scratch."):
             run_sft(dataclasses.replace(cfg, resume=False), log=lambda _: None, mesh=ONE)
     # A run that starts from this one's model (as Step 3 starts from Step 1's).
@@ -70,7 +95,7 @@ def test_a_finished_run_started_again_is_skipped_and_a_changed_setting_is_refuse
     assert steps(longer["records"]) == [4]
     assert export_manifest(longer["model_dir"])["settings"]["max_steps"] == 4
     # The child's starting model was trained again since: not finished, but changed.
-    with pytest.raises(ConfigError, match="other settings .'input_id.model' was \"[0-9a-f]{32}\", now \"[0-9a-f]{32}\""):
+    with pytest.raises(ConfigError, match='other settings .\'input_id.model\' was "[0-9a-f]{32}", now "[0-9a-f]{32}"'):
         run_sft(child, log=lambda _: None, mesh=ONE)
     with pytest.raises(ConfigError, match="the saved run is at step 4, past this run's 3 steps"):
         run_sft(dataclasses.replace(cfg, max_steps=3, log_every=3), log=lambda _: None, mesh=ONE)
@@ -106,6 +131,7 @@ def test_a_run_killed_while_it_writes_finishes_when_started_again(base, tmp_path
     assert steps(done["records"]) == [] and export_manifest(out / "model") is not None  # nothing trained again
     load_hf(out / "model")
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+
     # 4. Killed between moving the old export aside and the new one into place (a longer run's export).
     def killed_before_the_new_one_moves_in(src, dst):
         if dst == out / "model":
@@ -133,13 +159,18 @@ def test_a_foreign_folder_is_never_deleted(base, tmp_path, monkeypatch):
     mine.mkdir(parents=True)
     (mine / "notes.txt").write_text("my own notes")
     no_loading(monkeypatch)
-    with pytest.raises(CheckpointError, match=f"{mine}: exists and is a folder without {EXPORT_MANIFEST}, so jaxrlhf did "
-                                              "not write it and will not replace it; move it away"):
+    with pytest.raises(
+        CheckpointError,
+        match=f"{mine}: exists and is a folder without {EXPORT_MANIFEST}, so jaxrlhf did "
+        "not write it and will not replace it; move it away",
+    ):
         run_sft(sft_config(base, tmp_path), log=lambda _: None, mesh=ONE)
     config, params = load_hf(base)
     with pytest.raises(CheckpointError, match="exists and is a folder without"):
         save_hf(mine, config, params)
-    assert (mine / "notes.txt").read_text() == "my own notes" and sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    assert (mine / "notes.txt").read_text() == "my own notes" and sorted(p.name for p in mine.iterdir()) == [
+        "notes.txt"
+    ]
     save_hf(tmp_path / "ours", config, params)
     save_hf(tmp_path / "ours", config, params)  # ours: replaced
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ours", "out"]
@@ -149,7 +180,9 @@ def test_a_foreign_folder_is_never_deleted(base, tmp_path, monkeypatch):
 def test_no_export_holds_a_non_finite_weight(base, tmp_path):
     config, params = load_hf(base)
     params["decoder"]["layers"]["fc1"]["bias"][1, 3] = np.nan
-    with pytest.raises(CheckpointError, match=r"tensor model.decoder.layers.1.fc1.bias holds NaN or inf values; refusing"):
+    with pytest.raises(
+        CheckpointError, match=r"tensor model.decoder.layers.1.fc1.bias holds NaN or inf values; refusing"
+    ):
         save_hf(tmp_path / "nan", config, params)
     assert not (tmp_path / "nan").exists()
 
@@ -160,9 +193,23 @@ def test_a_run_driven_to_nan_stops_non_zero_and_exports_nothing(base, tmp_path, 
 
     cfg = sft_config(base, tmp_path)
     with pytest.raises(SystemExit) as e:
-        main([f"model={base}", f"output_dir={cfg.output_dir}", f"data.cache_dir={cfg.data.cache_dir}", "data.data_path=[synthetic:300]",
-              "data.max_seq_len=32", "batch_size=8", "precision=fp32", "max_steps=12", "log_every=4", "sample_prompts=0", "max_skipped_steps=3",
-              "optim.learning_rate=1e30", "optim.warmup_steps=0"])
+        main(
+            [
+                f"model={base}",
+                f"output_dir={cfg.output_dir}",
+                f"data.cache_dir={cfg.data.cache_dir}",
+                "data.data_path=[synthetic:300]",
+                "data.max_seq_len=32",
+                "batch_size=8",
+                "precision=fp32",
+                "max_steps=12",
+                "log_every=4",
+                "sample_prompts=0",
+                "max_skipped_steps=3",
+                "optim.learning_rate=1e30",
+                "optim.warmup_steps=0",
+            ]
+        )
     assert e.value.code != 0
     captured = capsys.readouterr()
     assert "steps in a row had a non-finite loss or gradient norm, so the run stops and exports nothing" in captured.err
@@ -174,20 +221,30 @@ def test_a_run_driven_to_nan_stops_non_zero_and_exports_nothing(base, tmp_path, 
 
 
 def test_step3_and_scoring_need_a_trained_value_head(base, tmp_path, monkeypatch, capsys):
-    from jaxrlhf.rl import ModelSide
-    from jaxrlhf.ppo import PPOConfig, run as run_ppo
-    from jaxrlhf.reward import main as reward_main
-
     import jaxrlhf.ppo as ppo
+    from jaxrlhf.ppo import PPOConfig
+    from jaxrlhf.ppo import run as run_ppo
+    from jaxrlhf.reward import main as reward_main
+    from jaxrlhf.rl import ModelSide
 
     loaded = []
     real = ppo.load_model
     monkeypatch.setattr(ppo, "load_model", lambda run, **k: loaded.append(run.model) or real(run, **k))
-    cfg = PPOConfig(actor=ModelSide(model=str(base)), critic=ModelSide(model=str(base)), output_dir=str(tmp_path / "ppo"),
-                    batch_size=8, max_steps=1, max_answer_len=4, precision="fp32",
-                    data=DataConfig(data_path=("synthetic:300",), max_prompt_len=24, cache_dir=str(tmp_path / "cache")))
-    with pytest.raises(ConfigError, match=f"{base}: no value_head.safetensors, so no trained value head; a reward model or "
-                                          "critic must be a Step 2 output"):
+    cfg = PPOConfig(
+        actor=ModelSide(model=str(base)),
+        critic=ModelSide(model=str(base)),
+        output_dir=str(tmp_path / "ppo"),
+        batch_size=8,
+        max_steps=1,
+        max_answer_len=4,
+        precision="fp32",
+        data=DataConfig(data_path=("synthetic:300",), max_prompt_len=24, cache_dir=str(tmp_path / "cache")),
+    )
+    with pytest.raises(
+        ConfigError,
+        match=f"{base}: no value_head.safetensors, so no trained value head; a reward model or "
+        "critic must be a Step 2 output",
+    ):
         run_ppo(cfg, log=lambda _: None, mesh=ONE)
     assert loaded == [str(base)]  # refused before the actor loads
     rows = tmp_path / "pairs.jsonl"
@@ -200,17 +257,29 @@ def test_step3_and_scoring_need_a_trained_value_head(base, tmp_path, monkeypatch
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     """`python -m jaxrlhf.train`'s three steps, shortened: (its arguments, its result)."""
-    from jaxrlhf.train import parse, run as run_train
+    from jaxrlhf.train import parse
+    from jaxrlhf.train import run as run_train
 
     out = tmp_path_factory.mktemp("pipeline")
-    args = ["--output-dir", str(out), f"data.cache_dir={out / 'cache'}", "data.data_path=[synthetic:600]", "sft.max_steps=2",
-            "reward.max_steps=2", "ppo.max_steps=1", "sft.sample_prompts=0", "eval_prompts=8", "eval_samples=1"]
+    args = [
+        "--output-dir",
+        str(out),
+        f"data.cache_dir={out / 'cache'}",
+        "data.data_path=[synthetic:600]",
+        "sft.max_steps=2",
+        "reward.max_steps=2",
+        "ppo.max_steps=1",
+        "sft.sample_prompts=0",
+        "eval_prompts=8",
+        "eval_samples=1",
+    ]
     return args, run_train(parse(args), mesh=ONE, log=lambda _: None)
 
 
 @pytest.mark.slow
 def test_the_pipeline_started_again_skips_its_finished_steps(pipeline, monkeypatch):
-    from jaxrlhf.train import parse, run as run_train
+    from jaxrlhf.train import parse
+    from jaxrlhf.train import run as run_train
 
     args, first = pipeline
     no_loading(monkeypatch)
@@ -224,17 +293,25 @@ def test_the_pipeline_started_again_skips_its_finished_steps(pipeline, monkeypat
 
 @pytest.mark.slow
 def test_a_ppo_run_driven_to_nan_stops_and_exports_nothing(pipeline, tmp_path):
+    from jaxrlhf.loop import NonFiniteError
     from jaxrlhf.ppo import run as run_ppo
     from jaxrlhf.train import parse
-    from jaxrlhf.loop import NonFiniteError
 
     args, first = pipeline
     ppo = parse(args).ppo
-    cfg = dataclasses.replace(ppo, actor=dataclasses.replace(ppo.actor, model=first["step1"], optim=OptimConfig(learning_rate=1e30)),
-                              critic=dataclasses.replace(ppo.critic, model=first["step2"]), output_dir=str(tmp_path / "ppo"),
-                              data=parse(args).data, max_steps=4, max_skipped_steps=2)
+    cfg = dataclasses.replace(
+        ppo,
+        actor=dataclasses.replace(ppo.actor, model=first["step1"], optim=OptimConfig(learning_rate=1e30)),
+        critic=dataclasses.replace(ppo.critic, model=first["step2"]),
+        output_dir=str(tmp_path / "ppo"),
+        data=parse(args).data,
+        max_steps=4,
+        max_skipped_steps=2,
+    )
     lines = []
-    with pytest.raises(NonFiniteError, match=r"iteration \d, PPO epoch 1, batch 1, actor: 2 steps in a row had a non-finite"):
+    with pytest.raises(
+        NonFiniteError, match=r"iteration \d, PPO epoch 1, batch 1, actor: 2 steps in a row had a non-finite"
+    ):
         run_ppo(cfg, mesh=ONE, log=lines.append)
     assert any("actor: step skipped, its loss or gradient norm is not finite" in line for line in lines), lines
     assert [p.name for p in (tmp_path / "ppo").iterdir() if p.name in ("actor", "critic", "actor_ema")] == []

@@ -8,7 +8,8 @@ import pytest
 
 from jaxrlhf import OPTConfig, init_params, make_mesh, opt_tokenizer, save_hf
 from jaxrlhf.data import DataConfig, make_batch, read_source, tokenize
-from jaxrlhf.reward import RewardConfig, run as run_reward
+from jaxrlhf.reward import RewardConfig
+from jaxrlhf.reward import run as run_reward
 from jaxrlhf.trainer import OptimConfig
 
 HH = "data/hh-rlhf/harmless-base-test.jsonl.gz"
@@ -66,14 +67,36 @@ def test_reward_model_beats_chance_on_held_out_hh_pairs(assets, tmp_path):
     regression 0.60-0.62: the signal in harmless-base is weak.
     """
     tok = opt_tokenizer(assets / "opt-tokenizer")
-    config = OPTConfig(vocab_size=50272, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
-                       max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.0)
+    config = OPTConfig(
+        vocab_size=50272,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        ffn_dim=128,
+        max_position_embeddings=64,
+        word_embed_proj_dim=32,
+        dropout=0.0,
+    )
     model = save_hf(tmp_path / "base", config, jax.device_get(init_params(config, jax.random.key(0), std=0.1)), tok)
-    data = DataConfig(data_path=(str(assets / HH),), on_bad_row="skip", data_split="0,1,0", eval_fraction=0.3,
-                      max_seq_len=64, cache_dir=str(tmp_path / "cache"))
-    cfg = RewardConfig(model=str(model), output_dir=str(tmp_path / "rm"), batch_size=32, epochs=4, log_every=50,
-                       precision="fp32", loss_kind="span", data=data,
-                       optim=OptimConfig(learning_rate=1e-2, weight_decay=0.1))
+    data = DataConfig(
+        data_path=(str(assets / HH),),
+        on_bad_row="skip",
+        data_split="0,1,0",
+        eval_fraction=0.3,
+        max_seq_len=64,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    cfg = RewardConfig(
+        model=str(model),
+        output_dir=str(tmp_path / "rm"),
+        batch_size=32,
+        epochs=4,
+        log_every=50,
+        precision="fp32",
+        loss_kind="span",
+        data=data,
+        optim=OptimConfig(learning_rate=1e-2, weight_decay=0.1),
+    )
     # One device: on a 2-core CPU the 8 fake devices only add collectives to a step this small.
     out = run_reward(cfg, log=lambda _: None, mesh=make_mesh(1, jax.devices()[:1]))
     evaluation = [r for r in out["records"] if r["split"] == "eval"][-1]

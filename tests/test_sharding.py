@@ -5,10 +5,20 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import POST_LN_PROJ, PRE_LN, jit_logits, left_padded_batch
 from jax.sharding import PartitionSpec as P
 
-from jaxrlhf import LayoutError, OPTConfig, batch_sharding, describe, init_params, logits, make_mesh, reshard, shardings_for
+from helpers import POST_LN_PROJ, PRE_LN, jit_logits, left_padded_batch
+from jaxrlhf import (
+    LayoutError,
+    OPTConfig,
+    batch_sharding,
+    describe,
+    init_params,
+    logits,
+    make_mesh,
+    reshard,
+    shardings_for,
+)
 from jaxrlhf.sharding import _identity, check_tp, path_str
 
 ALL = ("model", "data")
@@ -141,7 +151,16 @@ def test_describe_reports_bytes_per_device(capsys):
     assert capsys.readouterr().out.strip() == text
     row = next(line for line in text.splitlines() if line.startswith("decoder/embed_tokens/embedding"))
     # [64, 32] float32 = 8 KiB, split by vocab over tp = 2 -> 4 KiB per device.
-    assert row.split() == ["decoder/embed_tokens/embedding", "(64,", "32)", "float32", "P('model',", "None)", "4.0", "KiB"]
+    assert row.split() == [
+        "decoder/embed_tokens/embedding",
+        "(64,",
+        "32)",
+        "float32",
+        "P('model',",
+        "None)",
+        "4.0",
+        "KiB",
+    ]
     assert text.splitlines()[-1].split()[0] == "total"
     host = describe({"value_head": {"kernel": np.zeros((4, 1), np.float32)}})
     assert "host" in host and "16 B" in host

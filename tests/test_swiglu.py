@@ -17,9 +17,14 @@ def inputs(B, D, F, dtype, seed):
     return gate_up, h
 
 
-@pytest.mark.parametrize("B, D, F, dtype", [(3, 96, 80, jnp.float32),  # D in three pieces, one masked block
-                                            (2, 64, 4500, jnp.float32),  # three blocks of 2048, the last masked
-                                            (4, 128, 2048, jnp.bfloat16)])
+@pytest.mark.parametrize(
+    "B, D, F, dtype",
+    [
+        (3, 96, 80, jnp.float32),  # D in three pieces, one masked block
+        (2, 64, 4500, jnp.float32),  # three blocks of 2048, the last masked
+        (4, 128, 2048, jnp.bfloat16),
+    ],
+)
 def test_kernel_equals_the_definition(B, D, F, dtype):
     gate_up, h = inputs(B, D, F, dtype, seed=B * 1000 + F)
     got = rms_swiglu(gate_up, h, 1e-5, interpret=True)
@@ -31,7 +36,9 @@ def test_kernel_equals_the_definition(B, D, F, dtype):
     r = 1 / np.sqrt(np.mean(x * x) + 1e-5)
     np.testing.assert_allclose(float(got[B - 1, F - 1]), g * r / (1 + np.exp(-g * r)) * u * r, rtol=tol, atol=tol)
     # the scale matters: h's rows differ in RMS, so without it the answer is far off
-    assert np.abs(np.asarray(jax.nn.silu(gate_up[:, 0].astype(jnp.float32)) * gate_up[:, 1]) - np.asarray(got)).max() > 0.5
+    assert (
+        np.abs(np.asarray(jax.nn.silu(gate_up[:, 0].astype(jnp.float32)) * gate_up[:, 1]) - np.asarray(got)).max() > 0.5
+    )
 
 
 def test_kernel_per_shard_and_bad_shapes():
@@ -51,8 +58,8 @@ def test_kernel_lowers_to_triton_for_an_h200():
     h200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", 132, "gpu"))
     fn = jax.jit(lambda g, x: rms_swiglu(g, x, 1e-5, interpret=False))
     with jax.sharding.use_abstract_mesh(h200):
-        exported = export.export(fn, platforms=["cuda"], disabled_checks=[
-            export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-            jax.ShapeDtypeStruct((64, 2, 11008), jnp.bfloat16), jax.ShapeDtypeStruct((64, 4096), jnp.bfloat16))
+        exported = export.export(
+            fn, platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+        )(jax.ShapeDtypeStruct((64, 2, 11008), jnp.bfloat16), jax.ShapeDtypeStruct((64, 4096), jnp.bfloat16))
     module = exported.mlir_module()
     assert module.count('name = "jaxrlhf_rms_swiglu"') == 1 and "masked_swap" in module  # the last block's store

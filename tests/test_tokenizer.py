@@ -1,8 +1,8 @@
 """OPT's tokenizer from the raw BPE files, and tokenizer folders in and out."""
 
 import pytest
-from helpers import PRE_LN, make_hf_opt
 
+from helpers import PRE_LN, make_hf_opt
 from jaxrlhf import CheckpointError, load_hf, load_tokenizer, opt_tokenizer, save_hf
 
 TEXT = (

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from helpers import kernel_calls
-
 from jaxrlhf import make_mesh, reshard
 from tools import common
 from tools.bench_reshard import bytes_per_device, received_bytes
@@ -33,40 +32,84 @@ def test_received_bytes_counts_what_device_0_lacks():
 def test_safely_and_the_child_process_report_errors_per_run():
     assert common.safely(lambda a, b: {"sum": a + b}, 2, 3) == {"sum": 5}
     assert common.safely(lambda: 1 / 0) == {"error": "division by zero"}
-    assert common.torch_child(["-c", "import os; print('noise'); print('{\"8\": ' + repr(os.environ['JAX_PLATFORMS']) .replace(\"'\", '\"') + '}')"], [8]) == {"8": "cpu"}
+    assert common.torch_child(
+        [
+            "-c",
+            "import os; print('noise'); print('{\"8\": ' + repr(os.environ['JAX_PLATFORMS']) .replace(\"'\", '\"') + '}')",
+        ],
+        [8],
+    ) == {"8": "cpu"}
     failed = common.torch_child(["-c", "raise SystemExit('out of memory')"], [16, 64])
     assert failed == {k: {"error": "child process failed: out of memory"} for k in ("16", "64")}
 
 
 def test_kernel_totals_sum_device_kernels_per_line_and_skip_the_host():
-    meta = lambda pid, name, tid=None: {"ph": "M", "pid": pid, **({"tid": tid} if tid else {}),
-                                        "name": "thread_name" if tid else "process_name", "args": {"name": name}}
+    meta = lambda pid, name, tid=None: {
+        "ph": "M",
+        "pid": pid,
+        **({"tid": tid} if tid else {}),
+        "name": "thread_name" if tid else "process_name",
+        "args": {"name": name},
+    }
     kernel = lambda pid, tid, name, dur: {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": 0, "dur": dur}
-    events = [meta(1, "/host:CPU"), meta(2, "/device:GPU:0"), meta(2, "Stream #14", tid=7),
-              kernel(1, 3, "PjitFunction", 900.0), kernel(2, 7, "memcpy128", 12.5), kernel(2, 7, "gemm", 40.0),
-              kernel(2, 7, "memcpy128", 13.5), kernel(2, 7, "tiny", 1.0)]
+    events = [
+        meta(1, "/host:CPU"),
+        meta(2, "/device:GPU:0"),
+        meta(2, "Stream #14", tid=7),
+        kernel(1, 3, "PjitFunction", 900.0),
+        kernel(2, 7, "memcpy128", 12.5),
+        kernel(2, 7, "gemm", 40.0),
+        kernel(2, 7, "memcpy128", 13.5),
+        kernel(2, 7, "tiny", 1.0),
+    ]
     got = common.kernel_totals(events, top=2)
-    assert got == {"/device:GPU:0 Stream #14": {"busy_ms": pytest.approx(0.067), "kernels": [
-        {"name": "gemm", "count": 1, "total_ms": pytest.approx(0.04)},
-        {"name": "memcpy128", "count": 2, "total_ms": pytest.approx(0.026)}]}}
+    assert got == {
+        "/device:GPU:0 Stream #14": {
+            "busy_ms": pytest.approx(0.067),
+            "kernels": [
+                {"name": "gemm", "count": 1, "total_ms": pytest.approx(0.04)},
+                {"name": "memcpy128", "count": 2, "total_ms": pytest.approx(0.026)},
+            ],
+        }
+    }
 
 
 def test_kernel_totals_split_by_the_engines_phase_annotations():
-    meta = lambda pid, name, tid=None: {"ph": "M", "pid": pid, **({"tid": tid} if tid else {}),
-                                        "name": "thread_name" if tid else "process_name", "args": {"name": name}}
+    meta = lambda pid, name, tid=None: {
+        "ph": "M",
+        "pid": pid,
+        **({"tid": tid} if tid else {}),
+        "name": "thread_name" if tid else "process_name",
+        "args": {"name": name},
+    }
     event = lambda pid, tid, name, ts, dur: {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
-    events = [meta(1, "/host:CPU"), meta(2, "/device:GPU:0"), meta(2, "Stream #14", tid=7),
-              event(1, 3, "jaxrlhf.generate", 0.0, 100.0), event(1, 3, "jaxrlhf.actor_step", 200.0, 100.0),
-              event(2, 7, "decode", 10.0, 30.0), event(2, 7, "decode", 50.0, 30.0), event(2, 7, "gemm", 210.0, 50.0),
-              event(2, 7, "copy", 150.0, 5.0)]
+    events = [
+        meta(1, "/host:CPU"),
+        meta(2, "/device:GPU:0"),
+        meta(2, "Stream #14", tid=7),
+        event(1, 3, "jaxrlhf.generate", 0.0, 100.0),
+        event(1, 3, "jaxrlhf.actor_step", 200.0, 100.0),
+        event(2, 7, "decode", 10.0, 30.0),
+        event(2, 7, "decode", 50.0, 30.0),
+        event(2, 7, "gemm", 210.0, 50.0),
+        event(2, 7, "copy", 150.0, 5.0),
+    ]
     got = common.kernel_totals(events)
     line = "/device:GPU:0 Stream #14"
-    assert got == {f"{line} [generate]": {"busy_ms": pytest.approx(0.06), "kernels": [
-                       {"name": "decode", "count": 2, "total_ms": pytest.approx(0.06)}]},
-                   f"{line} [actor_step]": {"busy_ms": pytest.approx(0.05), "kernels": [
-                       {"name": "gemm", "count": 1, "total_ms": pytest.approx(0.05)}]},
-                   f"{line} [other]": {"busy_ms": pytest.approx(0.005), "kernels": [
-                       {"name": "copy", "count": 1, "total_ms": pytest.approx(0.005)}]}}
+    assert got == {
+        f"{line} [generate]": {
+            "busy_ms": pytest.approx(0.06),
+            "kernels": [{"name": "decode", "count": 2, "total_ms": pytest.approx(0.06)}],
+        },
+        f"{line} [actor_step]": {
+            "busy_ms": pytest.approx(0.05),
+            "kernels": [{"name": "gemm", "count": 1, "total_ms": pytest.approx(0.05)}],
+        },
+        f"{line} [other]": {
+            "busy_ms": pytest.approx(0.005),
+            "kernels": [{"name": "copy", "count": 1, "total_ms": pytest.approx(0.005)}],
+        },
+    }
 
 
 @pytest.mark.slow
@@ -75,8 +118,16 @@ def test_tp_tokens_match_on_the_cpu_mesh():
     from jaxrlhf import OPTConfig, init_params
     from tools.bench_generate import tp_tokens_match
 
-    config = OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
-                       max_position_embeddings=64, word_embed_proj_dim=32, dtype="bfloat16")
+    config = OPTConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        ffn_dim=64,
+        max_position_embeddings=64,
+        word_embed_proj_dim=32,
+        dtype="bfloat16",
+    )
     mesh = make_mesh(2, jax.devices()[:2])
     params = reshard(init_params(config, jax.random.key(0), std=0.5), "tp", mesh)
     result = tp_tokens_match(config, params, mesh, 4, 6, 8)
@@ -118,8 +169,10 @@ def test_decode_matmul_bench_times_the_same_ffn_in_both_forms():
     scale, shift, h = 1 + normal(4, (D,), 0.2), normal(5, (D,), 0.2), normal(6, (M, D)) + 0.5
     normed = (h - h.mean(-1, keepdims=True)) / np.sqrt(h.var(-1, keepdims=True) + bench.EPS) * scale + shift
     expected = h + np.maximum(normed @ w1 + b1, 0) @ w2 + b2
-    layer = {"fc1": fold_norm({"kernel": jnp.asarray(w1), "bias": jnp.asarray(b1)}, jnp.asarray(scale),
-                              jnp.asarray(shift)), "fc2": {"kernel": jnp.asarray(w2), "bias": jnp.asarray(b2)}}
+    layer = {
+        "fc1": fold_norm({"kernel": jnp.asarray(w1), "bias": jnp.asarray(b1)}, jnp.asarray(scale), jnp.asarray(shift)),
+        "fc2": {"kernel": jnp.asarray(w2), "bias": jnp.asarray(b2)},
+    }
     for kernel in (True, False):
         got = bench.ffn(jnp.asarray(h), layer, kernel, interpret=True)
         np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-4)
@@ -137,10 +190,18 @@ def test_xla_reads_read_a_decode_steps_bytes_once():
     far (P + G/2), each sum right, and the bytes those reads cover."""
     from jaxrlhf import OPTConfig, init_params
     from jaxrlhf.generate import decode_params
-    from tools.bench_generate import xla_reads, xla_read_time
+    from tools.bench_generate import xla_read_time, xla_reads
 
-    config = OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
-                       max_position_embeddings=64, word_embed_proj_dim=32, dtype="bfloat16")
+    config = OPTConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        ffn_dim=64,
+        max_position_embeddings=64,
+        word_embed_proj_dim=32,
+        dtype="bfloat16",
+    )
     params = decode_params(config, init_params(config, jax.random.key(0), dtype=jnp.bfloat16))
     B, P, G, min_bytes = 3, 6, 4, 1024
     fn, nbytes = xla_reads(config, params, B, P, G, min_bytes)
@@ -148,16 +209,27 @@ def test_xla_reads_read_a_decode_steps_bytes_once():
     sums = fn()
     assert 0 < len(mats) < len(jax.tree.leaves(params)) and len(sums) == len(mats) + 2 * 2
     for x, got in zip(mats, sums):
-        np.testing.assert_allclose(got, np.asarray(x, np.float32).reshape(-1, x.shape[-1]).sum(-1), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            got, np.asarray(x, np.float32).reshape(-1, x.shape[-1]).sum(-1), rtol=1e-5, atol=1e-5
+        )
     # the K and V reads: per layer K then V, a row per (row, head) of P + G/2 slots of 8 dims; the caches are
     # xla_reads' own, drawn from key 4
-    want = [np.asarray(jax.random.normal(jax.random.fold_in(jax.random.key(4), i), (B * 4, (P + G // 2) * 8),
-                                         jnp.bfloat16), np.float32).sum(-1) for i in range(2 * 2)]
-    for w, got in zip(want, sums[len(mats):], strict=True):
+    want = [
+        np.asarray(
+            jax.random.normal(jax.random.fold_in(jax.random.key(4), i), (B * 4, (P + G // 2) * 8), jnp.bfloat16),
+            np.float32,
+        ).sum(-1)
+        for i in range(2 * 2)
+    ]
+    for w, got in zip(want, sums[len(mats) :], strict=True):
         np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-4)
     assert nbytes == sum(x.nbytes for x in mats) + 2 * 2 * B * 4 * (P + G // 2) * 8 * 2
-    assert xla_read_time(config, params, B, P, G) == {"ms": None, "bytes": xla_reads(config, params, B, P, G)[1],
-                                                   "launches": 0, "kernels": []}
+    assert xla_read_time(config, params, B, P, G) == {
+        "ms": None,
+        "bytes": xla_reads(config, params, B, P, G)[1],
+        "launches": 0,
+        "kernels": [],
+    }
 
 
 def test_time_read_reads_the_given_bytes_once_per_call(monkeypatch):
@@ -182,9 +254,9 @@ def test_real_length_draws_and_both_sides_forcing_them(tmp_path):
     """bench_ppo --lengths: the draws drop long prompts and cap answers; the prompts carry exactly the drawn real
     tokens; HF's generate with the length forcer and ours with answer_limits end every row at its drawn length."""
     import torch
-    from helpers import make_hf_opt
     from transformers import AutoModelForCausalLM
 
+    from helpers import make_hf_opt
     from jaxrlhf import load_hf
     from jaxrlhf.generate import generate
     from tools.bench_ppo import draw_lengths, length_forcer, prompt_batch
@@ -200,15 +272,32 @@ def test_real_length_draws_and_both_sides_forcing_them(tmp_path):
 
     folder = make_hf_opt(tmp_path / "m")
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    ids, mask, limits = (torch.tensor(batch[k][:8], dtype=torch.long) for k in ("prompt_ids", "prompt_mask", "answer_limits"))
-    seq = hf.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=True, eos_token_id=2, pad_token_id=1,
-                      logits_processor=[length_forcer(6, limits, 2)])
+    ids, mask, limits = (
+        torch.tensor(batch[k][:8], dtype=torch.long) for k in ("prompt_ids", "prompt_mask", "answer_limits")
+    )
+    seq = hf.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=7,
+        do_sample=True,
+        eos_token_id=2,
+        pad_token_id=1,
+        logits_processor=[length_forcer(6, limits, 2)],
+    )
     answer = seq[:, 6:].numpy()
     for row, n in enumerate(limits.numpy()):
         assert (answer[row, : n - 1] != 2).all() and answer[row, n - 1] == 2 and (answer[row, n:] == 1).all()
     config, params = load_hf(folder)
-    ours = generate(config, params, batch["prompt_ids"][:8], batch["prompt_mask"][:8], jax.random.key(0),
-                    max_new_tokens=7, eos_id=-1, limits=batch["answer_limits"][:8])
+    ours = generate(
+        config,
+        params,
+        batch["prompt_ids"][:8],
+        batch["prompt_mask"][:8],
+        jax.random.key(0),
+        max_new_tokens=7,
+        eos_id=-1,
+        limits=batch["answer_limits"][:8],
+    )
     np.testing.assert_array_equal(np.asarray(ours.mask).sum(1), batch["answer_limits"][:8])
 
 
@@ -219,15 +308,30 @@ def test_bench_summary_reads_the_latest_unlabelled_result_of_each_benchmark(tmp_
     results, readme = tmp_path / "results", tmp_path / "README.md"
     (results / "ppo").mkdir(parents=True)
     (results / "generate").mkdir()
-    ppo_run = lambda ours, peer: {"batch": 768, "ours_pure_bf16": {"samples_per_s": ours, "real_tokens_per_s": 16763.8},
-                                  "torch_hf_pure_bf16": {"samples_per_s": peer}}
+    ppo_run = lambda ours, peer: {
+        "batch": 768,
+        "ours_pure_bf16": {"samples_per_s": ours, "real_tokens_per_s": 16763.8},
+        "torch_hf_pure_bf16": {"samples_per_s": peer},
+    }
     env = {"device": "NVIDIA H200", "device_count": 1}
-    for name, ours, date in [("ppo-opt-1.3b-lengths-20261203-063407", 61.6, "2026-12-03T06:34"),
-                             ("ppo-opt-1.3b-lengths-20261203-072331", 125.4, "2026-12-03T07:23"),
-                             ("ppo-opt-1.3b-lengths-20261203-080000-profile", 99.0, "2026-12-03T08:00")]:
+    for name, ours, date in [
+        ("ppo-opt-1.3b-lengths-20261203-063407", 61.6, "2026-12-03T06:34"),
+        ("ppo-opt-1.3b-lengths-20261203-072331", 125.4, "2026-12-03T07:23"),
+        ("ppo-opt-1.3b-lengths-20261203-080000-profile", 99.0, "2026-12-03T08:00"),
+    ]:
         (results / "ppo" / f"{name}.json").write_text(json.dumps({**env, "date": date, "runs": [ppo_run(ours, 38.7)]}))
-    generate = {"device": "NVIDIA H200", "device_count": 2, "date": "2026-12-03T06:29:11+00:00", "runs": [
-        {"batch": 64, "ours": {"ms_per_step": 2.4630, "roofline_fraction": 0.68}, "hf_static": {"ms_per_step": 5.33}}]}
+    generate = {
+        "device": "NVIDIA H200",
+        "device_count": 2,
+        "date": "2026-12-03T06:29:11+00:00",
+        "runs": [
+            {
+                "batch": 64,
+                "ours": {"ms_per_step": 2.4630, "roofline_fraction": 0.68},
+                "hf_static": {"ms_per_step": 5.33},
+            }
+        ],
+    }
     (results / "generate" / "generate-opt-1.3b-20261203-062911.json").write_text(json.dumps(generate))
     (results / "generate" / "generate-llama-7b-gqa-20261202-173044.json").write_text(json.dumps({"runs": "old"}))
 
@@ -235,14 +339,20 @@ def test_bench_summary_reads_the_latest_unlabelled_result_of_each_benchmark(tmp_
     rows = text.splitlines()[2:]
     assert len(rows) == 3
     assert rows[0].startswith("| generate | generate-llama-7b-gqa | (not read: AttributeError")
-    assert rows[1] == ("| generate | generate-opt-1.3b | B=64: 2.46 ms/step (1.47× roofline); HF static 5.33 | "
-                       "2 × NVIDIA H200 | 2026-12-03 | [generate-opt-1.3b-20261203-062911.json]"
-                       "(results/generate/generate-opt-1.3b-20261203-062911.json) |")
-    assert rows[2] == ("| ppo | ppo-opt-1.3b-lengths | B=768: 125.4 samples/s, 16,764 real tokens/s; PyTorch+HF 38.7 "
-                       "(3.24×) | NVIDIA H200 | 2026-12-03 | [ppo-opt-1.3b-lengths-20261203-072331.json]"
-                       "(results/ppo/ppo-opt-1.3b-lengths-20261203-072331.json) |")
+    assert rows[1] == (
+        "| generate | generate-opt-1.3b | B=64: 2.46 ms/step (1.47× roofline); HF static 5.33 | "
+        "2 × NVIDIA H200 | 2026-12-03 | [generate-opt-1.3b-20261203-062911.json]"
+        "(results/generate/generate-opt-1.3b-20261203-062911.json) |"
+    )
+    assert rows[2] == (
+        "| ppo | ppo-opt-1.3b-lengths | B=768: 125.4 samples/s, 16,764 real tokens/s; PyTorch+HF 38.7 "
+        "(3.24×) | NVIDIA H200 | 2026-12-03 | [ppo-opt-1.3b-lengths-20261203-072331.json]"
+        "(results/ppo/ppo-opt-1.3b-lengths-20261203-072331.json) |"
+    )
 
-    readme.write_text("# bench\n\nintro\n\n" + bench_summary.START + "\nold table\n" + bench_summary.END + "\n\nafter\n")
+    readme.write_text(
+        "# bench\n\nintro\n\n" + bench_summary.START + "\nold table\n" + bench_summary.END + "\n\nafter\n"
+    )
     updated = bench_summary.update(readme, text)
     assert updated.startswith("# bench\n\nintro\n\n") and updated.endswith("\n\nafter\n")
     assert "old table" not in updated and text in updated
@@ -257,8 +367,15 @@ def test_bench_ppo_grpo_counts_answers_and_records_the_algorithm(tmp_path, monke
     from jaxrlhf.models import opt
     from tools import bench_ppo as bench
 
-    tiny = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, ffn_dim=64, word_embed_proj_dim=32,
-                vocab_size=128, max_position_embeddings=64)
+    tiny = dict(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_dim=64,
+        word_embed_proj_dim=32,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
     monkeypatch.setitem(opt.PRESETS, "opt-tiny", tiny)
     monkeypatch.setitem(bench.PRESETS, "opt-tiny", tiny)
     lengths = tmp_path / "lengths.json"
@@ -268,7 +385,7 @@ def test_bench_ppo_grpo_counts_answers_and_records_the_algorithm(tmp_path, monke
     assert len(set(answers[:n])) > 1  # a group's answers differ in length: each answer draws its own
 
     def child(argv, keys):  # common.torch_child, in this process (the tiny preset exists only here)
-        assert argv[argv.index("--algorithm") + 1:argv.index("--algorithm") + 2] == ["grpo"]
+        assert argv[argv.index("--algorithm") + 1 : argv.index("--algorithm") + 2] == ["grpo"]
         monkeypatch.setattr(sys, "argv", argv)
         bench.main()
         got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -276,17 +393,45 @@ def test_bench_ppo_grpo_counts_answers_and_records_the_algorithm(tmp_path, monke
         return got
 
     monkeypatch.setattr(bench.common, "torch_child", child)
-    common_args = ["--actor", "opt-tiny", "--critic", "opt-tiny", "--batch", str(B), "--prompt", "8", "--new", "6",
-                   "--precision", "fp32", "--repeats", "1", "--micro-batch", str(B), "--torch-micro-batch", "4",
-                   "--lengths", str(lengths), "--out", str(tmp_path / "out")]
-    monkeypatch.setattr(sys, "argv", ["bench_ppo.py", *common_args, "--algorithm", "grpo", "--samples-per-prompt", str(n)])
+    common_args = [
+        "--actor",
+        "opt-tiny",
+        "--critic",
+        "opt-tiny",
+        "--batch",
+        str(B),
+        "--prompt",
+        "8",
+        "--new",
+        "6",
+        "--precision",
+        "fp32",
+        "--repeats",
+        "1",
+        "--micro-batch",
+        str(B),
+        "--torch-micro-batch",
+        "4",
+        "--lengths",
+        str(lengths),
+        "--out",
+        str(tmp_path / "out"),
+    ]
+    monkeypatch.setattr(
+        sys, "argv", ["bench_ppo.py", *common_args, "--algorithm", "grpo", "--samples-per-prompt", str(n)]
+    )
     bench.main()
     monkeypatch.setattr(sys, "argv", ["bench_ppo.py", *common_args, "--algorithm", "ppo", "--no-torch"])
     bench.main()
     files = {p.name.rsplit("-", 2)[0]: json.loads(p.read_text()) for p in (tmp_path / "out").glob("*.json")}
     assert set(files) == {"grpo-n4-opt-tiny-lengths", "ppo-opt-tiny-lengths"}
     grpo, ppo = files["grpo-n4-opt-tiny-lengths"], files["ppo-opt-tiny-lengths"]
-    assert (grpo["algorithm"], grpo["samples_per_prompt"], ppo["algorithm"], ppo["samples_per_prompt"]) == ("grpo", n, "ppo", 1)
+    assert (grpo["algorithm"], grpo["samples_per_prompt"], ppo["algorithm"], ppo["samples_per_prompt"]) == (
+        "grpo",
+        n,
+        "ppo",
+        1,
+    )
     (g,), (p,) = grpo["runs"], ppo["runs"]
     assert (g["batch"], g["prompts"], p["batch"], p["prompts"]) == (B, B // n, B, B)
     # the real tokens: every answer's own prompt (the group's: every n-th draw) and its own drawn answer length
@@ -295,7 +440,9 @@ def test_bench_ppo_grpo_counts_answers_and_records_the_algorithm(tmp_path, monke
         r = g[side]
         assert (r["algorithm"], r["samples_per_prompt"], r["prompts"], r["answers"]) == ("grpo", n, B // n, B), side
         assert r["real_tokens"] == real and r["samples_per_s"] == pytest.approx(B / r["iteration_s"])
-    assert g["ours_fp32"]["answer_tokens"] == p["ours_fp32"]["answer_tokens"] == answers.sum()  # lengths forced per answer
+    assert (
+        g["ours_fp32"]["answer_tokens"] == p["ours_fp32"]["answer_tokens"] == answers.sum()
+    )  # lengths forced per answer
     assert g["ours_fp32"]["phases_s"]["critic_step"] == 0 and p["ours_fp32"]["phases_s"]["critic_step"] > 0
     assert "torch_hf_pure_bf16" not in p
     assert g["effective_flops"] < p["effective_flops"]  # no critic forward or update

@@ -10,12 +10,22 @@ import pytest
 from jaxrlhf import OPTConfig, init_params, load_hf, load_tokenizer, logits, make_mesh, opt_tokenizer, save_hf, values
 from jaxrlhf.data import DataConfig
 from jaxrlhf.lora import LoRAConfig
-from jaxrlhf.reward import RewardConfig, run as run_reward
-from jaxrlhf.sft import SFTConfig, run as run_sft
+from jaxrlhf.reward import RewardConfig
+from jaxrlhf.reward import run as run_reward
+from jaxrlhf.sft import SFTConfig
+from jaxrlhf.sft import run as run_sft
 from jaxrlhf.trainer import OptimConfig
 
-TINY = dict(vocab_size=50272, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
-            max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.0)
+TINY = dict(
+    vocab_size=50272,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    ffn_dim=64,
+    max_position_embeddings=64,
+    word_embed_proj_dim=32,
+    dropout=0.0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +33,12 @@ def tiny_model(assets, tmp_path_factory):
     """A tiny random OPT with the real OPT tokenizer, as an HF folder."""
     folder = tmp_path_factory.mktemp("tiny") / "model"
     config = OPTConfig(**TINY)
-    return save_hf(folder, config, jax.device_get(init_params(config, jax.random.key(0), std=0.1)),
-                   opt_tokenizer(assets / "opt-tokenizer"))
+    return save_hf(
+        folder,
+        config,
+        jax.device_get(init_params(config, jax.random.key(0), std=0.1)),
+        opt_tokenizer(assets / "opt-tokenizer"),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +49,20 @@ def eight_device_run(tiny_model, tmp_path_factory):
 
 
 def sft_config(model, tmp_path, **kw):
-    data = DataConfig(data_path=("synthetic:400",), data_split="1,1,1", max_seq_len=32, cache_dir=str(tmp_path / "cache"))
-    base = dict(model=str(model), output_dir=str(tmp_path / "out"), batch_size=8, max_steps=6, log_every=1,
-                precision="fp32", sample_prompts=0, optim=OptimConfig(learning_rate=1e-3, warmup_steps=2), data=data)
+    data = DataConfig(
+        data_path=("synthetic:400",), data_split="1,1,1", max_seq_len=32, cache_dir=str(tmp_path / "cache")
+    )
+    base = dict(
+        model=str(model),
+        output_dir=str(tmp_path / "out"),
+        batch_size=8,
+        max_steps=6,
+        log_every=1,
+        precision="fp32",
+        sample_prompts=0,
+        optim=OptimConfig(learning_rate=1e-3, warmup_steps=2),
+        data=data,
+    )
     return SFTConfig(**{**base, **kw})
 
 
@@ -115,8 +140,11 @@ def test_only_optimize_lora_leaves_the_base_bit_identical(tiny_model, tmp_path):
 @pytest.mark.slow
 def test_a_pure_bf16_run_at_a_small_learning_rate_warns(tiny_model, tmp_path):
     lines = []
-    run_sft(sft_config(tiny_model, tmp_path, precision="pure_bf16", max_steps=1, optim=OptimConfig(learning_rate=1e-5)),
-            log=lines.append, mesh=make_mesh(1, jax.devices()[:1]))
+    run_sft(
+        sft_config(tiny_model, tmp_path, precision="pure_bf16", max_steps=1, optim=OptimConfig(learning_rate=1e-5)),
+        log=lines.append,
+        mesh=make_mesh(1, jax.devices()[:1]),
+    )
     assert any(line.startswith("warning: precision=pure_bf16 at learning_rate 1e-05") for line in lines), lines
 
 
@@ -129,9 +157,16 @@ def test_one_and_eight_devices_give_the_same_losses(tiny_model, eight_device_run
 @pytest.mark.slow
 def test_gradient_accumulation_gives_the_same_update(tiny_model, tmp_path):
     base = run_sft(sft_config(tiny_model, tmp_path / "a", batch_size=16, max_steps=3), log=lambda _: None)
-    acc = run_sft(sft_config(tiny_model, tmp_path / "b", batch_size=16, max_steps=3,
-                             optim=OptimConfig(learning_rate=1e-3, warmup_steps=2, gradient_accumulation_steps=2)),
-                  log=lambda _: None)
+    acc = run_sft(
+        sft_config(
+            tiny_model,
+            tmp_path / "b",
+            batch_size=16,
+            max_steps=3,
+            optim=OptimConfig(learning_rate=1e-3, warmup_steps=2, gradient_accumulation_steps=2),
+        ),
+        log=lambda _: None,
+    )
     np.testing.assert_allclose(losses(acc["records"]), losses(base["records"]), rtol=2e-5)
     # Adam divides by the gradient's own scale, so float noise in near-zero gradients shows up at a few
     # percent of one update (lr 1e-3); anything beyond that would be a real difference.
@@ -143,17 +178,30 @@ def test_gradient_accumulation_gives_the_same_update(tiny_model, tmp_path):
 def test_reward_model_round_trip_and_score(tiny_model, tmp_path, capsys):
     from jaxrlhf.reward import main
 
-    data = DataConfig(data_path=("synthetic:400",), data_split="1,1,1", max_seq_len=32, cache_dir=str(tmp_path / "cache"))
-    cfg = RewardConfig(model=str(tiny_model), output_dir=str(tmp_path / "rm"), batch_size=8, max_steps=4, log_every=1,
-                       precision="fp32", data=data)
+    data = DataConfig(
+        data_path=("synthetic:400",), data_split="1,1,1", max_seq_len=32, cache_dir=str(tmp_path / "cache")
+    )
+    cfg = RewardConfig(
+        model=str(tiny_model),
+        output_dir=str(tmp_path / "rm"),
+        batch_size=8,
+        max_steps=4,
+        log_every=1,
+        precision="fp32",
+        data=data,
+    )
     out = run_reward(cfg, log=lambda _: None)
-    assert {"accuracy", "chosen_score", "rejected_score"} <= next(r for r in out["records"] if r["split"] == "eval").keys()
+    assert {"accuracy", "chosen_score", "rejected_score"} <= next(
+        r for r in out["records"] if r["split"] == "eval"
+    ).keys()
     config, params = load_hf(out["model_dir"])
     assert params["value_head"]["kernel"].shape == (32, 1)
     trained = jax.device_get(out["state"]["trainable"]["params"])
     np.testing.assert_array_equal(params["value_head"]["kernel"], trained["value_head"]["kernel"])
     rows = tmp_path / "pairs.jsonl"
-    rows.write_text(json.dumps({"prompt": "\n\nHuman: hi\n\nAssistant:", "chosen": " hello", "rejected": " go away"}) + "\n")
+    rows.write_text(
+        json.dumps({"prompt": "\n\nHuman: hi\n\nAssistant:", "chosen": " hello", "rejected": " go away"}) + "\n"
+    )
     main([f"model={out['model_dir']}", f"score_file={rows}", "precision=fp32"])
     printed = capsys.readouterr().out
     assert "accuracy (chosen > rejected) over 1 pairs" in printed
@@ -172,7 +220,10 @@ def test_bad_configs_are_refused_before_compiling(tiny_model, tmp_path, capsys):
     with pytest.raises(ValueError, match="batch_size 8 is not divisible by gradient_accumulation_steps 3"):
         run_sft(sft_config(tiny_model, tmp_path, optim=OptimConfig(gradient_accumulation_steps=3)), log=lambda _: None)
     for args, message in [
-        (["lora.only_optimize_lora=true"], "command line: lora: LoRAConfig.only_optimize_lora: needs LoRA on (dim > 0)"),
+        (
+            ["lora.only_optimize_lora=true"],
+            "command line: lora: LoRAConfig.only_optimize_lora: needs LoRA on (dim > 0)",
+        ),
         (["optim.lr=1e-3"], "command line: unknown key 'optim.lr'"),
         (["precision=fp8"], "'precision': expected one of ['bf16', 'fp32', 'pure_bf16'], got 'fp8'"),
     ]:
@@ -193,10 +244,20 @@ def test_sft_learns_the_builtin_task(tmp_path):
     tok = builtin_tokenizer()
     config = OPTConfig(**BUILTIN_MODEL)
     model = save_hf(tmp_path / "base", config, jax.device_get(init_params(config, jax.random.key(0))), tok)
-    data = DataConfig(data_path=("synthetic:2000",), data_split="10,0,0", max_seq_len=32, cache_dir=str(tmp_path / "cache"))
-    cfg = SFTConfig(model=str(model), output_dir=str(tmp_path / "out"), batch_size=16, max_steps=400, log_every=50,
-                    precision="fp32", sample_prompts=0, data=data,
-                    optim=OptimConfig(learning_rate=5e-3, schedule="constant", warmup_steps=10))
+    data = DataConfig(
+        data_path=("synthetic:2000",), data_split="10,0,0", max_seq_len=32, cache_dir=str(tmp_path / "cache")
+    )
+    cfg = SFTConfig(
+        model=str(model),
+        output_dir=str(tmp_path / "out"),
+        batch_size=16,
+        max_steps=400,
+        log_every=50,
+        precision="fp32",
+        sample_prompts=0,
+        data=data,
+        optim=OptimConfig(learning_rate=5e-3, schedule="constant", warmup_steps=10),
+    )
     # One device: on a 2-core CPU the 8 fake devices only add collectives (the meshes are compared by
     # test_one_and_eight_devices_give_the_same_losses). Weights from key 0, 1, 2: loss at step 50 2.04, 2.04, 2.07,
     # final 1.08, 1.09, 1.06; gold reward after 0.92, 0.89, 0.95 (key 0 after 250 steps: loss 1.21, reward 0.52).
@@ -226,14 +287,29 @@ def test_reward_model_learns_the_builtin_preferences(assets, tmp_path):
     those pairs), and 25,600 fresh pairs, 128 a step.
     """
     tok = opt_tokenizer(assets / "opt-tokenizer")
-    config = OPTConfig(**{**TINY, "hidden_size": 64, "word_embed_proj_dim": 64, "ffn_dim": 256, "num_attention_heads": 8})
+    config = OPTConfig(
+        **{**TINY, "hidden_size": 64, "word_embed_proj_dim": 64, "ffn_dim": 256, "num_attention_heads": 8}
+    )
     # Held-out accuracy with weights from key 0, 1, 2: 0.903, 0.945, 0.924 (key 2 here).
     model = save_hf(tmp_path / "base", config, jax.device_get(init_params(config, jax.random.key(2), std=0.1)), tok)
-    data = DataConfig(data_path=("synthetic:28000",), data_split="0,1,0", eval_fraction=0.05, max_seq_len=32,
-                      cache_dir=str(tmp_path / "cache"))
-    cfg = RewardConfig(model=str(model), output_dir=str(tmp_path / "rm"), batch_size=128, max_steps=200, log_every=50,
-                       precision="fp32", loss_kind="span", data=data,
-                       optim=OptimConfig(learning_rate=4e-3, schedule="cosine", warmup_steps=10))
+    data = DataConfig(
+        data_path=("synthetic:28000",),
+        data_split="0,1,0",
+        eval_fraction=0.05,
+        max_seq_len=32,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    cfg = RewardConfig(
+        model=str(model),
+        output_dir=str(tmp_path / "rm"),
+        batch_size=128,
+        max_steps=200,
+        log_every=50,
+        precision="fp32",
+        loss_kind="span",
+        data=data,
+        optim=OptimConfig(learning_rate=4e-3, schedule="cosine", warmup_steps=10),
+    )
     # One device: on a 2-core CPU the 8 fake devices only add collectives to a step this small.
     out = run_reward(cfg, log=lambda _: None, mesh=make_mesh(1, jax.devices()[:1]))
     evaluation = [r for r in out["records"] if r["split"] == "eval"][-1]

@@ -8,11 +8,27 @@ from jaxrlhf.lora import LoRAConfig
 from jaxrlhf.models import OPTConfig, init_params
 from jaxrlhf.sft import sft_loss
 from jaxrlhf.sharding import make_mesh
-from jaxrlhf.trainer import (OptimConfig, create_state, init_state, make_optimizer, make_train_step, precision_warning,
-                             state_shardings)
+from jaxrlhf.trainer import (
+    OptimConfig,
+    create_state,
+    init_state,
+    make_optimizer,
+    make_train_step,
+    precision_warning,
+    state_shardings,
+)
 
-TINY = OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
-                 word_embed_proj_dim=32, max_position_embeddings=64, dtype="bfloat16", dropout=0.0)
+TINY = OPTConfig(
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    ffn_dim=64,
+    word_embed_proj_dim=32,
+    max_position_embeddings=64,
+    dtype="bfloat16",
+    dropout=0.0,
+)
 
 
 @pytest.mark.parametrize("param_dtype", [jnp.bfloat16, jnp.float32], ids=["pure_bf16", "fp32_master"])
@@ -20,10 +36,14 @@ TINY = OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attenti
 def test_state_dtypes_are_invariant_and_the_step_compiles_once(param_dtype):
     tx = make_optimizer(OptimConfig(learning_rate=1e-3, weight_decay=0.1, clip_grad_norm=1.0), 10, LoRAConfig())
     mesh = make_mesh(1, jax.devices()[:1])
-    state = create_state(init_params(TINY, jax.random.key(0), dtype=param_dtype), LoRAConfig(), tx, jax.random.key(1), mesh)
+    state = create_state(
+        init_params(TINY, jax.random.key(0), dtype=param_dtype), LoRAConfig(), tx, jax.random.key(1), mesh
+    )
     ids = jax.random.randint(jax.random.key(2), (1, 2, 8), 3, 64)
     batch = {"input_ids": ids, "attention_mask": jnp.ones_like(ids), "loss_mask": jnp.ones_like(ids)}
-    step = jax.jit(make_train_step(sft_loss(TINY), tx, LoRAConfig()), out_shardings=(state_shardings(state, mesh), None))
+    step = jax.jit(
+        make_train_step(sft_loss(TINY), tx, LoRAConfig()), out_shardings=(state_shardings(state, mesh), None)
+    )
     dtypes = lambda s: [x.dtype for x in jax.tree.leaves(s)]
     before = dtypes(state)
     losses = []
@@ -48,11 +68,19 @@ def test_pure_bf16_rounds_away_small_updates_and_the_run_warns():
     batch = {"input_ids": ids, "attention_mask": jnp.ones_like(ids), "loss_mask": jnp.ones_like(ids)}
     moved = {}
     for dtype in (jnp.float32, jnp.bfloat16):
-        state = create_state(init_params(TINY, jax.random.key(0), dtype=dtype), LoRAConfig(), tx, jax.random.key(1), mesh)
+        state = create_state(
+            init_params(TINY, jax.random.key(0), dtype=dtype), LoRAConfig(), tx, jax.random.key(1), mesh
+        )
         before = jax.tree.map(lambda x: x.astype(jnp.float32), state["trainable"]["params"])
         state, _ = jax.jit(make_train_step(sft_loss(TINY), tx, LoRAConfig()))(state, batch)
-        kernels = [(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state["trainable"]["params"])) if a.ndim == 3]
-        moved[dtype] = sum(float(jnp.abs(b.astype(jnp.float32) - a).sum()) for a, b in kernels) / sum(a.size for a, _ in kernels)
+        kernels = [
+            (a, b)
+            for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state["trainable"]["params"]))
+            if a.ndim == 3
+        ]
+        moved[dtype] = sum(float(jnp.abs(b.astype(jnp.float32) - a).sum()) for a, b in kernels) / sum(
+            a.size for a, _ in kernels
+        )
     assert 0.9e-5 < moved[jnp.float32] < 1.01e-5  # Adam's first step: lr times ~sign(g) for every weight
     assert moved[jnp.bfloat16] < 0.4 * moved[jnp.float32], moved
     assert "pure_bf16 at learning_rate 1e-05" in precision_warning("pure_bf16", optim, LoRAConfig())
@@ -84,7 +112,9 @@ def test_a_non_finite_step_is_skipped_inside_the_compiled_step():
         after, m = step(state, bad)
         assert m["skipped"].dtype == jnp.float32 and float(m["skipped"]) == 1.0
         assert int(after["step"]) == int(state["step"]) + 1
-        for a, b in zip(jax.tree.leaves((state["trainable"], state["opt"])), jax.tree.leaves((after["trainable"], after["opt"]))):
+        for a, b in zip(
+            jax.tree.leaves((state["trainable"], state["opt"])), jax.tree.leaves((after["trainable"], after["opt"]))
+        ):
             np.testing.assert_array_equal(a, b)
     state = init_state({"w": jnp.ones(3)}, LoRAConfig(), tx, jax.random.key(0))
     skipped, _ = step(state, nan)

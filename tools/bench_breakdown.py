@@ -72,7 +72,11 @@ def main():
     for name, (fn, p) in pieces.items():
         t = common.timeit(lambda: fn(p), 10)
         result["runs"][name] = t
-        scale = f" (x {config.num_hidden_layers} = {t['median_s'] * config.num_hidden_layers * 1e3:.1f} ms)" if "layer" in name else ""
+        scale = (
+            f" (x {config.num_hidden_layers} = {t['median_s'] * config.num_hidden_layers * 1e3:.1f} ms)"
+            if "layer" in name
+            else ""
+        )
         print(f"{name:26s} {t['median_s'] * 1e3:8.2f} ms{scale}", flush=True)
     common.write("breakdown", f"breakdown-{args.model}", result, args.out)
 

@@ -32,7 +32,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxrlhf.kernels.decode_attention import (  # noqa: E402
-    DecodeAttentionConfig, decode_attention, decode_attention_reference)
+    DecodeAttentionConfig,
+    decode_attention,
+    decode_attention_reference,
+)
 from tools import common  # noqa: E402
 from tools.bench_reshard import device_bandwidth  # noqa: E402
 
@@ -94,20 +97,25 @@ def tune(bandwidth, result, shapes, ragged=False):
         x = make_inputs(B, H, Hkv, S, K, ragged)
         key = "mha" if H == Hkv else "gqa"
         first, here = key not in best, None
-        record = lambda cfg, t: result["tuning"].append({"B": B, "H": H, "Hkv": Hkv, "S": S, "K": K, "ragged": ragged,
-                                                         **dataclasses.asdict(cfg), "us": 1e6 * t})
+        record = lambda cfg, t: result["tuning"].append(
+            {"B": B, "H": H, "Hkv": Hkv, "S": S, "K": K, "ragged": ragged, **dataclasses.asdict(cfg), "us": 1e6 * t}
+        )
         for use_dot in (False, True) if H == Hkv else (True,):
             for block_s, warps, stages in itertools.product((16, 32, 64, 128), (2, 4, 8), (2, 3, 4)):
-                cfg = DecodeAttentionConfig("pallas", block_s=block_s, num_warps=warps, num_stages=stages,
-                                            use_dot=use_dot, num_splits=1)
+                cfg = DecodeAttentionConfig(
+                    "pallas", block_s=block_s, num_warps=warps, num_stages=stages, use_dot=use_dot, num_splits=1
+                )
                 try:
                     t = time_call(cfg, *x)
                 except Exception as e:  # noqa: BLE001 - a knob setting that does not compile
                     print(f"tune {cfg}: {str(e)[:160]}", flush=True)
                     continue
                 record(cfg, t)
-                print(f"tune B={B} S={S} K={K} Hkv={Hkv} dot={int(use_dot)} bs={block_s:3d} w={warps} "
-                      f"st={stages}: {1e6 * t:6.1f} us", flush=True)
+                print(
+                    f"tune B={B} S={S} K={K} Hkv={Hkv} dot={int(use_dot)} bs={block_s:3d} w={warps} "
+                    f"st={stages}: {1e6 * t:6.1f} us",
+                    flush=True,
+                )
                 if here is None or t < here[0]:
                     here = (t, cfg)
                     if first:
@@ -116,8 +124,11 @@ def tune(bandwidth, result, shapes, ragged=False):
             cfg = dataclasses.replace(here[1], num_splits=n)
             t = time_call(cfg, *x)
             record(cfg, t)
-            print(f"tune B={B} S={S} K={K} Hkv={Hkv} best {here[1].block_s}/{here[1].num_warps}/"
-                  f"{here[1].num_stages}: {1e6 * here[0]:6.1f} us, {n} splits {1e6 * t:6.1f} us", flush=True)
+            print(
+                f"tune B={B} S={S} K={K} Hkv={Hkv} best {here[1].block_s}/{here[1].num_warps}/"
+                f"{here[1].num_stages}: {1e6 * here[0]:6.1f} us, {n} splits {1e6 * t:6.1f} us",
+                flush=True,
+            )
     return {key: cfg for key, (t, cfg) in best.items()}
 
 
@@ -127,17 +138,37 @@ def main():
     ap.add_argument("--batch", type=int, nargs="+", default=[32, 64, 128, 256])
     ap.add_argument("--seq", type=int, nargs="+", default=[512, 2048], help="cache lengths S")
     ap.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--heads", type=int, default=None, help="query heads (default: 2048 / head dim); KV heads: "
-                    "as many (multi-head) and a quarter (grouped-query)")
-    ap.add_argument("--splits", type=int, nargs="+", default=[0],
-                    help="DecodeAttentionConfig.num_splits values to time the kernel with (0: auto)")
-    ap.add_argument("--mask-loads", type=int, nargs="+", default=[1], choices=[0, 1],
-                    help="DecodeAttentionConfig.mask_loads values to time the kernel with (1: only the valid slots "
-                         "of a block are fetched, the default; 0: whole blocks)")
+    ap.add_argument(
+        "--heads",
+        type=int,
+        default=None,
+        help="query heads (default: 2048 / head dim); KV heads: as many (multi-head) and a quarter (grouped-query)",
+    )
+    ap.add_argument(
+        "--splits",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="DecodeAttentionConfig.num_splits values to time the kernel with (0: auto)",
+    )
+    ap.add_argument(
+        "--mask-loads",
+        type=int,
+        nargs="+",
+        default=[1],
+        choices=[0, 1],
+        help="DecodeAttentionConfig.mask_loads values to time the kernel with (1: only the valid slots "
+        "of a block are fetched, the default; 0: whole blocks)",
+    )
     ap.add_argument("--calls", type=int, default=CALLS, help="chained calls per timing")
     ap.add_argument("--tune", action="store_true", help="sweep the knobs first and use the best in the table")
-    ap.add_argument("--tune-shapes", nargs="+", default=["64,32,32,2048,64", "64,32,8,2048,128"], metavar="B,H,Hkv,S,K",
-                    help="the shapes --tune sweeps at (default: OPT-1.3B's heads and a grouped-query one, S = 2048)")
+    ap.add_argument(
+        "--tune-shapes",
+        nargs="+",
+        default=["64,32,32,2048,64", "64,32,8,2048,128"],
+        metavar="B,H,Hkv,S,K",
+        help="the shapes --tune sweeps at (default: OPT-1.3B's heads and a grouped-query one, S = 2048)",
+    )
     ap.add_argument("--tune-ragged", action="store_true", help="sweep with ragged valid ranges (as in generation)")
     ap.add_argument("--tune-only", action="store_true", help="stop after the sweep (no table)")
     ap.add_argument("--out", default=None)
@@ -146,12 +177,22 @@ def main():
     gpu = jax.default_backend() == "gpu"
     bandwidth = common.read_bandwidth() if gpu else None  # 4 GiB reads: not on the CPU
     default, xla = DecodeAttentionConfig(implementation="pallas"), DecodeAttentionConfig(implementation="xla")
-    result = {"benchmark": "decode_attention", **common.environment(), "read_bandwidth_Bps": bandwidth,
-              "copy_bandwidth_Bps": device_bandwidth() if gpu else None, "calls_per_timing": CALLS,
-              "splits": args.splits, "mask_loads": args.mask_loads, "runs": [], "tuning": []}
+    result = {
+        "benchmark": "decode_attention",
+        **common.environment(),
+        "read_bandwidth_Bps": bandwidth,
+        "copy_bandwidth_Bps": device_bandwidth() if gpu else None,
+        "calls_per_timing": CALLS,
+        "splits": args.splits,
+        "mask_loads": args.mask_loads,
+        "runs": [],
+        "tuning": [],
+    }
     if gpu:
-        print(f"read bandwidth {bandwidth / 1e12:.2f} TB/s, copy {result['copy_bandwidth_Bps'] / 1e12:.2f} TB/s",
-              flush=True)
+        print(
+            f"read bandwidth {bandwidth / 1e12:.2f} TB/s, copy {result['copy_bandwidth_Bps'] / 1e12:.2f} TB/s",
+            flush=True,
+        )
     shapes = [tuple(int(n) for n in shape.split(",")) for shape in args.tune_shapes]
     if any(len(shape) != 5 for shape in shapes):
         ap.error(f"--tune-shapes: expected B,H,Hkv,S,K for each shape, got {args.tune_shapes}")
@@ -175,26 +216,49 @@ def main():
                         need = valid * Hkv * K * 2 * 2 + 2 * q_bytes(x[0])
                         t_x = time_call(xla, *x)
                         t_read = time_read(2 * B * Hkv, valid // B * K * 2)
-                        run = {"B": B, "H": H, "Hkv": Hkv, "K": K, "S": S, "ragged": ragged, "xla_us": 1e6 * t_x,
-                               "xla_read_us": 1e6 * t_read,
-                               "roofline_us": 1e6 * need / bandwidth if bandwidth else None,
-                               "xla_roofline_ratio": ratio(t_x, need), "kernel": []}
-                        line = [f"B={B:3d} H={H} Hkv={Hkv:2d} K={K:3d} S={S:4d} {'ragged' if ragged else 'full  '} "
-                                f"xla {1e6 * t_x:7.1f} us" + (f" ({ratio(t_x, need):.2f}x roofline)" if gpu else "")
-                                + f" | XLA read {1e6 * t_read:7.1f} us"]
+                        run = {
+                            "B": B,
+                            "H": H,
+                            "Hkv": Hkv,
+                            "K": K,
+                            "S": S,
+                            "ragged": ragged,
+                            "xla_us": 1e6 * t_x,
+                            "xla_read_us": 1e6 * t_read,
+                            "roofline_us": 1e6 * need / bandwidth if bandwidth else None,
+                            "xla_roofline_ratio": ratio(t_x, need),
+                            "kernel": [],
+                        }
+                        line = [
+                            f"B={B:3d} H={H} Hkv={Hkv:2d} K={K:3d} S={S:4d} {'ragged' if ragged else 'full  '} "
+                            f"xla {1e6 * t_x:7.1f} us"
+                            + (f" ({ratio(t_x, need):.2f}x roofline)" if gpu else "")
+                            + f" | XLA read {1e6 * t_read:7.1f} us"
+                        ]
                         for n, masked in itertools.product(args.splits, args.mask_loads):
                             cfg = dataclasses.replace(kernel, num_splits=n, mask_loads=bool(masked))
                             used = auto_splits(cfg, B, H, Hkv, S, K)
                             err = float(jnp.max(jnp.abs(decode_attention(*x, config=cfg).astype(jnp.float32) - ref)))
                             t_k = time_call(cfg, *x)
-                            run["kernel"].append({"num_splits": n, "splits_used": used, "mask_loads": bool(masked),
-                                                  "us": 1e6 * t_k, "speedup": t_x / t_k, "read_ratio": t_k / t_read,
-                                                  "roofline_ratio": ratio(t_k, need), "max_abs_err": err})
-                            line.append(f"splits {n or 'auto'}{f'={used}' if not n else ''}"
-                                        f"{'' if masked else ' whole blocks'} {1e6 * t_k:7.1f} us "
-                                        f"({t_x / t_k:.2f}x xla, {t_k / t_read:.2f}x read"
-                                        + (f", {ratio(t_k, need):.2f}x roofline" if gpu else "")
-                                        + f", err {err:.0e})")
+                            run["kernel"].append(
+                                {
+                                    "num_splits": n,
+                                    "splits_used": used,
+                                    "mask_loads": bool(masked),
+                                    "us": 1e6 * t_k,
+                                    "speedup": t_x / t_k,
+                                    "read_ratio": t_k / t_read,
+                                    "roofline_ratio": ratio(t_k, need),
+                                    "max_abs_err": err,
+                                }
+                            )
+                            line.append(
+                                f"splits {n or 'auto'}{f'={used}' if not n else ''}"
+                                f"{'' if masked else ' whole blocks'} {1e6 * t_k:7.1f} us "
+                                f"({t_x / t_k:.2f}x xla, {t_k / t_read:.2f}x read"
+                                + (f", {ratio(t_k, need):.2f}x roofline" if gpu else "")
+                                + f", err {err:.0e})"
+                            )
                         result["runs"].append(run)
                         print(" | ".join(line), flush=True)
     common.write("decode-attention", "decode-attention", result, args.out)

@@ -46,10 +46,15 @@ def make_layers(key, layers: int, D: int, F: int, dtype=jnp.bfloat16) -> list[di
         k = jax.random.split(k, 6)
         normal = lambda i, shape, s: jax.random.normal(k[i], shape, jnp.float32) * s
         fc1 = {"kernel": normal(0, (D, F), 0.02).astype(dtype), "bias": normal(1, (F,), 0.02).astype(dtype)}
-        fc1 = fold_norm(fc1, (1 + normal(2, (D,), 0.1)).astype(dtype), normal(3, (D,), 0.1).astype(dtype),
-                        colsum_dtype=dtype)
-        out.append({"fc1": fc1, "fc2": {"kernel": normal(4, (F, D), 0.02).astype(dtype),
-                                        "bias": normal(5, (D,), 0.02).astype(dtype)}})
+        fc1 = fold_norm(
+            fc1, (1 + normal(2, (D,), 0.1)).astype(dtype), normal(3, (D,), 0.1).astype(dtype), colsum_dtype=dtype
+        )
+        out.append(
+            {
+                "fc1": fc1,
+                "fc2": {"kernel": normal(4, (F, D), 0.02).astype(dtype), "bias": normal(5, (D,), 0.02).astype(dtype)},
+            }
+        )
     return out
 
 
@@ -57,8 +62,14 @@ def ffn(h, w: dict, kernel: bool, interpret: bool | None = None):
     """One layer's FFN on h [M, D] (its residual added): in the kernels (`kernel`) or in XLA."""
     fc1, fc2 = w["fc1"], w["fc2"]
     if kernel:
-        y = dm.decode_matmul(h, fc1["kernel"], bias=fc1["bias"], layer_norm=(*row_sums(h), fc1["colsum"], EPS),
-                             relu=True, interpret=interpret)
+        y = dm.decode_matmul(
+            h,
+            fc1["kernel"],
+            bias=fc1["bias"],
+            layer_norm=(*row_sums(h), fc1["colsum"], EPS),
+            relu=True,
+            interpret=interpret,
+        )
         y = dm.decode_matmul(y, fc2["kernel"], interpret=interpret) + fc2["bias"].astype(jnp.float32)
         return h + y.astype(h.dtype)
     scale, mean = norm_rows(h, EPS, centred=True)
@@ -69,9 +80,11 @@ def ffn(h, w: dict, kernel: bool, interpret: bool | None = None):
 
 def chain(kernel: bool, loops: int, interpret: bool | None = None):
     """A jitted h -> h through every layer, `loops` times (one compiled loop)."""
+
     def run(h, layers):
         step = lambda _, h: functools.reduce(lambda h, w: ffn(h, w, kernel, interpret), layers, h)
         return jax.lax.fori_loop(0, loops, step, h)
+
     return jax.jit(run)
 
 
@@ -90,8 +103,12 @@ def max_rel_err(h, layer: dict, interpret: bool | None = None) -> float:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     pre_ln = sorted(name for name, p in opt.PRESETS.items() if p.get("do_layer_norm_before", True))
-    ap.add_argument("--model", default="opt-1.3b", choices=pre_ln,
-                    help="the FFN's widths D and F (pre-LN models: their FFN norm folds into fc1)")
+    ap.add_argument(
+        "--model",
+        default="opt-1.3b",
+        choices=pre_ln,
+        help="the FFN's widths D and F (pre-LN models: their FFN norm folds into fc1)",
+    )
     ap.add_argument("--rows", type=int, nargs="+", default=list(dm.ROWS), help=f"rows (the batch): {dm.ROWS}")
     ap.add_argument("--layers", type=int, default=None, help="distinct layers chained (default: the model's)")
     ap.add_argument("--loops", type=int, default=8, help="passes over the layers per timed call")
@@ -105,10 +122,19 @@ def main():
         ap.error(f"--rows: the kernel takes {dm.ROWS} rows (and D, F multiples of {dm.BLOCK_K}); got {args.rows}")
     gpu = jax.default_backend() == "gpu"
     bandwidth = common.read_bandwidth() if gpu else None
-    result = {"benchmark": "decode_matmul", **common.environment(), "model": args.model, "D": D, "F": F,
-              "layers": L, "loops": args.loops, "split": dm.split_for(F, D), "read_bandwidth_Bps": bandwidth,
-              "knobs": {"BLOCK_N": dm.BLOCK_N, "BLOCK_K": dm.BLOCK_K, "NUM_WARPS": dm.NUM_WARPS,
-                        "NUM_STAGES": dm.NUM_STAGES}, "runs": []}
+    result = {
+        "benchmark": "decode_matmul",
+        **common.environment(),
+        "model": args.model,
+        "D": D,
+        "F": F,
+        "layers": L,
+        "loops": args.loops,
+        "split": dm.split_for(F, D),
+        "read_bandwidth_Bps": bandwidth,
+        "knobs": {"BLOCK_N": dm.BLOCK_N, "BLOCK_K": dm.BLOCK_K, "NUM_WARPS": dm.NUM_WARPS, "NUM_STAGES": dm.NUM_STAGES},
+        "runs": [],
+    }
     layers = make_layers(jax.random.key(0), L, D, F)
     roofline_us = 1e6 * layer_bytes(D, F) / bandwidth if bandwidth else None
     for M in args.rows:
@@ -118,17 +144,19 @@ def main():
             fn = chain(kernel, args.loops)
             t = common.timeit(lambda: fn(h, layers), repeats=args.repeats, warmup=1)
             us = 1e6 * t["median_s"] / (args.loops * L)
-            run[form] = {"us_per_layer": us, "timing": t,
-                         "roofline_ratio": us / roofline_us if roofline_us else None}
+            run[form] = {"us_per_layer": us, "timing": t, "roofline_ratio": us / roofline_us if roofline_us else None}
             if args.profile and gpu:
                 with tempfile.TemporaryDirectory() as d:
                     run[form]["profile"] = common.kernel_profile(lambda: fn(h, layers), d, top=20)
         run["speedup"] = run["xla"]["us_per_layer"] / run["kernel"]["us_per_layer"]
         result["runs"].append(run)
         ratio = lambda f: f", {run[f]['roofline_ratio']:.2f}x roofline" if roofline_us else ""
-        print(f"rows {M:3d}: kernel {run['kernel']['us_per_layer']:7.2f} us/layer{ratio('kernel')}, "
-              f"xla {run['xla']['us_per_layer']:7.2f}{ratio('xla')}, speed-up {run['speedup']:.2f}x, "
-              f"max rel err {run['max_rel_err']:.2e}", flush=True)
+        print(
+            f"rows {M:3d}: kernel {run['kernel']['us_per_layer']:7.2f} us/layer{ratio('kernel')}, "
+            f"xla {run['xla']['us_per_layer']:7.2f}{ratio('xla')}, speed-up {run['speedup']:.2f}x, "
+            f"max rel err {run['max_rel_err']:.2e}",
+            flush=True,
+        )
     common.write("decode-matmul", f"decode-matmul-{args.model}", result, args.out)
 
 

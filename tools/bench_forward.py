@@ -55,7 +55,8 @@ def ours(config, params, B, T, repeats):
 def theirs(name, B, T, repeats):
 
     import torch
-    from transformers import OPTConfig as HFConfig, OPTForCausalLM
+    from transformers import OPTConfig as HFConfig
+    from transformers import OPTForCausalLM
 
     torch.manual_seed(0)
     model = OPTForCausalLM(HFConfig(**PRESETS[name], attn_implementation="sdpa")).to("cuda", torch.bfloat16)
@@ -108,10 +109,17 @@ def check_against_hf(config, params, folder) -> dict:
 
     truth = hf(torch.float32)
     real = mask[:, 1:] == 1
-    got = {"ours_bf16": np.asarray(token_logprobs(config, params, jnp.asarray(ids), jnp.asarray(mask))),
-           "hf_bf16": hf(torch.bfloat16)}
-    return {name: {"max_abs_diff": float(np.abs(v - truth)[real].max()), "mean_abs_diff": float(np.abs(v - truth)[real].mean())}
-            for name, v in got.items()}
+    got = {
+        "ours_bf16": np.asarray(token_logprobs(config, params, jnp.asarray(ids), jnp.asarray(mask))),
+        "hf_bf16": hf(torch.bfloat16),
+    }
+    return {
+        name: {
+            "max_abs_diff": float(np.abs(v - truth)[real].max()),
+            "mean_abs_diff": float(np.abs(v - truth)[real].mean()),
+        }
+        for name, v in got.items()
+    }
 
 
 def main():
@@ -128,8 +136,15 @@ def main():
     params = jax.jit(lambda k: init_params(config, k, dtype=jnp.bfloat16))(jax.random.key(0))
     n = sum(x.size for x in jax.tree.leaves(params))
     ceiling = matmul_ceiling()
-    result = {"benchmark": "forward", **common.environment(), "model": args.model, "params": n,
-              "seq": args.seq, "matmul_ceiling_flops": ceiling, "runs": []}
+    result = {
+        "benchmark": "forward",
+        **common.environment(),
+        "model": args.model,
+        "params": n,
+        "seq": args.seq,
+        "matmul_ceiling_flops": ceiling,
+        "runs": [],
+    }
     if not args.no_hf:
         import tempfile
 
@@ -154,7 +169,10 @@ def main():
                     flops = (2 if key == "forward" else 6) * n * B * args.seq
                     t["tflops"] = flops / t["median_s"] / 1e12
                     t["fraction_of_matmul_ceiling"] = flops / t["median_s"] / ceiling
-                    print(f"B={B} {impl:10s} {key:22s} {t['median_s'] * 1e3:8.1f} ms  {t['tflops']:6.0f} TFLOP/s", flush=True)
+                    print(
+                        f"B={B} {impl:10s} {key:22s} {t['median_s'] * 1e3:8.1f} ms  {t['tflops']:6.0f} TFLOP/s",
+                        flush=True,
+                    )
                 else:
                     print(f"B={B} {impl:10s} {key:22s} {t['error']}", flush=True)
         result["runs"].append(run)

@@ -42,17 +42,33 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxrlhf import plan as memory_plan  # noqa: E402
-from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide  # noqa: E402
 from jaxrlhf.lora import LoRAConfig  # noqa: E402
 from jaxrlhf.models import Backend, init_params, preset  # noqa: E402
+from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide  # noqa: E402
 from jaxrlhf.sharding import make_mesh  # noqa: E402
 from jaxrlhf.trainer import OptimConfig  # noqa: E402
 from tools import common  # noqa: E402
 
-TINY = {"tiny-actor": dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, ffn_dim=256,
-                           max_position_embeddings=128, word_embed_proj_dim=64),
-        "tiny-critic": dict(vocab_size=512, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
-                            max_position_embeddings=128, word_embed_proj_dim=32)}
+TINY = {
+    "tiny-actor": dict(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        ffn_dim=256,
+        max_position_embeddings=128,
+        word_embed_proj_dim=64,
+    ),
+    "tiny-critic": dict(
+        vocab_size=512,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        ffn_dim=128,
+        max_position_embeddings=128,
+        word_embed_proj_dim=32,
+    ),
+}
 
 
 def model(name: str, precision: str):
@@ -64,11 +80,23 @@ def model(name: str, precision: str):
 
 
 def engine_config(args, lora: int, precision: str, offload: bool) -> EngineConfig:
-    side = lambda lr: ModelSide(optim=OptimConfig(learning_rate=lr, warmup_steps=0),
-                                lora=LoRAConfig(dim=lora, only_optimize_lora=lora > 0), remat=True, dropout=0.0, offload=offload)
-    return EngineConfig(actor=side(9.65e-6), critic=side(5e-6), precision=precision, max_answer_len=args.new,
-                        inference_tp_size=args.tp, enable_ema=False, offload_reference_model=offload,
-                        offload_reward_model=offload)
+    side = lambda lr: ModelSide(
+        optim=OptimConfig(learning_rate=lr, warmup_steps=0),
+        lora=LoRAConfig(dim=lora, only_optimize_lora=lora > 0),
+        remat=True,
+        dropout=0.0,
+        offload=offload,
+    )
+    return EngineConfig(
+        actor=side(9.65e-6),
+        critic=side(5e-6),
+        precision=precision,
+        max_answer_len=args.new,
+        inference_tp_size=args.tp,
+        enable_ema=False,
+        offload_reference_model=offload,
+        offload_reward_model=offload,
+    )
 
 
 def run_one(args, actor: str, batch: int, lora: int, precision: str, offload: bool) -> dict:
@@ -80,16 +108,31 @@ def run_one(args, actor: str, batch: int, lora: int, precision: str, offload: bo
     mesh = make_mesh(args.tp)
     p = memory_plan.plan(cfg, *configs, mesh, batch=batch, prompt_len=args.prompt, capacity=memory_plan.capacity())
     print(p.table(), flush=True)
-    out = {"actor": actor, "critic": args.critic, "batch": batch, "lora": lora, "precision": precision, "offload": offload,
-           "plan_bytes": {ph: p.phase_bytes(ph) for ph in p.phases}, "plan_peak_bytes": p.peak, "plan_fits": p.fits}
+    out = {
+        "actor": actor,
+        "critic": args.critic,
+        "batch": batch,
+        "lora": lora,
+        "precision": precision,
+        "offload": offload,
+        "plan_bytes": {ph: p.phase_bytes(ph) for ph in p.phases},
+        "plan_peak_bytes": p.peak,
+        "plan_fits": p.fits,
+    }
     dtype = jnp.bfloat16 if precision == "pure_bf16" else jnp.float32
-    params = [jax.device_get(jax.jit(lambda k, c=c, h=h: init_params(c, k, value_head=h, dtype=dtype))(jax.random.key(i)))
-              for i, (c, h) in enumerate(zip(configs, (False, True)))]
-    engine = HybridEngine(cfg, mesh, (configs[0], params[0]), (configs[1], params[1]), total_steps=1000, eos_id=-1, pad_id=1)
+    params = [
+        jax.device_get(jax.jit(lambda k, c=c, h=h: init_params(c, k, value_head=h, dtype=dtype))(jax.random.key(i)))
+        for i, (c, h) in enumerate(zip(configs, (False, True)))
+    ]
+    engine = HybridEngine(
+        cfg, mesh, (configs[0], params[0]), (configs[1], params[1]), total_steps=1000, eos_id=-1, pad_id=1
+    )
     del params
     rng = np.random.default_rng(0)
-    prompts = {"prompt_ids": rng.integers(3, configs[0].vocab_size, (batch, args.prompt), dtype=np.int32),
-               "prompt_mask": np.ones((batch, args.prompt), np.int32)}
+    prompts = {
+        "prompt_ids": rng.integers(3, configs[0].vocab_size, (batch, args.prompt), dtype=np.int32),
+        "prompt_mask": np.ones((batch, args.prompt), np.int32),
+    }
     measured = memory_plan.measure(engine, prompts)  # the warm-up iteration (it compiles)
     out["measured_bytes"] = measured
     running = jax.local_devices()[0].memory_stats() is not None  # GPU: running peaks; CPU: per-phase figures
@@ -109,9 +152,12 @@ def run_one(args, actor: str, batch: int, lora: int, precision: str, offload: bo
         times.append(time.perf_counter() - start)
         phases.append(dict(engine.timings))
     t = statistics.median(times)
-    out.update(iteration_s=t, samples_per_s=batch / t, phases_s={k: statistics.median(x.get(k, 0.0) for x in phases)
-                                                                  for k in phases[0]},
-               peak_bytes_after=common.peak_bytes())
+    out.update(
+        iteration_s=t,
+        samples_per_s=batch / t,
+        phases_s={k: statistics.median(x.get(k, 0.0) for x in phases) for k in phases[0]},
+        peak_bytes_after=common.peak_bytes(),
+    )
     del engine
     return out
 
@@ -122,7 +168,9 @@ def main():
     ap.add_argument("--critic", default="opt-350m")
     ap.add_argument("--lora", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--full-actor", default="opt-6.7b", help="the fully fine-tuned actor, run with offload ('' skips it)")
+    ap.add_argument(
+        "--full-actor", default="opt-6.7b", help="the fully fine-tuned actor, run with offload ('' skips it)"
+    )
     ap.add_argument("--full-batch", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=256)
@@ -148,8 +196,16 @@ def main():
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
                 proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--only", name, "--row-file", f.name])
                 text = Path(f.name).read_text()
-            row = json.loads(text) if text else {"name": name, "actor": actor, "batch": batch,
-                                                 "error": f"the process ended with code {proc.returncode}"}
+            row = (
+                json.loads(text)
+                if text
+                else {
+                    "name": name,
+                    "actor": actor,
+                    "batch": batch,
+                    "error": f"the process ended with code {proc.returncode}",
+                }
+            )
             result["runs"].append(row)
             common.write("memory", "memory", result, args.out, stamp)
         return
@@ -157,9 +213,12 @@ def main():
         try:
             row = {"name": name, **run_one(args, actor, batch, lora, precision, offload)}
             errors = " ".join(f"{ph} {e:+.1%}" for ph, e in row["plan_error"].items())
-            print(f"{name}: {actor} batch {batch}: {row['samples_per_s']:.2f} samples/s, peak "
-                  f"{row['peak_bytes'] / 2**30:.2f} GiB (plan {row['plan_peak_bytes'] / 2**30:.2f}, error "
-                  f"{row['peak_error']:+.1%}); plan error per phase: {errors}", flush=True)
+            print(
+                f"{name}: {actor} batch {batch}: {row['samples_per_s']:.2f} samples/s, peak "
+                f"{row['peak_bytes'] / 2**30:.2f} GiB (plan {row['plan_peak_bytes'] / 2**30:.2f}, error "
+                f"{row['peak_error']:+.1%}); plan error per phase: {errors}",
+                flush=True,
+            )
         except Exception as e:  # noqa: BLE001 - out of memory: record it, keep the other configuration
             row = {"name": name, "actor": actor, "batch": batch, "error": str(e).splitlines()[0][:300]}
             print(f"{name}: {actor} batch {batch}: {row['error']}", flush=True)

@@ -56,11 +56,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxrlhf.lora import LoRAConfig  # noqa: E402
+from jaxrlhf.models import Backend, init_params, llama, opt, param_shapes, preset  # noqa: E402
+from jaxrlhf.plan import capacity, plan  # noqa: E402
 from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide  # noqa: E402
 from jaxrlhf.rl import engine as rl_engine  # noqa: E402
-from jaxrlhf.lora import LoRAConfig  # noqa: E402
-from jaxrlhf.plan import capacity, plan  # noqa: E402
-from jaxrlhf.models import Backend, init_params, llama, opt, param_shapes, preset  # noqa: E402
 from jaxrlhf.sharding import make_mesh, shardings_for  # noqa: E402
 from jaxrlhf.trainer import OptimConfig  # noqa: E402
 from tools import common  # noqa: E402
@@ -148,24 +148,46 @@ def ours(args, actor: str, critic: str, B: int, precision: str, lora: int, algor
         configs.append(config)
         # made sharded over the mesh (an OPT-66B would not fit one device), then gathered to the host as a checkpoint is
         shardings = shardings_for(param_shapes(config, value_head=head), "fsdp", mesh)
-        params.append(jax.device_get(jax.jit(lambda k, c=config, h=head: init_params(c, k, value_head=h, dtype=dtype),
-                                             out_shardings=shardings)(jax.random.key(len(params)))))
+        params.append(
+            jax.device_get(
+                jax.jit(
+                    lambda k, c=config, h=head: init_params(c, k, value_head=h, dtype=dtype), out_shardings=shardings
+                )(jax.random.key(len(params)))
+            )
+        )
     accumulation = max(1, B // args.micro_batch)
-    side = lambda lr: ModelSide(optim=OptimConfig(learning_rate=lr, warmup_steps=0, gradient_accumulation_steps=accumulation),
-                                lora=LoRAConfig(dim=lora, only_optimize_lora=bool(lora) and args.only_optimize_lora),
-                                remat=args.remat, dropout=0.0)
+    side = lambda lr: ModelSide(
+        optim=OptimConfig(learning_rate=lr, warmup_steps=0, gradient_accumulation_steps=accumulation),
+        lora=LoRAConfig(dim=lora, only_optimize_lora=bool(lora) and args.only_optimize_lora),
+        remat=args.remat,
+        dropout=0.0,
+    )
     critic_side = ModelSide() if algorithm in CRITIC_FREE else side(5e-6)  # critic-free: the reward model only
-    cfg = EngineConfig(actor=side(9.65e-6), critic=critic_side, precision=precision, max_answer_len=args.new,
-                       algorithm=algorithm, num_samples_per_prompt=n,
-                       inference_tp_size=args.tp, enable_ema=False, old_logprobs_from_generation=args.old_from_generation,
-                       decode_slots=args.slots, refill_size=args.refill, max_tokens_per_micro_batch=args.tokens,
-                       packed_width_multiple=args.width_multiple)
+    cfg = EngineConfig(
+        actor=side(9.65e-6),
+        critic=critic_side,
+        precision=precision,
+        max_answer_len=args.new,
+        algorithm=algorithm,
+        num_samples_per_prompt=n,
+        inference_tp_size=args.tp,
+        enable_ema=False,
+        old_logprobs_from_generation=args.old_from_generation,
+        decode_slots=args.slots,
+        refill_size=args.refill,
+        max_tokens_per_micro_batch=args.tokens,
+        packed_width_multiple=args.width_multiple,
+    )
     need = plan(cfg, configs[0], configs[1], mesh, batch=B, prompt_len=args.prompt, capacity=capacity())
     if not need.fits:  # what `python -m jaxrlhf.ppo` refuses before loading anything; no device time spent on it
-        return {"error": f"does not fit (jaxrlhf.plan): {need.peak / 2**30:.1f} GiB in {need.peak_phase}, "
-                         f"the device has {need.capacity / 2**30:.1f} GiB", "plan_peak_bytes": need.peak}
-    engine = HybridEngine(cfg, mesh, (configs[0], params[0]), (configs[1], params[1]), total_steps=1000,
-                          eos_id=-1, pad_id=1)  # EOS never matches: every answer has its full length
+        return {
+            "error": f"does not fit (jaxrlhf.plan): {need.peak / 2**30:.1f} GiB in {need.peak_phase}, "
+            f"the device has {need.capacity / 2**30:.1f} GiB",
+            "plan_peak_bytes": need.peak,
+        }
+    engine = HybridEngine(
+        cfg, mesh, (configs[0], params[0]), (configs[1], params[1]), total_steps=1000, eos_id=-1, pad_id=1
+    )  # EOS never matches: every answer has its full length
     del params
     batch = prompt_batch(B, args.prompt, *draw_lengths(args.lengths, B, args.prompt, args.new), vocab(actor, critic), n)
     times, phases = [], []
@@ -182,17 +204,32 @@ def ours(args, actor: str, critic: str, B: int, precision: str, lora: int, algor
         profile = {}
         if args.profile:  # the kernels of one more iteration by device time, per phase (HybridEngine marks them)
             trace = Path(args.out or common.RESULTS / "ppo") / f"trace-{algorithm}-n{n}-{actor}-{B}-{precision}"
-            profile = {"profile": common.kernel_profile(lambda: engine.train_rlhf(engine.generate_experience(batch)),
-                                                        trace, top=25)}
+            profile = {
+                "profile": common.kernel_profile(
+                    lambda: engine.train_rlhf(engine.generate_experience(batch)), trace, top=25
+                )
+            }
     real = real_tokens(batch)
-    return {**profile, "algorithm": algorithm, "samples_per_prompt": n, "prompts": B // n, "answers": B,
-            "iteration_s": t, "samples_per_s": B / t, "samples_per_s_per_gpu": B / t / mesh.size,
-            "real_tokens_per_s": real / t, "real_tokens": real, "answer_tokens": int(round(stats.get("answer_len", 0) * B)),
-            # DeepSpeed-Chat's Step 3 benchmark: 264,292 samples (9 hours for OPT-13B on 8 A100-80G)
-            "deepspeed_chat_benchmark_hours": 264292 / (B / t) / 3600, "phases_s": {p: statistics.median(x.get(p, 0.0) for x in phases)
-                                                                  for p in PHASES},
-            "reshard_bytes": engine.reshard_bytes, "peak_bytes": common.peak_bytes(), "plan_peak_bytes": need.peak,
-            "last_stats": stats}
+    return {
+        **profile,
+        "algorithm": algorithm,
+        "samples_per_prompt": n,
+        "prompts": B // n,
+        "answers": B,
+        "iteration_s": t,
+        "samples_per_s": B / t,
+        "samples_per_s_per_gpu": B / t / mesh.size,
+        "real_tokens_per_s": real / t,
+        "real_tokens": real,
+        "answer_tokens": int(round(stats.get("answer_len", 0) * B)),
+        # DeepSpeed-Chat's Step 3 benchmark: 264,292 samples (9 hours for OPT-13B on 8 A100-80G)
+        "deepspeed_chat_benchmark_hours": 264292 / (B / t) / 3600,
+        "phases_s": {p: statistics.median(x.get(p, 0.0) for x in phases) for p in PHASES},
+        "reshard_bytes": engine.reshard_bytes,
+        "peak_bytes": common.peak_bytes(),
+        "plan_peak_bytes": need.peak,
+        "last_stats": stats,
+    }
 
 
 def length_forcer(P: int, limits, eos: int):
@@ -225,8 +262,9 @@ def theirs(args, actor: str, critic: str, B: int, algorithm: str = "ppo", n: int
 
     def mk(name: str, head: str):  # transformers' own model of a preset's shape: "ForCausalLM" or "Model"
         family = "Llama" if name in llama.PRESETS else "OPT"
-        config = getattr(transformers, f"{family}Config")(**PRESETS[name], attn_implementation="sdpa",
-                                                          **({"dropout": 0.0} if family == "OPT" else {}))
+        config = getattr(transformers, f"{family}Config")(
+            **PRESETS[name], attn_implementation="sdpa", **({"dropout": 0.0} if family == "OPT" else {})
+        )
         return getattr(transformers, f"{family}{head}")(config).to(dev, bf16)
 
     actor_m = mk(actor, "ForCausalLM")
@@ -248,34 +286,46 @@ def theirs(args, actor: str, critic: str, B: int, algorithm: str = "ppo", n: int
     force_lengths = length_forcer(P, limits, EOS)
 
     def logprobs(model, seq, mask):
-        lp = F.log_softmax(model(seq, attention_mask=mask).logits[:, P - 1:-1].float(), -1)
+        lp = F.log_softmax(model(seq, attention_mask=mask).logits[:, P - 1 : -1].float(), -1)
         return lp.gather(-1, seq[:, P:, None])[..., 0]
 
     def vals(model, head, seq, mask):
-        return head(model(seq, attention_mask=mask).last_hidden_state[:, P - 1:-1]).float()[..., 0]
+        return head(model(seq, attention_mask=mask).last_hidden_state[:, P - 1 : -1]).float()[..., 0]
 
     def iteration():
         with torch.no_grad():
             actor_m.eval()
             lengths = dict(min_new_tokens=G) if args.lengths is None else dict(logits_processor=[force_lengths])
             # num_return_sequences repeats each prompt n times side by side (rows i n .. i n + n - 1: prompt i's)
-            seq = actor_m.generate(prompts, attention_mask=prompt_mask, max_new_tokens=G, do_sample=True, top_k=0,
-                                   eos_token_id=EOS, pad_token_id=1, cache_implementation="static",
-                                   num_return_sequences=n, **lengths)
+            seq = actor_m.generate(
+                prompts,
+                attention_mask=prompt_mask,
+                max_new_tokens=G,
+                do_sample=True,
+                top_k=0,
+                eos_token_id=EOS,
+                pad_token_id=1,
+                cache_implementation="static",
+                num_return_sequences=n,
+                **lengths,
+            )
             Gb = seq.shape[1] - P  # HF stops once every row has ended: the batch's longest answer
-            answer = (torch.arange(Gb, device=dev)[None, :] < limits[:, None]).long() if args.lengths else \
-                torch.ones(B, Gb, device=dev, dtype=torch.long)
+            answer = (
+                (torch.arange(Gb, device=dev)[None, :] < limits[:, None]).long()
+                if args.lengths
+                else torch.ones(B, Gb, device=dev, dtype=torch.long)
+            )
             mask = torch.cat([prompt_mask.repeat_interleave(n, 0), answer], 1)
             last = P + answer.sum(1) - 1
             old, ref, v, score = [], [], [], []
             for i in range(0, B, mb):
-                s, m = seq[i:i + mb], mask[i:i + mb]
+                s, m = seq[i : i + mb], mask[i : i + mb]
                 old.append(logprobs(actor_m, s, m))
                 ref.append(logprobs(ref_m, s, m))
                 if not critic_free:
                     v.append(vals(critic_m, v_head, s, m))
                 h = reward_m(s, attention_mask=m).last_hidden_state
-                score.append(r_head(h[torch.arange(len(s), device=dev), last[i:i + mb]]).float()[:, 0])
+                score.append(r_head(h[torch.arange(len(s), device=dev), last[i : i + mb]]).float()[:, 0])
             old, ref, score = map(torch.cat, (old, ref, score))
             am = answer.float()
             old, ref = old * am, ref * am
@@ -295,9 +345,9 @@ def theirs(args, actor: str, critic: str, B: int, algorithm: str = "ppo", n: int
             tokens = am.sum()
         actor_m.train()
         for i in range(0, B, mb):
-            s, m, w = seq[i:i + mb], mask[i:i + mb], am[i:i + mb]
-            ratio = torch.exp(logprobs(actor_m, s, m) - old[i:i + mb])
-            a = adv[i:i + mb]
+            s, m, w = seq[i : i + mb], mask[i : i + mb], am[i : i + mb]
+            ratio = torch.exp(logprobs(actor_m, s, m) - old[i : i + mb])
+            a = adv[i : i + mb]
             loss = (torch.max(-a * ratio, -a * ratio.clamp(0.8, 1.2)) * w).sum() / tokens
             loss.backward()
         torch.nn.utils.clip_grad_norm_(actor_m.parameters(), 1.0)
@@ -306,8 +356,8 @@ def theirs(args, actor: str, critic: str, B: int, algorithm: str = "ppo", n: int
         if critic_free:
             return
         for i in range(0, B, mb):
-            s, m, w = seq[i:i + mb], mask[i:i + mb], am[i:i + mb]
-            nv, ov, r = vals(critic_m, v_head, s, m), v[i:i + mb], returns[i:i + mb]
+            s, m, w = seq[i : i + mb], mask[i : i + mb], am[i : i + mb]
+            nv, ov, r = vals(critic_m, v_head, s, m), v[i : i + mb], returns[i : i + mb]
             vc = ov + (nv - ov).clamp(-0.2, 0.2)
             loss = 0.5 * (torch.max((nv - r) ** 2, (vc - r) ** 2) * w).sum() / tokens
             loss.backward()
@@ -319,10 +369,19 @@ def theirs(args, actor: str, critic: str, B: int, algorithm: str = "ppo", n: int
     t = common.timeit(iteration, args.repeats, warmup=1, block=sync)
     peak = torch.cuda.max_memory_allocated() if dev == "cuda" else None
     real = real_tokens(batch)
-    return {"algorithm": algorithm, "samples_per_prompt": n, "prompts": B // n, "answers": B,
-            "iteration_s": t["median_s"], "samples_per_s": B / t["median_s"], "spread_s": [t["min_s"], t["max_s"]],
-            "real_tokens_per_s": real / t["median_s"], "real_tokens": real,
-            "peak_bytes": peak, "micro_batch": mb}
+    return {
+        "algorithm": algorithm,
+        "samples_per_prompt": n,
+        "prompts": B // n,
+        "answers": B,
+        "iteration_s": t["median_s"],
+        "samples_per_s": B / t["median_s"],
+        "spread_s": [t["min_s"], t["max_s"]],
+        "real_tokens_per_s": real / t["median_s"],
+        "real_tokens": real,
+        "peak_bytes": peak,
+        "micro_batch": mb,
+    }
 
 
 def find_max(args) -> dict:
@@ -346,46 +405,109 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--actor", default="opt-1.3b", choices=sorted(PRESETS))
     ap.add_argument("--critic", default="opt-350m", choices=sorted(PRESETS))
-    ap.add_argument("--batch", type=int, nargs="+", default=[64, 128, 256], help="answers per iteration (all algorithms)")
+    ap.add_argument(
+        "--batch", type=int, nargs="+", default=[64, 128, 256], help="answers per iteration (all algorithms)"
+    )
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--precision", nargs="+", default=["pure_bf16", "bf16"], choices=["pure_bf16", "bf16", "fp32"])
     ap.add_argument("--lora", type=int, nargs="+", default=[0], help="actor and critic LoRA dims to compare (0: off)")
-    ap.add_argument("--algorithm", nargs="+", default=["ppo"], choices=["ppo", *CRITIC_FREE],
-                    help="Step 3 algorithms to compare (the PyTorch peer runs ppo and grpo)")
-    ap.add_argument("--samples-per-prompt", type=int, nargs="+", default=[4, 8], metavar="N",
-                    help="critic-free algorithms: answers per prompt n (each a run; --batch counts answers, B / n prompts)")
-    ap.add_argument("--only-optimize-lora", action="store_true", help="with --lora: train the adapters only (the base "
-                    "weights frozen, no Adam state for them: how OPT-66B fits a node)")
+    ap.add_argument(
+        "--algorithm",
+        nargs="+",
+        default=["ppo"],
+        choices=["ppo", *CRITIC_FREE],
+        help="Step 3 algorithms to compare (the PyTorch peer runs ppo and grpo)",
+    )
+    ap.add_argument(
+        "--samples-per-prompt",
+        type=int,
+        nargs="+",
+        default=[4, 8],
+        metavar="N",
+        help="critic-free algorithms: answers per prompt n (each a run; --batch counts answers, B / n prompts)",
+    )
+    ap.add_argument(
+        "--only-optimize-lora",
+        action="store_true",
+        help="with --lora: train the adapters only (the base "
+        "weights frozen, no Adam state for them: how OPT-66B fits a node)",
+    )
     ap.add_argument("--remat", action="store_true", help="recompute layers in the backward passes")
     ap.add_argument("--tp", type=int, default=1, help="inference_tp_size (the mesh spans every device)")
-    ap.add_argument("--lengths", default=None, help="real lengths: a JSON file of [prompt, answer] token-length pairs "
-                    "(e.g. ../shared/assets/data/hh-rlhf/hh_lengths.json); default: every row --prompt + --new")
-    ap.add_argument("--slots", type=int, default=0, help="ours: decode slots (0: one per prompt; fewer: continuous batching)")
-    ap.add_argument("--refill", type=int, default=0, help="ours: prompts prefilled at a time into freed slots (0: slots / 8)")
-    ap.add_argument("--tokens", type=int, default=16384, help="ours: max_tokens_per_micro_batch (packed scoring and "
-                    "training; 0: padded micro-batches of --micro-batch rows)")
+    ap.add_argument(
+        "--lengths",
+        default=None,
+        help="real lengths: a JSON file of [prompt, answer] token-length pairs "
+        "(e.g. ../shared/assets/data/hh-rlhf/hh_lengths.json); default: every row --prompt + --new",
+    )
+    ap.add_argument(
+        "--slots", type=int, default=0, help="ours: decode slots (0: one per prompt; fewer: continuous batching)"
+    )
+    ap.add_argument(
+        "--refill", type=int, default=0, help="ours: prompts prefilled at a time into freed slots (0: slots / 8)"
+    )
+    ap.add_argument(
+        "--tokens",
+        type=int,
+        default=16384,
+        help="ours: max_tokens_per_micro_batch (packed scoring and "
+        "training; 0: padded micro-batches of --micro-batch rows)",
+    )
     ap.add_argument("--width-multiple", type=int, default=64, help="ours: packed_width_multiple")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-ours", action="store_true", help="the PyTorch peer only (its runs in the result files alone)")
     ap.add_argument("--torch-micro-batch", type=int, default=16)
-    ap.add_argument("--micro-batch", type=int, default=64, help="rows per actor/critic micro-batch (gradient accumulation)")
-    ap.add_argument("--old-from-generation", action="store_true", help="old log-probs from generation (one actor forward less)")
+    ap.add_argument(
+        "--micro-batch", type=int, default=64, help="rows per actor/critic micro-batch (gradient accumulation)"
+    )
+    ap.add_argument(
+        "--old-from-generation", action="store_true", help="old log-probs from generation (one actor forward less)"
+    )
     ap.add_argument("--only-torch", action="store_true", help=argparse.SUPPRESS)  # the child process
     ap.add_argument("--find-max", action="store_true")
-    ap.add_argument("--profile", action="store_true", help="also profile one iteration: device time per kernel and phase "
-                    "(the trace stays in OUT/trace-ppo-*)")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile one iteration: device time per kernel and phase (the trace stays in OUT/trace-ppo-*)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.only_torch:
-        print(json.dumps({torch_key(a, n, B): common.safely(theirs, args, args.actor, args.critic, B, a, n)
-                          for a, n in algorithms(args) for B in args.batch}))
+        print(
+            json.dumps(
+                {
+                    torch_key(a, n, B): common.safely(theirs, args, args.actor, args.critic, B, a, n)
+                    for a, n in algorithms(args)
+                    for B in args.batch
+                }
+            )
+        )
         return
-    argv = [__file__, "--only-torch", "--actor", args.actor, "--critic", args.critic, "--batch", *map(str, args.batch),
-            "--prompt", str(args.prompt), "--new", str(args.new), "--repeats", str(args.repeats),
-            "--torch-micro-batch", str(args.torch_micro_batch), *(["--lengths", args.lengths] if args.lengths else []),
-            "--algorithm", *args.algorithm, "--samples-per-prompt", *map(str, args.samples_per_prompt)]
+    argv = [
+        __file__,
+        "--only-torch",
+        "--actor",
+        args.actor,
+        "--critic",
+        args.critic,
+        "--batch",
+        *map(str, args.batch),
+        "--prompt",
+        str(args.prompt),
+        "--new",
+        str(args.new),
+        "--repeats",
+        str(args.repeats),
+        "--torch-micro-batch",
+        str(args.torch_micro_batch),
+        *(["--lengths", args.lengths] if args.lengths else []),
+        "--algorithm",
+        *args.algorithm,
+        "--samples-per-prompt",
+        *map(str, args.samples_per_prompt),
+    ]
     keys = [torch_key(a, n, B) for a, n in algorithms(args) for B in args.batch]
     torch_runs = {} if args.no_torch or args.find_max else common.torch_child(argv, keys)
     if args.find_max:
@@ -397,8 +519,18 @@ def main():
     ceiling = matmul_ceiling() if jax.default_backend() == "gpu" else None
     stamp = time.strftime("%Y%m%d-%H%M%S")
     # one result file per algorithm and n (bench_summary compares the ours_* and torch_* runs of one file)
-    results = {(a, n): {"benchmark": "ppo_step", **common.environment(), "args": vars(args), "algorithm": a,
-                        "samples_per_prompt": n, "matmul_ceiling_flops": ceiling, "runs": []} for a, n in algorithms(args)}
+    results = {
+        (a, n): {
+            "benchmark": "ppo_step",
+            **common.environment(),
+            "args": vars(args),
+            "algorithm": a,
+            "samples_per_prompt": n,
+            "matmul_ceiling_flops": ceiling,
+            "runs": [],
+        }
+        for a, n in algorithms(args)
+    }
     for B in args.batch:
         draws = draw_lengths(args.lengths, B, args.prompt, args.new)  # the same answer lengths for every algorithm
         for (algorithm, n), result in results.items():
@@ -407,9 +539,18 @@ def main():
                 continue
             L = real_tokens(prompt_batch(B, args.prompt, *draws, n=n)) / B  # real tokens per answer
             flops = effective_flops(args.actor, args.critic, B, L, critic_free=algorithm in CRITIC_FREE)
-            runs = {} if args.no_ours else {f"ours_{p}" + (f"_lora{r}" if r else ""): (p, r) for p in args.precision
-                                            for r in args.lora}
-            row = {"batch": B, "algorithm": algorithm, "samples_per_prompt": n, "prompts": B // n, "effective_flops": flops}
+            runs = (
+                {}
+                if args.no_ours
+                else {f"ours_{p}" + (f"_lora{r}" if r else ""): (p, r) for p in args.precision for r in args.lora}
+            )
+            row = {
+                "batch": B,
+                "algorithm": algorithm,
+                "samples_per_prompt": n,
+                "prompts": B // n,
+                "effective_flops": flops,
+            }
             for key, (precision, lora) in runs.items():
                 row[key] = common.safely(ours, args, args.actor, args.critic, B, precision, lora, algorithm, n)
             if torch_key(algorithm, n, B) in torch_runs:
@@ -421,8 +562,11 @@ def main():
                     if ceiling:
                         r["matmul_fraction"] = flops / r["iteration_s"] / jax.device_count() / ceiling
                     phases = " ".join(f"{p} {s:.2f}" for p, s in r.get("phases_s", {}).items())
-                    print(f"B={B:4d} {label:32s} {r['iteration_s']:7.2f} s  {r['samples_per_s']:6.1f} samples/s  "
-                          f"{r['real_tokens_per_s']:8.0f} real tok/s  {r['tflops_per_gpu']:6.1f} TFLOP/s  {phases}", flush=True)
+                    print(
+                        f"B={B:4d} {label:32s} {r['iteration_s']:7.2f} s  {r['samples_per_s']:6.1f} samples/s  "
+                        f"{r['real_tokens_per_s']:8.0f} real tok/s  {r['tflops_per_gpu']:6.1f} TFLOP/s  {phases}",
+                        flush=True,
+                    )
                 elif isinstance(r, dict):
                     print(f"B={B:4d} {label:32s} {r['error']}", flush=True)
             result["runs"].append(row)
@@ -441,6 +585,7 @@ def torch_key(algorithm: str, n: int, B: int) -> str:
 def result_name(args, algorithm: str, n: int) -> str:
     """ppo-ACTOR[-lengths], or ALGORITHM-nN-ACTOR[-lengths] for the critic-free ones."""
     return f"{algorithm}{f'-n{n}' if algorithm != 'ppo' else ''}-{args.actor}" + ("-lengths" if args.lengths else "")
+
 
 if __name__ == "__main__":
     main()

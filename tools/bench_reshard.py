@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 from jaxrlhf.models import OPTConfig, init_params, param_shapes  # noqa: E402
 from jaxrlhf.models.opt import PRESETS  # noqa: E402
@@ -51,7 +52,10 @@ def received_bytes(src, dst) -> int:
         have = a.sharding.devices_indices_map(a.shape)[dev]
         need = b.sharding.devices_indices_map(b.shape)[dev]
         size = lambda idx: int(np.prod([len(range(*s.indices(n))) for s, n in zip(idx, a.shape)]))
-        overlap = tuple(slice(max(h.indices(n)[0], w.indices(n)[0]), min(h.indices(n)[1], w.indices(n)[1])) for h, w, n in zip(have, need, a.shape))
+        overlap = tuple(
+            slice(max(h.indices(n)[0], w.indices(n)[0]), min(h.indices(n)[1], w.indices(n)[1]))
+            for h, w, n in zip(have, need, a.shape)
+        )
         inter = int(np.prod([max(0, s.stop - s.start) for s in overlap])) if overlap else 1
         total += (size(need) - inter) * a.dtype.itemsize
     return total
@@ -59,7 +63,16 @@ def received_bytes(src, dst) -> int:
 
 def collectives(fn, tree) -> dict:
     hlo = fn.lower(tree).compile().as_text()
-    ops = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter", "send", "recv", "copy-start")
+    ops = (
+        "all-gather",
+        "all-to-all",
+        "collective-permute",
+        "all-reduce",
+        "reduce-scatter",
+        "send",
+        "recv",
+        "copy-start",
+    )
     return {op: len(re.findall(rf"\b{op}(-start)?\(", hlo)) for op in ops}
 
 
@@ -100,7 +113,9 @@ def bench_model(name: str, tp: int, repeats: int) -> dict:
         except Exception as e:  # noqa: BLE001 - JaxRuntimeError on a disallowed transfer
             r["went_through_host"][key] = "transfer" in str(e).lower() or repr(e)
         r[key] = common.timeit(fn, repeats if "replicated" not in key else max(3, repeats // 3))
-    r["leaves_moved"] = sum(not x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(tp_sh)))
+    r["leaves_moved"] = sum(
+        not x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(tp_sh))
+    )
     r["leaves"] = len(jax.tree.leaves(params))
     # Collectives of the whole-tree identity (reshard compiles only the leaves that move).
     r["fsdp_to_tp_collectives"] = collectives(_identity(tuple(jax.tree.leaves(tp_sh))), jax.tree.leaves(params))
@@ -133,7 +148,9 @@ def main():
     for tp in args.tp or [jax.device_count()]:
         for name in args.models:
             result["runs"].append(bench_model(name, tp, args.repeats))
-            common.write("reshard", "reshard", result, args.out, stamp)  # what we have so far (a time limit may stop the rest)
+            common.write(
+                "reshard", "reshard", result, args.out, stamp
+            )  # what we have so far (a time limit may stop the rest)
 
 
 if __name__ == "__main__":

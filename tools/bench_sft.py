@@ -33,14 +33,17 @@ from tools.bench_forward import matmul_ceiling  # noqa: E402
 def ours(name, B, T, precision, remat, repeats, unroll=0):
     mesh = make_mesh(1, jax.devices()[:1])
     dtype = jnp.bfloat16 if precision == "pure_bf16" else jnp.float32
-    config = OPTConfig(**PRESETS[name], dtype="bfloat16", remat=remat, dropout=0.0,
-                       backend=Backend.detect(scan_unroll=unroll))
+    config = OPTConfig(
+        **PRESETS[name], dtype="bfloat16", remat=remat, dropout=0.0, backend=Backend.detect(scan_unroll=unroll)
+    )
     params = jax.jit(lambda k: init_params(config, k, dtype=dtype))(jax.random.key(0))
     tx = make_optimizer(OptimConfig(learning_rate=1e-5), 1000)
     state = create_state(params, LoRAConfig(), tx, jax.random.key(1), mesh)
     del params
     shardings = state_shardings(state, mesh)
-    step = jax.jit(make_train_step(sft_loss(config), tx, LoRAConfig()), out_shardings=(shardings, None), donate_argnums=0)
+    step = jax.jit(
+        make_train_step(sft_loss(config), tx, LoRAConfig()), out_shardings=(shardings, None), donate_argnums=0
+    )
     ids = jax.random.randint(jax.random.key(2), (1, B, T), 3, config.vocab_size)
     batch = {"input_ids": ids, "attention_mask": jnp.ones_like(ids), "loss_mask": jnp.ones_like(ids)}
     holder = {"state": state}
@@ -54,10 +57,13 @@ def ours(name, B, T, precision, remat, repeats, unroll=0):
 
 def theirs(name, B, T, repeats):
     import torch
-    from transformers import OPTConfig as HFConfig, OPTForCausalLM
+    from transformers import OPTConfig as HFConfig
+    from transformers import OPTForCausalLM
 
     torch.manual_seed(0)
-    model = OPTForCausalLM(HFConfig(**PRESETS[name], attn_implementation="sdpa", dropout=0.0)).to("cuda", torch.bfloat16)
+    model = OPTForCausalLM(HFConfig(**PRESETS[name], attn_implementation="sdpa", dropout=0.0)).to(
+        "cuda", torch.bfloat16
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), fused=True)
     ids = torch.randint(3, 50272, (B, T), device="cuda")
 
@@ -87,13 +93,30 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     B, T = args.batch, args.seq
-    n = sum(x.size for x in jax.tree.leaves(jax.eval_shape(lambda: init_params(OPTConfig(**PRESETS[args.model]), jax.random.key(0)))))
+    n = sum(
+        x.size
+        for x in jax.tree.leaves(
+            jax.eval_shape(lambda: init_params(OPTConfig(**PRESETS[args.model]), jax.random.key(0)))
+        )
+    )
     flops = 6 * n * B * T
     ceiling = matmul_ceiling()
-    result = {"benchmark": "sft_step", **common.environment(), "model": args.model, "params": n, "batch": B, "seq": T,
-              "matmul_ceiling_flops": ceiling, "runs": {}}
-    variants = {f"ours_{p}{'_remat' if r else ''}{f'_unroll{u}' if u else ''}": (p, bool(r), u)
-                for p in args.recipes for r in args.remat for u in args.unroll}
+    result = {
+        "benchmark": "sft_step",
+        **common.environment(),
+        "model": args.model,
+        "params": n,
+        "batch": B,
+        "seq": T,
+        "matmul_ceiling_flops": ceiling,
+        "runs": {},
+    }
+    variants = {
+        f"ours_{p}{'_remat' if r else ''}{f'_unroll{u}' if u else ''}": (p, bool(r), u)
+        for p in args.recipes
+        for r in args.remat
+        for u in args.unroll
+    }
     result["xla_flags"] = __import__("os").environ.get("XLA_FLAGS", "")
     for key, (precision, remat, unroll) in variants.items():
         try:
@@ -104,8 +127,15 @@ def main():
         result["runs"]["hf_torch_bf16_adamw"] = theirs(args.model, B, T, args.repeats)
     for key, t in result["runs"].items():
         if "median_s" in t:
-            t.update(tokens_per_s=B * T / t["median_s"], tflops=flops / t["median_s"] / 1e12, mfu=flops / t["median_s"] / ceiling)
-            print(f"{key:24s} {t['median_s'] * 1e3:8.1f} ms  {t['tokens_per_s']:9.0f} tok/s  {t['tflops']:6.0f} TFLOP/s  MFU {t['mfu']:.2f}", flush=True)
+            t.update(
+                tokens_per_s=B * T / t["median_s"],
+                tflops=flops / t["median_s"] / 1e12,
+                mfu=flops / t["median_s"] / ceiling,
+            )
+            print(
+                f"{key:24s} {t['median_s'] * 1e3:8.1f} ms  {t['tokens_per_s']:9.0f} tok/s  {t['tflops']:6.0f} TFLOP/s  MFU {t['mfu']:.2f}",
+                flush=True,
+            )
         else:
             print(f"{key:24s} {t['error']}", flush=True)
     common.write("sft", f"sft-{args.model}", result, args.out)

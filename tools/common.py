@@ -30,7 +30,9 @@ def environment() -> dict:
     commit = os.environ.get("JAXRLHF_COMMIT")
     if not commit:
         try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+            commit = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+            ).stdout.strip()
         except OSError:
             commit = None
     devices = jax.devices()
@@ -78,12 +80,17 @@ def kernel_totals(events: list[dict], top: int = 40, phase_prefix: str = "jaxrlh
     whose interval holds its start ("LINE [other]" outside every phase)."""
     import collections
 
-    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e["name"] in ("process_name", "thread_name")}
+    names = {
+        (e["pid"], e.get("tid")): e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e["name"] in ("process_name", "thread_name")
+    }
     process = lambda e: names.get((e.get("pid"), None), "")
-    phases = sorted((e["ts"], e["ts"] + e.get("dur", 0.0), e["name"][len(phase_prefix):]) for e in events
-                    if e.get("ph") == "X" and e.get("name", "").startswith(phase_prefix)
-                    and not process(e).startswith("/device:"))
+    phases = sorted(
+        (e["ts"], e["ts"] + e.get("dur", 0.0), e["name"][len(phase_prefix) :])
+        for e in events
+        if e.get("ph") == "X" and e.get("name", "").startswith(phase_prefix) and not process(e).startswith("/device:")
+    )
 
     def phase(ts):
         return next((f" [{name}]" for start, end, name in phases if start <= ts <= end), " [other]")
@@ -96,10 +103,16 @@ def kernel_totals(events: list[dict], top: int = 40, phase_prefix: str = "jaxrlh
             total = lines[line][e["name"]]
             total[0] += 1
             total[1] += e.get("dur", 0.0) / 1e3
-    return {line: {"busy_ms": sum(t for _, t in k.values()),
-                   "kernels": [{"name": n[:160], "count": c, "total_ms": t}
-                               for n, (c, t) in sorted(k.items(), key=lambda kv: -kv[1][1])[:top]]}
-            for line, k in lines.items()}
+    return {
+        line: {
+            "busy_ms": sum(t for _, t in k.values()),
+            "kernels": [
+                {"name": n[:160], "count": c, "total_ms": t}
+                for n, (c, t) in sorted(k.items(), key=lambda kv: -kv[1][1])[:top]
+            ],
+        }
+        for line, k in lines.items()
+    }
 
 
 def read_bandwidth(size: int = 2**31, reads: int = 16) -> float:
@@ -111,8 +124,11 @@ def read_bandwidth(size: int = 2**31, reads: int = 16) -> float:
 
     a = jnp.ones((size,), jnp.bfloat16)
     # each pass scales by its own factor, so XLA cannot hoist one sum out of the loop
-    total = jax.jit(lambda x: jax.lax.fori_loop(
-        0, reads, lambda i, acc: acc + jnp.sum(x * (i + 1).astype(x.dtype), dtype=jnp.float32), jnp.float32(0)))
+    total = jax.jit(
+        lambda x: jax.lax.fori_loop(
+            0, reads, lambda i, acc: acc + jnp.sum(x * (i + 1).astype(x.dtype), dtype=jnp.float32), jnp.float32(0)
+        )
+    )
     t = timeit(lambda: total(a), repeats=5)
     return reads * a.nbytes / t["median_s"]
 
@@ -135,7 +151,9 @@ def torch_child(argv: list[str], keys) -> dict:
     """Run `python ARGV` (a benchmark's PyTorch side) in a child process whose JAX stays on the CPU, so that
     it has the whole GPU (JAX preallocates 75% of it), and return the JSON dict of its last stdout line;
     every key in `keys` gets the error where the child fails."""
-    child = subprocess.run([sys.executable, *argv], env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True)
+    child = subprocess.run(
+        [sys.executable, *argv], env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True
+    )
     if child.returncode:
         lines = child.stderr.strip().splitlines() or ["no output"]
         return {str(k): {"error": f"child process failed: {lines[-1][:300]}"} for k in keys}

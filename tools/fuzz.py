@@ -41,12 +41,71 @@ ASSETS = REPO.parent / "shared" / "assets"
 # ------------------------------------------------------------------------------------------ mutations
 
 # Values a structured mutation puts in place of a JSON/YAML value.
-VALUES = [None, True, False, 0, -1, 1, 2**31, 2**63, -(2**63), 10**30, 0.5, 1e308, math.nan, math.inf, -math.inf,
-          "", "x", "\ud800", "a\u2028b", "a\x00b", "\n\nAssistant:", [], [1], ["a", 2], {}, {"a": 1}, {"1": None}]
+VALUES = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    2**31,
+    2**63,
+    -(2**63),
+    10**30,
+    0.5,
+    1e308,
+    math.nan,
+    math.inf,
+    -math.inf,
+    "",
+    "x",
+    "\ud800",
+    "a\u2028b",
+    "a\x00b",
+    "\n\nAssistant:",
+    [],
+    [1],
+    ["a", 2],
+    {},
+    {"a": 1},
+    {"1": None},
+]
 # Byte strings a byte-level mutation inserts.
-TOKENS = [b"\xff", b"\x00", b"\xc3", b"\xe2\x80\xa8", b"\\ud800", b"\n", b"\r", b"\t", b'"', b"'", b"{", b"}", b"[", b"]",
-          b",", b":", b": ", b"- ", b"? ", b"NaN", b".nan", b"-1", b"0", b"1e999", b"null", b"true", b"&a ", b"*a",
-          b"<<: ", b"!!python/object/apply:os.system ['true']", b"!!binary x", b"2001-13-45", b"%YAML 1.1\n---\n"]
+TOKENS = [
+    b"\xff",
+    b"\x00",
+    b"\xc3",
+    b"\xe2\x80\xa8",
+    b"\\ud800",
+    b"\n",
+    b"\r",
+    b"\t",
+    b'"',
+    b"'",
+    b"{",
+    b"}",
+    b"[",
+    b"]",
+    b",",
+    b":",
+    b": ",
+    b"- ",
+    b"? ",
+    b"NaN",
+    b".nan",
+    b"-1",
+    b"0",
+    b"1e999",
+    b"null",
+    b"true",
+    b"&a ",
+    b"*a",
+    b"<<: ",
+    b"!!python/object/apply:os.system ['true']",
+    b"!!binary x",
+    b"2001-13-45",
+    b"%YAML 1.1\n---\n",
+]
 
 
 def mutate_bytes(rng: np.random.Generator, data: bytes) -> bytes:
@@ -144,7 +203,9 @@ class Tally:
         return f"{self.cases} cases: {self.loaded} loaded, {self.refused} refused with our error, {len(self.failures)} failures"
 
 
-def judge(tally: Tally, case: str, names: list[str], load: Callable[[], object], accept: Callable[[object], str | None]):
+def judge(
+    tally: Tally, case: str, names: list[str], load: Callable[[], object], accept: Callable[[object], str | None]
+):
     """Run `load()`: it must return something `accept` finds no fault with (a reason string is a fault), or raise
     InputError with one line naming one of `names`; anything else goes into the tally's failures."""
     from jaxrlhf.config import InputError
@@ -176,8 +237,10 @@ _DATA_ROWS = [
     {"chosen": "\n\nHuman: Hi\n\nAssistant: Hello!", "rejected": "\n\nHuman: Hi\n\nAssistant: Go away."},
     {"prompt": "\n\nHuman: Count.\n\nAssistant:", "chosen": " 1 2 3", "rejected": " 3 2 1"},
 ]
-_SFT_ROWS = [{"prompt": "\n\nHuman: Say yes.\n\nAssistant:", "response": " Yes."},
-             {"prompt": "\n\nHuman: Say no.\n\nAssistant:", "chosen": " No.", "rejected": None}]
+_SFT_ROWS = [
+    {"prompt": "\n\nHuman: Say yes.\n\nAssistant:", "response": " Yes."},
+    {"prompt": "\n\nHuman: Say no.\n\nAssistant:", "chosen": " No.", "rejected": None},
+]
 
 
 def _data_seed(suffix: str, rows: list[dict]) -> bytes:
@@ -234,8 +297,13 @@ def fuzz_data(n: int, seed: int, tally: Tally, workdir: Path, tokenizer) -> Tall
             _write_parquet(rng, file)
         else:
             file.write_bytes(_mutate_data(rng, suffix))
-        cfg = DataConfig(data_path=(str(file),), data_split="1,1,1", eval_fraction=0.4,
-                         on_bad_row="skip" if k % 3 == 0 else "error", cache_dir=str(workdir / "cache"))
+        cfg = DataConfig(
+            data_path=(str(file),),
+            data_split="1,1,1",
+            eval_fraction=0.4,
+            on_bad_row="skip" if k % 3 == 0 else "error",
+            cache_dir=str(workdir / "cache"),
+        )
 
         def load():
             records = {step: step_records(cfg, step)[0] for step in (1, 2, 3)}
@@ -266,12 +334,27 @@ def _bad_record(records) -> str | None:
 
 # --------------------------------------------------------------------------------------------- config
 
-CONFIG_SEEDS = {"sft.yaml": "jaxrlhf.sft:SFTConfig", "reward.yaml": "jaxrlhf.reward:RewardConfig",
-                "ppo.yaml": "jaxrlhf.ppo:PPOConfig", "train.yaml": "jaxrlhf.train:TrainConfig"}
+CONFIG_SEEDS = {
+    "sft.yaml": "jaxrlhf.sft:SFTConfig",
+    "reward.yaml": "jaxrlhf.reward:RewardConfig",
+    "ppo.yaml": "jaxrlhf.ppo:PPOConfig",
+    "train.yaml": "jaxrlhf.train:TrainConfig",
+}
 # Settings that only make sense as 1 or more: the oracle checks every field of these names in what loaded.
-AT_LEAST_ONE = {"batch_size", "epochs", "log_every", "gradient_accumulation_steps", "keep_checkpoints", "tp",
-                "ppo_epochs", "generation_batches", "max_answer_len", "kl_horizon", "unsupervised_block_size",
-                "inference_tp_size"}
+AT_LEAST_ONE = {
+    "batch_size",
+    "epochs",
+    "log_every",
+    "gradient_accumulation_steps",
+    "keep_checkpoints",
+    "tp",
+    "ppo_epochs",
+    "generation_batches",
+    "max_answer_len",
+    "kl_horizon",
+    "unsupervised_block_size",
+    "inference_tp_size",
+}
 
 
 def _settings_class(spec: str):
@@ -328,18 +411,37 @@ def fuzz_config(n: int, seed: int, tally: Tally, workdir: Path) -> Tally:
             overrides = [f"{keys[int(rng.integers(0, len(keys)))]}={value}"]
         file = workdir / f"config{k}.yaml"
         file.write_bytes(data)
-        judge(tally, f"config #{k} from {source.name} {overrides}", [file.name, "command line"],
-              lambda: config.load(cls, str(file), overrides), _bad_settings)
+        judge(
+            tally,
+            f"config #{k} from {source.name} {overrides}",
+            [file.name, "command line"],
+            lambda: config.load(cls, str(file), overrides),
+            _bad_settings,
+        )
         file.unlink()
     return tally
 
 
 # ----------------------------------------------------------------------------------------- checkpoint
 
-TINY_OPT = dict(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, ffn_dim=32,
-                max_position_embeddings=32, word_embed_proj_dim=16)
-TINY_LLAMA = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, max_position_embeddings=32)
+TINY_OPT = dict(
+    vocab_size=64,
+    hidden_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    ffn_dim=32,
+    max_position_embeddings=32,
+    word_embed_proj_dim=16,
+)
+TINY_LLAMA = dict(
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=32,
+)
 
 
 def checkpoint_seeds(root: Path) -> list[Path]:
@@ -352,10 +454,12 @@ def checkpoint_seeds(root: Path) -> list[Path]:
 
     key = jax.random.PRNGKey(0)
     opt, llama = OPTConfig(**TINY_OPT), LlamaConfig(**TINY_LLAMA)
-    folders = [save_hf(root / "opt", opt, init_params(opt, key)),
-               save_hf(root / "opt_head", opt, init_params(opt, key, value_head=True)),
-               save_hf(root / "opt_sharded", opt, init_params(opt, key), max_shard_bytes=4000),
-               save_hf(root / "llama", llama, init_params(llama, key))]
+    folders = [
+        save_hf(root / "opt", opt, init_params(opt, key)),
+        save_hf(root / "opt_head", opt, init_params(opt, key, value_head=True)),
+        save_hf(root / "opt_sharded", opt, init_params(opt, key), max_shard_bytes=4000),
+        save_hf(root / "llama", llama, init_params(llama, key)),
+    ]
     torch_folder = shutil.copytree(folders[0], root / "opt_torch")
     _write_torch(torch_folder / TORCH_FILE, read_tensors(torch_folder))
     (torch_folder / SAFETENSORS_FILE).unlink()
@@ -400,7 +504,9 @@ def _mutate_checkpoint(rng, folder: Path):
     file = files[int(rng.integers(0, len(files)))]
     data = file.read_bytes()
     if file.suffix == ".json":
-        file.write_bytes(VALUES_JSON[int(rng.integers(0, len(VALUES_JSON)))] if rng.random() < 0.1 else mutate_json(rng, data))
+        file.write_bytes(
+            VALUES_JSON[int(rng.integers(0, len(VALUES_JSON)))] if rng.random() < 0.1 else mutate_json(rng, data)
+        )
         return
     if rng.random() > 0.3:  # a tensor edit, when an earlier edit left the file readable
         try:
@@ -415,8 +521,17 @@ def _mutate_checkpoint(rng, folder: Path):
     file.write_bytes(mutate_bytes(rng, data[:400]) + data[400:] if rng.random() < 0.7 else mutate_bytes(rng, data))
 
 
-VALUES_JSON = [b"[]", b'"config"', b"1", b"null", b"", b'{"model_type": "opt"}', b'{"weight_map": []}',
-               b'{"weight_map": {"a": 3}}', b'{"weight_map": {"a": "../../etc/passwd"}}']
+VALUES_JSON = [
+    b"[]",
+    b'"config"',
+    b"1",
+    b"null",
+    b"",
+    b'{"model_type": "opt"}',
+    b'{"weight_map": []}',
+    b'{"weight_map": {"a": 3}}',
+    b'{"weight_map": {"a": "../../etc/passwd"}}',
+]
 
 
 def fuzz_checkpoint(n: int, seed: int, tally: Tally, workdir: Path) -> Tally:

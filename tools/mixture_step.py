@@ -20,22 +20,41 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf import losses
-from jaxrlhf.rl import losses as ppo_losses
-from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide
-from jaxrlhf.rl.experience import advantages, answer_logprobs
 from jaxrlhf.models import OPTConfig, init_params, logits
+from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide
+from jaxrlhf.rl import losses as ppo_losses
+from jaxrlhf.rl.experience import advantages, answer_logprobs
 from jaxrlhf.sharding import make_mesh
 from jaxrlhf.trainer import OptimConfig, make_train_step
 
-ACTOR = OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, ffn_dim=64,
-                  max_position_embeddings=40, word_embed_proj_dim=32, dropout=0.0)
-CRITIC = OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=48,
-                   max_position_embeddings=40, word_embed_proj_dim=16, do_layer_norm_before=False, dropout=0.0)
+ACTOR = OPTConfig(
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    ffn_dim=64,
+    max_position_embeddings=40,
+    word_embed_proj_dim=32,
+    dropout=0.0,
+)
+CRITIC = OPTConfig(
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    ffn_dim=48,
+    max_position_embeddings=40,
+    word_embed_proj_dim=16,
+    do_layer_norm_before=False,
+    dropout=0.0,
+)
 B, PROMPT, G, LM_LEN = 8, 6, 8, 16
 
 
 def lm_mean(params, u):
-    total, count, _ = losses.lm_loss(logits(ACTOR, params, u["input_ids"], u["attention_mask"]), u["input_ids"], u["loss_mask"])
+    total, count, _ = losses.lm_loss(
+        logits(ACTOR, params, u["input_ids"], u["attention_mask"]), u["input_ids"], u["loss_mask"]
+    )
     return total / count
 
 
@@ -47,13 +66,23 @@ def ppo_mean(engine, params, exp):
 def run(scheme: str, args) -> dict:
     side = ModelSide(optim=OptimConfig(learning_rate=args.lr, warmup_steps=0, schedule="constant"))
     cfg = EngineConfig(actor=side, critic=side, precision="fp32", max_answer_len=G, unsup_coef=args.unsup_coef, seed=3)
-    models = [jax.device_get(init_params(c, jax.random.key(i), value_head=i == 1, std=0.3)) for i, c in enumerate((ACTOR, CRITIC))]
+    models = [
+        jax.device_get(init_params(c, jax.random.key(i), value_head=i == 1, std=0.3))
+        for i, c in enumerate((ACTOR, CRITIC))
+    ]
     mesh = make_mesh(1, jax.devices()[:1])
-    engine = HybridEngine(cfg, mesh, (ACTOR, models[0]), (CRITIC, models[1]), total_steps=2 * args.iterations, eos_id=2, pad_id=1)
-    lm_step = jax.jit(make_train_step(
-        lambda p, u, k: (lambda t, c, m: (args.unsup_coef * t, c, m))(*losses.lm_loss(
-            logits(ACTOR, p, u["input_ids"], u["attention_mask"]), u["input_ids"], u["loss_mask"])),
-        engine.static.tx("actor"), cfg.actor.lora))
+    engine = HybridEngine(
+        cfg, mesh, (ACTOR, models[0]), (CRITIC, models[1]), total_steps=2 * args.iterations, eos_id=2, pad_id=1
+    )
+    lm_step = jax.jit(
+        make_train_step(
+            lambda p, u, k: (lambda t, c, m: (args.unsup_coef * t, c, m))(
+                *losses.lm_loss(logits(ACTOR, p, u["input_ids"], u["attention_mask"]), u["input_ids"], u["loss_mask"])
+            ),
+            engine.static.tx("actor"),
+            cfg.actor.lora,
+        )
+    )
     grad_ppo = jax.jit(jax.grad(lambda p, e: ppo_mean(engine, p, e)))
     grad_lm = jax.jit(jax.grad(lm_mean))
     norm = lambda t: float(jnp.sqrt(sum(jnp.sum(x**2) for x in jax.tree.leaves(t))))
@@ -68,23 +97,36 @@ def run(scheme: str, args) -> dict:
         keys = ("seq", "seq_mask", "mask", "logprobs", "ref_logprobs", "values", "scores")
         scored, _ = advantages(engine.static, {k: exp[k] for k in keys}, exp["kl_coef"])
         before = engine.actor_params()
-        row = {"ppo_before": float(ppo_mean(engine, before, scored)), "lm_before": float(lm_mean(before, u)),
-               "ppo_grad_norm": norm(grad_ppo(before, scored)), "lm_grad_norm": args.unsup_coef * norm(grad_lm(before, u))}
+        row = {
+            "ppo_before": float(ppo_mean(engine, before, scored)),
+            "lm_before": float(lm_mean(before, u)),
+            "ppo_grad_norm": norm(grad_ppo(before, scored)),
+            "lm_grad_norm": args.unsup_coef * norm(grad_lm(before, u)),
+        }
         if scheme == "same step":
             stats = engine.train_rlhf(exp, u)
         else:  # DeepSpeed-Chat: the PPO step, then a second step of the same optimizer on the LM loss
             stats = engine.train_rlhf(exp)
             engine.state["actor"], _ = lm_step(engine.state["actor"], jax.tree.map(lambda x: x[None], u))
         after = engine.actor_params()
-        row.update(ppo_after=float(ppo_mean(engine, after, scored)), lm_after=float(lm_mean(after, u)),
-                   reward=stats["reward"], kl=stats["kl"])
+        row.update(
+            ppo_after=float(ppo_mean(engine, after, scored)),
+            lm_after=float(lm_mean(after, u)),
+            reward=stats["reward"],
+            kl=stats["kl"],
+        )
         rows.append(row)
     mean = lambda k: float(np.mean([r[k] for r in rows]))
-    return {"ppo_gain_per_iteration": mean("ppo_before") - mean("ppo_after"),
-            "lm_gain_per_iteration": mean("lm_before") - mean("lm_after"),
-            "ppo_grad_norm": mean("ppo_grad_norm"), "unsup_coef_x_lm_grad_norm": mean("lm_grad_norm"),
-            "lm_loss_first": rows[0]["lm_before"], "lm_loss_last": rows[-1]["lm_after"],
-            "reward_last5": float(np.mean([r["reward"] for r in rows[-5:]])), "kl_last5": float(np.mean([r["kl"] for r in rows[-5:]]))}
+    return {
+        "ppo_gain_per_iteration": mean("ppo_before") - mean("ppo_after"),
+        "lm_gain_per_iteration": mean("lm_before") - mean("lm_after"),
+        "ppo_grad_norm": mean("ppo_grad_norm"),
+        "unsup_coef_x_lm_grad_norm": mean("lm_grad_norm"),
+        "lm_loss_first": rows[0]["lm_before"],
+        "lm_loss_last": rows[-1]["lm_after"],
+        "reward_last5": float(np.mean([r["reward"] for r in rows[-5:]])),
+        "kl_last5": float(np.mean([r["kl"] for r in rows[-5:]])),
+    }
 
 
 def main():

@@ -41,11 +41,17 @@ def make_batch(arrays: dict, idx, step: int, config: DataConfig, pad_id: int) ->
     if step == 3:
         ids, mask = pad_rows(_rows(arrays, "", idx), config.max_prompt_len, pad_id, left=True)
         meta = arrays.get("metadata")
-        return {"prompt_ids": ids, "prompt_mask": mask, "metadata": [{} if meta is None else json.loads(meta[i]) for i in idx]}
+        return {
+            "prompt_ids": ids,
+            "prompt_mask": mask,
+            "metadata": [{} if meta is None else json.loads(meta[i]) for i in idx],
+        }
     if step == 2:
         batch = {}
         for field in ("chosen", "rejected"):
-            batch[f"{field}_ids"], batch[f"{field}_mask"] = pad_rows(_rows(arrays, f"{field}_", idx), config.max_seq_len, pad_id, left=False)
+            batch[f"{field}_ids"], batch[f"{field}_mask"] = pad_rows(
+                _rows(arrays, f"{field}_", idx), config.max_seq_len, pad_id, left=False
+            )
         batch["prompt_len"] = arrays["prompt_len"][np.asarray(idx)].astype(np.int32)
         return batch
     length = config.unsupervised_block_size if step == "unsupervised" else config.max_seq_len
@@ -70,14 +76,28 @@ class Batches:
     very next batch. With several processes, each yields its own contiguous part of every global batch.
     """
 
-    def __init__(self, arrays, step: int, batch_size: int, config: DataConfig, pad_id: int, *, shuffle=True,
-                 epoch: int = 0, position: int = 0, process_index: int = 0, process_count: int = 1):
+    def __init__(
+        self,
+        arrays,
+        step: int,
+        batch_size: int,
+        config: DataConfig,
+        pad_id: int,
+        *,
+        shuffle=True,
+        epoch: int = 0,
+        position: int = 0,
+        process_index: int = 0,
+        process_count: int = 1,
+    ):
         n = num_rows(arrays)
         if batch_size % process_count:
             raise ValueError(f"batch size {batch_size} does not divide over {process_count} processes")
         if n < batch_size:
-            raise ValueError(f"the step {step} set has {n} rows, fewer than one batch of {batch_size}; "
-                             "use more data, a different data_split, or a smaller batch")
+            raise ValueError(
+                f"the step {step} set has {n} rows, fewer than one batch of {batch_size}; "
+                "use more data, a different data_split, or a smaller batch"
+            )
         self.arrays, self.step, self.batch_size, self.config, self.pad_id = arrays, step, batch_size, config, pad_id
         self.shuffle, self.epoch, self.position = shuffle, epoch, position
         self.process_index, self.process_count = process_index, process_count
@@ -91,7 +111,11 @@ class Batches:
 
     def _order(self, epoch: int) -> np.ndarray:
         n = num_rows(self.arrays)
-        return _rng(self.config.seed, "batches", str(self.step), str(epoch)).permutation(n) if self.shuffle else np.arange(n)
+        return (
+            _rng(self.config.seed, "batches", str(self.step), str(epoch)).permutation(n)
+            if self.shuffle
+            else np.arange(n)
+        )
 
     def __iter__(self):
         while True:

@@ -69,7 +69,9 @@ class DataConfig:
     def __post_init__(self):
         split_shares(self.data_split)  # raises on a malformed split
         # At least 2 tokens: BOS plus one (a block: one input and its target).
-        check_fields(self, eval_fraction="[0, 1)", max_seq_len=">= 2", max_prompt_len=">= 2", unsupervised_block_size=">= 2")
+        check_fields(
+            self, eval_fraction="[0, 1)", max_seq_len=">= 2", max_prompt_len=">= 2", unsupervised_block_size=">= 2"
+        )
 
 
 def split_shares(data_split: str) -> list[float]:
@@ -112,7 +114,9 @@ def step_records(config: DataConfig, step: int) -> tuple[dict[str, list[Record]]
         raise ValueError(f"step: expected 1, 2 or 3, got {step}")
     out = {"train": [], "eval": []}
     reports = []
-    sources = [(s, False) for s in config.data_path] + [(s, True) for s in (config.sft_only_data_path if step == 1 else ())]
+    sources = [(s, False) for s in config.data_path] + [
+        (s, True) for s in (config.sft_only_data_path if step == 1 else ())
+    ]
     if not sources:
         raise DataError("no datasets given: set data_path (e.g. data_path: [synthetic])")
     for spec, sft_only in sources:
@@ -120,11 +124,15 @@ def step_records(config: DataConfig, step: int) -> tuple[dict[str, list[Record]]
         reports += [report for _, report in split.values()]
         train, evaluation = _train_eval(split, config.eval_fraction, config.seed, spec)
         if step == 2 and any(r.rejected is None for r in train + evaluation):  # eval pairs are scored too
-            raise DataError(f"{spec}: has rows without a rejected response, so it cannot train a reward model; "
-                            "list it under sft_only_data_path")
+            raise DataError(
+                f"{spec}: has rows without a rejected response, so it cannot train a reward model; "
+                "list it under sft_only_data_path"
+            )
         for part, rows in (("train", train), ("eval", evaluation)):
             if not sft_only:
-                rows = [rows[i] for i in step_indices(len(rows), config.data_split, step, config.seed, f"{spec}/{part}")]
+                rows = [
+                    rows[i] for i in step_indices(len(rows), config.data_split, step, config.seed, f"{spec}/{part}")
+                ]
             out[part] += rows
     for part in out:  # blend: one seeded shuffle over all sources
         out[part] = [out[part][i] for i in _rng(config.seed, "blend", str(step), part).permutation(len(out[part]))]
@@ -205,8 +213,13 @@ def cache_key(config: DataConfig, step: int, tokenizer) -> str:
     fields = dataclasses.asdict(config)
     fields.pop("cache_dir")
     sources = [fingerprint(s) for s in (*config.data_path, *config.sft_only_data_path, *config.unsupervised_data_path)]
-    blob = {"version": CACHE_VERSION, "step": step, "config": fields, "sources": sources,
-            "tokenizer": _tokenizer_hash(tokenizer)}
+    blob = {
+        "version": CACHE_VERSION,
+        "step": step,
+        "config": fields,
+        "sources": sources,
+        "tokenizer": _tokenizer_hash(tokenizer),
+    }
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -224,7 +237,10 @@ def prepare(config: DataConfig, step: int | str, tokenizer, *, log=print) -> dic
     file = _cache_dir(config) / f"step{step}-{key}.npz"
     if file.is_file():
         with np.load(file) as z:
-            data = {part: {k.split("/", 1)[1]: z[k] for k in z.files if k.startswith(part + "/")} for part in ("train", "eval")}
+            data = {
+                part: {k.split("/", 1)[1]: z[k] for k in z.files if k.startswith(part + "/")}
+                for part in ("train", "eval")
+            }
             data["stats"] = json.loads(str(z["stats"]))
         log(f"data: step {step} from cache {file}")
         return data

@@ -102,8 +102,10 @@ def _text(row: dict, field: str, *, optional: bool = False) -> str | None:
     try:  # JSON's "\ud800" escape gives a str that no tokenizer (and no UTF-8 file) can hold
         value.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise DataError(f"field '{field}' holds a lone UTF-16 surrogate ({value[e.start]!r} at character {e.start}), "
-                        "half of a character; write the file again from the original text") from None
+        raise DataError(
+            f"field '{field}' holds a lone UTF-16 surrogate ({value[e.start]!r} at character {e.start}), "
+            "half of a character; write the file again from the original text"
+        ) from None
     return value
 
 
@@ -162,16 +164,25 @@ class HubAdapter:
 HUB_ADAPTERS: dict[str, HubAdapter] = {
     "Dahoas/rm-static": HubAdapter(lambda r: Record(r["prompt"], r["chosen"], r["rejected"]), "test"),
     "Dahoas/full-hh-rlhf": HubAdapter(lambda r: Record(r["prompt"], r["chosen"], r["rejected"]), "test"),
-    "Dahoas/synthetic-instruct-gptj-pairwise": HubAdapter(lambda r: Record(
-        " Human: " + r["prompt"] + " Assistant:", " " + r["chosen"], " " + r["rejected"]), None),
-    "yitingxie/rlhf-reward-datasets": HubAdapter(lambda r: Record(
-        r["prompt"] + "Assistant:", r["chosen"].split("Assistant:")[-1], r["rejected"].split("Assistant:")[-1]),
-        "test"),
-    "openai/webgpt_comparisons": HubAdapter(lambda r: Record(
-        " Human: " + r["question"]["full_text"] + " Assistant:", _webgpt_answer(r, True), _webgpt_answer(r, False)),
-        None),
-    "stanfordnlp/SHP": HubAdapter(lambda r: Record(
-        " Human: " + r["history"] + " Assistant:", _shp_answer(r, True), _shp_answer(r, False)), "validation"),
+    "Dahoas/synthetic-instruct-gptj-pairwise": HubAdapter(
+        lambda r: Record(" Human: " + r["prompt"] + " Assistant:", " " + r["chosen"], " " + r["rejected"]), None
+    ),
+    "yitingxie/rlhf-reward-datasets": HubAdapter(
+        lambda r: Record(
+            r["prompt"] + "Assistant:", r["chosen"].split("Assistant:")[-1], r["rejected"].split("Assistant:")[-1]
+        ),
+        "test",
+    ),
+    "openai/webgpt_comparisons": HubAdapter(
+        lambda r: Record(
+            " Human: " + r["question"]["full_text"] + " Assistant:", _webgpt_answer(r, True), _webgpt_answer(r, False)
+        ),
+        None,
+    ),
+    "stanfordnlp/SHP": HubAdapter(
+        lambda r: Record(" Human: " + r["history"] + " Assistant:", _shp_answer(r, True), _shp_answer(r, False)),
+        "validation",
+    ),
 }
 
 
@@ -183,8 +194,10 @@ def _read_text(path: Path) -> str:
     try:
         data = gzip.decompress(path.read_bytes()) if path.name.lower().endswith(".gz") else path.read_bytes()
     except (OSError, EOFError, zlib.error) as e:  # truncated, not gzip at all, or a corrupt stream
-        raise DataError(f"{path}: cannot decompress ({one_line(e)}); the file is truncated or corrupt: "
-                        "download or compress it again") from None
+        raise DataError(
+            f"{path}: cannot decompress ({one_line(e)}); the file is truncated or corrupt: "
+            "download or compress it again"
+        ) from None
     return decode_utf8(data, path, DataError)
 
 
@@ -208,8 +221,9 @@ def _rows(path: Path) -> Iterable[tuple[str, Any]]:
         try:
             rows = pq.read_table(path).to_pylist()
         except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
-            raise DataError(f"{path}: cannot read parquet ({one_line(e)}); the file is truncated or corrupt: "
-                            "write it again") from None
+            raise DataError(
+                f"{path}: cannot read parquet ({one_line(e)}); the file is truncated or corrupt: write it again"
+            ) from None
         for i, row in enumerate(rows):
             yield f"{path} row {i}", row
         return
@@ -246,8 +260,9 @@ def _collect(source: str, rows: Iterable[tuple[str, Any]], convert, on_bad_row: 
 SUFFIXES = (".json", ".jsonl", ".jsonl.gz", ".json.gz", ".parquet")
 
 
-def read_source(spec: str, *, on_bad_row: str = "error", seed: int = 1234,
-                eval_fraction: float = 0.1) -> dict[str, tuple[list[Record], Report]]:
+def read_source(
+    spec: str, *, on_bad_row: str = "error", seed: int = 1234, eval_fraction: float = 0.1
+) -> dict[str, tuple[list[Record], Report]]:
     """The records of one source by split: {"train": ...} and, where the source has one, {"eval": ...}.
 
     The synthetic task has its own eval split (`eval_fraction` of its pairs), labelled without noise."""
@@ -256,7 +271,10 @@ def read_source(spec: str, *, on_bad_row: str = "error", seed: int = 1234,
 
         n = int(spec.split(":", 1)[1]) if ":" in spec else 4000
         splits = synthetic.preference_splits(n, seed, eval_fraction)
-        return {part: ([Record(**r) for r in rows], Report(f"{spec} [{part}]", kept=len(rows))) for part, rows in splits.items()}
+        return {
+            part: ([Record(**r) for r in rows], Report(f"{spec} [{part}]", kept=len(rows)))
+            for part, rows in splits.items()
+        }
     path = Path(spec)
     if path.is_file():
         if not path.name.lower().endswith(SUFFIXES):
@@ -307,8 +325,10 @@ def _read_hub(name: str, on_bad_row: str):
     try:
         data = load_dataset(_snapshot(name))
     except Exception as e:  # noqa: BLE001 - offline, unknown revision, auth: all end the same way for the user
-        raise DataError(f"{name}: could not load from the Hugging Face hub ({type(e).__name__}: {one_line(e, 120)}); "
-                        "download it where a hub is reachable and pass the saved folder instead") from None
+        raise DataError(
+            f"{name}: could not load from the Hugging Face hub ({type(e).__name__}: {one_line(e, 120)}); "
+            "download it where a hub is reachable and pass the saved folder instead"
+        ) from None
     out = {}
     for part, split in (("train", "train"), ("eval", adapter.eval_split)):
         if split:
@@ -342,7 +362,9 @@ def read_texts(spec: str) -> list[str]:
 
     def text_field(row):
         if not isinstance(row, dict) or "text" not in row:
-            raise DataError(f"expected a row with a string field 'text', got {sorted(row) if isinstance(row, dict) else row!r}")
+            raise DataError(
+                f"expected a row with a string field 'text', got {sorted(row) if isinstance(row, dict) else row!r}"
+            )
         return _text(row, "text")
 
     if path.is_file():
@@ -358,8 +380,8 @@ def read_texts(spec: str) -> list[str]:
         try:
             data = load_dataset(_snapshot(name), config or None)
         except Exception as e:  # noqa: BLE001 - offline or unknown name
-            raise DataError(f"{spec}: not a file, a folder, or a dataset the hub returned ({type(e).__name__}: "
-                            f"{one_line(e, 120)})") from None
+            raise DataError(
+                f"{spec}: not a file, a folder, or a dataset the hub returned ({type(e).__name__}: {one_line(e, 120)})"
+            ) from None
     data = data["train"] if "train" in getattr(data, "keys", lambda: [])() else data
     return _collect(spec, ((f"{spec} row {i}", row) for i, row in enumerate(data)), text_field, "error")[0]
-

@@ -30,8 +30,26 @@ from pathlib import Path
 import numpy as np
 
 # Nouns that TinyStories-trained models write often enough to be found in a pool of their own stories.
-WORDS = ("ball", "dog", "cat", "tree", "bird", "toy", "cake", "car", "flower", "fish", "box", "boat", "bear",
-         "sun", "apple", "bunny", "kite", "frog")
+WORDS = (
+    "ball",
+    "dog",
+    "cat",
+    "tree",
+    "bird",
+    "toy",
+    "cake",
+    "car",
+    "flower",
+    "fish",
+    "box",
+    "boat",
+    "bear",
+    "sun",
+    "apple",
+    "bunny",
+    "kite",
+    "frog",
+)
 OPENING = " Once upon a time,"
 _PROMPT = re.compile(r"\n\nHuman: Tell me a story about an? (\w+)\.\n\nAssistant:")
 
@@ -60,8 +78,9 @@ def gold_reward(prompt: str, answer: str) -> float:
     return float(uses(answer, prompt_word(prompt)))
 
 
-def records(stories: list[str], n: int, seed: int = 0, label_noise: float = 0.0, min_hits: int = 20,
-            off_topic: float = 0.5) -> list[dict]:
+def records(
+    stories: list[str], n: int, seed: int = 0, label_noise: float = 0.0, min_hits: int = 20, off_topic: float = 0.5
+) -> list[dict]:
     """`n` {prompt, chosen, rejected} records from a pool of stories (see the module docstring).
 
     Only words that at least `min_hits` pooled stories use are asked for (a word with a handful of stories
@@ -99,12 +118,25 @@ def demonstrations(stories: list[str], rows: list[dict], seed: int = 0, on_reque
     requested word) for `on_request` of them, else by a random pooled story, which uses the word only as often
     as the model's own stories do: an uneven demonstrator, so the Step 1 model honours the request sometimes."""
     rng = np.random.default_rng([seed, 1])
-    return [{"prompt": r["prompt"], "chosen": r["chosen"] if rng.random() < on_request else stories[rng.integers(len(stories))]}
-            for r in rows]
+    return [
+        {
+            "prompt": r["prompt"],
+            "chosen": r["chosen"] if rng.random() < on_request else stories[rng.integers(len(stories))],
+        }
+        for r in rows
+    ]
 
 
-def write(stories: list[str], out_dir: str | Path, *, n: int = 1500, demos: int = 500, seed: int = 0,
-          on_request: float = 0.5, **kwargs) -> Path:
+def write(
+    stories: list[str],
+    out_dir: str | Path,
+    *,
+    n: int = 1500,
+    demos: int = 500,
+    seed: int = 0,
+    on_request: float = 0.5,
+    **kwargs,
+) -> Path:
     """From a pool of the model's own stories, `n` preference records to OUT_DIR/pairs.jsonl and `demos` Step 1
     demonstrations to OUT_DIR/demos.jsonl (JSON lines). jaxrlhf.stories samples the pool."""
     out_dir = Path(out_dir)

@@ -50,8 +50,10 @@ def prompt_items(prompt: str) -> list[str]:
     """The letters a sorting prompt asks about; ValueError for any other prompt."""
     match = _PROMPT.fullmatch(prompt) if isinstance(prompt, str) else None
     if match is None:
-        raise ValueError(f"not a synthetic sorting prompt: expected '\\n\\nHuman: {INSTRUCTION} <letters separated by "
-                         f"spaces>\\n\\nAssistant:', got {str(prompt)[:80]!r}")
+        raise ValueError(
+            f"not a synthetic sorting prompt: expected '\\n\\nHuman: {INSTRUCTION} <letters separated by "
+            f"spaces>\\n\\nAssistant:', got {str(prompt)[:80]!r}"
+        )
     return match.group(1).split()
 
 
@@ -118,13 +120,16 @@ class SyntheticTask:
 
     def __post_init__(self):
         if not 2 <= self.min_items <= self.max_items:
-            raise ValueError(f"SyntheticTask: expected 2 <= min_items <= max_items, got {self.min_items} and "
-                             f"{self.max_items}")
+            raise ValueError(
+                f"SyntheticTask: expected 2 <= min_items <= max_items, got {self.min_items} and {self.max_items}"
+            )
         if len(set(self.alphabet)) != len(self.alphabet) or any(c.isspace() for c in self.alphabet):
             raise ValueError(f"SyntheticTask.alphabet: expected distinct non-space characters, got {self.alphabet!r}")
         if self.max_items > len(self.alphabet):
-            raise ValueError(f"SyntheticTask: max_items {self.max_items} exceeds the {len(self.alphabet)} letters of "
-                             "the alphabet (the letters of a prompt are distinct)")
+            raise ValueError(
+                f"SyntheticTask: max_items {self.max_items} exceeds the {len(self.alphabet)} letters of "
+                "the alphabet (the letters of a prompt are distinct)"
+            )
         for name in ("error_rate", "flip_rate"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"SyntheticTask.{name}: expected a probability in [0, 1], got {getattr(self, name)}")

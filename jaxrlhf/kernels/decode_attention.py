@@ -152,7 +152,9 @@ def xla_decode_attention(q, k, v, start, end, layer=0):
 
 def _repeat_rows(x, copies: int):
     """x [G, ...] as [copies * G, ...]: row r * G + g holds x[g] (tensor-core products need 16 rows)."""
-    return x if copies == 1 else jnp.broadcast_to(x[None], (copies, *x.shape)).reshape(copies * x.shape[0], *x.shape[1:])
+    return (
+        x if copies == 1 else jnp.broadcast_to(x[None], (copies, *x.shape)).reshape(copies * x.shape[0], *x.shape[1:])
+    )
 
 
 def _attend(q, k_ref, v_ref, layer, b, h, start, end, init, *, block_s: int, use_dot: bool, mask_loads: bool):
@@ -166,8 +168,9 @@ def _attend(q, k_ref, v_ref, layer, b, h, start, end, init, *, block_s: int, use
         pos = s0 + jax.lax.broadcasted_iota(jnp.int32, (block_s, 1), 0)
         valid = (pos >= start) & (pos < end)  # [block_s, 1]
         if mask_loads:
-            load = lambda ref: pltriton.load(ref.at[layer, b, h, pl.ds(s0, block_s), :],
-                                             mask=jnp.broadcast_to(valid, (block_s, K)), other=0)
+            load = lambda ref: pltriton.load(
+                ref.at[layer, b, h, pl.ds(s0, block_s), :], mask=jnp.broadcast_to(valid, (block_s, K)), other=0
+            )
         else:
             load = lambda ref: ref[layer, b, h, pl.ds(s0, block_s), :]
         kb, vb = load(k_ref), load(v_ref)  # [block_s, K]
@@ -195,8 +198,19 @@ def _one_copy(x, copies: int):
     return x if copies == 1 else jnp.max(x.reshape(copies, -1, *x.shape[1:]), axis=0)
 
 
-def _kernel(layer_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *out_refs, block_s: int, chunk: int,
-            use_dot: bool, mask_loads: bool):
+def _kernel(
+    layer_ref,
+    start_ref,
+    end_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    *out_refs,
+    block_s: int,
+    chunk: int,
+    use_dot: bool,
+    mask_loads: bool,
+):
     # layer_ref [1]; start_ref, end_ref [1] (this row's valid range); q_ref [G, K] (the queries of one KV head);
     # k_ref, v_ref: the whole cache [L, B, Hkv, S, K]. This program reads the chunk of slots
     # [j * chunk, (j + 1) * chunk). out_refs: o_ref [G, K] (one split: the output), or acc_ref [G, K],
@@ -211,8 +225,9 @@ def _kernel(layer_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *out_refs, block
     # The running max starts at -1e30, our finite -inf: the first rescale exp(m - m_new) is 0, not NaN, and a
     # chunk with no valid slot leaves m = -1e30, l = acc = 0.
     init = (jnp.full((rows,), -1e30, jnp.float32), jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, K), jnp.float32))
-    m, l, acc = _attend(q, k_ref, v_ref, layer_ref[0], b, h, start, end, init, block_s=block_s, use_dot=use_dot,
-                        mask_loads=mask_loads)
+    m, l, acc = _attend(
+        q, k_ref, v_ref, layer_ref[0], b, h, start, end, init, block_s=block_s, use_dot=use_dot, mask_loads=mask_loads
+    )
     m, l, acc = (_one_copy(x, copies) for x in (m, l, acc))
     if len(out_refs) == 1:
         out_refs[0][...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(out_refs[0].dtype)
@@ -221,9 +236,31 @@ def _kernel(layer_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *out_refs, block
         acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
 
 
-def _step_kernel(layer_ref, start_ref, slot_ref, qkv_ref, cos_ref, sin_ref, x_ref, sum_ref, sq_ref, colsum_ref,
-                 bias_ref, k_ref, v_ref, o_ref, ko_ref, vo_ref, *, block_s: int, mask_loads: bool, rope: bool,
-                 eps: float | None, width: int | None, bias: bool):
+def _step_kernel(
+    layer_ref,
+    start_ref,
+    slot_ref,
+    qkv_ref,
+    cos_ref,
+    sin_ref,
+    x_ref,
+    sum_ref,
+    sq_ref,
+    colsum_ref,
+    bias_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    ko_ref,
+    vo_ref,
+    *,
+    block_s: int,
+    mask_loads: bool,
+    rope: bool,
+    eps: float | None,
+    width: int | None,
+    bias: bool,
+):
     # qkv_ref: the whole [B, Hkv, G + 2, K] (per KV head its G queries, key, value); cos_ref, sin_ref [K / 2]; x_ref
     # [B, D] (a folded RMSNorm's input); sum_ref, sq_ref [1] (a folded LayerNorm's input row: its sum and sum of
     # squares over `width` values), colsum_ref [Hkv, G + 2, K] (its kernel's column sums); bias_ref [Hkv, G + 2, K];
@@ -263,8 +300,12 @@ def _step_kernel(layer_ref, start_ref, slot_ref, qkv_ref, cos_ref, sin_ref, x_re
         # (exact: one nonzero term per output).
         i = jax.lax.broadcasted_iota(jnp.int32, (half, K), 0)
         j = jax.lax.broadcasted_iota(jnp.int32, (half, K), 1)
-        place = lambda x, at: jnp.dot(_repeat_rows(x, copies), (j == i + at).astype(x.dtype),
-                                      precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        place = lambda x, at: jnp.dot(
+            _repeat_rows(x, copies),
+            (j == i + at).astype(x.dtype),
+            precision=jax.lax.Precision.HIGHEST,
+            preferred_element_type=jnp.float32,
+        )
         q = (place(q1, 0) + place(q2, half)).astype(o_ref.dtype)  # [rows, K]
     else:
         k_new = part(G, 1, 0, K)
@@ -277,8 +318,9 @@ def _step_kernel(layer_ref, start_ref, slot_ref, qkv_ref, cos_ref, sin_ref, x_re
     # This token's own slot starts the online softmax (weight 1 at its score); the loop reads the cached slots before it.
     rows = copies * G
     init = (_repeat_rows(s_new, copies), jnp.ones((rows,), jnp.float32), jnp.broadcast_to(v_new, (rows, K)))
-    m, l, acc = _attend(q, k_ref, v_ref, layer, b, h, start_ref[0], slot, init, block_s=block_s, use_dot=True,
-                        mask_loads=mask_loads)
+    m, l, acc = _attend(
+        q, k_ref, v_ref, layer, b, h, start_ref[0], slot, init, block_s=block_s, use_dot=True, mask_loads=mask_loads
+    )
     l, acc = _one_copy(l, copies), _one_copy(acc, copies)
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
 
@@ -323,11 +365,16 @@ def _pallas(q, k, v, layer, start, end, *, config):
         out_specs = [part(G, K), part(G), part(G)]
         out_shape = [jax.ShapeDtypeStruct((B, Hkv, splits, *shape), jnp.float32) for shape in ((G, K), (G,), (G,))]
     out = pl.pallas_call(
-        functools.partial(_kernel, block_s=block_s, chunk=chunk, use_dot=config.use_dot,
-                          mask_loads=config.mask_loads),
+        functools.partial(_kernel, block_s=block_s, chunk=chunk, use_dot=config.use_dot, mask_loads=config.mask_loads),
         grid=(B, Hkv, splits),
-        in_specs=[pl.BlockSpec((1,), lambda b, h, j: (0,)), row, row,
-                  pl.BlockSpec((None, None, G, K), lambda b, h, j: (b, h, 0, 0)), pl.no_block_spec, pl.no_block_spec],
+        in_specs=[
+            pl.BlockSpec((1,), lambda b, h, j: (0,)),
+            row,
+            row,
+            pl.BlockSpec((None, None, G, K), lambda b, h, j: (b, h, 0, 0)),
+            pl.no_block_spec,
+            pl.no_block_spec,
+        ],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=params,
@@ -339,8 +386,27 @@ def _pallas(q, k, v, layer, start, end, *, config):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "rope", "eps", "width", "bias"))
-def _pallas_step(qkv, k, v, layer, start, slot, cos, sin, x, sums, squares, colsum, b, *, config, rope: bool,
-                 eps: float | None, width: int | None, bias: bool):
+def _pallas_step(
+    qkv,
+    k,
+    v,
+    layer,
+    start,
+    slot,
+    cos,
+    sin,
+    x,
+    sums,
+    squares,
+    colsum,
+    b,
+    *,
+    config,
+    rope: bool,
+    eps: float | None,
+    width: int | None,
+    bias: bool,
+):
     B, Hkv, G2, K = qkv.shape
     G, S = G2 - 2, k.shape[3]
     interpret, params, _, block_s = _launch(config, K, S, G)
@@ -349,13 +415,17 @@ def _pallas_step(qkv, k, v, layer, start, slot, cos, sin, x, sums, squares, cols
     scalar = pl.BlockSpec((1,), lambda b, h: (0,))
     whole = pl.no_block_spec
     out, k, v = pl.pallas_call(
-        functools.partial(_step_kernel, block_s=block_s, mask_loads=config.mask_loads, rope=rope, eps=eps,
-                          width=width, bias=bias),
+        functools.partial(
+            _step_kernel, block_s=block_s, mask_loads=config.mask_loads, rope=rope, eps=eps, width=width, bias=bias
+        ),
         grid=(B, Hkv),
         in_specs=[scalar, row, row, whole, table, table, whole, row, row, whole, whole, whole, whole],
         out_specs=[pl.BlockSpec((None, None, G, K), lambda b, h: (b, h, 0, 0)), whole, whole],
-        out_shape=[jax.ShapeDtypeStruct((B, Hkv, G, K), k.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-                   jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, Hkv, G, K), k.dtype),
+            jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+        ],
         input_output_aliases={11: 1, 12: 2},
         compiler_params=params,
         interpret=interpret,
@@ -364,8 +434,9 @@ def _pallas_step(qkv, k, v, layer, start, slot, cos, sin, x, sums, squares, cols
     return out.reshape(B, Hkv * G, K), k, v
 
 
-def fuses_step(config: DecodeAttentionConfig, batch: int, kv_heads: int, slots: int, head_dim: int, groups: int,
-               mesh=None) -> bool:
+def fuses_step(
+    config: DecodeAttentionConfig, batch: int, kv_heads: int, slots: int, head_dim: int, groups: int, mesh=None
+) -> bool:
     """Whether `decode_step` runs as one kernel for these shapes (per shard under `mesh`): the kernel is in use
     (`use_kernel`), with tensor-core products, and one program per (row, KV head) covers all slots (no splits)."""
     if not (config.use_kernel(head_dim, groups) and config.use_dot):
@@ -376,8 +447,21 @@ def fuses_step(config: DecodeAttentionConfig, batch: int, kv_heads: int, slots: 
     return config.splits(batch * kv_heads, slots, _launch(config, head_dim, slots, groups)[2], head_dim, groups) == 1
 
 
-def decode_step(qkv, k, v, start, slot, layer=0, *, rope=None, rms=None, layer_norm=None, bias=None,
-                config: DecodeAttentionConfig = DecodeAttentionConfig(), mesh=None):
+def decode_step(
+    qkv,
+    k,
+    v,
+    start,
+    slot,
+    layer=0,
+    *,
+    rope=None,
+    rms=None,
+    layer_norm=None,
+    bias=None,
+    config: DecodeAttentionConfig = DecodeAttentionConfig(),
+    mesh=None,
+):
     """One decode step's attention straight from the stacked q/k/v product, in one kernel (see `fuses_step`).
 
     qkv [B, Hkv, G + 2, K]: per KV head its G queries (pre-scaled), its key and its value, this step's token (the
@@ -404,26 +488,56 @@ def decode_step(qkv, k, v, start, slot, layer=0, *, rope=None, rms=None, layer_n
     unread = lambda *shape: jnp.zeros(shape, jnp.float32)  # operands of the parts switched off
     cos, sin = rope if rope is not None else (unread(B, K // 2),) * 2
     x, eps = rms if rms is not None else (unread(B, 1), None)
-    sums, squares, width, ln_eps, colsum = layer_norm if layer_norm is not None else (
-        unread(B), unread(B), None, None, unread(Hkv, G2, K))
+    sums, squares, width, ln_eps, colsum = (
+        layer_norm if layer_norm is not None else (unread(B), unread(B), None, None, unread(Hkv, G2, K))
+    )
     eps = ln_eps if layer_norm is not None else eps
     b = bias if bias is not None else unread(Hkv, G2, K)
-    fn = functools.partial(_pallas_step, config=config, rope=rope is not None, eps=eps, width=width,
-                           bias=bias is not None)
+    fn = functools.partial(
+        _pallas_step, config=config, rope=rope is not None, eps=eps, width=width, bias=bias is not None
+    )
     if mesh is not None and mesh.size > 1:
         rows = rows_axis(mesh, B)
         cache, heads = P(None, rows, "model", None, None), P("model", None, None)
-        specs = (P(rows, "model", None, None), cache, cache, P(), P(rows), P(rows), P(rows, None), P(rows, None),
-                 P(rows, None), P(rows), P(rows), heads, heads)
-        fn = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=(P(rows, "model", None), cache, cache),
-                           check_vma=False)
+        specs = (
+            P(rows, "model", None, None),
+            cache,
+            cache,
+            P(),
+            P(rows),
+            P(rows),
+            P(rows, None),
+            P(rows, None),
+            P(rows, None),
+            P(rows),
+            P(rows),
+            heads,
+            heads,
+        )
+        fn = jax.shard_map(
+            fn, mesh=mesh, in_specs=specs, out_specs=(P(rows, "model", None), cache, cache), check_vma=False
+        )
     f32 = lambda x: x.astype(jnp.float32)
-    return fn(qkv, k, v, jnp.asarray(layer, jnp.int32), start, slot, f32(cos), f32(sin), x,
-              f32(sums), f32(squares), f32(colsum), b)
+    return fn(
+        qkv,
+        k,
+        v,
+        jnp.asarray(layer, jnp.int32),
+        start,
+        slot,
+        f32(cos),
+        f32(sin),
+        x,
+        f32(sums),
+        f32(squares),
+        f32(colsum),
+        b,
+    )
 
 
-def decode_attention(q, k, v, start, end, layer=0, *, config: DecodeAttentionConfig = DecodeAttentionConfig(),
-                     mesh=None):
+def decode_attention(
+    q, k, v, start, end, layer=0, *, config: DecodeAttentionConfig = DecodeAttentionConfig(), mesh=None
+):
     """Attention of one query per row over its valid cache slots (shapes in the module docstring).
 
     Rows with start >= end give zeros (kernel) or a uniform average (XLA); generation never has one.
@@ -441,8 +555,17 @@ def decode_attention(q, k, v, start, end, layer=0, *, config: DecodeAttentionCon
     if mesh is not None and mesh.size > 1:
         rows = rows_axis(mesh, B)
         fn = jax.shard_map(
-            fn, mesh=mesh,
-            in_specs=(P(rows, "model", None), P(None, rows, "model", None, None), P(None, rows, "model", None, None),
-                      P(), P(rows), P(rows)),
-            out_specs=P(rows, "model", None), check_vma=False)
+            fn,
+            mesh=mesh,
+            in_specs=(
+                P(rows, "model", None),
+                P(None, rows, "model", None, None),
+                P(None, rows, "model", None, None),
+                P(),
+                P(rows),
+                P(rows),
+            ),
+            out_specs=P(rows, "model", None),
+            check_vma=False,
+        )
     return fn(q, k, v, layer, start, end)

@@ -39,8 +39,9 @@ def split_for(k: int, n: int) -> int:
     """How many ways K is split: doubled while the (N / BLOCK_N) x split programs stay within MAX_PROGRAMS and
     each share of K keeps at least two whole blocks. fc1 2048 x 8192: 1 (128 programs); fc2 8192 x 2048: 4."""
     split = 1
-    while (n // BLOCK_N * 2 * split <= MAX_PROGRAMS
-           and k % (2 * split * BLOCK_K) == 0 and k // (2 * split) >= 2 * BLOCK_K):
+    while (
+        n // BLOCK_N * 2 * split <= MAX_PROGRAMS and k % (2 * split * BLOCK_K) == 0 and k // (2 * split) >= 2 * BLOCK_K
+    ):
         split *= 2
     return split
 
@@ -120,9 +121,11 @@ def decode_matmul(x, w, *, bias=None, layer_norm=None, relu: bool = False, inter
 
     def product(x, w, norm, bias):
         if not applies(x.shape[0], *w.shape):
-            raise ValueError(f"decode_matmul: {x.shape[0]} rows and a {w.shape[0]} x {w.shape[1]} matrix per shard; "
-                             f"the kernel takes {', '.join(map(str, ROWS))} rows, K a multiple of {BLOCK_K} and N of "
-                             f"{BLOCK_N} (check `applies` first and run the product in XLA otherwise)")
+            raise ValueError(
+                f"decode_matmul: {x.shape[0]} rows and a {w.shape[0]} x {w.shape[1]} matrix per shard; "
+                f"the kernel takes {', '.join(map(str, ROWS))} rows, K a multiple of {BLOCK_K} and N of "
+                f"{BLOCK_N} (check `applies` first and run the product in XLA otherwise)"
+            )
         split = 1 if epilogue else split_for(*w.shape)
         out = _pallas(x, w, norm, bias, eps=eps, relu=relu, split=split, interpret=interpret)
         return out[0] if epilogue else jnp.sum(out, axis=0)
@@ -132,9 +135,14 @@ def decode_matmul(x, w, *, bias=None, layer_norm=None, relu: bool = False, inter
     rows = rows_axis(mesh, x.shape[0])
     if epilogue:  # column-parallel: each shard its columns of N, x whole
         norm_specs = None if norm is None else (P(rows), P(rows), P("model"))
-        return jax.shard_map(product, mesh=mesh, in_specs=(P(rows, None), P(None, "model"), norm_specs,
-                                                           None if bias is None else P("model")),
-                             out_specs=P(rows, "model"), check_vma=False)(x, w, norm, bias)
+        return jax.shard_map(
+            product,
+            mesh=mesh,
+            in_specs=(P(rows, None), P(None, "model"), norm_specs, None if bias is None else P("model")),
+            out_specs=P(rows, "model"),
+            check_vma=False,
+        )(x, w, norm, bias)
     row_parallel = lambda x, w: jax.lax.psum(product(x, w, None, None), "model")
-    return jax.shard_map(row_parallel, mesh=mesh, in_specs=(P(rows, "model"), P("model", None)),
-                         out_specs=P(rows, None), check_vma=False)(x, w)
+    return jax.shard_map(
+        row_parallel, mesh=mesh, in_specs=(P(rows, "model"), P("model", None)), out_specs=P(rows, None), check_vma=False
+    )(x, w)

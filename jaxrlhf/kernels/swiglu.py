@@ -44,7 +44,9 @@ def _kernel(h_ref, gate_up_ref, o_ref, *, eps: float, block_f: int):
     mask = None
     if F % block_f:
         mask = j * block_f + jax.lax.broadcasted_iota(jnp.int32, (block_f,), 0) < F
-    gate, up = (pltriton.load(gate_up_ref.at[b, jnp.int32(i), cols], mask=mask, other=0).astype(jnp.float32) * r for i in (0, 1))
+    gate, up = (
+        pltriton.load(gate_up_ref.at[b, jnp.int32(i), cols], mask=mask, other=0).astype(jnp.float32) * r for i in (0, 1)
+    )
     pltriton.store(o_ref.at[b, cols], (gate * jax.nn.sigmoid(gate) * up).astype(o_ref.dtype), mask=mask)
 
 
@@ -73,6 +75,7 @@ def rms_swiglu(gate_up, h, eps: float, *, interpret: bool = False, mesh=None):
     fn = functools.partial(_pallas, eps=float(eps), interpret=interpret)
     if mesh is not None and mesh.size > 1:
         rows = rows_axis(mesh, gate_up.shape[0])
-        fn = jax.shard_map(fn, mesh=mesh, in_specs=(P(rows, None, "model"), P(rows, None)),
-                           out_specs=P(rows, "model"), check_vma=False)
+        fn = jax.shard_map(
+            fn, mesh=mesh, in_specs=(P(rows, None, "model"), P(rows, None)), out_specs=P(rows, "model"), check_vma=False
+        )
     return fn(gate_up, h)

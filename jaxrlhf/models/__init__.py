@@ -31,23 +31,55 @@ def family(config):
     try:
         return FAMILIES[config.model_type]
     except (AttributeError, KeyError):
-        raise TypeError(f"not a model config of a known family ({', '.join(FAMILIES)}): {type(config).__name__}") from None
+        raise TypeError(
+            f"not a model config of a known family ({', '.join(FAMILIES)}): {type(config).__name__}"
+        ) from None
 
 
-def logits(config, params, input_ids, attention_mask, *, dropout_rng=None, last: int = 0, at=None, positions=None,
-           segment_ids=None):
+def logits(
+    config,
+    params,
+    input_ids,
+    attention_mask,
+    *,
+    dropout_rng=None,
+    last: int = 0,
+    at=None,
+    positions=None,
+    segment_ids=None,
+):
     """Next-token logits [B, T, V] in float32; with `last` > 0 only those of the last `last` positions
     [B, last, V] (the LM head, the largest product of a small model, runs on those only); `at` [B, A]: of those
     positions of each row. Dropout runs only when `dropout_rng` is given (a "train" call, else "score").
     positions and segment_ids [B, T]: several sequences packed in one row (each attends within its segment)."""
-    return common.apply(family(config).Model, config, params, input_ids, attention_mask, value_head=False,
-                        dropout_rng=dropout_rng, last=last, at=at, positions=positions, segment_ids=segment_ids)
+    return common.apply(
+        family(config).Model,
+        config,
+        params,
+        input_ids,
+        attention_mask,
+        value_head=False,
+        dropout_rng=dropout_rng,
+        last=last,
+        at=at,
+        positions=positions,
+        segment_ids=segment_ids,
+    )
 
 
 def values(config, params, input_ids, attention_mask, *, dropout_rng=None, positions=None, segment_ids=None):
     """Value-head outputs [B, T] in float32 (reward model and critic); `params` must hold `value_head`."""
-    return common.apply(family(config).Model, config, params, input_ids, attention_mask, value_head=True,
-                        dropout_rng=dropout_rng, positions=positions, segment_ids=segment_ids)
+    return common.apply(
+        family(config).Model,
+        config,
+        params,
+        input_ids,
+        attention_mask,
+        value_head=True,
+        dropout_rng=dropout_rng,
+        positions=positions,
+        segment_ids=segment_ids,
+    )
 
 
 init_cache = common.init_cache  # an empty KV cache [L, B, Hkv, S, K] for generation (see models/common.py)

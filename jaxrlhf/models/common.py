@@ -47,8 +47,9 @@ class Backend:
         if self.attention not in ("cudnn", "xla"):
             raise ValueError(f"Backend.attention: expected 'cudnn' or 'xla', got {self.attention!r}")
         if self.decode_attention not in ("auto", "pallas", "xla"):
-            raise ValueError(f"Backend.decode_attention: expected 'auto', 'pallas' or 'xla', got "
-                             f"{self.decode_attention!r}")
+            raise ValueError(
+                f"Backend.decode_attention: expected 'auto', 'pallas' or 'xla', got {self.decode_attention!r}"
+            )
         if self.scan_unroll < 0:
             raise ValueError(f"Backend.scan_unroll: expected >= 0 (0: all layers), got {self.scan_unroll}")
 
@@ -145,8 +146,9 @@ def causal_attention(q, k, v, implementation: str = "xla", segment_ids=None):
             return jax.nn.dot_product_attention(q, k, v, scale=1.0, is_causal=True, implementation="cudnn")
         except (ValueError, NotImplementedError, RuntimeError):  # a shape or dtype cuDNN does not take
             pass
-    return jax.nn.dot_product_attention(q, k, v, mask=segment_mask(segment_ids), scale=1.0, is_causal=True,
-                                        implementation="xla")
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=segment_mask(segment_ids), scale=1.0, is_causal=True, implementation="xla"
+    )
 
 
 def dropout_attention(q, k, v, dropout: nn.Dropout, segment_ids=None):
@@ -214,8 +216,9 @@ def write_cache(c, x, layer, slot):
     return c.at[layer, jnp.arange(x.shape[0]), :, slot, :].set(x[:, 0], mode="promise_in_bounds")
 
 
-def fused_decode_step(module: nn.Module, mode: Mode, h, cache, config, heads: int, kv_heads: int, norm=None,
-                      eps: float = 0.0, rope=None):
+def fused_decode_step(
+    module: nn.Module, mode: Mode, h, cache, config, heads: int, kv_heads: int, norm=None, eps: float = 0.0, rope=None
+):
     """A decode step's q/k/v product and attention, the rest in one kernel (kernels.decode_attention.decode_step:
     the folded norm's end, the bias, the rotary embedding, the cache write and the attention). Returns (out
     [B, 1, H, K], cache), or None where it does not apply: not a decode step in the decode layout, or the kernel
@@ -241,9 +244,20 @@ def fused_decode_step(module: nn.Module, mode: Mode, h, cache, config, heads: in
     # subtracts mean(h) colsum from the product, which therefore stays float32 (no cancellation in bf16).
     out_dtype = jnp.float32 if layer_norm is not None else config.compute_dtype
     qkv = stacked_dense(module, "qkv_proj", h, config.compute_dtype, bias=False, out_dtype=out_dtype)
-    out, k, v = decode_step(qkv.reshape(B, kv_heads, -1, K), cache["k"], cache["v"], cache["start"], cache["slot"],
-                            cache["layer"], rope=rope, rms=rms, layer_norm=layer_norm,
-                            bias=per_head(p["bias"]) if "bias" in p else None, config=kernel, mesh=mesh)
+    out, k, v = decode_step(
+        qkv.reshape(B, kv_heads, -1, K),
+        cache["k"],
+        cache["v"],
+        cache["start"],
+        cache["slot"],
+        cache["layer"],
+        rope=rope,
+        rms=rms,
+        layer_norm=layer_norm,
+        bias=per_head(p["bias"]) if "bias" in p else None,
+        config=kernel,
+        mesh=mesh,
+    )
     return out[:, None], {**cache, "k": k, "v": v}
 
 
@@ -254,8 +268,9 @@ def row_sums(x):
     return jnp.sum(x, axis=-1), jnp.sum(x * x, axis=-1)
 
 
-def decode_product(module: nn.Module, mode: Mode, name: str, x, config, *, eps: float | None = None,
-                   relu: bool = False):
+def decode_product(
+    module: nn.Module, mode: Mode, name: str, x, config, *, eps: float | None = None, relu: bool = False
+):
     """A decode step's FFN product `name` (kernel [K, N], bias [N]) in one kernel (kernels.decode_matmul): [B, 1, N]
     in the compute dtype. eps: the product's LayerNorm is folded into it (fold_norm, opt.decode_layer) and x is
     the norm's input. With eps or relu the bias and the rest end the product inside the kernel (fc1); otherwise K
@@ -282,8 +297,15 @@ def decode_product(module: nn.Module, mode: Mode, name: str, x, config, *, eps: 
     if eps is not None:  # the rows' statistics: one reduction, finished in each program (as decode_step's)
         layer_norm = (*row_sums(x), p["colsum"], eps)
     bias = p.get("bias")  # (in its own dtype: a cast before a kernel's operand is a kernel of its own)
-    y = decode_matmul.decode_matmul(x.astype(dtype), p["kernel"].astype(dtype), bias=bias if columns else None,
-                                    layer_norm=layer_norm, relu=relu, interpret=config.backend.interpret, mesh=mesh)
+    y = decode_matmul.decode_matmul(
+        x.astype(dtype),
+        p["kernel"].astype(dtype),
+        bias=bias if columns else None,
+        layer_norm=layer_norm,
+        relu=relu,
+        interpret=config.backend.interpret,
+        mesh=mesh,
+    )
     if not columns and bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(dtype)[:, None]
@@ -384,8 +406,20 @@ def carry_out(h, cache):
 # ------------------------------------------------------------------------------------ functional API
 
 
-def apply(model_cls, config, params, input_ids, attention_mask, *, value_head: bool, dropout_rng=None, last: int = 0,
-          at=None, positions=None, segment_ids=None):
+def apply(
+    model_cls,
+    config,
+    params,
+    input_ids,
+    attention_mask,
+    *,
+    value_head: bool,
+    dropout_rng=None,
+    last: int = 0,
+    at=None,
+    positions=None,
+    segment_ids=None,
+):
     """Logits [B, T, V] (or values [B, T] with value_head) in float32 of a "train" call (with `dropout_rng`: dropout
     on) or a "score" call. `last` > 0: the head runs on the last `last` positions only (logits [B, last, V]); `at`
     [B, A]: on those positions of each row only (logits [B, A, V]). positions [B, T] (default: counted from the mask)
@@ -493,8 +527,9 @@ def _lora_dot(x, kernel, a, b_scaled, dtype):
 # The fused kernel is recomputed in the backward pass (a rank-r product) instead of kept as a residual, which
 # under the scan over layers would stack every layer's fused kernel into a whole second copy; the product's
 # output is kept as usual.
-_lora_dot = jax.checkpoint(_lora_dot, policy=jax.checkpoint_policies.save_only_these_names("lora_dot"),
-                           static_argnums=(4,))
+_lora_dot = jax.checkpoint(
+    _lora_dot, policy=jax.checkpoint_policies.save_only_these_names("lora_dot"), static_argnums=(4,)
+)
 
 
 class Dense(nn.Module):
@@ -511,8 +546,13 @@ class Dense(nn.Module):
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), jnp.float32)
         dtype = self.dtype or jnp.result_type(x, kernel)
         if self.has_variable("params", "lora_a"):
-            y = _lora_dot(x, kernel, self.get_variable("params", "lora_a"), self.get_variable("params", "lora_b"),
-                          jnp.dtype(dtype))
+            y = _lora_dot(
+                x,
+                kernel,
+                self.get_variable("params", "lora_a"),
+                self.get_variable("params", "lora_b"),
+                jnp.dtype(dtype),
+            )
         else:
             y = _dot(x, kernel, dtype)
         if self.use_bias:
@@ -537,9 +577,12 @@ def stacked_dense(module: nn.Module, name: str, h, dtype, norm=None, *, bias: bo
     p = module.get_variable("params", name)
     out = p["kernel"].shape[1:]
     centred = norm is not None and norm[1] is not None  # float32 out: y - mean colsum cancels in bf16
-    y = jax.lax.dot_general(h.astype(dtype), p["kernel"].reshape(p["kernel"].shape[0], -1).astype(dtype),
-                            (((h.ndim - 1,), (0,)), ((), ())),
-                            preferred_element_type=jnp.float32 if centred else out_dtype or dtype)
+    y = jax.lax.dot_general(
+        h.astype(dtype),
+        p["kernel"].reshape(p["kernel"].shape[0], -1).astype(dtype),
+        (((h.ndim - 1,), (0,)), ((), ())),
+        preferred_element_type=jnp.float32 if centred else out_dtype or dtype,
+    )
     if norm is not None:
         scale, mean = norm
         y = y.astype(jnp.float32)
@@ -577,8 +620,18 @@ def norm_rows(h, eps: float, centred: bool):
     return jax.lax.rsqrt(jnp.maximum(mean_sq - jnp.square(mean), 0.0) + eps), mean
 
 
-def project_qkv(module: nn.Module, mode: Mode, h, heads: int, kv_heads: int, head_dim: int, use_bias: bool, dtype,
-                names=("q_proj", "k_proj", "v_proj"), norm=None):
+def project_qkv(
+    module: nn.Module,
+    mode: Mode,
+    h,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    use_bias: bool,
+    dtype,
+    names=("q_proj", "k_proj", "v_proj"),
+    norm=None,
+):
     """q [B, T, H, K] (times the attention's scale K^-1/2), k, v [B, T, Hkv, K] of h [B, T, D]: three Linear
     layers, or in the decode layout one product with "qkv_proj" [D, Hkv, (G + 2) K] (per KV head: its G query
     heads, its key, its value), whose query part carries the scale (stack_qkv: no multiply per step)."""
@@ -589,8 +642,11 @@ def project_qkv(module: nn.Module, mode: Mode, h, heads: int, kv_heads: int, hea
         y = stacked_dense(module, "qkv_proj", h, dtype, norm)  # [B, T, Hkv, (G + 2) K]
         return y[..., : G * K].reshape(B, T, H, K), y[..., G * K : (G + 1) * K], y[..., (G + 1) * K :]
     dense = lambda n, name: Dense(n, use_bias=use_bias, dtype=dtype, name=name)
-    return (dense(H * K, names[0])(h).reshape(B, T, H, K) * K**-0.5, dense(Hkv * K, names[1])(h).reshape(B, T, Hkv, K),
-            dense(Hkv * K, names[2])(h).reshape(B, T, Hkv, K))
+    return (
+        dense(H * K, names[0])(h).reshape(B, T, H, K) * K**-0.5,
+        dense(Hkv * K, names[1])(h).reshape(B, T, Hkv, K),
+        dense(Hkv * K, names[2])(h).reshape(B, T, Hkv, K),
+    )
 
 
 # The sharding rows of what every family shares (each family's PARAM_AXES says the rest; see sharding.py): the value

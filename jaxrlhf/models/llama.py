@@ -74,16 +74,32 @@ class LlamaConfig:
         common.check_run_options(self)
         size = f"[1, {2**31})"  # larger sizes overflow the shape arithmetic
         token = f"[0, {self.vocab_size})"
-        check_fields(self, vocab_size=size, hidden_size=size, intermediate_size=size, num_hidden_layers=size,
-                     num_attention_heads=size, num_key_value_heads=size, head_dim=f"[0, {2**31})",
-                     max_position_embeddings=size, rms_norm_eps="> 0", rope_theta="> 0", pad_token_id=token,
-                     bos_token_id=token, eos_token_id=token)
+        check_fields(
+            self,
+            vocab_size=size,
+            hidden_size=size,
+            intermediate_size=size,
+            num_hidden_layers=size,
+            num_attention_heads=size,
+            num_key_value_heads=size,
+            head_dim=f"[0, {2**31})",
+            max_position_embeddings=size,
+            rms_norm_eps="> 0",
+            rope_theta="> 0",
+            pad_token_id=token,
+            bos_token_id=token,
+            eos_token_id=token,
+        )
         if not self.head_dim and self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"LlamaConfig: hidden_size {self.hidden_size} is not divisible by "
-                             f"num_attention_heads {self.num_attention_heads} (set head_dim)")
+            raise ValueError(
+                f"LlamaConfig: hidden_size {self.hidden_size} is not divisible by "
+                f"num_attention_heads {self.num_attention_heads} (set head_dim)"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"LlamaConfig: num_attention_heads {self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads {self.num_key_value_heads}")
+            raise ValueError(
+                f"LlamaConfig: num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if self.head_dim % 2:
@@ -101,13 +117,34 @@ class LlamaConfig:
 
 # The Llama-family shapes, for random-weight models in benchmarks: `LlamaConfig(**PRESETS["llama-2-7b"])`.
 PRESETS = {
-    "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5),
+    "llama-2-7b": dict(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+    ),
     # Llama-2-7B's shape with grouped-query attention (8 KV heads), the target of the issue-9 benchmark.
-    "llama-7b-gqa": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, max_position_embeddings=4096, rms_norm_eps=1e-5),
-    "tinyllama-1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-                           num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5),
+    "llama-7b-gqa": dict(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+    ),
+    "tinyllama-1.1b": dict(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+    ),
 }
 
 
@@ -142,8 +179,13 @@ class LlamaAttention(nn.Module):
         c, mode = self.config, self.mode
         B, T, D = h.shape
         H, Hkv, K = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        step = None if c.rope_interleaved else common.fused_decode_step(
-            self, mode, h, cache, c, H, Hkv, norm, c.rms_norm_eps, tuple(x[:, 0, 0] for x in rope))
+        step = (
+            None
+            if c.rope_interleaved
+            else common.fused_decode_step(
+                self, mode, h, cache, c, H, Hkv, norm, c.rms_norm_eps, tuple(x[:, 0, 0] for x in rope)
+            )
+        )
         if step is not None:  # a decode step: rotary embedding, cache write and attention in one kernel
             out, cache = step
         else:
@@ -170,8 +212,9 @@ class LlamaMLP(nn.Module):
             if mode.decoding and not c.mlp_bias and c.backend.decode_attention != "xla":
                 # A decode step: the folded norm's 1 / rms(h), silu and the product in one kernel (3 kernels unfused)
                 gate_up = common.stacked_dense(self, "gate_up_proj", h, c.compute_dtype).reshape(B, 2, -1)
-                act = rms_swiglu(gate_up, h.reshape(B, D), c.rms_norm_eps, interpret=c.backend.interpret,
-                                 mesh=mode.mesh)
+                act = rms_swiglu(
+                    gate_up, h.reshape(B, D), c.rms_norm_eps, interpret=c.backend.interpret, mesh=mode.mesh
+                )
                 return dense(c.hidden_size, "down_proj")(act[:, None])
             gate_up = common.stacked_dense(self, "gate_up_proj", h, c.compute_dtype, norm)
             gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
@@ -221,8 +264,9 @@ class LlamaModel(nn.Module):
         # `positions` [B, T] are given and attention_mask is unused (cache["start"] says where each row's real
         # tokens begin).
         c = self.config
-        input_ids, positions, segment_ids, order = common.layout_inputs(input_ids, attention_mask, positions, cache,
-                                                                        segment_ids)
+        input_ids, positions, segment_ids, order = common.layout_inputs(
+            input_ids, attention_mask, positions, cache, segment_ids
+        )
         h = nn.Embed(c.vocab_size, c.hidden_size, name="embed_tokens")(input_ids).astype(c.compute_dtype)
         rope = rope_tables(positions, c.head_dim, c.rope_theta)  # computed once, shared by all layers
         shared = {"rope": rope, "segment_ids": segment_ids}
@@ -258,7 +302,7 @@ class Llama(nn.Module):
         if cache is not None:
             h, cache = h
         if self.last:
-            h = h[:, -self.last:]
+            h = h[:, -self.last :]
         if head_at is not None:  # [B, A] positions: the head runs there only (packed rows: each row's answer)
             h = jnp.take_along_axis(h, head_at[..., None], axis=1)
         head = None if c.tie_word_embeddings else LMHead(c.vocab_size, name="lm_head")
@@ -282,8 +326,10 @@ def decode_layer(config: LlamaConfig, layer: dict) -> dict:
     folded into the rows of the kernel it feeds (the norms' entries go: see LlamaLayer)."""
     mlp = layer["mlp"]
     gate_up = {leaf: jnp.stack([mlp["gate_proj"][leaf], mlp["up_proj"][leaf]], axis=-2) for leaf in mlp["gate_proj"]}
-    mlp = {**{n: x for n, x in mlp.items() if n not in ("gate_proj", "up_proj")},
-           "gate_up_proj": common.fold_norm(gate_up, layer["post_attention_layernorm"]["scale"])}
+    mlp = {
+        **{n: x for n, x in mlp.items() if n not in ("gate_proj", "up_proj")},
+        "gate_up_proj": common.fold_norm(gate_up, layer["post_attention_layernorm"]["scale"]),
+    }
     attn = common.stack_qkv(layer["self_attn"], config.num_key_value_heads)
     attn["qkv_proj"] = common.fold_norm(attn["qkv_proj"], layer["input_layernorm"]["scale"])
     rest = {n: x for n, x in layer.items() if n not in ("input_layernorm", "post_attention_layernorm")}
@@ -313,20 +359,41 @@ PARAM_AXES = [
 # Hugging Face's names (LlamaForCausalLM; checkpoint.py): lm_head exists only when the head is untied.
 HF = common.HFNames(
     architecture="LlamaForCausalLM",
-    config_keys={n: n for n in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
-                                "rms_norm_eps", "tie_word_embeddings", "attention_bias", "mlp_bias",
-                                "attention_dropout", "pad_token_id", "bos_token_id", "eos_token_id")},
+    config_keys={
+        n: n
+        for n in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+            "rms_norm_eps",
+            "tie_word_embeddings",
+            "attention_bias",
+            "mlp_bias",
+            "attention_dropout",
+            "pad_token_id",
+            "bos_token_id",
+            "eos_token_id",
+        )
+    },
     modules={
         "model.embed_tokens": ("model/embed_tokens", "embed"),
         "model.norm": ("model/norm", "norm"),
         "lm_head": ("lm_head", "linear"),
         "model.layers.{i}.input_layernorm": ("model/layers/input_layernorm", "norm"),
         "model.layers.{i}.post_attention_layernorm": ("model/layers/post_attention_layernorm", "norm"),
-        **{f"model.layers.{{i}}.self_attn.{n}": (f"model/layers/self_attn/{n}", "linear")
-           for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
-        **{f"model.layers.{{i}}.mlp.{n}": (f"model/layers/mlp/{n}", "linear")
-           for n in ("gate_proj", "up_proj", "down_proj")},
+        **{
+            f"model.layers.{{i}}.self_attn.{n}": (f"model/layers/self_attn/{n}", "linear")
+            for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+        },
+        **{
+            f"model.layers.{{i}}.mlp.{n}": (f"model/layers/mlp/{n}", "linear")
+            for n in ("gate_proj", "up_proj", "down_proj")
+        },
     },
     prefixes=("",),
     save_prefix="",

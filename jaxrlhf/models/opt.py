@@ -66,13 +66,25 @@ class OPTConfig:
     def __post_init__(self):
         common.check_run_options(self)
         size = f"[1, {2**31})"  # larger sizes overflow the shape arithmetic
-        check_fields(self, vocab_size=size, hidden_size=size, num_hidden_layers=size, num_attention_heads=size,
-                     ffn_dim=size, max_position_embeddings=size, word_embed_proj_dim=size, layer_norm_eps="> 0",
-                     pad_token_id=f"[0, {self.vocab_size})", bos_token_id=f"[0, {self.vocab_size})",
-                     eos_token_id=f"[0, {self.vocab_size})")
+        check_fields(
+            self,
+            vocab_size=size,
+            hidden_size=size,
+            num_hidden_layers=size,
+            num_attention_heads=size,
+            ffn_dim=size,
+            max_position_embeddings=size,
+            word_embed_proj_dim=size,
+            layer_norm_eps="> 0",
+            pad_token_id=f"[0, {self.vocab_size})",
+            bos_token_id=f"[0, {self.vocab_size})",
+            eos_token_id=f"[0, {self.vocab_size})",
+        )
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"OPTConfig: hidden_size {self.hidden_size} is not divisible by "
-                             f"num_attention_heads {self.num_attention_heads}")
+            raise ValueError(
+                f"OPTConfig: hidden_size {self.hidden_size} is not divisible by "
+                f"num_attention_heads {self.num_attention_heads}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -131,8 +143,14 @@ PRESETS = {
         "opt-66b": (64, 9216, 72),
     }.items()
 }
-PRESETS["opt-350m"] = dict(num_hidden_layers=24, hidden_size=1024, num_attention_heads=16, ffn_dim=4096,
-                           word_embed_proj_dim=512, do_layer_norm_before=False)
+PRESETS["opt-350m"] = dict(
+    num_hidden_layers=24,
+    hidden_size=1024,
+    num_attention_heads=16,
+    ffn_dim=4096,
+    word_embed_proj_dim=512,
+    do_layer_norm_before=False,
+)
 
 
 class OPTLayer(nn.Module):
@@ -192,8 +210,9 @@ class OPTDecoder(nn.Module):
         # Without a cache: any padding; returns h. With one (generation): `positions` [B, T] are given,
         # attention_mask is unused (cache["start"] says where each row's real tokens begin); returns (h, cache).
         c = self.config
-        input_ids, positions, segment_ids, order = common.layout_inputs(input_ids, attention_mask, positions, cache,
-                                                                        segment_ids)
+        input_ids, positions, segment_ids, order = common.layout_inputs(
+            input_ids, attention_mask, positions, cache, segment_ids
+        )
         positions = positions + POSITION_OFFSET
         embed_tokens = nn.Embed(c.vocab_size, c.word_embed_proj_dim, name="embed_tokens")
         h = embed_tokens(input_ids).astype(c.compute_dtype)  # [B, T, E]
@@ -227,7 +246,7 @@ class OPT(nn.Module):
         if cache is not None:
             h, cache = h
         if self.last:
-            h = h[:, -self.last:]
+            h = h[:, -self.last :]
         if head_at is not None:  # [B, A] positions: the head runs there only (packed rows: each row's answer)
             h = jnp.take_along_axis(h, head_at[..., None], axis=1)
         if self.value_head:
@@ -279,19 +298,52 @@ PARAM_AXES = [
 # reward-model checkpoints' "rwtranrsformer." (sic; "rwtransformer." is accepted too).
 HF = common.HFNames(
     architecture="OPTForCausalLM",
-    config_keys={**{n: n for n in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "ffn_dim",
-                                   "max_position_embeddings", "word_embed_proj_dim", "do_layer_norm_before",
-                                   "enable_bias", "dropout", "attention_dropout", "pad_token_id", "bos_token_id",
-                                   "eos_token_id")},
-                 "_remove_final_layer_norm": "remove_final_layer_norm"},
+    config_keys={
+        **{
+            n: n
+            for n in (
+                "vocab_size",
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "ffn_dim",
+                "max_position_embeddings",
+                "word_embed_proj_dim",
+                "do_layer_norm_before",
+                "enable_bias",
+                "dropout",
+                "attention_dropout",
+                "pad_token_id",
+                "bos_token_id",
+                "eos_token_id",
+            )
+        },
+        "_remove_final_layer_norm": "remove_final_layer_norm",
+    },
     modules={
-        **{f"decoder.{n}": (f"decoder/{n}", kind) for n, kind in (
-            ("embed_tokens", "embed"), ("embed_positions", "embed"), ("project_in", "linear"),
-            ("project_out", "linear"), ("final_layer_norm", "norm"))},
-        **{f"decoder.layers.{{i}}.{n}": (f"decoder/layers/{n.replace('.', '/')}", kind) for n, kind in (
-            ("self_attn_layer_norm", "norm"), ("self_attn.q_proj", "linear"), ("self_attn.k_proj", "linear"),
-            ("self_attn.v_proj", "linear"), ("self_attn.out_proj", "linear"), ("final_layer_norm", "norm"),
-            ("fc1", "linear"), ("fc2", "linear"))},
+        **{
+            f"decoder.{n}": (f"decoder/{n}", kind)
+            for n, kind in (
+                ("embed_tokens", "embed"),
+                ("embed_positions", "embed"),
+                ("project_in", "linear"),
+                ("project_out", "linear"),
+                ("final_layer_norm", "norm"),
+            )
+        },
+        **{
+            f"decoder.layers.{{i}}.{n}": (f"decoder/layers/{n.replace('.', '/')}", kind)
+            for n, kind in (
+                ("self_attn_layer_norm", "norm"),
+                ("self_attn.q_proj", "linear"),
+                ("self_attn.k_proj", "linear"),
+                ("self_attn.v_proj", "linear"),
+                ("self_attn.out_proj", "linear"),
+                ("final_layer_norm", "norm"),
+                ("fc1", "linear"),
+                ("fc2", "linear"),
+            )
+        },
     },
     prefixes=("model.", "rwtranrsformer.", "rwtransformer.", ""),
     save_prefix="model.",

@@ -131,37 +131,66 @@ class EngineConfig:
     def __post_init__(self):
         check_fields(self)  # every float finite, the seed in range
         checks = [
-            (self.precision in ("bf16", "fp32", "pure_bf16"), f"precision: expected bf16, fp32 or pure_bf16, got {self.precision!r}"),
+            (
+                self.precision in ("bf16", "fp32", "pure_bf16"),
+                f"precision: expected bf16, fp32 or pure_bf16, got {self.precision!r}",
+            ),
             (self.max_answer_len >= 1, f"max_answer_len: expected >= 1, got {self.max_answer_len}"),
-            (self.temperature >= 0 and self.top_k >= 0 and 0 < self.top_p <= 1, "sampling: expected temperature >= 0, "
-             f"top_k >= 0, 0 < top_p <= 1; got {self.temperature}, {self.top_k}, {self.top_p}"),
+            (
+                self.temperature >= 0 and self.top_k >= 0 and 0 < self.top_p <= 1,
+                "sampling: expected temperature >= 0, "
+                f"top_k >= 0, 0 < top_p <= 1; got {self.temperature}, {self.top_k}, {self.top_p}",
+            ),
             (self.inference_tp_size >= 1, f"inference_tp_size: expected >= 1, got {self.inference_tp_size}"),
-            (self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch: expected >= 0 (0: padded micro-batches), "
-             f"got {self.max_tokens_per_micro_batch}"),
-            (self.packed_width_multiple >= 1, f"packed_width_multiple: expected >= 1, got {self.packed_width_multiple}"),
-            (self.decode_slots >= 0 and self.refill_size >= 0, "decode_slots and refill_size: expected >= 0 (0: auto), "
-             f"got {self.decode_slots}, {self.refill_size}"),
+            (
+                self.max_tokens_per_micro_batch >= 0,
+                "max_tokens_per_micro_batch: expected >= 0 (0: padded micro-batches), "
+                f"got {self.max_tokens_per_micro_batch}",
+            ),
+            (
+                self.packed_width_multiple >= 1,
+                f"packed_width_multiple: expected >= 1, got {self.packed_width_multiple}",
+            ),
+            (
+                self.decode_slots >= 0 and self.refill_size >= 0,
+                f"decode_slots and refill_size: expected >= 0 (0: auto), got {self.decode_slots}, {self.refill_size}",
+            ),
             (self.kl_coef >= 0, f"kl_coef: expected >= 0, got {self.kl_coef}"),
             (self.kl_target is None or self.kl_target > 0, f"kl_target: expected > 0 or null, got {self.kl_target}"),
             (self.kl_horizon > 0, f"kl_horizon: expected > 0, got {self.kl_horizon}"),
-            (self.clip_score > 0 and self.clip_ratio > 0 and self.clip_value > 0,
-             "clip_score, clip_ratio and clip_value must be > 0"),
-            (0 < self.gamma <= 1 and 0 <= self.lam <= 1, f"expected 0 < gamma <= 1 and 0 <= lam <= 1, got {self.gamma}, {self.lam}"),
+            (
+                self.clip_score > 0 and self.clip_ratio > 0 and self.clip_value > 0,
+                "clip_score, clip_ratio and clip_value must be > 0",
+            ),
+            (
+                0 < self.gamma <= 1 and 0 <= self.lam <= 1,
+                f"expected 0 < gamma <= 1 and 0 <= lam <= 1, got {self.gamma}, {self.lam}",
+            ),
             (0 <= self.ema_decay < 1, f"ema_decay: expected a number in [0, 1), got {self.ema_decay}"),
             (self.unsup_coef >= 0, f"unsup_coef: expected >= 0, got {self.unsup_coef}"),
-            (self.algorithm in ("ppo", "grpo", "rloo", "reinforce_pp"),
-             f"algorithm: expected ppo, grpo, rloo or reinforce_pp, got {self.algorithm!r}"),
-            (self.num_samples_per_prompt >= (2 if self.algorithm in ("grpo", "rloo") else 1),
-             f"num_samples_per_prompt: expected >= 1, and >= 2 for grpo and rloo (their baseline is the other answers "
-             f"to the same prompt); got {self.num_samples_per_prompt} with algorithm {self.algorithm}"),
-            (all(c is None or c > 0 for c in (self.clip_ratio_low, self.clip_ratio_high)),
-             f"clip_ratio_low and clip_ratio_high: expected > 0 or null, got {self.clip_ratio_low}, {self.clip_ratio_high}"),
-            (self.loss_agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"),
-             f"loss_agg: expected token_mean, seq_mean_token_mean or seq_mean_token_sum, got {self.loss_agg!r}"),
+            (
+                self.algorithm in ("ppo", "grpo", "rloo", "reinforce_pp"),
+                f"algorithm: expected ppo, grpo, rloo or reinforce_pp, got {self.algorithm!r}",
+            ),
+            (
+                self.num_samples_per_prompt >= (2 if self.algorithm in ("grpo", "rloo") else 1),
+                f"num_samples_per_prompt: expected >= 1, and >= 2 for grpo and rloo (their baseline is the other answers "
+                f"to the same prompt); got {self.num_samples_per_prompt} with algorithm {self.algorithm}",
+            ),
+            (
+                all(c is None or c > 0 for c in (self.clip_ratio_low, self.clip_ratio_high)),
+                f"clip_ratio_low and clip_ratio_high: expected > 0 or null, got {self.clip_ratio_low}, {self.clip_ratio_high}",
+            ),
+            (
+                self.loss_agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"),
+                f"loss_agg: expected token_mean, seq_mean_token_mean or seq_mean_token_sum, got {self.loss_agg!r}",
+            ),
             (self.kl_loss in ("none", "k1", "k3"), f"kl_loss: expected none, k1 or k3, got {self.kl_loss!r}"),
             (self.kl_loss_coef >= 0, f"kl_loss_coef: expected >= 0, got {self.kl_loss_coef}"),
-            (self.kl_loss == "none" or self.kl_target is None,
-             "kl_target: the adaptive KL controller steers the KL in the reward; with kl_loss set there is none (kl_target=null)"),
+            (
+                self.kl_loss == "none" or self.kl_target is None,
+                "kl_target: the adaptive KL controller steers the KL in the reward; with kl_loss set there is none (kl_target=null)",
+            ),
         ]
         for d in (self.actor.dropout, self.critic.dropout):
             checks.append((d is None or 0 <= d < 1, f"dropout: expected a probability in [0, 1) or null, got {d}"))

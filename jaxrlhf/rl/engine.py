@@ -98,8 +98,13 @@ def repeat_rows(batch: dict, n: int) -> dict:
     side: rows i n .. i n + n - 1 are prompt i's group."""
     if n == 1:
         return batch
-    rep = lambda x: ([v for v in x for _ in range(n)] if isinstance(x, (list, tuple))
-                     else np.repeat(x, n, axis=0) if isinstance(x, np.ndarray) else jnp.repeat(x, n, axis=0))
+    rep = lambda x: (
+        [v for v in x for _ in range(n)]
+        if isinstance(x, (list, tuple))
+        else np.repeat(x, n, axis=0)
+        if isinstance(x, np.ndarray)
+        else jnp.repeat(x, n, axis=0)
+    )
     return {k: rep(v) for k, v in batch.items()}
 
 
@@ -120,37 +125,65 @@ class HybridEngine:
     Orbax saves); the frozen models' own leaves are rebuilt from the same folders on resume.
     """
 
-    def __init__(self, cfg: EngineConfig, mesh, actor: tuple[Any, Any], critic: tuple[Any, Any], *,
-                 total_steps: int, eos_id: int | None = None, pad_id: int | None = None):
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        mesh,
+        actor: tuple[Any, Any],
+        critic: tuple[Any, Any],
+        *,
+        total_steps: int,
+        eos_id: int | None = None,
+        pad_id: int | None = None,
+    ):
         self.cfg, self.mesh = cfg, mesh
         (self.actor_config, actor_params), (self.critic_config, critic_params) = actor, critic
         # Everything the compiled programs depend on besides array shapes: engines alike share their compilations.
         engine_cfg = EngineConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(EngineConfig)})
         # Where arrays wait between uses changes no program: an offloaded engine shares the others' compilations.
-        engine_cfg = dataclasses.replace(engine_cfg, offload_reference_model=False, offload_reward_model=False,
-                                         **{n: dataclasses.replace(getattr(cfg, n), offload=False) for n in ("actor", "critic")})
+        engine_cfg = dataclasses.replace(
+            engine_cfg,
+            offload_reference_model=False,
+            offload_reward_model=False,
+            **{n: dataclasses.replace(getattr(cfg, n), offload=False) for n in ("actor", "critic")},
+        )
         self.static = Static(engine_cfg, self.actor_config, self.critic_config, total_steps, mesh)
         check_tp(self.actor_config.num_attention_heads, mesh)
         self.eos_id = self.actor_config.eos_token_id if eos_id is None else eos_id
         self.pad_id = self.actor_config.pad_token_id if pad_id is None else pad_id
         key = jax.random.key(cfg.seed)
         memory = lambda side: "pinned_host" if side.offload else "device"  # offloaded Adam moments are born on the host
-        actor_state = create_state(actor_params, cfg.actor.lora, self.static.tx("actor"), jax.random.fold_in(key, 1), mesh,
-                                   memory(cfg.actor))
+        actor_state = create_state(
+            actor_params, cfg.actor.lora, self.static.tx("actor"), jax.random.fold_in(key, 1), mesh, memory(cfg.actor)
+        )
         frozen_dtype = self.actor_config.compute_dtype  # what the forward casts to anyway
-        self.ref_own = reshard(own_leaves(actor_params, never_moves(actor_state, cfg.actor.lora), frozen_dtype), "fsdp", mesh)
+        self.ref_own = reshard(
+            own_leaves(actor_params, never_moves(actor_state, cfg.actor.lora), frozen_dtype), "fsdp", mesh
+        )
         self._replicated = lambda x: jax.device_put(x, NamedSharding(mesh, P()))
-        self.state = {"actor": actor_state, "kl_coef": self._replicated(np.float32(cfg.kl_coef)),
-                      "iteration": self._replicated(np.int32(0))}
+        self.state = {
+            "actor": actor_state,
+            "kl_coef": self._replicated(np.float32(cfg.kl_coef)),
+            "iteration": self._replicated(np.int32(0)),
+        }
         if cfg.critic_free:  # the reward model alone: all its leaves its own
             shared = jax.tree.map(lambda _: False, critic_params)
         else:
-            self.state["critic"] = create_state(critic_params, cfg.critic.lora, self.static.tx("critic"),
-                                                jax.random.fold_in(key, 2), mesh, memory(cfg.critic))
+            self.state["critic"] = create_state(
+                critic_params,
+                cfg.critic.lora,
+                self.static.tx("critic"),
+                jax.random.fold_in(key, 2),
+                mesh,
+                memory(cfg.critic),
+            )
             shared = never_moves(self.state["critic"], cfg.critic.lora)
         # No reward model where reward.model_weight is 0 (the reward is Python functions' alone): none held or run.
-        self.reward_own = (reshard(own_leaves(critic_params, shared, self.critic_config.compute_dtype), "fsdp", mesh)
-                           if cfg.reward.model_scale else None)
+        self.reward_own = (
+            reshard(own_leaves(critic_params, shared, self.critic_config.compute_dtype), "fsdp", mesh)
+            if cfg.reward.model_scale
+            else None
+        )
         if cfg.enable_ema:
             self.state["ema"] = steps.fused_actor(self.static, actor_state)
         self.timings: dict[str, float] = {}
@@ -185,14 +218,18 @@ class HybridEngine:
 
     def _opt_to(self, name: str, kind: str):
         state = self.state[name]
-        if getattr(self.cfg, name).offload and any(x.sharding.memory_kind != kind for x in jax.tree.leaves(state["opt"])):
+        if getattr(self.cfg, name).offload and any(
+            x.sharding.memory_kind != kind for x in jax.tree.leaves(state["opt"])
+        ):
             self.state[name] = {**state, "opt": self._timed("offload", to_memory, state["opt"], kind, True)}
 
     # ------------------------------------------------------------------------------------------------ verbs
 
     def _timed(self, phase: str, fn, *args):
         start = time.perf_counter()
-        with jax.profiler.TraceAnnotation(f"jaxrlhf.{phase}"):  # a profile splits its kernels by phase (tools/common.py)
+        with jax.profiler.TraceAnnotation(
+            f"jaxrlhf.{phase}"
+        ):  # a profile splits its kernels by phase (tools/common.py)
             out = jax.block_until_ready(fn(*args))
         self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - start
         return out
@@ -210,8 +247,10 @@ class HybridEngine:
         prompt_batch = repeat_rows(prompt_batch, cfg.num_samples_per_prompt)
         ids, mask = prompt_batch["prompt_ids"], prompt_batch["prompt_mask"]
         if ids.shape[1] + cfg.max_answer_len > self.actor_config.max_position_embeddings:
-            raise ValueError(f"max_prompt_len ({ids.shape[1]}) + max_answer_len ({cfg.max_answer_len}) exceeds the "
-                             f"actor's {self.actor_config.max_position_embeddings} positions")
+            raise ValueError(
+                f"max_prompt_len ({ids.shape[1]}) + max_answer_len ({cfg.max_answer_len}) exceeds the "
+                f"actor's {self.actor_config.max_position_embeddings} positions"
+            )
         if isinstance(ids, np.ndarray):  # this process's rows, split over "data" as generation wants them
             ids, mask = place({"ids": ids, "mask": mask}, mesh, "tp").values()
         # One copy of the actor's weights in the generation layout. Arrays are freed by hand (`delete`) the moment
@@ -228,10 +267,23 @@ class HybridEngine:
         key = jax.random.fold_in(jax.random.key(cfg.seed), int(self.state["iteration"]))
 
         def answer(params):
-            gen = generate(self.actor_config, params, ids, mask, key, max_new_tokens=cfg.max_answer_len,
-                           temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, eos_id=self.eos_id,
-                           pad_id=self.pad_id, limits=prompt_batch.get("answer_limits"), slots=cfg.decode_slots or DECODE_SLOTS,
-                           refill=cfg.refill_size, mesh=mesh)
+            gen = generate(
+                self.actor_config,
+                params,
+                ids,
+                mask,
+                key,
+                max_new_tokens=cfg.max_answer_len,
+                temperature=cfg.temperature,
+                top_k=cfg.top_k,
+                top_p=cfg.top_p,
+                eos_id=self.eos_id,
+                pad_id=self.pad_id,
+                limits=prompt_batch.get("answer_limits"),
+                slots=cfg.decode_slots or DECODE_SLOTS,
+                refill=cfg.refill_size,
+                mesh=mesh,
+            )
             return gen.tokens, gen.mask, gen.logprobs
 
         tokens, answer_mask, gen_logprobs = self._timed("generate", answer, params)
@@ -240,13 +292,19 @@ class HybridEngine:
             leaf.delete()
         del params
         # Offloaded frozen models come to the device for scoring only; the host copy stays.
-        frozen = [self._timed("offload", to_memory, own, "device") if on else own for own, on in
-                  ((self.ref_own, cfg.offload_reference_model), (self.reward_own, cfg.offload_reward_model))]
+        frozen = [
+            self._timed("offload", to_memory, own, "device") if on else own
+            for own, on in ((self.ref_own, cfg.offload_reference_model), (self.reward_own, cfg.offload_reward_model))
+        ]
         weights = {n: {k: v for k, v in self.state[n].items() if k in ("trainable", "frozen")} for n in self.trained}
         if cfg.max_tokens_per_micro_batch:
-            exp = self._timed("score", self._score_packed, weights, frozen, ids, mask, tokens, answer_mask, gen_logprobs)
+            exp = self._timed(
+                "score", self._score_packed, weights, frozen, ids, mask, tokens, answer_mask, gen_logprobs
+            )
         else:
-            exp = self._timed("score", score, self.static, weights, *frozen, ids, mask, tokens, answer_mask, gen_logprobs)
+            exp = self._timed(
+                "score", score, self.static, weights, *frozen, ids, mask, tokens, answer_mask, gen_logprobs
+            )
         for tree, on in zip(frozen, (cfg.offload_reference_model, cfg.offload_reward_model)):
             for leaf in jax.tree.leaves(tree) if on else ():
                 leaf.delete()
@@ -268,10 +326,14 @@ class HybridEngine:
         s, B, G = self.static, *answer_mask.shape
         exp = padded_experience_jit(s, ids, mask, tokens, answer_mask)
         micro = self._micro_batches(exp)
-        names = ("ref_logprobs", *(() if self.cfg.old_logprobs_from_generation else ("logprobs",)),
-                 *(() if self.cfg.critic_free else ("values",)))
-        out = row_layout({**{k: jnp.zeros((B, G), jnp.float32) for k in names}, "scores": jnp.zeros((B,), jnp.float32)},
-                         self.mesh)
+        names = (
+            "ref_logprobs",
+            *(() if self.cfg.old_logprobs_from_generation else ("logprobs",)),
+            *(() if self.cfg.critic_free else ("values",)),
+        )
+        out = row_layout(
+            {**{k: jnp.zeros((B, G), jnp.float32) for k in names}, "scores": jnp.zeros((B,), jnp.float32)}, self.mesh
+        )
         for W, rows in micro:
             out = score_packed(s, W, weights, *frozen, exp, out, rows)
         if self.cfg.old_logprobs_from_generation:
@@ -281,8 +343,13 @@ class HybridEngine:
     def _micro_batches(self, exp: dict) -> list:
         """The packed micro-batches of an experience (packing.plan on its rows' real lengths; the same every time)."""
         lengths = np.asarray(to_host(jnp.sum(exp["seq_mask"], axis=1)))  # whole on every process: one plan for all
-        return packing.plan(lengths, self.cfg.max_tokens_per_micro_batch, self.mesh.size, self.cfg.packed_width_multiple,
-                            max_width=exp["seq"].shape[1])
+        return packing.plan(
+            lengths,
+            self.cfg.max_tokens_per_micro_batch,
+            self.mesh.size,
+            self.cfg.packed_width_multiple,
+            max_width=exp["seq"].shape[1],
+        )
 
     def _step_packed(self, name: str, exp: dict):
         """One optimizer step of `name` over the experience's packed micro-batches (plus, for the actor, the mixture
@@ -296,16 +363,25 @@ class HybridEngine:
             n = s.side("actor").optim.gradient_accumulation_steps
             rows = len(exp["unsup"]["input_ids"])
             for i in range(n):  # rows i, i + n, ...: as the padded path cuts it (_micro_batches)
-                acc = steps.accumulate(s, name, 0, state, acc, exp, np.arange(i, rows, n, dtype=np.int32), len(micro) + i)
+                acc = steps.accumulate(
+                    s, name, 0, state, acc, exp, np.arange(i, rows, n, dtype=np.int32), len(micro) + i
+                )
         return steps.apply(s, name, state, self.state.get("ema") if name == "actor" else None, acc)
 
     def train_rlhf(self, experience: dict, unsupervised: dict | None = None) -> dict:
         """One PPO step of the actor (plus the mixture LM loss on `unsupervised`, a Step 1-style batch) and one
         of the critic (if any) on `experience`; the EMA follows the actor. Returns the batch's figures as floats."""
-        exp = {k: experience[k] for k in ("seq", "seq_mask", "mask", "logprobs", "ref_logprobs", "values", "scores")
-               if k in experience}
+        exp = {
+            k: experience[k]
+            for k in ("seq", "seq_mask", "mask", "logprobs", "ref_logprobs", "values", "scores")
+            if k in experience
+        }
         if unsupervised is not None:
-            exp["unsup"] = place(unsupervised, self.mesh, "fsdp") if isinstance(unsupervised["input_ids"], np.ndarray) else unsupervised
+            exp["unsup"] = (
+                place(unsupervised, self.mesh, "fsdp")
+                if isinstance(unsupervised["input_ids"], np.ndarray)
+                else unsupervised
+            )
         exp, stats = self._timed("advantages", advantages, self.static, exp, experience["kl_coef"])
         packed = bool(self.cfg.max_tokens_per_micro_batch)
         if packed:
@@ -314,21 +390,30 @@ class HybridEngine:
         if packed:
             actor, ema, a = self._timed("actor_step", self._step_packed, "actor", dict(exp))
         else:
-            actor, ema, a = self._timed("actor_step", steps.actor_update, self.static, self.state["actor"], self.state.get("ema"),
-                                        exp)
+            actor, ema, a = self._timed(
+                "actor_step", steps.actor_update, self.static, self.state["actor"], self.state.get("ema"), exp
+            )
         self.state.update(actor=actor, **({"ema": ema} if ema is not None else {}))
         self._opt_to("actor", "pinned_host")
-        stats.update(actor_skipped=a["skipped"], actor_grad_norm=a["grad_norm"], kl_coef=experience["kl_coef"],
-                     **{k: a[k] / a["count"] for k in ("actor_loss", "unsup_loss", "kl_loss") if k in a})
+        stats.update(
+            actor_skipped=a["skipped"],
+            actor_grad_norm=a["grad_norm"],
+            kl_coef=experience["kl_coef"],
+            **{k: a[k] / a["count"] for k in ("actor_loss", "unsup_loss", "kl_loss") if k in a},
+        )
         if "critic" in self.trained:
             self._opt_to("critic", "device")
             if packed:
-                critic, _, c = self._timed("critic_step", self._step_packed, "critic", {k: v for k, v in exp.items() if k != "unsup"})
+                critic, _, c = self._timed(
+                    "critic_step", self._step_packed, "critic", {k: v for k, v in exp.items() if k != "unsup"}
+                )
             else:
                 critic, c = self._timed("critic_step", steps.critic_update, self.static, self.state["critic"], exp)
             self.state["critic"] = critic
             self._opt_to("critic", "pinned_host")
-            stats.update(critic_skipped=c["skipped"], critic_loss=c["critic_loss"] / c["count"], critic_grad_norm=c["grad_norm"])
+            stats.update(
+                critic_skipped=c["skipped"], critic_loss=c["critic_loss"] / c["count"], critic_grad_norm=c["grad_norm"]
+            )
         return {k: float(v) for k, v in jax.device_get(stats).items()}
 
     # ------------------------------------------------------------------------------------------------ views

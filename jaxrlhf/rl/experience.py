@@ -31,13 +31,15 @@ def base_params(state):
     """The base weights of a trainer state (trainable or frozen), adapters not applied."""
     return {**state["frozen"], **state["trainable"]}["params"]
 
+
 def with_shared(own, state):
     """The frozen model's full tree: its own leaves, and the trainable model's base leaves where it shares (state
     None: no trainable twin, e.g. the reward model without a critic, so `own` is the whole tree)."""
     if state is None:
         return own
-    return jax.tree.map(lambda mine, base: base if mine is None else mine, own, base_params(state),
-                        is_leaf=lambda x: x is None)
+    return jax.tree.map(
+        lambda mine, base: base if mine is None else mine, own, base_params(state), is_leaf=lambda x: x is None
+    )
 
 
 # ------------------------------------------------------------------------------------------- scoring
@@ -76,7 +78,7 @@ def answer_logprobs(config, params, exp, key=None):
         return packing.answer_logprobs(out, exp["answer"])
     G = exp["mask"].shape[1]
     out = logits(config, params, exp["seq"], exp["seq_mask"], dropout_rng=key, last=G + 1)
-    return token_logprobs(out, exp["seq"][:, -G - 1:])
+    return token_logprobs(out, exp["seq"][:, -G - 1 :])
 
 
 def answer_values(config, params, exp, key=None):
@@ -90,8 +92,14 @@ def answer_values(config, params, exp, key=None):
 
 def padded_experience(s: Static, prompt_ids, prompt_mask, tokens, mask):
     """The padded experience block: seq, seq_mask [B, P + G] (prompt then answer), mask [B, G]."""
-    return row_layout({"seq": jnp.concatenate([prompt_ids, tokens], 1), "seq_mask": jnp.concatenate([prompt_mask, mask], 1),
-                  "mask": mask}, s.mesh)
+    return row_layout(
+        {
+            "seq": jnp.concatenate([prompt_ids, tokens], 1),
+            "seq_mask": jnp.concatenate([prompt_mask, mask], 1),
+            "mask": mask,
+        },
+        s.mesh,
+    )
 
 
 padded_experience_jit = jax.jit(padded_experience, static_argnums=0)
@@ -165,30 +173,44 @@ def advantages(s: Static, exp, kl_coef):
     kl_coef = kl_coef if cfg.kl_loss == "none" else 0.0
     rewards = losses.compute_rewards(exp["logprobs"], exp["ref_logprobs"], exp["scores"], mask, kl_coef, cfg.clip_score)
     m = mask.astype(jnp.float32)
-    stats = {"reward": jnp.mean(exp["scores"]), "kl": losses.sequence_kl(exp["logprobs"], exp["ref_logprobs"], m),
-             "answer_len": jnp.mean(m.sum(1))}
+    stats = {
+        "reward": jnp.mean(exp["scores"]),
+        "kl": losses.sequence_kl(exp["logprobs"], exp["ref_logprobs"], m),
+        "answer_len": jnp.mean(m.sum(1)),
+    }
     if cfg.algorithm == "ppo":
         adv, ret = losses.gae(exp["values"], rewards, mask, cfg.gamma, cfg.lam)
         if cfg.whiten_advantages:
             adv = losses.whiten(adv, mask)
-        stats.update({"advantage": masked_mean(adv, m), "return": masked_mean(ret, m), "value": masked_mean(exp["values"], m)})
+        stats.update(
+            {"advantage": masked_mean(adv, m), "return": masked_mean(ret, m), "value": masked_mean(exp["values"], m)}
+        )
         return {**exp, "advantages": adv, "returns": ret}, stats
     if cfg.algorithm == "reinforce_pp":
         adv = losses.reinforce_pp_advantages(rewards, mask, cfg.gamma)
     else:
         n, sequence = cfg.num_samples_per_prompt, jnp.sum(rewards, axis=1)
-        per_answer = (losses.grpo_advantages(sequence, n, cfg.scale_rewards) if cfg.algorithm == "grpo"
-                      else losses.rloo_advantages(sequence, n))
+        per_answer = (
+            losses.grpo_advantages(sequence, n, cfg.scale_rewards)
+            if cfg.algorithm == "grpo"
+            else losses.rloo_advantages(sequence, n)
+        )
         adv = per_answer[:, None] * m
-    stats.update({"advantage": masked_mean(adv, m), "return": jnp.mean(jnp.sum(rewards, axis=1))})  # the sequence reward
+    stats.update(
+        {"advantage": masked_mean(adv, m), "return": jnp.mean(jnp.sum(rewards, axis=1))}
+    )  # the sequence reward
     return {**exp, "advantages": adv}, stats
 
 
 def check_accumulation(cfg, batch_size: int, n_devices: int):
     """Each side's gradient_accumulation_steps must split the batch into micro-batches that split over the devices."""
     for name in ("actor",) if cfg.critic_free else ("actor", "critic"):
-        check_microbatches(batch_size, getattr(cfg, name).optim.gradient_accumulation_steps, n_devices,
-                           f"{name}.optim.gradient_accumulation_steps")
+        check_microbatches(
+            batch_size,
+            getattr(cfg, name).optim.gradient_accumulation_steps,
+            n_devices,
+            f"{name}.optim.gradient_accumulation_steps",
+        )
 
 
 def micro_batches(s: Static, name: str, exp):
@@ -207,4 +229,3 @@ def _whole_batch(parts):
 def packed_rows(s: Static, exp, rows, W: int):
     """Rows `rows` of the experience as one packed micro-batch of width W (packing.pack), rows over all devices."""
     return row_layout(packing.pack({k: v for k, v in exp.items() if k != "unsup"}, rows, W), s.mesh)
-

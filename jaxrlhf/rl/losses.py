@@ -103,8 +103,15 @@ def aggregate(per_token, mask, mode: str = "token_mean"):
     return jnp.sum(per_row), jnp.sum(n > 0).astype(jnp.float32)
 
 
-def actor_loss(logprobs, old_logprobs, advantages, mask, clip: float = 0.2, clip_high: float | None = None,
-               mode: str = "token_mean"):
+def actor_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    clip: float = 0.2,
+    clip_high: float | None = None,
+    mode: str = "token_mean",
+):
     """The policy loss: policy_loss aggregated by `mode` (aggregate); PPO's masked mean by default."""
     total, count = aggregate(policy_loss(logprobs, old_logprobs, advantages, clip, clip_high), mask, mode)
     return total / jnp.maximum(count, 1)

@@ -23,7 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def plan(lengths, budget: int, devices: int, multiple: int = 64, max_width: int | None = None) -> list[tuple[int, np.ndarray]]:
+def plan(
+    lengths, budget: int, devices: int, multiple: int = 64, max_width: int | None = None
+) -> list[tuple[int, np.ndarray]]:
     """Micro-batches [(W, rows)] over rows of real `lengths` [B] (prompt + answer tokens): longest first, each of
     width W (its longest row rounded up to `multiple`, at most `max_width` and the budget) and n = (budget // W) x devices rows (a
     whole number per device), or, for the rows left at the end, a power of two per device; the last one filled up
@@ -65,10 +67,12 @@ def pack(exp: dict, rows, W: int) -> dict:
     cols = (P - prompt)[:, None] + jnp.arange(W)[None, :]
     inside = cols < T
     cols = jnp.minimum(cols, T - 1)
-    out = {"seq": jnp.take_along_axis(seq, cols, 1),
-           "seq_mask": jnp.take_along_axis(seq_mask, cols, 1) * inside.astype(seq_mask.dtype),
-           "head_at": jnp.minimum(jnp.maximum(prompt[:, None] - 1 + jnp.arange(A)[None, :], 0), W - 1),
-           "answer": seq[:, P : P + A]}
+    out = {
+        "seq": jnp.take_along_axis(seq, cols, 1),
+        "seq_mask": jnp.take_along_axis(seq_mask, cols, 1) * inside.astype(seq_mask.dtype),
+        "head_at": jnp.minimum(jnp.maximum(prompt[:, None] - 1 + jnp.arange(A)[None, :], 0), W - 1),
+        "answer": seq[:, P : P + A],
+    }
     for k, x in exp.items():
         if k in ("seq", "seq_mask") or not hasattr(x, "shape") or x.ndim == 0 or x.shape[0] != B:
             continue
@@ -82,7 +86,9 @@ def unpack(full: dict, part: dict, rows) -> dict:
     (empty rows dropped)."""
     out = dict(full)
     for k, x in part.items():
-        out[k] = full[k].at[rows, : x.shape[1]].set(x, mode="drop") if x.ndim > 1 else full[k].at[rows].set(x, mode="drop")
+        out[k] = (
+            full[k].at[rows, : x.shape[1]].set(x, mode="drop") if x.ndim > 1 else full[k].at[rows].set(x, mode="drop")
+        )
     return out
 
 

@@ -161,4 +161,3 @@ def actor_update(s: Static, actor, ema, exp):
 def critic_update(s: Static, critic, exp):
     """The critic's clipped value-loss step."""
     return _one_step(s, "critic", _critic_loss(s), critic, exp)
-
