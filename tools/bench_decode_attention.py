@@ -95,12 +95,12 @@ def tune(bandwidth, result, shapes, ragged=False):
     best = {}
     for B, H, Hkv, S, K in shapes:
         x = make_inputs(B, H, Hkv, S, K, ragged)
-        key = "mha" if H == Hkv else "gqa"
+        key = "mha" if Hkv == H else "gqa"
         first, here = key not in best, None
         record = lambda cfg, t: result["tuning"].append(
             {"B": B, "H": H, "Hkv": Hkv, "S": S, "K": K, "ragged": ragged, **dataclasses.asdict(cfg), "us": 1e6 * t}
         )
-        for use_dot in (False, True) if H == Hkv else (True,):
+        for use_dot in (False, True) if Hkv == H else (True,):
             for block_s, warps, stages in itertools.product((16, 32, 64, 128), (2, 4, 8), (2, 3, 4)):
                 cfg = DecodeAttentionConfig(
                     "pallas", block_s=block_s, num_warps=warps, num_stages=stages, use_dot=use_dot, num_splits=1

@@ -79,7 +79,7 @@ def theirs(name, B, T, repeats):
         out["forward_backward"] = timed(fwd_bwd)
     except torch.OutOfMemoryError as e:
         out["forward_backward"] = {"error": str(e).splitlines()[0][:200]}
-    del model
+    model = None  # the closures hold it: free the GPU memory before the next run
     torch.cuda.empty_cache()
     return out
 

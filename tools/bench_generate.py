@@ -312,8 +312,8 @@ def main():
             print(
                 f"B={B:4d} XLA reads of a step's bytes "
                 + (
-                    f"{reads['ms'] or float('nan'):.3f} ms ({reads['bytes'] / 1e9:.2f} GB, a row sum per matrix and per "
-                    f"layer's K, V: {reads['launches']} kernels)"
+                    f"{reads['ms'] or float('nan'):.3f} ms ({reads['bytes'] / 1e9:.2f} GB, "
+                    f"a row sum per matrix and per layer's K, V: {reads['launches']} kernels)"
                     if "error" not in reads
                     else reads["error"]
                 ),

@@ -32,7 +32,8 @@ from pathlib import Path
 
 # JAX takes 75 % of a GPU's memory by default; the largest models need nearly all of it.
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-# XLA keeps at most 64 GB of pinned host memory unless told more; offloading a 6.7B model's fp32 Adam moments needs more.
+# XLA keeps at most 64 GB of pinned host memory unless told more; offloading a 6.7B model's fp32 Adam moments
+# needs more.
 os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "120")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -124,13 +124,14 @@ def bench_model(name: str, tp: int, repeats: int) -> dict:
     r["fsdp_to_tp_GBps_per_device"] = need / t / 1e9 if need else None
     r["speedup_vs_device_put"] = r["device_put_fsdp_to_tp"]["median_s"] / t
     r["process_peak_bytes_device0"] = common.peak_bytes()
-    del tp_params
+    tp_params = None  # the closures hold it
     print(
         f"{name}: {total / 1e9:.2f} GB, mesh {dict(mesh.shape)}: fsdp->tp {t * 1e3:.2f} ms "
         f"({(need / t / 1e9) if need else 0:.0f} GB/s received per device), tp->fsdp "
         f"{r['tp_to_fsdp']['median_s'] * 1e3:.2f} ms; device_put {r['device_put_fsdp_to_tp']['median_s'] * 1e3:.1f} ms "
         f"/ {r['device_put_tp_to_fsdp']['median_s'] * 1e3:.1f} ms; to replicated: jit "
-        f"{r['jit_fsdp_to_replicated']['median_s'] * 1e3:.2f} ms, device_put {r['device_put_fsdp_to_replicated']['median_s'] * 1e3:.1f} ms",
+        f"{r['jit_fsdp_to_replicated']['median_s'] * 1e3:.2f} ms, "
+        f"device_put {r['device_put_fsdp_to_replicated']['median_s'] * 1e3:.1f} ms",
         flush=True,
     )
     return r

@@ -43,7 +43,7 @@ def environment() -> dict:
         "host": platform.node(),
         "versions": versions,
         "commit": commit or None,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
 
 

@@ -30,8 +30,8 @@ import shutil
 import sys
 import tempfile
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -200,7 +200,10 @@ class Tally:
         return self.loaded + self.refused + len(self.failures)
 
     def __str__(self):
-        return f"{self.cases} cases: {self.loaded} loaded, {self.refused} refused with our error, {len(self.failures)} failures"
+        return (
+            f"{self.cases} cases: {self.loaded} loaded, {self.refused} refused with our error, "
+            f"{len(self.failures)} failures"
+        )
 
 
 def judge(
