@@ -85,7 +85,7 @@ def field_help(cls) -> dict[str, str]:
     """Help text per field: the `#: ...` comment lines directly above its definition."""
     out, pending = {}, []
     # Base classes first, so a subclass's own comment wins and inherited fields keep theirs.
-    lines = [l for c in reversed(cls.__mro__) if dataclasses.is_dataclass(c) for l in inspect.getsource(c).splitlines()]
+    lines = [x for c in reversed(cls.__mro__) if dataclasses.is_dataclass(c) for x in inspect.getsource(c).splitlines()]
     for line in lines:
         stripped = line.strip()
         if stripped.startswith("#:"):
@@ -128,7 +128,7 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
             return float(value)
         except ValueError:
             pass
-    if tp in (int, float) and isinstance(value, bool) or not isinstance(value, tp):
+    if (tp in (int, float) and isinstance(value, bool)) or not isinstance(value, tp):
         raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}")
     return value
 
@@ -240,7 +240,7 @@ def _yaml_with_lines(path: Path) -> tuple[dict, dict[str, str]]:
     return values, lines
 
 
-def _set_dotted(tree: dict, dotted: str, value: Any):
+def set_dotted(tree: dict, dotted: str, value: Any):
     *parents, leaf = dotted.split(".")
     for p in parents:
         tree = tree.setdefault(p, {})
@@ -263,7 +263,7 @@ def load(cls, config_file: str | None = None, overrides: list[str] = (), default
             raise ConfigError(f"command line: '{item}': expected key=value, e.g. mesh.tp=2")
         key, raw = item.split("=", 1)
         value = parse_yaml(raw, f"command line: '{key.strip()}'", lines=False)[0] if raw.strip() else ""
-        _set_dotted(values, key.strip(), value)
+        set_dotted(values, key.strip(), value)
         where[key.strip()] = "command line"
     return build(cls, values, where, default=default)
 
@@ -400,11 +400,12 @@ def default_xla_flags():
         os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
 
 
-def run_cli(cls, doc: str, prog: str, fn, argv: list[str] | None = None, flags=None):
-    """An entry point: parse the settings, run `fn(settings)`, and turn a bad input into one line and exit 2."""
+def run_cli(cls, doc: str, prog: str, fn, argv: list[str] | None = None, **options):
+    """An entry point: parse the settings (`options`: parse_cli's flags, preset, processes), run `fn(settings)`, and
+    turn a bad input into one line and exit 2."""
     default_xla_flags()
     try:
-        return fn(parse_cli(cls, doc.split("\n\n")[0], argv, prog=prog, flags=flags)[0])
+        return fn(parse_cli(cls, doc.split("\n\n")[0], argv, prog=prog, **options)[0])
     except ValueError as e:  # ConfigError, DataError, CheckpointError and LayoutError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -11,6 +11,7 @@ set, and greedy answers to a few held-out prompts before and after training (Dee
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import numpy as np
@@ -21,7 +22,7 @@ from jaxrlhf.generate import generate
 from jaxrlhf.losses import lm_loss
 from jaxrlhf.models import logits
 from jaxrlhf.tokenizer import decode_rows
-from jaxrlhf.trainer import RunConfig, effective_params, perplexity, train
+from jaxrlhf.trainer import RunConfig, effective_params, train
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +44,7 @@ def sft_loss(config):
 
 def summarise(sums) -> dict:
     loss = float(sums["loss"]) / max(float(sums["count"]), 1.0)
-    return {"loss": loss, "perplexity": perplexity(loss)}
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
 
 
 def sample_answers(config, params, tokenizer, prompts: list[np.ndarray], n_tokens: int) -> list[str]:

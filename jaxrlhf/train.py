@@ -22,7 +22,6 @@ import dataclasses
 import json
 import os
 import string
-import sys
 import time
 from pathlib import Path
 from typing import Literal
@@ -34,7 +33,7 @@ from transformers import PreTrainedTokenizerFast
 
 from jaxrlhf import ppo, reward, sft
 from jaxrlhf.checkpoint import export_manifest, load_hf, save_hf
-from jaxrlhf.config import ConfigError, _set_dotted, build, default_xla_flags, parse_cli
+from jaxrlhf.config import ConfigError, build, parse_cli, run_cli, set_dotted
 from jaxrlhf.data import DataConfig, make_batch, prepare
 from jaxrlhf.data.synthetic import gold_reward, make_prompt, make_response
 from jaxrlhf.eval import gold_and_kl, pipeline_report
@@ -59,6 +58,9 @@ BUILTIN_MODEL = dict(
     dropout=0.0,
 )
 DEMO_DATA = DataConfig(data_path=("synthetic:6000",), data_split="2,4,4", max_seq_len=32, max_prompt_len=24)
+# What the demo's Steps 1 and 2 share: their batch, precision and learning-rate schedule.
+DEMO_STEP = dict(batch_size=16, precision="fp32")
+demo_optim = lambda lr: OptimConfig(learning_rate=lr, schedule="constant", warmup_steps=20)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,21 +85,9 @@ class TrainConfig:
     eval_samples: int = 4
     #: the datasets and lengths of all three steps
     data: DataConfig = DEMO_DATA
-    sft: SFTConfig = SFTConfig(
-        batch_size=16,
-        max_steps=1500,
-        log_every=100,
-        precision="fp32",
-        sample_prompts=2,
-        optim=OptimConfig(learning_rate=3e-3, schedule="constant", warmup_steps=20),
-    )
+    sft: SFTConfig = SFTConfig(**DEMO_STEP, max_steps=1500, log_every=100, sample_prompts=2, optim=demo_optim(3e-3))
     reward: RewardConfig = RewardConfig(
-        batch_size=16,
-        max_steps=300,
-        log_every=50,
-        precision="fp32",
-        loss_kind="last",
-        optim=OptimConfig(learning_rate=1e-3, schedule="constant", warmup_steps=20),
+        **DEMO_STEP, max_steps=300, log_every=50, loss_kind="last", optim=demo_optim(1e-3)
     )
     ppo: PPOConfig = PPOConfig(
         batch_size=32,
@@ -341,7 +331,7 @@ def _preset(cfg: TrainConfig) -> TrainConfig | None:
             }
         )
     for key, value in dotted.items():
-        _set_dotted(tree, key, value)
+        set_dotted(tree, key, value)
     return build(TrainConfig, tree) if dotted else None
 
 
@@ -352,12 +342,7 @@ def parse(argv: list[str] | None) -> TrainConfig:
 
 
 def main(argv=None):
-    default_xla_flags()
-    try:
-        return run(parse(argv))
-    except ValueError as e:  # ConfigError, DataError, CheckpointError and LayoutError are ValueErrors
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    return run_cli(TrainConfig, __doc__, "python -m jaxrlhf.train", run, argv, flags=flags, preset=_preset)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,11 @@ devices. The step is jitted once with explicit shardings and the state donated.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -128,16 +128,11 @@ class RunConfig:
     def __post_init__(self):
         check_fields(
             self,
-            batch_size=">= 1",
-            epochs=">= 1",
-            max_steps=">= 0",
-            eval_every=">= 0",
-            eval_batches=">= 0",
-            save_every=">= 0",
-            keep_checkpoints=">= 1",
+            **dict.fromkeys(
+                ("batch_size", "epochs", "keep_checkpoints", "tp", "log_every", "max_skipped_steps"), ">= 1"
+            ),
+            **dict.fromkeys(("max_steps", "eval_every", "eval_batches", "save_every"), ">= 0"),
             dropout="[0, 1)",
-            tp=">= 1",
-            log_every=">= 1",
         )
         check_trackers(self.report_to)
 
@@ -311,16 +306,13 @@ def step_keys(state):
     return jax.random.split(jax.random.wrap_key_data(state["rng"]))[1]
 
 
-def reference_params(state):
-    """The frozen starting weights (init_state(reference=True)): the copy, or under only_optimize_lora the frozen base,
-    which is the starting model with the adapters off."""
-    return state["frozen"].get("reference", state["frozen"].get("params"))
-
-
 def with_reference(reference_fn, state, batch):
-    """`reference_fn(reference_params(state), batch)`: the batch plus what the frozen starting weights compute for it
-    (DPO's reference log-probs), outside the gradient; the batch itself without a reference_fn."""
-    return batch if reference_fn is None else reference_fn(reference_params(state), batch)
+    """`reference_fn(reference, batch)`: the batch plus what the frozen starting weights (init_state(reference=True):
+    the copy, or under only_optimize_lora the frozen base, which is the starting model with the adapters off) compute
+    for it (DPO's reference log-probs), outside the gradient; the batch itself without a reference_fn."""
+    if reference_fn is None:
+        return batch
+    return reference_fn(state["frozen"].get("reference", state["frozen"].get("params")), batch)
 
 
 def make_train_step(loss_fn: LossFn, tx, lora_cfg: LoRAConfig, reference_fn=None):
@@ -343,15 +335,6 @@ def make_train_step(loss_fn: LossFn, tx, lora_cfg: LoRAConfig, reference_fn=None
         return apply_gradients(tx, lora_cfg, state, acc)
 
     return train_step
-
-
-def make_eval_step(loss_fn: LossFn, lora_cfg: LoRAConfig, reference_fn=None):
-    def eval_step(state, batch):
-        batch = with_reference(reference_fn, state, batch)
-        total, count, sums = loss_fn(effective_params(state, lora_cfg, fused=False), batch, None)
-        return {**sums, "count": count}
-
-    return eval_step
 
 
 # ------------------------------------------------------------------------------------------- Steps 1 and 2
@@ -379,13 +362,6 @@ def check_microbatches(batch_size: int, accumulation: int, n_devices: int, field
             f"micro-batch of {batch_size // accumulation} sequences (batch_size / {field}) does not "
             f"split over {n_devices} devices; use a multiple of {n_devices}"
         )
-
-
-def check_run(run: RunConfig, n_devices: int):
-    """Refuse configurations that cannot work, before anything is compiled."""
-    check_microbatches(run.batch_size, run.optim.gradient_accumulation_steps, n_devices)
-    if run.max_skipped_steps < 1:  # (RunConfig checks the dropout)
-        raise ConfigError(f"max_skipped_steps: expected >= 1, got {run.max_skipped_steps}")
 
 
 def precision_warning(precision: str, optim: OptimConfig, lora: LoRAConfig, who: str = "") -> str | None:
@@ -475,7 +451,13 @@ def fit(
     step_fn = jax.jit(
         make_train_step(loss_fn, tx, run.lora, reference_fn), out_shardings=(shardings, None), donate_argnums=0
     )
-    eval_fn = jax.jit(make_eval_step(loss_fn, run.lora, reference_fn))
+
+    @jax.jit
+    def eval_fn(state, batch):
+        batch = with_reference(reference_fn, state, batch)
+        _, count, sums = loss_fn(effective_params(state, run.lora, fused=False), batch, None)
+        return {**sums, "count": count}
+
     lr_fn = schedule(run.optim, run.optim.learning_rate, total_steps)
     since = {"tokens": 0, "clock": time.perf_counter()}  # of the log window
 
@@ -533,17 +515,6 @@ def fit(
     )
 
 
-def total_steps(run: RunConfig, batches_per_epoch: int) -> int:
-    steps = run.max_steps or run.epochs * batches_per_epoch
-    if steps <= 0:
-        raise ValueError("nothing to train: 0 steps (check epochs, max_steps and the size of the training set)")
-    return steps
-
-
-def perplexity(loss_per_token: float) -> float:
-    return math.exp(min(loss_per_token, 50.0))
-
-
 def train(
     run: RunConfig,
     *,
@@ -563,7 +534,7 @@ def train(
     state then keeps the starting weights frozen. `mesh` defaults to all devices with a "model" axis of run.tp.
     """
     mesh = mesh or make_mesh(run.tp)
-    check_run(run, mesh.size)
+    check_microbatches(run.batch_size, run.optim.gradient_accumulation_steps, mesh.size)
     out = Path(run.output_dir)
     manager = loop.checkpoint_manager(out, run.keep_checkpoints)
     if start_run(run, [out / "model"], manager.latest_step(), log=log):
@@ -587,7 +558,9 @@ def train(
         process_index=jax.process_index(),
         process_count=jax.process_count(),
     )
-    steps = total_steps(run, len(batches))
+    steps = run.max_steps or run.epochs * len(batches)
+    if steps <= 0:
+        raise ValueError("nothing to train: 0 steps (check epochs, max_steps and the size of the training set)")
     tx = make_optimizer(run.optim, steps, run.lora)
     state = create_state(params, run.lora, tx, jax.random.key(run.seed), mesh, reference=make_reference is not None)
     on_eval = make_on_eval(config, tokenizer, data, state) if make_on_eval else None
