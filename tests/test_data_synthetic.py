@@ -7,12 +7,19 @@ from jaxrlhf.data.synthetic import (
     gold_answer,
     gold_reward,
     make_prompt,
-    preference_records,
     preference_splits,
     prompt_items,
     prompt_records,
-    sft_records,
 )
+
+
+def sft_records(n, seed, **task):
+    return SyntheticTask(seed=seed, **task).records("sft", n)
+
+
+def preference_records(n, seed, **task):
+    return SyntheticTask(seed=seed, **task).records("preference", n)
+
 
 PROMPT = "\n\nHuman: Sort these letters: d a f b\n\nAssistant:"
 

@@ -79,31 +79,20 @@ def gold_reward(prompt: str, response: str) -> float:
     return _lcs(items, gold) / max(len(items), len(gold))
 
 
-# The mistakes a careless demonstrator makes; each lowers the gold reward of a list of distinct letters.
-def _swap(items, rng):
-    i = int(rng.integers(len(items) - 1))
-    return items[:i] + [items[i + 1], items[i]] + items[i + 2 :]
-
-
-def _drop(items, rng):
-    i = int(rng.integers(len(items)))
-    return items[:i] + items[i + 1 :]
-
-
-def _duplicate(items, rng):
-    i = int(rng.integers(len(items)))
-    return items[: i + 1] + items[i:]
-
-
-_MISTAKES = (_swap, _drop, _duplicate)
-
-
 def corrupt(items: list[str], mistakes: int, rng: np.random.Generator) -> list[str]:
-    """`items` after `mistakes` random mistakes (adjacent swap, dropped or duplicated item); none below 2 items."""
+    """`items` after `mistakes` random mistakes (adjacent swap, dropped or duplicated item); none below 2 items.
+    Each mistake lowers the gold reward of a list of distinct letters."""
     for _ in range(mistakes):
         if len(items) < 2:
             break
-        items = _MISTAKES[int(rng.integers(len(_MISTAKES)))](items, rng)
+        kind = int(rng.integers(3))
+        i = int(rng.integers(len(items) - (kind == 0)))
+        if kind == 0:  # swap items i and i + 1
+            items = items[:i] + [items[i + 1], items[i]] + items[i + 2 :]
+        elif kind == 1:  # drop item i
+            items = items[:i] + items[i + 1 :]
+        else:  # duplicate item i
+            items = items[: i + 1] + items[i:]
     return items
 
 
@@ -136,18 +125,12 @@ class SyntheticTask:
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"SyntheticTask.seed: expected a non-negative int, got {self.seed!r}")
 
-    def _items(self, rng: np.random.Generator) -> list[str]:
-        n = int(rng.integers(self.min_items, self.max_items + 1))
-        return [self.alphabet[i] for i in rng.choice(len(self.alphabet), size=n, replace=False)]
-
     def _pair(self, gold: list[str], prompt: str, rng: np.random.Generator) -> tuple[str, str]:
         """(chosen, rejected): the gold answer or one mistake, vs. the same with 1-2 more mistakes; maybe flipped.
 
-        The rejected answer must be worse by at least the cheapest single mistake (a duplicate costs
-        1 / (n + 1) on n letters); closer pairs are redrawn. Two independent corruptions ranked by reward
-        (the first design) gave a fifth near-ties, e.g. " a b b d f" 0.8 vs " a d b f" 0.75, that only the exact
-        LCS ranks: even counting mistakes ranked 0.84 of those pairs right, and a small reward model stalled
-        near "is it perfect?" (0.80). Here counting mistakes ranks 0.996 of the pairs right.
+        The rejected answer must be worse by at least the cheapest single mistake (a duplicate costs 1 / (n + 1)
+        on n letters); closer pairs are redrawn: near-ties such as " a b b d f" 0.8 vs " a d b f" 0.75, which only
+        the exact LCS ranks, stalled a small reward model near "is it perfect?" (0.80 accuracy).
         """
         while True:  # a pair with a margin has probability well above 0, so this ends quickly
             better = corrupt(gold, int(rng.integers(0, 2)), rng)
@@ -172,7 +155,8 @@ class SyntheticTask:
         rng = np.random.default_rng(self.seed)
         out = []
         for _ in range(n):
-            items = self._items(rng)
+            size = int(rng.integers(self.min_items, self.max_items + 1))
+            items = [self.alphabet[i] for i in rng.choice(len(self.alphabet), size=size, replace=False)]
             prompt, gold = make_prompt(items), sorted(items)
             if kind == "sft":
                 chosen, rejected = make_response(corrupt(gold, int(rng.random() < self.error_rate), rng)), None
@@ -182,16 +166,6 @@ class SyntheticTask:
                 chosen, rejected = make_response(gold), None
             out.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
         return out
-
-
-def sft_records(n: int, seed: int = 0, error_rate: float = 0.3, **task) -> list[dict]:
-    """Step 1: `n` imperfect demonstrations (see SyntheticTask for the other fields in `task`)."""
-    return SyntheticTask(seed=seed, error_rate=error_rate, **task).records("sft", n)
-
-
-def preference_records(n: int, seed: int = 0, flip_rate: float = 0.1, **task) -> list[dict]:
-    """Step 2: `n` preference pairs labelled by the gold reward, a share `flip_rate` flipped."""
-    return SyntheticTask(seed=seed, flip_rate=flip_rate, **task).records("preference", n)
 
 
 def relabel(record: dict) -> dict:
@@ -204,12 +178,12 @@ def relabel(record: dict) -> dict:
 def preference_splits(n: int, seed: int = 0, eval_fraction: float = 0.1, **task) -> dict[str, list[dict]]:
     """Step 2's `n` pairs cut into {"train": noisy labels, "eval": gold labels}.
 
-    The last round(eval_fraction * n) pairs of `preference_records(n, seed)` are held out and labelled by
-    the gold reward: training on a noisy annotator is realistic, but measuring against one would cap the
-    accuracy at 1 - flip_rate and hide what the model learned.
+    The last round(eval_fraction * n) pairs are held out and labelled by the gold reward: training on a noisy
+    annotator is realistic, but measuring against one would cap the accuracy at 1 - flip_rate and hide what the
+    model learned.
     """
-    records = preference_records(n, seed, **task)
-    cut = n - int(round(eval_fraction * n))
+    records = SyntheticTask(seed=seed, **task).records("preference", n)
+    cut = n - round(eval_fraction * n)
     return {"train": records[:cut], "eval": [relabel(r) for r in records[cut:]]}
 
 
