@@ -34,7 +34,8 @@ def tok(assets):
 
 
 def test_hh_rlhf_parses_and_reconstructs_the_dialogues(hh):
-    rows = [json.loads(line) for line in gzip.open(hh, "rt")]
+    with gzip.open(hh, "rt") as f:
+        rows = [json.loads(line) for line in f]
     assert len(rows) == 2312
     records, report = read_source(str(hh), on_bad_row="skip")["train"]
     # 4 pairs have an empty chosen response; 5 have chosen/rejected dialogues with different prompts.
@@ -348,7 +349,8 @@ def test_synthetic_source_is_the_default_and_feeds_every_step(tok):
 
 
 def test_unsupervised_blocks_for_the_mixture_loss(tmp_path, tok, assets):
-    texts = [json.loads(line)["question"] for line in open(assets / "data" / "gsm8k" / "test.jsonl")][:50]
+    lines = (assets / "data" / "gsm8k" / "test.jsonl").read_text().splitlines()
+    texts = [json.loads(line)["question"] for line in lines][:50]
     src = _write(tmp_path / "texts.jsonl", [json.dumps({"text": t}) for t in texts])
     config = DataConfig(unsupervised_data_path=(str(src),), unsupervised_block_size=64, cache_dir=str(tmp_path / "c"))
     data = prepare(config, "unsupervised", tok, log=lambda _: None)
@@ -391,7 +393,9 @@ def test_hub_datasets_come_through_huggingface_hub_and_fail_at_once_offline(tmp_
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     start = time.perf_counter()
-    with pytest.raises(DataError, match=r"^Dahoas/rm-static: could not load from the Hugging Face hub \(LocalEntryNot"):
+    with pytest.raises(
+        DataError, match=r"^Dahoas/rm-static: not a file, a folder, or a dataset the hub returned \(LocalEntryNot"
+    ):
         read_source("Dahoas/rm-static")
     with pytest.raises(DataError, match=r"^wikitext:wikitext-2-raw-v1: not a file, a folder, or a dataset the hub"):
         read_texts("wikitext:wikitext-2-raw-v1")

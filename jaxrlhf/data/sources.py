@@ -27,8 +27,9 @@ import hashlib
 import json
 import re
 import zlib
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from jaxrlhf.config import InputError, decode_utf8, one_line
 
@@ -190,7 +191,7 @@ HUB_ADAPTERS: dict[str, HubAdapter] = {
 
 
 def _read_text(path: Path) -> str:
-    """The whole file as text: gunzipped if it ends in .gz, strictly UTF-8; a broken file is a DataError."""
+    """The whole file as text: gunzipped if it ends in .gz, strictly UTF-8; a broken or empty file is a DataError."""
     try:
         data = gzip.decompress(path.read_bytes()) if path.name.lower().endswith(".gz") else path.read_bytes()
     except (OSError, EOFError, zlib.error) as e:  # truncated, not gzip at all, or a corrupt stream
@@ -198,7 +199,10 @@ def _read_text(path: Path) -> str:
             f"{path}: cannot decompress ({one_line(e)}); the file is truncated or corrupt: "
             "download or compress it again"
         ) from None
-    return decode_utf8(data, path, DataError)
+    text = decode_utf8(data, path, DataError)
+    if not text.strip():
+        raise DataError(f"{path}: the file is empty")
+    return text
 
 
 def _json(text: str, path: Path, first_line: int = 1):
@@ -224,15 +228,11 @@ def _rows(path: Path) -> Iterable[tuple[str, Any]]:
             raise DataError(
                 f"{path}: cannot read parquet ({one_line(e)}); the file is truncated or corrupt: write it again"
             ) from None
-        for i, row in enumerate(rows):
-            yield f"{path} row {i}", row
+        yield from ((f"{path} row {i}", row) for i, row in enumerate(rows))
         return
     text = _read_text(path)
-    if not text.strip():
-        raise DataError(f"{path}: the file is empty")
     if name.endswith(".json") and text.lstrip().startswith("["):
-        for i, row in enumerate(_json(text, path)):
-            yield f"{path} row {i}", row
+        yield from ((f"{path} row {i}", row) for i, row in enumerate(_json(text, path)))
         return
     # JSON lines end at "\n" only: str.splitlines would also split at U+2028 and other Unicode line breaks,
     # which JSON allows unescaped inside strings.
@@ -280,61 +280,51 @@ def read_source(
         if not path.name.lower().endswith(SUFFIXES):
             raise DataError(f"{path}: unsupported file type; expected one of {', '.join(SUFFIXES)}")
         return {"train": _collect(spec, _rows(path), local_record, on_bad_row)}
+    if not path.is_dir() and spec not in HUB_ADAPTERS:
+        known = ", ".join(["synthetic", *HUB_ADAPTERS])
+        raise DataError(f"{spec}: not a file, a folder, or a known dataset name (known: {known})")
+    splits = _load_datasets(spec)
     if path.is_dir():
-        return _read_datasets_folder(path, on_bad_row)
-    if spec in HUB_ADAPTERS:
-        return _read_hub(spec, on_bad_row)
-    known = ", ".join(["synthetic", *HUB_ADAPTERS])
-    raise DataError(f"{spec}: not a file, a folder, or a known dataset name (known: {known})")
-
-
-def _read_datasets_folder(path: Path, on_bad_row: str):
-    try:
-        from datasets import DatasetDict, load_from_disk
-    except ImportError:
-        raise DataError(f"{path}: reading a `datasets` folder needs `pip install datasets`") from None
-    try:
-        data = load_from_disk(str(path))
-    except FileNotFoundError:
-        raise DataError(f"{path}: not a folder written by datasets.save_to_disk (no dataset_info.json)") from None
-    splits = data if isinstance(data, DatasetDict) else {"train": data}
+        convert, parts = local_record, {("eval" if s in ("test", "validation", "eval") else s): s for s in splits}
+    else:
+        adapter = HUB_ADAPTERS[spec]
+        convert, parts = adapter.to_record, {"train": "train", "eval": adapter.eval_split}
     out = {}
-    for split, ds in splits.items():
-        name = "eval" if split in ("test", "validation", "eval") else split
-        rows = ((f"{path} [{split}] row {i}", row) for i, row in enumerate(ds))
-        out[name] = _collect(f"{path} [{split}]", rows, local_record, on_bad_row)
-    if "train" not in out:
-        raise DataError(f"{path}: no 'train' split (found {sorted(splits)})")
-    return out
-
-
-def _snapshot(name: str) -> str:
-    """A Hub dataset's files, downloaded into the Hub cache by huggingface_hub: where the Hub is unreachable this fails
-    at once, where `load_dataset(name)` would retry for a minute first."""
-    from huggingface_hub import snapshot_download
-
-    return snapshot_download(name, repo_type="dataset")
-
-
-def _read_hub(name: str, on_bad_row: str):
-    try:
-        from datasets import load_dataset
-    except ImportError:
-        raise DataError(f"{name}: hub datasets need `pip install datasets`") from None
-    adapter = HUB_ADAPTERS[name]
-    try:
-        data = load_dataset(_snapshot(name))
-    except Exception as e:  # noqa: BLE001 - offline, unknown revision, auth: all end the same way for the user
-        raise DataError(
-            f"{name}: could not load from the Hugging Face hub ({type(e).__name__}: {one_line(e, 120)}); "
-            "download it where a hub is reachable and pass the saved folder instead"
-        ) from None
-    out = {}
-    for part, split in (("train", "train"), ("eval", adapter.eval_split)):
+    for part, split in parts.items():
         if split:
-            rows = ((f"{name} [{split}] row {i}", r) for i, r in enumerate(data[split]))
-            out[part] = _collect(name, rows, adapter.to_record, on_bad_row)
+            rows = ((f"{spec} [{split}] row {i}", r) for i, r in enumerate(splits[split]))
+            out[part] = _collect(f"{spec} [{split}]", rows, convert, on_bad_row)
     return out
+
+
+def _load_datasets(spec: str) -> dict:
+    """{split: rows} of a folder written by `datasets` (save_to_disk), else of a Hub dataset "name[:config]",
+    downloaded into the Hub cache by huggingface_hub: where the Hub is unreachable this fails at once, where
+    `load_dataset(name)` would retry for a minute first."""
+    try:
+        from datasets import DatasetDict, load_dataset, load_from_disk
+    except ImportError:
+        raise DataError(f"{spec}: reading `datasets` folders and Hub datasets needs `pip install datasets`") from None
+    if Path(spec).is_dir():
+        try:
+            data = load_from_disk(spec)
+        except FileNotFoundError:
+            raise DataError(f"{spec}: not a folder written by datasets.save_to_disk (no dataset_info.json)") from None
+    else:
+        from huggingface_hub import snapshot_download
+
+        name, _, config = spec.partition(":")
+        try:
+            data = load_dataset(snapshot_download(name, repo_type="dataset"), config or None)
+        except Exception as e:  # noqa: BLE001 - offline, unknown name or revision, auth: all end the same way for the user
+            raise DataError(
+                f"{spec}: not a file, a folder, or a dataset the hub returned ({type(e).__name__}: "
+                f"{one_line(e, 120)}); download it where a hub is reachable and pass the saved folder instead"
+            ) from None
+    splits = data if isinstance(data, DatasetDict) else {"train": data}
+    if "train" not in splits:
+        raise DataError(f"{spec}: no 'train' split (found {sorted(splits)})")
+    return splits
 
 
 def fingerprint(spec: str) -> str:
@@ -355,10 +345,7 @@ def read_texts(spec: str) -> list[str]:
     "text" field in json/jsonl/parquet files or datasets folders, or a hub dataset "name[:config]"."""
     path = Path(spec)
     if path.is_file() and path.suffix == ".txt":
-        text = _read_text(path)
-        if not text.strip():
-            raise DataError(f"{path}: the file is empty")
-        return [text]
+        return [_read_text(path)]
 
     def text_field(row):
         if not isinstance(row, dict) or "text" not in row:
@@ -369,19 +356,5 @@ def read_texts(spec: str) -> list[str]:
 
     if path.is_file():
         return _collect(spec, _rows(path), text_field, "error")[0]
-    try:
-        from datasets import load_dataset, load_from_disk
-    except ImportError:
-        raise DataError(f"{spec}: needs `pip install datasets`") from None
-    if path.is_dir():
-        data = load_from_disk(str(path))
-    else:
-        name, _, config = spec.partition(":")
-        try:
-            data = load_dataset(_snapshot(name), config or None)
-        except Exception as e:  # noqa: BLE001 - offline or unknown name
-            raise DataError(
-                f"{spec}: not a file, a folder, or a dataset the hub returned ({type(e).__name__}: {one_line(e, 120)})"
-            ) from None
-    data = data["train"] if "train" in getattr(data, "keys", lambda: [])() else data
-    return _collect(spec, ((f"{spec} row {i}", row) for i, row in enumerate(data)), text_field, "error")[0]
+    rows = ((f"{spec} row {i}", row) for i, row in enumerate(_load_datasets(spec)["train"]))
+    return _collect(spec, rows, text_field, "error")[0]
