@@ -22,7 +22,6 @@ import dataclasses
 import json
 import math
 import re
-import sys
 from functools import partial
 from pathlib import Path
 from typing import Literal
@@ -33,7 +32,7 @@ import numpy as np
 
 from jaxrlhf.alarms import AlarmConfig, answer_figures, answer_rows, check, training_records
 from jaxrlhf.checkpoint import load_hf
-from jaxrlhf.config import default_xla_flags, parse_cli
+from jaxrlhf.config import run_cli
 from jaxrlhf.data import DataConfig, DataError, make_batch, prepare, step_records, stories, synthetic
 from jaxrlhf.generate import generate
 from jaxrlhf.losses import end_scores, token_logprobs
@@ -424,10 +423,7 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
         "settings": {
             "prompts": n,
             "max_answer_len": G,
-            "temperature": cfg.temperature,
-            "top_k": cfg.top_k,
-            "top_p": cfg.top_p,
-            "seed": cfg.seed,
+            **{k: getattr(cfg, k) for k in ("temperature", "top_k", "top_p", "seed", "samples")},
             "ngram": cfg.alarms.ngram,
             "data": list(cfg.data.data_path),
         },
@@ -448,9 +444,10 @@ def _figure(panels: int):
     return fig, list(np.atleast_1d(fig.subplots(1, panels)))
 
 
-def plot_training(records: list[dict]):
+def plot_training(report: dict):
     """Reward (and gold reward) and KL over the Step 3 iterations."""
     fig, (left, right) = _figure(2)
+    records = report["training"]
     steps = [r["step"] for r in records]
     for key, label in (("reward", "reward model score"), ("gold_reward", "gold reward")):
         if all(key in r for r in records):
@@ -516,7 +513,7 @@ def plot_win_rates(report: dict):
 
 def curves(fig) -> int:
     """Lines (labelled series) and bars drawn in `fig`."""
-    return sum(len([l for l in ax.lines if not l.get_label().startswith("_")]) + len(ax.patches) for ax in fig.axes)
+    return sum(len([x for x in ax.lines if not x.get_label().startswith("_")]) + len(ax.patches) for ax in fig.axes)
 
 
 # ----------------------------------------------------------------------------------------------- report
@@ -542,8 +539,8 @@ def markdown(report: dict, plots: dict) -> str:
             else ""
         )
         + "\n",
-        "| model | RM score | win rate (95% CI) | gold reward | KL | length mean (p10/p50/p90) | truncated | repetition "
-        "| entropy | perplexity |" + (" Step 3 | Step 3 time (s) |" if timed else ""),
+        "| model | RM score | win rate (95% CI) | gold reward | KL | length mean (p10/p50/p90) | truncated "
+        "| repetition | entropy | perplexity |" + (" Step 3 | Step 3 time (s) |" if timed else ""),
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" --- | ---: |" if timed else ""),
     ]
     for i, m in enumerate(report["models"]):
@@ -553,9 +550,9 @@ def markdown(report: dict, plots: dict) -> str:
             f" (n={run['samples_per_prompt']})" if run.get("samples_per_prompt", 1) > 1 else ""
         )
         lines.append(
-            f"| {m['name']} | {m['reward']:.3f} | {win} "
-            f"| {_fmt(m['gold_reward'])} | {m['kl']:.3f} | {m['answer_len']:.1f} ({p['10']:.0f}/{p['50']:.0f}/{p['90']:.0f}) "
-            f"| {m['truncated']:.2f} | {m['repetition']:.3f} | {m['entropy']:.3f} | {_fmt(m['perplexity'], '.2f')} |"
+            f"| {m['name']} | {m['reward']:.3f} | {win} | {_fmt(m['gold_reward'])} | {m['kl']:.3f} "
+            f"| {m['answer_len']:.1f} ({p['10']:.0f}/{p['50']:.0f}/{p['90']:.0f}) | {m['truncated']:.2f} "
+            f"| {m['repetition']:.3f} | {m['entropy']:.3f} | {_fmt(m['perplexity'], '.2f')} |"
             + (f" {algorithm} | {_fmt(run.get('seconds'), '.0f')} |" if timed else "")
         )
     r = report["reward_model"]
@@ -577,13 +574,12 @@ def markdown(report: dict, plots: dict) -> str:
         lines.append("\n## Plots\n")
         lines += [f"![{name}]({p['file']})" for name, p in plots.items()]
     pp, names = report["per_prompt"], [m["name"] for m in report["models"]]
-    k = min(s.get("samples", 4), len(pp["prompts"]))
+    k = min(s["samples"], len(pp["prompts"]))
     if k:
         lines.append("\n## Sample answers\n")
         for i in range(k):
-            lines.append(
-                f"**Prompt {i + 1}:** `{pp['prompts'][i].strip()!r}`\n\n| model | answer | RM score | gold |\n| --- | --- | ---: | ---: |"
-            )
+            lines.append(f"**Prompt {i + 1}:** `{pp['prompts'][i].strip()!r}`\n")
+            lines += ["| model | answer | RM score | gold |", "| --- | --- | ---: | ---: |"]
             for n in names:
                 g = pp[n]["gold"][i] if pp[n]["gold"] else None
                 text = pp[n]["answers"][i].replace("|", "\\|").replace("\n", "⏎")
@@ -592,7 +588,7 @@ def markdown(report: dict, plots: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(report: dict, out, samples: int = 4, log=print) -> Path:
+def write_report(report: dict, out, log=print) -> Path:
     """report.md, report.json and the PNG plots under `out`; returns the Markdown file."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -603,17 +599,17 @@ def write_report(report: dict, out, samples: int = 4, log=print) -> Path:
         log("eval: matplotlib is not installed: the report has no plots")
     else:
         makers = {
-            "win_rates": lambda: plot_win_rates(report),
-            "frontier": lambda: plot_frontier(report),
-            "lengths": lambda: plot_lengths(report),
+            "training": plot_training,
+            "win_rates": plot_win_rates,
+            "frontier": plot_frontier,
+            "lengths": plot_lengths,
         }
-        if report["training"]:
-            makers = {"training": lambda: plot_training(report["training"]), **makers}
         for name, make in makers.items():
-            fig = make()
-            fig.savefig(out / f"{name}.png", dpi=100)
-            plots[name] = {"file": f"{name}.png", "curves": curves(fig)}
-    report = {**report, "plots": plots, "settings": {**report["settings"], "samples": samples}}
+            if name != "training" or report["training"]:
+                fig = make(report)
+                fig.savefig(out / f"{name}.png", dpi=100)
+                plots[name] = {"file": f"{name}.png", "curves": curves(fig)}
+    report = {**report, "plots": plots}
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "report.md").write_text(markdown(report, plots))
     return out / "report.md"
@@ -622,7 +618,7 @@ def write_report(report: dict, out, samples: int = 4, log=print) -> Path:
 def run(cfg: EvalConfig, log=print) -> dict:
     """Evaluate and write the report; returns the numbers and the report's path."""
     report = evaluate(cfg, log=log)
-    path = write_report(report, cfg.output_dir, cfg.samples, log=log)
+    path = write_report(report, cfg.output_dir, log=log)
     log(f"eval: report in {path}")
     return {**report, "report": str(path)}
 
@@ -643,13 +639,9 @@ def pipeline_report(
         metrics=str(metrics),
         output_dir=str(out_dir),
         num_prompts=num_prompts,
-        max_answer_len=ppo.max_answer_len,
-        temperature=ppo.temperature,
-        top_k=ppo.top_k,
-        top_p=ppo.top_p,
         dtype="float32" if ppo.precision == "fp32" else "bfloat16",
-        alarms=ppo.alarms,
         data=data,
+        **{k: getattr(ppo, k) for k in ("max_answer_len", "temperature", "top_k", "top_p", "alarms")},
     )
     return run(cfg, log=log)["report"]
 
@@ -670,18 +662,8 @@ def flags(parser):
     parser.add_argument("--output-dir", "--output_dir", dest="output_dir", metavar="DIR")
 
 
-def parse(argv: list[str] | None) -> EvalConfig:
-    """--models/--names/--reward-model/--prompts/--reference/--metrics/--output-dir and [CONFIG.yaml] [key=value ...]."""
-    return parse_cli(EvalConfig, __doc__.split("\n\n")[0], argv, "python -m jaxrlhf.eval", flags, processes=False)[0]
-
-
 def main(argv=None):
-    default_xla_flags()
-    try:
-        return run(parse(argv))
-    except ValueError as e:  # ConfigError, DataError, CheckpointError are ValueErrors
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    return run_cli(EvalConfig, __doc__, "python -m jaxrlhf.eval", run, argv, flags=flags, processes=False)
 
 
 if __name__ == "__main__":

@@ -11,16 +11,17 @@ import pytest
 
 from jaxrlhf.alarms import AlarmConfig, AlarmTracker, answer_figures
 from jaxrlhf.checkpoint import load_hf, save_hf
+from jaxrlhf.config import parse_cli
 from jaxrlhf.data import DataConfig, make_batch, prepare
 from jaxrlhf.data.synthetic import gold_answer, gold_reward
 from jaxrlhf.eval import (
     EvalConfig,
     curves,
     final_number,
+    flags,
     gold_rewards,
     main,
     markdown,
-    parse,
     plot_frontier,
     plot_training,
     run,
@@ -148,7 +149,8 @@ def test_gold_reward_and_win_rate_agree_with_direct_computation(report):
 
 
 def test_wilson_interval_and_ties():
-    # 7 wins of 10: the Wilson 95% interval is (0.3968, 0.8922) (by hand: (p + z^2/2n -+ z sqrt(p(1-p)/n + z^2/4n^2)) / (1 + z^2/n)).
+    # 7 wins of 10: the Wilson 95% interval is (0.3968, 0.8922)
+    # (by hand: (p + z^2/2n -+ z sqrt(p(1-p)/n + z^2/4n^2)) / (1 + z^2/n)).
     w = win_rate([1] * 7 + [0] * 3, [0.5] * 10)
     assert (w["win_rate"], w["wins"], w["losses"]) == (0.7, 7, 3)
     np.testing.assert_allclose(w["win_ci"], [0.3968, 0.8922], atol=5e-5)
@@ -229,7 +231,7 @@ def test_report_files_and_plots(report):
     sft_row = next(line for line in md.splitlines() if line.startswith("| sft |"))
     assert sft_row.split(" | ")[2] == "baseline"  # not a win rate of 0.500 against itself
     assert "Step 3 time" not in md  # none of these models came from a Step 3 run folder
-    assert curves(plot_training(saved["training"][:2])) == 3
+    assert curves(plot_training({"training": saved["training"][:2]})) == 3
 
 
 def test_degenerate_model_trips_repetition_and_length_alarms(report):
@@ -266,6 +268,7 @@ def test_degenerate_model_trips_repetition_and_length_alarms(report):
 
 def test_cli_flags_and_errors(folders, tmp_path, capsys):
     models, root = folders
+    parse = lambda argv: parse_cli(EvalConfig, "", argv, flags=flags, processes=False)[0]
     cfg = parse(
         [
             "--models",
@@ -364,7 +367,7 @@ def test_step3_raises_alarms_when_the_actor_degenerates(folders, tmp_path, monke
 def test_step3_runs_side_by_side_with_their_algorithm_and_time(report, tmp_path):
     """A model exported by a Step 3 run (run_config.json with an algorithm and metrics.jsonl beside it) shows the run's
     algorithm and time: iterations x the median logged iteration, the compiling first one left out."""
-    cfg, out = report
+    _, out = report
     runs = {}
     for name, algorithm, n, seconds in (
         ("ppo-run", "ppo", 1, [9.0, 0.2, 0.3, 0.25]),
