@@ -53,6 +53,11 @@ _TENSORS = {  # kind -> [(HF tensor suffix, our leaf name, transpose)]
     "linear": [("weight", "kernel", True), ("bias", "bias", False)],
     "norm": [("weight", "scale", False), ("bias", "bias", False)],
 }
+# config.json settings that each family's model implements in one way only: written so, and refused otherwise.
+_FIXED = {
+    "llama": {"hidden_act": "silu"},
+    "opt": {"activation_function": "relu", "layer_norm_elementwise_affine": True, "tie_word_embeddings": True},
+}
 
 
 class CheckpointError(InputError):
@@ -79,11 +84,7 @@ def config_from_hf(hf: dict, source: str = "config.json", **overrides):
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(rope, dict):
         raise CheckpointError(f"{source}: rope_parameters / rope_scaling is {one_line(rope, 60)}; expected an object")
-    wanted = {
-        "llama": {"hidden_act": "silu"},
-        "opt": {"activation_function": "relu", "layer_norm_elementwise_affine": True, "tie_word_embeddings": True},
-    }[model_type]
-    unsupported = {key: (hf.get(key, want), want) for key, want in wanted.items()}
+    unsupported = {key: (hf.get(key, want), want) for key, want in _FIXED[model_type].items()}
     if model_type == "llama":  # no RoPE scaling (yet)
         unsupported["rope type"] = (rope.get("rope_type", rope.get("type", "default")), "default")
     for key, (got, want) in unsupported.items():
@@ -113,14 +114,9 @@ def config_to_hf(config, torch_dtype: str) -> dict:
     fmt = _FORMATS[config.model_type]
     hf = {theirs: getattr(config, ours) for theirs, ours in fmt.config_keys.items()}
     hf.update(model_type=config.model_type, architectures=[fmt.architecture], use_cache=True, dtype=torch_dtype)
+    hf.update(_FIXED[config.model_type])
     if config.model_type == "opt":
-        hf.update(
-            activation_function="relu",
-            layer_norm_elementwise_affine=True,
-            tie_word_embeddings=True,
-            init_std=0.02,
-            layerdrop=0.0,
-        )
+        hf.update(init_std=0.02, layerdrop=0.0)
     else:
         if config.rope_interleaved:
             raise ValueError(
@@ -128,7 +124,6 @@ def config_to_hf(config, torch_dtype: str) -> dict:
                 "interleaved layout (rope_interleaved=True): permute q/k (see convert.py) first"
             )
         hf.update(
-            hidden_act="silu",
             initializer_range=0.02,
             pretraining_tp=1,
             rope_theta=config.rope_theta,
@@ -170,8 +165,8 @@ def read_config(path: str | os.PathLike, **overrides):
     """Our config from `path/config.json` (plus run options such as dtype and remat as overrides); `path` is a
     folder or a Hub name (`resolve`)."""
     path = resolve(path)
-    file = Path(path) / CONFIG_FILE
-    if not Path(path).is_dir():
+    file = path / CONFIG_FILE
+    if not path.is_dir():
         raise CheckpointError(f"{path}: not a folder; expected a Hugging Face checkpoint folder with {CONFIG_FILE}")
     if not file.is_file():
         raise CheckpointError(f"{file}: missing; a Hugging Face checkpoint folder needs its {CONFIG_FILE}")
@@ -328,14 +323,11 @@ def params_from_tensors(config, tensors: dict[str, np.ndarray], source: str, dty
         if name not in tensors:
             raise CheckpointError(f"{source}: missing tensor {name} (needed for {path})")
         value = tensors.pop(name)
-        if transpose:
-            value = value.T
         want = _get(expected, path).shape[1 if layer is not None else 0 :]
+        want = want[::-1] if transpose else want  # as stored: PyTorch's Linear is [out, in]
         if value.shape != want:
-            got = value.T.shape if transpose else value.shape
-            need = tuple(reversed(want)) if transpose else want
-            raise CheckpointError(f"{source}: tensor {name} has shape {tuple(got)}, expected {tuple(need)}")
-        value = _checked(value, name, source, dtype)
+            raise CheckpointError(f"{source}: tensor {name} has shape {tuple(value.shape)}, expected {tuple(want)}")
+        value = _checked(value.T if transpose else value, name, source, dtype)
         if layer is None:
             _set(params, path, value)
         else:
@@ -510,20 +502,14 @@ def save_hf(
             tokenizer.save_pretrained(str(tmp))
         ours = {"written_by": "jaxrlhf", "id": uuid.uuid4().hex, **(manifest or {})}  # id: which save this was
         (tmp / EXPORT_MANIFEST).write_text(json.dumps(ours, indent=2) + "\n")
-        _replace_dir(tmp, path)
+        # An old `path` (checked again: it may have appeared meanwhile) is removed only once the new one is in place.
+        check_replaceable(path)
+        old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+        if path.exists():
+            os.replace(path, old / path.name)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
-
-
-def _replace_dir(new: Path, path: Path):
-    """Move the finished folder `new` to `path`; an old `path` (one of ours) is removed only once `new` is in place."""
-    if not path.exists():
-        os.replace(new, path)
-        return
-    check_replaceable(path)
-    old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-    os.replace(path, old / path.name)
-    os.replace(new, path)
-    shutil.rmtree(old, ignore_errors=True)
