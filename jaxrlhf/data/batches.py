@@ -14,6 +14,7 @@ weights it by loss_mask[:, 1:]. Shapes never change, so a jitted step compiles o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -69,6 +70,7 @@ def num_rows(arrays: dict) -> int:
     return len(offsets) - 1
 
 
+@dataclasses.dataclass(eq=False)
 class Batches:
     """Shuffled fixed-size batches over epochs, deterministic from the seed, resumable mid-epoch.
 
@@ -76,32 +78,28 @@ class Batches:
     very next batch. With several processes, each yields its own contiguous part of every global batch.
     """
 
-    def __init__(
-        self,
-        arrays,
-        step: int,
-        batch_size: int,
-        config: DataConfig,
-        pad_id: int,
-        *,
-        shuffle=True,
-        epoch: int = 0,
-        position: int = 0,
-        process_index: int = 0,
-        process_count: int = 1,
-    ):
-        n = num_rows(arrays)
-        if batch_size % process_count:
-            raise ValueError(f"batch size {batch_size} does not divide over {process_count} processes")
-        if n < batch_size:
+    arrays: dict = dataclasses.field(repr=False)
+    step: int | str
+    batch_size: int
+    config: DataConfig = dataclasses.field(repr=False)
+    pad_id: int
+    _: dataclasses.KW_ONLY
+    shuffle: bool = True
+    epoch: int = 0
+    position: int = 0
+    process_index: int = 0
+    process_count: int = 1
+
+    def __post_init__(self):
+        n = num_rows(self.arrays)
+        if self.batch_size % self.process_count:
+            raise ValueError(f"batch size {self.batch_size} does not divide over {self.process_count} processes")
+        if n < self.batch_size:
             raise ValueError(
-                f"the step {step} set has {n} rows, fewer than one batch of {batch_size}; "
+                f"the step {self.step} set has {n} rows, fewer than one batch of {self.batch_size}; "
                 "use more data, a different data_split, or a smaller batch"
             )
-        self.arrays, self.step, self.batch_size, self.config, self.pad_id = arrays, step, batch_size, config, pad_id
-        self.shuffle, self.epoch, self.position = shuffle, epoch, position
-        self.process_index, self.process_count = process_index, process_count
-        self.per_epoch = n // batch_size  # the last partial batch is dropped, as a fixed shape needs
+        self.per_epoch = n // self.batch_size  # the last partial batch is dropped, as a fixed shape needs
 
     def __len__(self):
         return self.per_epoch
@@ -109,21 +107,14 @@ class Batches:
     def state(self) -> dict:
         return {"epoch": self.epoch, "position": self.position}
 
-    def _order(self, epoch: int) -> np.ndarray:
-        n = num_rows(self.arrays)
-        return (
-            _rng(self.config.seed, "batches", str(self.step), str(epoch)).permutation(n)
-            if self.shuffle
-            else np.arange(n)
-        )
-
     def __iter__(self):
+        local = self.batch_size // self.process_count
         while True:
-            order = self._order(self.epoch)
+            n = num_rows(self.arrays)
+            rng = _rng(self.config.seed, "batches", str(self.step), str(self.epoch))
+            order = rng.permutation(n) if self.shuffle else np.arange(n)
             while self.position < self.per_epoch:
-                start = self.position * self.batch_size
-                local = self.batch_size // self.process_count
-                idx = order[start + self.process_index * local : start + (self.process_index + 1) * local]
+                start = self.position * self.batch_size + self.process_index * local
                 self.position += 1
-                yield make_batch(self.arrays, idx, self.step, self.config, self.pad_id)
+                yield make_batch(self.arrays, order[start : start + local], self.step, self.config, self.pad_id)
             self.epoch, self.position = self.epoch + 1, 0

@@ -103,7 +103,7 @@ def _train_eval(records: dict, fraction: float, seed: int, name: str) -> tuple[l
         return records["train"][0], records["eval"][0]
     rows = records["train"][0]
     order = _rng(seed, "eval", name).permutation(len(rows))
-    n_eval = int(round(fraction * len(rows)))
+    n_eval = round(fraction * len(rows))
     held = set(order[:n_eval].tolist())
     return [r for i, r in enumerate(rows) if i not in held], [rows[i] for i in sorted(held)]
 
