@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jax.sharding import PartitionSpec as P
 
-from jaxrlhf.kernels import row_mean_square, rows_axis, rows_per_shard
+from jaxrlhf.kernels import per_shard, row_mean_square, rows_axis, rows_per_shard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +163,7 @@ def _attend(q, k_ref, v_ref, layer, b, h, start, end, init, *, block_s: int, use
     K = q.shape[-1]
 
     def body(i, carry):
-        m, l, acc = carry
+        m, den, acc = carry
         s0 = pl.multiple_of(i * block_s, block_s)
         pos = s0 + jax.lax.broadcasted_iota(jnp.int32, (block_s, 1), 0)
         valid = (pos >= start) & (pos < end)  # [block_s, 1]
@@ -182,12 +182,12 @@ def _attend(q, k_ref, v_ref, layer, b, h, start, end, init, *, block_s: int, use
         m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
         p = jnp.exp(scores - m_new[:, None])
         alpha = jnp.exp(m - m_new)
-        l = l * alpha + jnp.sum(p, axis=-1)
+        den = den * alpha + jnp.sum(p, axis=-1)
         if use_dot:
             pv = jnp.dot(p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
         else:
             pv = jnp.sum(p[:, :, None] * vb.astype(jnp.float32)[None, :, :], axis=1)
-        return m_new, l, acc * alpha[:, None] + pv
+        return m_new, den, acc * alpha[:, None] + pv
 
     # Only the blocks that hold valid slots are read.
     return jax.lax.fori_loop(start // block_s, pl.cdiv(end, block_s), body, init)
@@ -223,17 +223,17 @@ def _kernel(
     rows = copies * G
     q = _repeat_rows(q_ref[...] if use_dot else q_ref[...].astype(jnp.float32), copies)
     # The running max starts at -1e30, our finite -inf: the first rescale exp(m - m_new) is 0, not NaN, and a
-    # chunk with no valid slot leaves m = -1e30, l = acc = 0.
+    # chunk with no valid slot leaves m = -1e30, den = acc = 0.
     init = (jnp.full((rows,), -1e30, jnp.float32), jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, K), jnp.float32))
-    m, l, acc = _attend(
+    m, den, acc = _attend(
         q, k_ref, v_ref, layer_ref[0], b, h, start, end, init, block_s=block_s, use_dot=use_dot, mask_loads=mask_loads
     )
-    m, l, acc = (_one_copy(x, copies) for x in (m, l, acc))
+    m, den, acc = (_one_copy(x, copies) for x in (m, den, acc))
     if len(out_refs) == 1:
-        out_refs[0][...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(out_refs[0].dtype)
+        out_refs[0][...] = (acc / jnp.maximum(den, 1e-30)[:, None]).astype(out_refs[0].dtype)
     else:
         acc_ref, m_ref, l_ref = out_refs
-        acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
+        acc_ref[...], m_ref[...], l_ref[...] = acc, m, den
 
 
 def _step_kernel(
@@ -315,23 +315,23 @@ def _step_kernel(
         q = _repeat_rows(q, copies)
     vo_ref[layer, b, h, pl.ds(slot, 1), :] = v_new.astype(vo_ref.dtype)
     v_new = v_new.astype(vo_ref.dtype).astype(jnp.float32)
-    # This token's own slot starts the online softmax (weight 1 at its score); the loop reads the cached slots before it.
+    # This token's own slot starts the online softmax (weight 1 at its score); the loop reads the cached slots before.
     rows = copies * G
     init = (_repeat_rows(s_new, copies), jnp.ones((rows,), jnp.float32), jnp.broadcast_to(v_new, (rows, K)))
-    m, l, acc = _attend(
+    _, den, acc = _attend(
         q, k_ref, v_ref, layer, b, h, start_ref[0], slot, init, block_s=block_s, use_dot=True, mask_loads=mask_loads
     )
-    l, acc = _one_copy(l, copies), _one_copy(acc, copies)
-    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    den, acc = _one_copy(den, copies), _one_copy(acc, copies)
+    o_ref[...] = (acc / den[:, None]).astype(o_ref.dtype)
 
 
-def _combine(acc, m, l):
-    """Merge the splits' partial sums: acc [..., N, G, K] (unnormalised outputs), m, l [..., N, G] (running max,
+def _combine(acc, m, den):
+    """Merge the splits' partial sums: acc [..., N, G, K] (unnormalised outputs), m, den [..., N, G] (running max,
     normaliser) -> [..., G, K]. Split n's terms were scaled by exp(-m_n); rescale all to the largest max M.
     A split with no valid slot has m = -1e30 (finite), so its weight exp(m - M) <= 1 is no NaN and multiplies
-    its l = acc = 0; a row with no valid slot at all gives 0, as with one split."""
+    its den = acc = 0; a row with no valid slot at all gives 0, as with one split."""
     w = jnp.exp(m - jnp.max(m, axis=-2, keepdims=True))  # [..., N, G]
-    total = jnp.sum(w * l, axis=-2)  # [..., G]
+    total = jnp.sum(w * den, axis=-2)  # [..., G]
     return jnp.sum(w[..., None] * acc, axis=-3) / jnp.maximum(total, 1e-30)[..., None]
 
 
@@ -361,7 +361,7 @@ def _pallas(q, k, v, layer, start, end, *, config):
     part = lambda *shape: pl.BlockSpec((None, None, None, *shape), lambda b, h, j: (b, h, j) + (0,) * len(shape))
     if splits == 1:
         out_specs, out_shape = part(G, K), jax.ShapeDtypeStruct((B, Hkv, 1, G, K), q.dtype)
-    else:  # the partial sums: acc, m, l
+    else:  # the partial sums: acc, m, den
         out_specs = [part(G, K), part(G), part(G)]
         out_shape = [jax.ShapeDtypeStruct((B, Hkv, splits, *shape), jnp.float32) for shape in ((G, K), (G,), (G,))]
     out = pl.pallas_call(
@@ -496,43 +496,12 @@ def decode_step(
     fn = functools.partial(
         _pallas_step, config=config, rope=rope is not None, eps=eps, width=width, bias=bias is not None
     )
-    if mesh is not None and mesh.size > 1:
-        rows = rows_axis(mesh, B)
-        cache, heads = P(None, rows, "model", None, None), P("model", None, None)
-        specs = (
-            P(rows, "model", None, None),
-            cache,
-            cache,
-            P(),
-            P(rows),
-            P(rows),
-            P(rows, None),
-            P(rows, None),
-            P(rows, None),
-            P(rows),
-            P(rows),
-            heads,
-            heads,
-        )
-        fn = jax.shard_map(
-            fn, mesh=mesh, in_specs=specs, out_specs=(P(rows, "model", None), cache, cache), check_vma=False
-        )
-    f32 = lambda x: x.astype(jnp.float32)
-    return fn(
-        qkv,
-        k,
-        v,
-        jnp.asarray(layer, jnp.int32),
-        start,
-        slot,
-        f32(cos),
-        f32(sin),
-        x,
-        f32(sums),
-        f32(squares),
-        f32(colsum),
-        b,
-    )
+    rows = rows_axis(mesh, B)
+    cache, heads = P(None, rows, "model", None, None), P("model", None, None)
+    specs = (P(rows, "model", None, None), cache, cache, P(), P(rows), P(rows), *[P(rows, None)] * 3, P(rows), P(rows))
+    fn = per_shard(fn, mesh, (*specs, heads, heads), (P(rows, "model", None), cache, cache))
+    cos, sin, sums, squares, colsum = (x.astype(jnp.float32) for x in (cos, sin, sums, squares, colsum))
+    return fn(qkv, k, v, jnp.asarray(layer, jnp.int32), start, slot, cos, sin, x, sums, squares, colsum, b)
 
 
 def decode_attention(
@@ -551,21 +520,9 @@ def decode_attention(
         raise ValueError(f"query heads ({H}) must be a multiple of KV heads ({Hkv})")
     if not config.use_kernel(K, H // Hkv):
         return xla_decode_attention(q, k, v, start, end, layer)
-    fn = functools.partial(_pallas, config=config)
-    if mesh is not None and mesh.size > 1:
-        rows = rows_axis(mesh, B)
-        fn = jax.shard_map(
-            fn,
-            mesh=mesh,
-            in_specs=(
-                P(rows, "model", None),
-                P(None, rows, "model", None, None),
-                P(None, rows, "model", None, None),
-                P(),
-                P(rows),
-                P(rows),
-            ),
-            out_specs=P(rows, "model", None),
-            check_vma=False,
-        )
-    return fn(q, k, v, layer, start, end)
+    rows = rows_axis(mesh, B)
+    cache = P(None, rows, "model", None, None)
+    specs = (P(rows, "model", None), cache, cache, P(), P(rows), P(rows))
+    return per_shard(functools.partial(_pallas, config=config), mesh, specs, P(rows, "model", None))(
+        q, k, v, layer, start, end
+    )

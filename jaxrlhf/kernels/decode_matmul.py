@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jax.sharding import PartitionSpec as P
 
-from jaxrlhf.kernels import rows_axis
+from jaxrlhf.kernels import per_shard, rows_axis
 
 # The sweep's best at 64 rows (tools/bench_decode_matmul.py, docs/benchmarks.md), for fc1 and fc2 alike
 BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 128, 4, 4
@@ -130,19 +130,10 @@ def decode_matmul(x, w, *, bias=None, layer_norm=None, relu: bool = False, inter
         out = _pallas(x, w, norm, bias, eps=eps, relu=relu, split=split, interpret=interpret)
         return out[0] if epilogue else jnp.sum(out, axis=0)
 
-    if mesh is None or mesh.size == 1:
-        return product(x, w, norm, bias)
     rows = rows_axis(mesh, x.shape[0])
-    if epilogue:  # column-parallel: each shard its columns of N, x whole
+    if epilogue or mesh is None or mesh.size == 1:  # with an epilogue column-parallel: each shard its N, x whole
         norm_specs = None if norm is None else (P(rows), P(rows), P("model"))
-        return jax.shard_map(
-            product,
-            mesh=mesh,
-            in_specs=(P(rows, None), P(None, "model"), norm_specs, None if bias is None else P("model")),
-            out_specs=P(rows, "model"),
-            check_vma=False,
-        )(x, w, norm, bias)
+        specs = (P(rows, None), P(None, "model"), norm_specs, None if bias is None else P("model"))
+        return per_shard(product, mesh, specs, P(rows, "model"))(x, w, norm, bias)
     row_parallel = lambda x, w: jax.lax.psum(product(x, w, None, None), "model")
-    return jax.shard_map(
-        row_parallel, mesh=mesh, in_specs=(P(rows, "model"), P("model", None)), out_specs=P(rows, None), check_vma=False
-    )(x, w)
+    return per_shard(row_parallel, mesh, (P(rows, "model"), P("model", None)), P(rows, None))(x, w)

@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jax.sharding import PartitionSpec as P
 
-from jaxrlhf.kernels import row_mean_square, rows_axis
+from jaxrlhf.kernels import per_shard, row_mean_square, rows_axis
 
 BLOCK_F = 2048  # output columns per program (a power of two for Triton; the last block masked): faster than 1024
 NUM_WARPS = 8
@@ -73,9 +73,5 @@ def rms_swiglu(gate_up, h, eps: float, *, interpret: bool = False, mesh=None):
     if gate_up.ndim != 3 or gate_up.shape[1] != 2 or h.shape[0] != gate_up.shape[0]:
         raise ValueError(f"rms_swiglu: expected gate_up [B, 2, F] and h [B, D], got {gate_up.shape} and {h.shape}")
     fn = functools.partial(_pallas, eps=float(eps), interpret=interpret)
-    if mesh is not None and mesh.size > 1:
-        rows = rows_axis(mesh, gate_up.shape[0])
-        fn = jax.shard_map(
-            fn, mesh=mesh, in_specs=(P(rows, None, "model"), P(rows, None)), out_specs=P(rows, "model"), check_vma=False
-        )
-    return fn(gate_up, h)
+    rows = rows_axis(mesh, gate_up.shape[0])
+    return per_shard(fn, mesh, (P(rows, None, "model"), P(rows, None)), P(rows, "model"))(gate_up, h)

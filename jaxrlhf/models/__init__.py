@@ -14,6 +14,7 @@ trainers and generation run every family through the same code. Each call's kind
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from jaxrlhf.models import common, llama, opt
 from jaxrlhf.models.common import Backend, Mode, positions_from_mask  # noqa: F401  (the API's types)
@@ -36,50 +37,29 @@ def family(config):
         ) from None
 
 
+def _forward(
+    config, params, input_ids, attention_mask, value_head, dropout_rng, positions, segment_ids, last=0, at=None
+):
+    """A "train" call (with `dropout_rng`: dropout on) or a "score" call of `config`'s family."""
+    mode = Mode("score" if dropout_rng is None else "train")
+    model = family(config).Model(config, value_head=value_head, mode=mode, last=last)
+    rngs = None if dropout_rng is None else {"dropout": dropout_rng}
+    return model.apply({"params": params}, input_ids, attention_mask, None, positions, at, segment_ids, rngs=rngs)
+
+
 def logits(
-    config,
-    params,
-    input_ids,
-    attention_mask,
-    *,
-    dropout_rng=None,
-    last: int = 0,
-    at=None,
-    positions=None,
-    segment_ids=None,
+    config, params, input_ids, attention_mask, *, dropout_rng=None, last=0, at=None, positions=None, segment_ids=None
 ):
     """Next-token logits [B, T, V] in float32; with `last` > 0 only those of the last `last` positions
     [B, last, V] (the LM head, the largest product of a small model, runs on those only); `at` [B, A]: of those
     positions of each row. Dropout runs only when `dropout_rng` is given (a "train" call, else "score").
     positions and segment_ids [B, T]: several sequences packed in one row (each attends within its segment)."""
-    return common.apply(
-        family(config).Model,
-        config,
-        params,
-        input_ids,
-        attention_mask,
-        value_head=False,
-        dropout_rng=dropout_rng,
-        last=last,
-        at=at,
-        positions=positions,
-        segment_ids=segment_ids,
-    )
+    return _forward(config, params, input_ids, attention_mask, False, dropout_rng, positions, segment_ids, last, at)
 
 
 def values(config, params, input_ids, attention_mask, *, dropout_rng=None, positions=None, segment_ids=None):
     """Value-head outputs [B, T] in float32 (reward model and critic); `params` must hold `value_head`."""
-    return common.apply(
-        family(config).Model,
-        config,
-        params,
-        input_ids,
-        attention_mask,
-        value_head=True,
-        dropout_rng=dropout_rng,
-        positions=positions,
-        segment_ids=segment_ids,
-    )
+    return _forward(config, params, input_ids, attention_mask, True, dropout_rng, positions, segment_ids)
 
 
 init_cache = common.init_cache  # an empty KV cache [L, B, Hkv, S, K] for generation (see models/common.py)
@@ -88,7 +68,9 @@ init_cache = common.init_cache  # an empty KV cache [L, B, Hkv, S, K] for genera
 def logits_with_cache(config, params, input_ids, positions, cache, mode: Mode, last: int = 0):
     """Logits [B, T, V] of T new tokens written into the cache at cache["slot"] (of the last `last` positions
     if > 0), and the updated cache: a "prefill" or "decode" call (`mode`, with the decode layout and the mesh)."""
-    return common.apply_with_cache(family(config).Model, config, params, input_ids, positions, cache, mode, last)
+    model = family(config).Model(config, mode=mode, last=last)
+    out, cache = model.apply({"params": params}, input_ids, None, cache, positions)
+    return out, {**cache, "slot": cache["slot"] + input_ids.shape[1]}
 
 
 def decode_layer(config, layer: dict) -> dict:
@@ -103,10 +85,12 @@ def in_decode_layout(params) -> bool:
 
 def param_shapes(config, *, value_head: bool = False):
     """The parameter tree of `config` as ShapeDtypeStructs (float32), allocating nothing."""
-    return common.param_shapes(family(config).Model, config, value_head=value_head)
+    model = family(config).Model(config, value_head=value_head)
+    ids = jnp.zeros((1, 1), jnp.int32)
+    return jax.eval_shape(lambda: model.init(jax.random.key(0), ids, jnp.ones_like(ids))["params"])
 
 
-def init_params(config, key, *, value_head: bool = False, dtype=jax.numpy.float32, std: float = 0.02):
+def init_params(config, key, *, value_head: bool = False, dtype=jnp.float32, std: float = 0.02):
     """Random parameters of `config`'s family: normal(0, std) weights, zero biases, unit norm scales."""
     return common.random_params(param_shapes(config, value_head=value_head), key, dtype=dtype, std=std)
 

@@ -1,5 +1,5 @@
 """What every decoder family shares: attention (training and cached), the padding layout, the scan over
-layers, the KV cache, and the functional API built on a family's Flax module.
+layers, the KV cache, the heads (`CausalLM`) and the decode layout's products.
 
 Shape vocabulary (used in comments and einsum strings throughout jaxrlhf):
     B batch, T sequence, S cache slots, D model width, H query heads, Hkv key/value heads (Hkv divides H;
@@ -7,9 +7,8 @@ Shape vocabulary (used in comments and einsum strings throughout jaxrlhf):
 
 A family module (models/opt.py, models/llama.py) owns its config dataclass (the architecture from config.json
 plus dtype, remat, dropout and the `Backend`), its PRESETS, its Hugging Face name table (`HF`), its sharding table
-(`PARAM_AXES`), its decode layout (`decode_layer`) and its forward: a top-level module `Model(config, value_head,
-mode)(input_ids, attention_mask, cache=None, positions=None, head_at=None, segment_ids=None)`. The functions here
-(`apply`, `apply_with_cache`, `param_shapes`, `random_params`, `init_cache`) do the rest.
+(`PARAM_AXES`), its decode layout (`decode_layer`) and its forward: `Model(config, value_head, mode, last)(input_ids,
+attention_mask, cache=None, positions=None, head_at=None, segment_ids=None)`, a `CausalLM` over its decoder.
 
 What a call does is explicit: the model config carries the `Backend` (made once at start-up by `Backend.detect`;
 the default is plain XLA), and every module gets the call's `Mode` (train, score, prefill or decode; the decode
@@ -27,7 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxrlhf.kernels import decode_matmul, rows_axis, rows_per_shard
+from jaxrlhf.config import check_fields
+from jaxrlhf.kernels import decode_matmul, per_shard, rows_axis, rows_per_shard
 from jaxrlhf.kernels.decode_attention import DecodeAttentionConfig, decode_attention, decode_step, fuses_step
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -114,14 +114,17 @@ class HFNames:
     root: str  # a tensor every checkpoint of the family has (finds the prefix)
 
 
-def check_run_options(config) -> None:
-    """Validate the run options every config carries: dtype, dropouts (the backend validates itself)."""
+def check_config(config, sizes: tuple, **rules: str) -> None:
+    """Validate a family's config: dtype and dropouts (the backend validates itself), each of `sizes` in [1, 2**31)
+    (larger sizes overflow the shape arithmetic), the token ids in the vocabulary, and `rules` (config.check_fields)."""
     name = type(config).__name__
     if config.dtype not in DTYPES:
         raise ValueError(f"{name}.dtype: expected one of {sorted(DTYPES)}, got {config.dtype!r}")
     for field in ("dropout", "attention_dropout"):
         if not 0.0 <= getattr(config, field) < 1.0:
             raise ValueError(f"{name}.{field}: expected a probability in [0, 1), got {getattr(config, field)}")
+    tokens = dict.fromkeys(("pad_token_id", "bos_token_id", "eos_token_id"), f"[0, {config.vocab_size})")
+    check_fields(config, **dict.fromkeys(sizes, f"[1, {2**31})"), **tokens, **rules)
 
 
 # ------------------------------------------------------------------------------------------- attention
@@ -186,7 +189,7 @@ def cached_attention(q, k, v, cache, mode: Mode, backend: Backend):
     layer, slot = cache["layer"], cache["slot"]
     ck, cv = write_cache(cache["k"], k, layer, slot), write_cache(cache["v"], v, layer, slot)
     cache = {**cache, "k": ck, "v": cv}
-    B, T, H, K = q.shape
+    B, T = q.shape[:2]
     mesh = mode.mesh
     if mode.decoding:
         out = decode_attention(q[:, 0], ck, cv, cache["start"], slot + 1, layer, config=backend.kernels, mesh=mesh)
@@ -196,9 +199,8 @@ def cached_attention(q, k, v, cache, mode: Mode, backend: Backend):
     # k and v as the decode steps will read them back (the cache's dtype)
     k, v = (x.astype(ck.dtype).astype(q.dtype) for x in (k, v))
     attend = lambda q, k, v: causal_attention(q, k, v, backend.attention)
-    if mesh is not None and mesh.size > 1:  # per shard, as the decode kernel: each device its heads (and rows)
-        spec = jax.sharding.PartitionSpec(rows_axis(mesh, B), None, "model", None)
-        attend = jax.shard_map(attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+    spec = jax.sharding.PartitionSpec(rows_axis(mesh, B), None, "model", None)  # per shard, as the decode kernel
+    attend = per_shard(attend, mesh, (spec,) * 3, spec)
     out = roll(attend(*(roll(x, cache["start"]) for x in (q, k, v))), -cache["start"])
     # The next layer waits for this layer's cache write: nothing else reads it here, and XLA deferred all the writes
     # to the end of the prefill, holding every layer's K/V meanwhile (a quarter more peak memory in Step 3).
@@ -403,38 +405,7 @@ def carry_out(h, cache):
     return (h, None if cache is None else {"k": cache["k"], "v": cache["v"]}), None
 
 
-# ------------------------------------------------------------------------------------ functional API
-
-
-def apply(
-    model_cls,
-    config,
-    params,
-    input_ids,
-    attention_mask,
-    *,
-    value_head: bool,
-    dropout_rng=None,
-    last: int = 0,
-    at=None,
-    positions=None,
-    segment_ids=None,
-):
-    """Logits [B, T, V] (or values [B, T] with value_head) in float32 of a "train" call (with `dropout_rng`: dropout
-    on) or a "score" call. `last` > 0: the head runs on the last `last` positions only (logits [B, last, V]); `at`
-    [B, A]: on those positions of each row only (logits [B, A, V]). positions [B, T] (default: counted from the mask)
-    and segment_ids [B, T] (tokens attend within their segment only): several sequences packed in a row."""
-    mode = Mode("score" if dropout_rng is None else "train")
-    model = model_cls(config, value_head=value_head, mode=mode, last=last)
-    rngs = None if dropout_rng is None else {"dropout": dropout_rng}
-    return model.apply({"params": params}, input_ids, attention_mask, None, positions, at, segment_ids, rngs=rngs)
-
-
-def apply_with_cache(model_cls, config, params, input_ids, positions, cache, mode: Mode, last: int = 0):
-    """Logits [B, T, V] (or [B, last, V]: see `apply`) of a "prefill" or "decode" call (`mode`): T new tokens at
-    cache["slot"] .. + T - 1, and the cache holding their K/V."""
-    out, cache = model_cls(config, mode=mode, last=last).apply({"params": params}, input_ids, None, cache, positions)
-    return out, {**cache, "slot": cache["slot"] + input_ids.shape[1]}
+# ------------------------------------------------------------------------------- KV cache, parameters
 
 
 def init_cache(config, valid, dtype=None, multiple: int = 64) -> dict:
@@ -450,13 +421,6 @@ def init_cache(config, valid, dtype=None, multiple: int = 64) -> dict:
     zeros = jnp.zeros(shape, dtype or config.compute_dtype)
     start = jnp.argmax(valid.astype(bool), axis=1).astype(jnp.int32)
     return {"k": zeros, "v": zeros, "start": start, "slot": jnp.zeros((), jnp.int32)}
-
-
-def param_shapes(model_cls, config, *, value_head: bool = False):
-    """The parameter tree of `config` as `jax.ShapeDtypeStruct`s (float32), without allocating anything."""
-    model = model_cls(config, value_head=value_head)
-    ids = jnp.zeros((1, 1), jnp.int32)
-    return jax.eval_shape(lambda: model.init(jax.random.key(0), ids, jnp.ones_like(ids))["params"])
 
 
 def random_params(shapes: Any, key, *, dtype=jnp.float32, std: float = 0.02):
@@ -508,6 +472,53 @@ def value_head(h, dtype):
     return Dense(1, use_bias=False, dtype=dtype, name="value_head")(h)[..., 0].astype(jnp.float32)
 
 
+class LMHead(nn.Module):
+    """An untied LM head: logits [B, T, V] in float32 from h [B, T, D] (kernel [D, V])."""
+
+    vocab_size: int
+
+    @nn.compact
+    def __call__(self, h):
+        kernel = self.param("kernel", nn.initializers.normal(0.02), (h.shape[-1], self.vocab_size))
+        return float32_logits("btd,dv->btv", h, kernel.astype(h.dtype))
+
+
+class CausalLM(nn.Module):
+    """A family's forward (its `Model`): the decoder `body` (a module class, named `body_name` in the tree), then on
+    its h [B, T, E] the LM head, tied (the embedding [V, E]) or not (config.tie_word_embeddings False: "lm_head"),
+    or with `value_head=True` the reward/critic head. Returns logits [B, T, V] or values [B, T] in float32, and the
+    cache when given one."""
+
+    config: Any
+    value_head: bool = False
+    mode: Mode = Mode()
+    last: int = 0  # > 0: the head runs on the last `last` positions only
+    body = None  # the family's decoder class and its name (class attributes, not fields)
+    body_name = ""
+
+    @nn.compact
+    def __call__(self, input_ids, attention_mask, cache=None, positions=None, head_at=None, segment_ids=None):
+        c = self.config
+        body = self.body(c, self.mode, name=self.body_name)
+        h = body(input_ids, attention_mask, cache, positions, segment_ids)  # [B, T, E] (and the cache)
+        if cache is not None:
+            h, cache = h
+        if self.last:
+            h = h[:, -self.last :]
+        if head_at is not None:  # [B, A] positions: the head runs there only (packed rows: each row's answer)
+            h = jnp.take_along_axis(h, head_at[..., None], axis=1)
+        untied = None if c.tie_word_embeddings else LMHead(c.vocab_size, name="lm_head")
+        if self.value_head:
+            out = value_head(h, c.compute_dtype)
+            if untied is not None and self.is_initializing():  # keep the LM head in the tree (saved with the model)
+                untied(h[:, :0])
+        elif untied is None:
+            out = lm_head(h, body.variables["params"]["embed_tokens"]["embedding"])
+        else:
+            out = untied(h)
+        return out if cache is None else (out, cache)
+
+
 def _dot(x, kernel, dtype):
     return jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype), (((x.ndim - 1,), (0,)), ((), ())))
 
@@ -546,13 +557,8 @@ class Dense(nn.Module):
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), jnp.float32)
         dtype = self.dtype or jnp.result_type(x, kernel)
         if self.has_variable("params", "lora_a"):
-            y = _lora_dot(
-                x,
-                kernel,
-                self.get_variable("params", "lora_a"),
-                self.get_variable("params", "lora_b"),
-                jnp.dtype(dtype),
-            )
+            a, b = (self.get_variable("params", n) for n in ("lora_a", "lora_b"))
+            y = _lora_dot(x, kernel, a, b, jnp.dtype(dtype))
         else:
             y = _dot(x, kernel, dtype)
         if self.use_bias:
@@ -629,7 +635,6 @@ def project_qkv(
     head_dim: int,
     use_bias: bool,
     dtype,
-    names=("q_proj", "k_proj", "v_proj"),
     norm=None,
 ):
     """q [B, T, H, K] (times the attention's scale K^-1/2), k, v [B, T, Hkv, K] of h [B, T, D]: three Linear
@@ -641,12 +646,8 @@ def project_qkv(
         G = H // Hkv
         y = stacked_dense(module, "qkv_proj", h, dtype, norm)  # [B, T, Hkv, (G + 2) K]
         return y[..., : G * K].reshape(B, T, H, K), y[..., G * K : (G + 1) * K], y[..., (G + 1) * K :]
-    dense = lambda n, name: Dense(n, use_bias=use_bias, dtype=dtype, name=name)
-    return (
-        dense(H * K, names[0])(h).reshape(B, T, H, K) * K**-0.5,
-        dense(Hkv * K, names[1])(h).reshape(B, T, Hkv, K),
-        dense(Hkv * K, names[2])(h).reshape(B, T, Hkv, K),
-    )
+    dense = lambda n, name: Dense(n * K, use_bias=use_bias, dtype=dtype, name=name)(h).reshape(B, T, n, K)
+    return dense(H, "q_proj") * K**-0.5, dense(Hkv, "k_proj"), dense(Hkv, "v_proj")
 
 
 # The sharding rows of what every family shares (each family's PARAM_AXES says the rest; see sharding.py): the value
@@ -658,11 +659,12 @@ PARAM_AXES = [
 ]
 
 
-def stack_qkv(attn: dict, kv_heads: int, names=("q_proj", "k_proj", "v_proj")) -> dict:
+def stack_qkv(attn: dict, kv_heads: int) -> dict:
     """One layer's attention parameters in the decode layout: the q/k/v kernels [D, n K] (biases [n K]) as
     "qkv_proj" [D, Hkv, (G + 2) K] ([Hkv, (G + 2) K]): query head h = j G + g sits with KV head j, so tensor
     parallelism splits the stacked kernel by KV heads as it splits the three. The query part is multiplied by
     the attention's scale K^-1/2 (rotary embeddings are linear, so scaling before them is the same)."""
+    names = ("q_proj", "k_proj", "v_proj")
     parts = [attn[n] for n in names]
     K = parts[1]["kernel"].shape[-1] // kv_heads
     parts[0] = jax.tree.map(lambda x: x * K**-0.5, parts[0])

@@ -34,7 +34,6 @@ import dataclasses
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jaxrlhf.config import check_fields
 from jaxrlhf.kernels.swiglu import rms_swiglu
 from jaxrlhf.models import common
 from jaxrlhf.models.common import Backend, Mode
@@ -71,25 +70,9 @@ class LlamaConfig:
     model_type = "llama"  # config.json's model_type (a class attribute, not a field)
 
     def __post_init__(self):
-        common.check_run_options(self)
-        size = f"[1, {2**31})"  # larger sizes overflow the shape arithmetic
-        token = f"[0, {self.vocab_size})"
-        check_fields(
-            self,
-            vocab_size=size,
-            hidden_size=size,
-            intermediate_size=size,
-            num_hidden_layers=size,
-            num_attention_heads=size,
-            num_key_value_heads=size,
-            head_dim=f"[0, {2**31})",
-            max_position_embeddings=size,
-            rms_norm_eps="> 0",
-            rope_theta="> 0",
-            pad_token_id=token,
-            bos_token_id=token,
-            eos_token_id=token,
-        )
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        rules = dict(head_dim=f"[0, {2**31})", rms_norm_eps="> 0", rope_theta="> 0")
+        common.check_config(self, (*sizes, "num_key_value_heads", "max_position_embeddings"), **rules)
         if not self.head_dim and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"LlamaConfig: hidden_size {self.hidden_size} is not divisible by "
@@ -116,35 +99,22 @@ class LlamaConfig:
 
 
 # The Llama-family shapes, for random-weight models in benchmarks: `LlamaConfig(**PRESETS["llama-2-7b"])`.
+# "llama-7b-gqa": Llama-2-7B's shape with grouped-query attention (8 KV heads), the target of the issue-9 benchmark.
 PRESETS = {
-    "llama-2-7b": dict(
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_hidden_layers=32,
+    name: dict(
+        hidden_size=D,
+        intermediate_size=F,
+        num_hidden_layers=L,
         num_attention_heads=32,
-        num_key_value_heads=32,
-        max_position_embeddings=4096,
+        num_key_value_heads=Hkv,
+        max_position_embeddings=positions,
         rms_norm_eps=1e-5,
-    ),
-    # Llama-2-7B's shape with grouped-query attention (8 KV heads), the target of the issue-9 benchmark.
-    "llama-7b-gqa": dict(
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-    ),
-    "tinyllama-1.1b": dict(
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=22,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-5,
-    ),
+    )
+    for name, (L, D, F, Hkv, positions) in {
+        "llama-2-7b": (32, 4096, 11008, 32, 4096),
+        "llama-7b-gqa": (32, 4096, 11008, 8, 4096),
+        "tinyllama-1.1b": (22, 2048, 5632, 4, 2048),
+    }.items()
 }
 
 
@@ -275,46 +245,10 @@ class LlamaModel(nn.Module):
         return (h, cache) if cache is not None else common.restore_layout(h, order)
 
 
-class LMHead(nn.Module):
-    """An untied LM head: logits [B, T, V] in float32 from h [B, T, D] (kernel [D, V])."""
-
-    vocab_size: int
-
-    @nn.compact
-    def __call__(self, h):
-        kernel = self.param("kernel", nn.initializers.normal(0.02), (h.shape[-1], self.vocab_size))
-        return common.float32_logits("btd,dv->btv", h, kernel.astype(h.dtype))
-
-
-class Llama(nn.Module):
+class Llama(common.CausalLM):
     """LlamaForCausalLM (logits [B, T, V]) or, with `value_head=True`, the reward/critic model (values [B, T])."""
 
-    config: LlamaConfig
-    value_head: bool = False
-    mode: Mode = Mode()
-    last: int = 0  # > 0: the head runs on the last `last` positions only
-
-    @nn.compact
-    def __call__(self, input_ids, attention_mask, cache=None, positions=None, head_at=None, segment_ids=None):
-        c = self.config
-        model = LlamaModel(c, self.mode, name="model")
-        h = model(input_ids, attention_mask, cache, positions, segment_ids)
-        if cache is not None:
-            h, cache = h
-        if self.last:
-            h = h[:, -self.last :]
-        if head_at is not None:  # [B, A] positions: the head runs there only (packed rows: each row's answer)
-            h = jnp.take_along_axis(h, head_at[..., None], axis=1)
-        head = None if c.tie_word_embeddings else LMHead(c.vocab_size, name="lm_head")
-        if self.value_head:
-            out = common.value_head(h, c.compute_dtype)
-            if head is not None and self.is_initializing():  # keep the LM head in the tree (saved with the model)
-                head(h[:, :0])
-        elif head is None:
-            out = common.lm_head(h, model.variables["params"]["embed_tokens"]["embedding"])
-        else:
-            out = head(h)
-        return out if cache is None else (out, cache)
+    body, body_name = LlamaModel, "model"
 
 
 Model = Llama  # the family's forward (models/__init__.py)

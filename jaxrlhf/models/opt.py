@@ -26,9 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 import flax.linen as nn
-import jax.numpy as jnp
 
-from jaxrlhf.config import check_fields
 from jaxrlhf.models import common
 from jaxrlhf.models.common import DTYPES, Backend, Mode
 
@@ -62,24 +60,11 @@ class OPTConfig:
     backend: Backend = Backend()  # attention and decode kernels, loop unrolling: Backend.detect() at start-up
 
     model_type = "opt"  # config.json's model_type (a class attribute, not a field)
+    tie_word_embeddings = True  # the LM head is the embedding (not a field: OPT's always is)
 
     def __post_init__(self):
-        common.check_run_options(self)
-        size = f"[1, {2**31})"  # larger sizes overflow the shape arithmetic
-        check_fields(
-            self,
-            vocab_size=size,
-            hidden_size=size,
-            num_hidden_layers=size,
-            num_attention_heads=size,
-            ffn_dim=size,
-            max_position_embeddings=size,
-            word_embed_proj_dim=size,
-            layer_norm_eps="> 0",
-            pad_token_id=f"[0, {self.vocab_size})",
-            bos_token_id=f"[0, {self.vocab_size})",
-            eos_token_id=f"[0, {self.vocab_size})",
-        )
+        sizes = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "ffn_dim")
+        common.check_config(self, (*sizes, "max_position_embeddings", "word_embed_proj_dim"), layer_norm_eps="> 0")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"OPTConfig: hidden_size {self.hidden_size} is not divisible by "
@@ -230,30 +215,11 @@ class OPTDecoder(nn.Module):
         return (h, cache) if cache is not None else common.restore_layout(h, order)
 
 
-class OPT(nn.Module):
+class OPT(common.CausalLM):
     """OPT with its tied LM head (returns logits [B, T, V]) or, with `value_head=True`, the reward/critic
     model (returns one value per position [B, T]: `Linear(E, 1)`, no bias, on the last hidden state)."""
 
-    config: OPTConfig
-    value_head: bool = False
-    mode: Mode = Mode()
-    last: int = 0  # > 0: the head runs on the last `last` positions only
-
-    @nn.compact
-    def __call__(self, input_ids, attention_mask, cache=None, positions=None, head_at=None, segment_ids=None):
-        decoder = OPTDecoder(self.config, self.mode, name="decoder")
-        h = decoder(input_ids, attention_mask, cache, positions, segment_ids)  # [B, T, E] (and the cache)
-        if cache is not None:
-            h, cache = h
-        if self.last:
-            h = h[:, -self.last :]
-        if head_at is not None:  # [B, A] positions: the head runs there only (packed rows: each row's answer)
-            h = jnp.take_along_axis(h, head_at[..., None], axis=1)
-        if self.value_head:
-            out = common.value_head(h, self.config.compute_dtype)
-        else:  # the tied LM head: the embedding [V, E]
-            out = common.lm_head(h, decoder.variables["params"]["embed_tokens"]["embedding"])
-        return out if cache is None else (out, cache)
+    body, body_name = OPTDecoder, "decoder"
 
 
 Model = OPT  # the family's forward (models/__init__.py); positions are OPT position ids without the offset
