@@ -26,6 +26,7 @@ model runs "prefill" and "decode" calls (models.Mode: the layout, the mesh) with
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from functools import partial
 from typing import Any
@@ -53,9 +54,14 @@ def _layers_key(params: dict):
     raise ValueError(f"no 'layers' in the parameter tree (top level: {sorted(params)})")
 
 
-def _in_decode_layout(tree, config, mesh, layer: bool):
-    """`tree` (one layer's parameters, or all but the layers) fused, cast and laid out for generation."""
+@partial(jax.jit, static_argnames=("config", "mesh"))
+def _to_decode_layout(config, tree, mesh, i=None):
+    """`tree` (all but the layers; or, given `i`, layer i of the stacked layers) fused, cast and laid out for
+    generation."""
     dtype = config.compute_dtype
+    layer = i is not None
+    if layer:
+        tree = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False), tree)
     tree = fuse_attached(tree)
     if layer:  # stacked (and the query scale folded in) before the cast: one rounding
         tree = decode_layer(config, tree)
@@ -69,18 +75,6 @@ def _in_decode_layout(tree, config, mesh, layer: bool):
         specs = shardings_for(wrapped, "tp", mesh)
         tree = jax.lax.with_sharding_constraint(tree, specs["layers"][0] if layer else specs)
     return tree
-
-
-@partial(jax.jit, static_argnames=("config", "mesh"))
-def _decode_one_layer(config, layers, i, mesh):
-    return _in_decode_layout(
-        jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False), layers), config, mesh, layer=True
-    )
-
-
-@partial(jax.jit, static_argnames=("config", "mesh"))
-def _decode_rest(config, rest, mesh):
-    return _in_decode_layout(rest, config, mesh, layer=False)
 
 
 def decode_params(config, params: Any, mesh=None) -> Any:
@@ -100,10 +94,10 @@ def decode_params(config, params: Any, mesh=None) -> Any:
     # host (NumPy) leaves go to the device once, not once per layer's program
     layers = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jnp.asarray(x), layers)
     per_layer = tuple(
-        _decode_one_layer(config, layers, jnp.int32(i), mesh) for i in range(jax.tree.leaves(layers)[0].shape[0])
+        _to_decode_layout(config, layers, mesh, jnp.int32(i)) for i in range(jax.tree.leaves(layers)[0].shape[0])
     )
     rest = {k: v for k, v in parent.items() if k != "layers"}
-    out = _decode_rest(config, rest if key is None else {**params, key: rest}, mesh)
+    out = _to_decode_layout(config, rest if key is None else {**params, key: rest}, mesh)
     (out if key is None else out[key])["layers"] = per_layer  # out's dicts are new (jit builds them)
     return out
 
@@ -158,41 +152,26 @@ def _row_keys(key, rows, g):
     return jax.vmap(lambda r, t: jax.random.fold_in(jax.random.fold_in(key, r), t))(rows, g)
 
 
-@partial(
-    jax.jit,
-    static_argnames=(
-        "config",
-        "max_new_tokens",
-        "sampling",
-        "eos_id",
-        "pad_id",
-        "force_length",
-        "slots",
-        "refill",
-        "check_every",
-        "mesh",
-    ),
-)
-def _generate(
-    config,
-    params,
-    input_ids,
-    attention_mask,
-    key,
-    limits,
-    *,
-    max_new_tokens,
-    sampling,
-    eos_id,
-    pad_id,
-    force_length,
-    slots,
-    refill,
-    check_every,
-    mesh,
-):
+@dataclasses.dataclass(frozen=True)
+class _Loop:
+    """`generate`'s options that shape the compiled program (see its docstring)."""
+
+    max_new_tokens: int
+    sampling: Sampling
+    eos_id: int | None
+    pad_id: int
+    force_length: bool
+    slots: int
+    refill: int
+    check_every: int
+    mesh: Any
+
+
+@partial(jax.jit, static_argnames=("config", "loop"))
+def _generate(config, loop: _Loop, params, input_ids, attention_mask, key, limits):
+    eos_id, pad_id, force_length, mesh = loop.eos_id, loop.pad_id, loop.force_length, loop.mesh
     N, Pn = input_ids.shape
-    G, B, R = max_new_tokens, slots, refill
+    G, B, R = loop.max_new_tokens, loop.slots, loop.refill
     order = jnp.argsort(attention_mask.astype(bool), axis=1, stable=True)  # padding first, real tokens in order
     input_ids, attention_mask = (jnp.take_along_axis(x, order, 1) for x in (input_ids, attention_mask))
     real = jnp.sum(attention_mask, axis=1).astype(jnp.int32)  # [N] prompt lengths
@@ -214,7 +193,7 @@ def _generate(
         drawn = logits
         if force_length and eos_id is not None:  # benchmarks: EOS barred before the row's limit, forced at it
             drawn = drawn.at[:, eos_id].set(jnp.where(g < lim - 1, -jnp.inf, drawn[:, eos_id]))
-        token = jax.vmap(lambda l, k: sample(l[None], k, sampling)[0])(drawn, _row_keys(key, rows, g))
+        token = jax.vmap(lambda x, k: sample(x[None], k, loop.sampling)[0])(drawn, _row_keys(key, rows, g))
         if force_length and eos_id is not None:
             token = jnp.where(g == lim - 1, eos_id, token)
         token = token.astype(jnp.int32)
@@ -233,7 +212,7 @@ def _generate(
         """Prompts `prompts` [R] (index N: none) prefilled into a new cache of S slots: (logits [R, V], cache)."""
         ids, mask = input_ids[jnp.minimum(prompts, N - 1)], attention_mask[jnp.minimum(prompts, N - 1)]
         valid = jnp.concatenate([mask.astype(bool), jnp.ones((len(prompts), S - Pn), bool)], axis=1)
-        cache = laid_out(init_cache(config, valid, multiple=64 if S > Pn else 1))
+        cache = laid_out(init_cache(config, valid, multiple=64 if Pn < S else 1))
         positions = jnp.maximum(positions_from_mask(mask), 0)
         # the LM head on the last position only
         logits, cache = logits_with_cache(config, params, ids, positions, cache, prefilling, last=1)
@@ -316,7 +295,7 @@ def _generate(
         return {**state, "next": jnp.minimum(state["next"] + R, N)}
 
     def chunk(state):  # `check_every` steps, then refills: the loop's condition is read every chunk only
-        state = jax.lax.fori_loop(0, check_every, step, state)
+        state = jax.lax.fori_loop(0, loop.check_every, step, state)
         return jax.lax.while_loop(refill_due, refill, state)
 
     unfinished = lambda state: ~jnp.all(state["done"]) | (state["next"] < N)
@@ -379,25 +358,7 @@ def generate(
                 f"{host.shape}, range {host.min()} .. {host.max()}"
             )
         limits = jnp.asarray(limits, jnp.int32)
-    run = partial(
-        _generate,
-        config,
-        params,
-        input_ids,
-        attention_mask,
-        key,
-        limits,
-        max_new_tokens=max_new_tokens,
-        sampling=Sampling(temperature, top_k, top_p),
-        eos_id=eos_id,
-        pad_id=config.pad_token_id if pad_id is None else pad_id,
-        force_length=force_length,
-        slots=slots,
-        refill=refill,
-        check_every=check_every,
-        mesh=mesh,
-    )
-    if mesh is None:
-        return Generation(*run())
-    with jax.set_mesh(mesh):  # the program's arrays live on this mesh
-        return Generation(*run())
+    pad_id, sampling = config.pad_token_id if pad_id is None else pad_id, Sampling(temperature, top_k, top_p)
+    loop = _Loop(max_new_tokens, sampling, eos_id, pad_id, force_length, slots, refill, check_every, mesh)
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):  # the program's arrays live on this mesh
+        return Generation(*_generate(config, loop, params, input_ids, attention_mask, key, limits))
