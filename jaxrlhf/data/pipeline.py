@@ -98,31 +98,23 @@ def step_indices(n: int, data_split: str, step: int, seed: int, name: str) -> np
     return np.sort(order[bounds[step - 1] : bounds[step]])
 
 
-def _train_eval(records: dict, fraction: float, seed: int, name: str) -> tuple[list, list]:
-    if "eval" in records:
-        return records["train"][0], records["eval"][0]
-    rows = records["train"][0]
-    order = _rng(seed, "eval", name).permutation(len(rows))
-    n_eval = round(fraction * len(rows))
-    held = set(order[:n_eval].tolist())
-    return [r for i, r in enumerate(rows) if i not in held], [rows[i] for i in sorted(held)]
-
-
 def step_records(config: DataConfig, step: int) -> tuple[dict[str, list[Record]], list[Report]]:
     """{"train": [...], "eval": [...]} records of `step`, blended over the sources, and the read reports."""
     if step not in (1, 2, 3):
         raise ValueError(f"step: expected 1, 2 or 3, got {step}")
     out = {"train": [], "eval": []}
     reports = []
-    sources = [(s, False) for s in config.data_path] + [
-        (s, True) for s in (config.sft_only_data_path if step == 1 else ())
-    ]
+    sources = [(s, False) for s in config.data_path] + [(s, True) for s in config.sft_only_data_path if step == 1]
     if not sources:
         raise DataError("no datasets given: set data_path (e.g. data_path: [synthetic])")
     for spec, sft_only in sources:
         split = read_source(spec, on_bad_row=config.on_bad_row, seed=config.seed, eval_fraction=config.eval_fraction)
         reports += [report for _, report in split.values()]
-        train, evaluation = _train_eval(split, config.eval_fraction, config.seed, spec)
+        train, evaluation = split["train"][0], split["eval"][0] if "eval" in split else None
+        if evaluation is None:  # no eval split of its own: hold out eval_fraction of the rows
+            order = _rng(config.seed, "eval", spec).permutation(len(train))
+            held = set(order[: round(config.eval_fraction * len(train))].tolist())
+            train, evaluation = [r for i, r in enumerate(train) if i not in held], [train[i] for i in sorted(held)]
         if step == 2 and any(r.rejected is None for r in train + evaluation):  # eval pairs are scored too
             raise DataError(
                 f"{spec}: has rows without a rejected response, so it cannot train a reward model; "
@@ -201,30 +193,22 @@ def lm_blocks(texts: list[str], tokenizer, block_size: int) -> dict[str, np.ndar
     return {"tokens": np.asarray(stream[: n * block_size], np.int32), "offsets": np.arange(n + 1) * block_size}
 
 
-def _tokenizer_hash(tokenizer) -> str:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
-    text += json.dumps([tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id])
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
 def cache_key(config: DataConfig, step: int, tokenizer) -> str:
     """A hash of everything that shapes a step's tokenized set."""
     fields = dataclasses.asdict(config)
     fields.pop("cache_dir")
     sources = [fingerprint(s) for s in (*config.data_path, *config.sft_only_data_path, *config.unsupervised_data_path)]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocab = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    vocab += json.dumps([tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id])
     blob = {
         "version": CACHE_VERSION,
         "step": step,
         "config": fields,
         "sources": sources,
-        "tokenizer": _tokenizer_hash(tokenizer),
+        "tokenizer": hashlib.sha256(vocab.encode()).hexdigest(),
     }
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:20]
-
-
-def _cache_dir(config: DataConfig) -> Path:
-    return Path(config.cache_dir or os.environ.get("JAXRLHF_CACHE", Path.home() / ".cache" / "jaxrlhf" / "data"))
 
 
 def prepare(config: DataConfig, step: int | str, tokenizer, *, log=print) -> dict[str, dict[str, np.ndarray]]:
@@ -234,7 +218,8 @@ def prepare(config: DataConfig, step: int | str, tokenizer, *, log=print) -> dic
     Returns {"train": arrays, "eval": arrays, "stats": {...}} (see `tokenize` and `lm_blocks`).
     """
     key = cache_key(config, step, tokenizer)
-    file = _cache_dir(config) / f"step{step}-{key}.npz"
+    cache = config.cache_dir or os.environ.get("JAXRLHF_CACHE", Path.home() / ".cache" / "jaxrlhf" / "data")
+    file = Path(cache) / f"step{step}-{key}.npz"
     if file.is_file():
         with np.load(file) as z:
             data = {
