@@ -10,7 +10,8 @@ turn. Type `clear` to start a new conversation and `quit` to leave.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
+from typing import Literal
 
 import jax
 import numpy as np
@@ -30,15 +31,13 @@ class ChatConfig:
     top_k: int = 0
     top_p: float = 1.0
     #: compute dtype
-    dtype: str = "float32"
+    dtype: Literal["float32", "bfloat16"] = "float32"
     #: seed of the sampling
     seed: int = 0
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected >= 1, got {self.max_new_tokens}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype: expected float32 or bfloat16, got {self.dtype!r}")
 
 
 class Chatbot:
@@ -52,11 +51,9 @@ class Chatbot:
         if not cfg.path:
             raise ValueError("path: required, a Hugging Face OPT folder (e.g. --path runs/train/step3-models/actor)")
         self.cfg = cfg
-        self.config, self.params = load_hf(
-            cfg.path, dtype=np.dtype(cfg.dtype) if cfg.dtype == "float32" else jax.numpy.bfloat16
-        )
+        self.config, params = load_hf(cfg.path, dtype=jax.numpy.dtype(cfg.dtype))
         # the decode layout, built once: every answer's decode steps read each layer's own arrays
-        self.params = decode_params(self.config, {k: v for k, v in self.params.items() if k != "value_head"})
+        self.params = decode_params(self.config, {k: v for k, v in params.items() if k != "value_head"})
         self.tokenizer = load_tokenizer(cfg.path)
         self.max_new = min(cfg.max_new_tokens, self.config.max_position_embeddings // 2)
         self.turns = 0

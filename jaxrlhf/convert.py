@@ -8,8 +8,8 @@ tokenizer) that jaxrlhf and transformers both load.
     header: 7 int32 (dim, hidden, layers,       config.json (tie_word_embeddings: vocab_size > 0 in the header)
             heads, kv heads, vocab, seq len)
     float32 arrays, nn.Linear [out, in]   ->    model.layers.{i}.self_attn.q_proj.weight ... (via the Llama
-                                                family's name table, llama.HF); q and k rows permuted from interleaved rotary
-                                                pairs (2i, 2i+1) to HF's halves (i, i + K/2)
+                                                family's name table, llama.HF); q and k rows permuted from
+                                                interleaved rotary pairs (2i, 2i+1) to HF's halves (i, i + K/2)
     tokenizer .bin (score, bytes per piece) ->  tokenizer.json (SentencePiece BPE with byte fallback)
 """
 
@@ -107,12 +107,8 @@ def read_llama2c(path: str | os.PathLike) -> tuple[LlamaConfig, dict]:
         num_key_value_heads=Hkv,
         max_position_embeddings=seq_len,
         rms_norm_eps=1e-5,
-        rope_theta=10000.0,
         tie_word_embeddings=shared,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    )  # rope_theta 10000 and token ids 0, 1, 2 (_SPECIAL): llama2.c's, LlamaConfig's defaults
     return config, params_from_tensors(config, tensors, str(path))
 
 

@@ -70,7 +70,7 @@ def _load(cfg: InspectConfig, mesh):
         # Initialise directly in the training layout: no device ever holds the whole model.
         out = shardings_for(param_shapes(config), "fsdp", mesh)
         params = jax.jit(partial(init_params, config, dtype=dtype), out_shardings=out)(jax.random.key(cfg.seed))
-        return config, params, None
+        return config, params, load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
     config, host = load_hf(cfg.model, dtype=dtype)
     check_tp(config.num_attention_heads, mesh, config.num_key_value_heads)
     try:
@@ -86,8 +86,6 @@ def run(cfg: InspectConfig) -> dict:
     mesh = make_mesh(cfg.tp)
     print(f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind}; mesh {dict(mesh.shape)}")
     config, params, tokenizer = _load(cfg, mesh)
-    if cfg.tokenizer and tokenizer is None:
-        tokenizer = load_tokenizer(cfg.tokenizer)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     print(f"model: {cfg.model} ({n_params / 1e6:.1f}M parameters, {cfg.dtype})\n")
 

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from jaxrlhf.checkpoint import load_hf
+from jaxrlhf.data.batches import pad_rows
 from jaxrlhf.data.stories import OPENING, WORDS, make_prompt, uses, write
 from jaxrlhf.eval import gold_and_kl
 from jaxrlhf.generate import generate
@@ -64,10 +65,7 @@ def evaluate(
     `samples` times, and greedy once; and the KL from the actor to the Step 1 model (nats per sampled answer)."""
     tok = load_tokenizer(actor_dir)
     enc = [tok(make_prompt(w))["input_ids"] for w in words]
-    width = max(map(len, enc))
-    ids, mask = np.full((len(enc), width), tok.pad_token_id, np.int32), np.zeros((len(enc), width), np.int32)
-    for i, e in enumerate(enc):  # left padding, as generation wants
-        ids[i, width - len(e) :], mask[i, width - len(e) :] = e, 1
+    ids, mask = pad_rows(enc, max(map(len, enc)), tok.pad_token_id, left=True)
     models = {"step1": load_hf(step1_dir), "actor": load_hf(actor_dir)}
     out, texts = gold_and_kl(
         models,
@@ -101,18 +99,9 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=24, help="tokens per sampled story")
     ap.add_argument("--label-noise", type=float, default=0.0, help="share of pairs with chosen and rejected swapped")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    out = build(
-        args.model,
-        args.out,
-        n=args.n,
-        demos=args.demos,
-        pool=args.pool,
-        max_new_tokens=args.max_new_tokens,
-        seed=args.seed,
-        label_noise=args.label_noise,
-    )
-    print(f"wrote {args.n} preference records and {args.demos} demonstrations to {out}")
+    args = vars(ap.parse_args(argv))  # the options are build's and write's keywords
+    out = build(args.pop("model"), args.pop("out"), **args)
+    print(f"wrote {args['n']} preference records and {args['demos']} demonstrations to {out}")
 
 
 if __name__ == "__main__":
