@@ -35,7 +35,6 @@ import numpy as np
 
 from jaxrlhf.config import ConfigError, InputError, build, decode_utf8, one_line
 from jaxrlhf.models import CONFIGS, FAMILIES, Backend, LlamaConfig, OPTConfig, param_shapes
-from jaxrlhf.models.common import HFNames
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -230,12 +229,7 @@ def read_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     for index_name, reader in ((SAFETENSORS_INDEX, _read_safetensors), (TORCH_INDEX, _read_torch)):
         index = path / index_name
         if index.is_file():
-            tensors = {}
-            for shard in _shard_names(index):
-                if not (path / shard).is_file():
-                    raise CheckpointError(f"{index}: lists shard {shard}, which is missing from {path}")
-                tensors.update(reader(path / shard))
-            return tensors
+            return {name: t for shard in _shard_names(index) for name, t in reader(path / shard).items()}
     if (path / SAFETENSORS_FILE).is_file():
         return _read_safetensors(path / SAFETENSORS_FILE)
     if (path / TORCH_FILE).is_file():
@@ -246,7 +240,7 @@ def read_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
 
 def _shard_names(index: Path) -> list[str]:
-    """The shard files that a weight index lists: plain file names beside it."""
+    """The shard files that a weight index lists: plain file names of files beside it."""
     weight_map = _read_json(index)
     weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
@@ -264,6 +258,8 @@ def _shard_names(index: Path) -> list[str]:
                 f"{index}: weight_map[{one_line(name, 60)!r}] is {one_line(repr(shard), 60)}; "
                 "expected the file name of a shard in the same folder"
             )
+        if not (index.parent / shard).is_file():
+            raise CheckpointError(f"{index}: lists shard {shard}, which is missing from {index.parent}")
     return sorted(set(weight_map.values()))
 
 
@@ -291,15 +287,6 @@ def _leaf_names(config, with_value_head: bool):
         yield VALUE_HEAD_KEY, "value_head/kernel", None, True
 
 
-def _strip_prefix(tensors: dict[str, np.ndarray], fmt: HFNames, source: str) -> dict[str, np.ndarray]:
-    for prefix in fmt.prefixes:
-        if f"{prefix}{fmt.root}" in tensors:
-            return {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in tensors.items()}
-    raise CheckpointError(
-        f"{source}: missing tensor {fmt.save_prefix}{fmt.root}; is this an {fmt.architecture} checkpoint?"
-    )
-
-
 def _set(tree: dict, path: str, value):
     *parents, leaf = path.split("/")
     for p in parents:
@@ -310,7 +297,12 @@ def _set(tree: dict, path: str, value):
 def params_from_tensors(config, tensors: dict[str, np.ndarray], source: str, dtype=None) -> dict:
     """Our parameter tree from HF tensors (names with or without prefix); every tensor is used exactly once."""
     fmt = _FORMATS[config.model_type]
-    tensors = _strip_prefix(dict(tensors), fmt, source)
+    prefix = next((p for p in fmt.prefixes if f"{p}{fmt.root}" in tensors), None)
+    if prefix is None:
+        raise CheckpointError(
+            f"{source}: missing tensor {fmt.save_prefix}{fmt.root}; is this an {fmt.architecture} checkpoint?"
+        )
+    tensors = {k.removeprefix(prefix): v for k, v in tensors.items()}
     if getattr(config, "tie_word_embeddings", True):
         # A tied LM head may be stored too; it must equal the embedding.
         lm_head = tensors.pop("lm_head.weight", None)
