@@ -16,7 +16,6 @@ import numpy as np
 
 from jaxrlhf.checkpoint import CheckpointError, resolve
 
-_HF_FILES = ("tokenizer.json", "tokenizer_config.json")
 _BPE_FILES = ("vocab.json", "merges.txt")
 
 
@@ -45,7 +44,7 @@ def load_tokenizer(path: str | os.PathLike):
     """The tokenizer saved in `path` (an HF folder or Hub name), or OPT's built from `vocab.json` + `merges.txt` there.
     A local folder is read with local_files_only: transformers asks the Hub nothing."""
     path = resolve(path)
-    if any((path / f).is_file() for f in _HF_FILES):
+    if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
@@ -101,9 +100,6 @@ def sentencepiece_bpe(pieces: list[str], scores: list[float]):
 
 def decode_rows(tokenizer, ids, mask, skip_first: bool = False) -> list[str]:
     """The text of each row's real tokens (EOS dropped; `skip_first` drops the prompt's BOS)."""
-    eos = tokenizer.eos_token_id
-    out = []
-    for row, m in zip(np.asarray(ids), np.asarray(mask)):
-        kept = [int(t) for t in row[m.astype(bool)]]
-        out.append(tokenizer.decode([t for t in kept[1 if skip_first else 0 :] if t != eos]))
-    return out
+    eos, start = tokenizer.eos_token_id, int(skip_first)
+    rows = (row[m.astype(bool)][start:] for row, m in zip(np.asarray(ids), np.asarray(mask)))
+    return [tokenizer.decode([int(t) for t in row if t != eos]) for row in rows]

@@ -118,13 +118,8 @@ def demonstrations(stories: list[str], rows: list[dict], seed: int = 0, on_reque
     requested word) for `on_request` of them, else by a random pooled story, which uses the word only as often
     as the model's own stories do: an uneven demonstrator, so the Step 1 model honours the request sometimes."""
     rng = np.random.default_rng([seed, 1])
-    return [
-        {
-            "prompt": r["prompt"],
-            "chosen": r["chosen"] if rng.random() < on_request else stories[rng.integers(len(stories))],
-        }
-        for r in rows
-    ]
+    answer = lambda r: r["chosen"] if rng.random() < on_request else stories[rng.integers(len(stories))]
+    return [{"prompt": r["prompt"], "chosen": answer(r)} for r in rows]
 
 
 def write(
