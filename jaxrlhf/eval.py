@@ -433,8 +433,7 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
 
 # ------------------------------------------------------------------------------------------------ plots
 #
-# Each function returns a matplotlib Figure (no pyplot: no global state, no display); `curves` counts what
-# a reader sees: one line per series, one bar per model.
+# Each function returns a matplotlib Figure (no pyplot: no global state, no display).
 
 
 def _figure(panels: int):
@@ -511,9 +510,7 @@ def plot_win_rates(report: dict):
     return fig
 
 
-def curves(fig) -> int:
-    """Lines (labelled series) and bars drawn in `fig`."""
-    return sum(len([x for x in ax.lines if not x.get_label().startswith("_")]) + len(ax.patches) for ax in fig.axes)
+PLOTS = {"training": plot_training, "win_rates": plot_win_rates, "frontier": plot_frontier, "lengths": plot_lengths}
 
 
 # ----------------------------------------------------------------------------------------------- report
@@ -572,7 +569,7 @@ def markdown(report: dict, plots: dict) -> str:
         )
     if plots:
         lines.append("\n## Plots\n")
-        lines += [f"![{name}]({p['file']})" for name, p in plots.items()]
+        lines += [f"![{name}]({file})" for name, file in plots.items()]
     pp, names = report["per_prompt"], [m["name"] for m in report["models"]]
     k = min(s["samples"], len(pp["prompts"]))
     if k:
@@ -588,27 +585,13 @@ def markdown(report: dict, plots: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(report: dict, out, log=print) -> Path:
+def write_report(report: dict, out) -> Path:
     """report.md, report.json and the PNG plots under `out`; returns the Markdown file."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    plots = {}
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        log("eval: matplotlib is not installed: the report has no plots")
-    else:
-        makers = {
-            "training": plot_training,
-            "win_rates": plot_win_rates,
-            "frontier": plot_frontier,
-            "lengths": plot_lengths,
-        }
-        for name, make in makers.items():
-            if name != "training" or report["training"]:
-                fig = make(report)
-                fig.savefig(out / f"{name}.png", dpi=100)
-                plots[name] = {"file": f"{name}.png", "curves": curves(fig)}
+    plots = {name: f"{name}.png" for name in PLOTS if name != "training" or report["training"]}
+    for name, file in plots.items():
+        PLOTS[name](report).savefig(out / file, dpi=100)
     report = {**report, "plots": plots}
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "report.md").write_text(markdown(report, plots))
@@ -618,7 +601,7 @@ def write_report(report: dict, out, log=print) -> Path:
 def run(cfg: EvalConfig, log=print) -> dict:
     """Evaluate and write the report; returns the numbers and the report's path."""
     report = evaluate(cfg, log=log)
-    path = write_report(report, cfg.output_dir, log=log)
+    path = write_report(report, cfg.output_dir)
     log(f"eval: report in {path}")
     return {**report, "report": str(path)}
 

@@ -15,8 +15,8 @@ from jaxrlhf.config import parse_cli
 from jaxrlhf.data import DataConfig, make_batch, prepare
 from jaxrlhf.data.synthetic import gold_answer, gold_reward
 from jaxrlhf.eval import (
+    PLOTS,
     EvalConfig,
-    curves,
     final_number,
     flags,
     gold_rewards,
@@ -93,6 +93,11 @@ def report(folders):
         data=data,
     )
     return cfg, run(cfg, log=lambda _: None)
+
+
+def curves(fig) -> int:
+    """Lines (labelled series) and bars drawn in `fig`: what a reader sees."""
+    return sum(len([x for x in ax.lines if not x.get_label().startswith("_")]) + len(ax.patches) for ax in fig.axes)
 
 
 def prompts_batch(cfg):
@@ -207,7 +212,8 @@ def test_report_files_and_plots(report):
     assert [r["step"] for r in saved["training"]] == [1, 2, 3, 4, 5]  # eval lines dropped, step 3 once
     # curves: training = reward + gold + KL; frontier = 2 panels x 3 models (the training iterations are points, not a
     # line); lengths = 3 models + length over training; win rates = 3 bars.
-    assert {k: v["curves"] for k, v in saved["plots"].items()} == {
+    assert saved["plots"] == {name: f"{name}.png" for name in PLOTS}
+    assert {name: curves(plot(saved)) for name, plot in PLOTS.items()} == {
         "training": 3,
         "frontier": 6,
         "lengths": 4,
