@@ -276,12 +276,8 @@ def perplexity(cfg: EvalConfig, model, arrays, pad_id: int) -> float | None:
     if n == 0:
         return None
     b = make_batch(arrays, range(n), 1, cfg.data, pad_id)
-    config, params = model
-    total, count = _in_batches(
-        lambda i, *x: _row_nll(config, params, *x),
-        [b["input_ids"], b["attention_mask"], b["loss_mask"]],
-        cfg.batch_size,
-    )
+    rows = [b[k] for k in ("input_ids", "attention_mask", "loss_mask")]
+    total, count = _in_batches(lambda i, *x: _row_nll(*model, *x), rows, cfg.batch_size)
     return math.exp(min(float(total.sum() / max(count.sum(), 1)), 50.0))
 
 
@@ -290,11 +286,8 @@ def rm_accuracy(cfg: EvalConfig, rm, arrays, pad_id: int) -> dict | None:
     if n == 0:
         return None
     b = make_batch(arrays, range(n), 2, cfg.data, pad_id)
-    chosen, rejected = _in_batches(
-        lambda i, *x: _pair_scores(*rm, *x),
-        [b["chosen_ids"], b["chosen_mask"], b["rejected_ids"], b["rejected_mask"]],
-        cfg.batch_size,
-    )
+    rows = [b[k] for k in ("chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask")]
+    chosen, rejected = _in_batches(lambda i, *x: _pair_scores(*rm, *x), rows, cfg.batch_size)
     return {
         "pairs": n,
         "accuracy": float(np.mean(chosen > rejected)),
@@ -373,11 +366,8 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
     for name, path in zip(names, cfg.models):
         model = load(path)
         tokens, amask = answer(cfg, model, ids, mask, G, eos, pad)
-        logp, ref_logp = (
-            _in_batches(lambda i, *x: [_answer_logprobs(*m, *x)], [ids, mask, tokens, amask], cfg.batch_size)[0]
-            for m in (model, reference)
-        )
-        (scores,) = _in_batches(lambda i, *x: [_scores(*rm, *x)], [ids, mask, tokens, amask], cfg.batch_size)
+        forward = lambda i, *x: [_answer_logprobs(*model, *x), _answer_logprobs(*reference, *x), _scores(*rm, *x)]
+        logp, ref_logp, scores = _in_batches(forward, [ids, mask, tokens, amask], cfg.batch_size)
         texts = decode_rows(tok, tokens, amask)
         lengths = amask.sum(1)
         row = {
