@@ -86,18 +86,8 @@ def split_dialogue(dialogue: str) -> tuple[str, str]:
     return dialogue[:cut], dialogue[cut:]
 
 
-def hh_record(row: dict) -> Record:
-    prompt, chosen = split_dialogue(_text(row, "chosen"))
-    prompt_r, rejected = split_dialogue(_text(row, "rejected"))
-    if prompt != prompt_r:
-        raise SkipRow("the chosen and rejected dialogues have different prompts")
-    return Record(prompt, chosen, rejected)
-
-
-def _text(row: dict, field: str, *, optional: bool = False) -> str | None:
+def _text(row: dict, field: str) -> str:
     value = row.get(field)
-    if value is None and optional:
-        return None
     if not isinstance(value, str):
         raise DataError(f"field '{field}' must be a string, got {type(value).__name__}")
     try:  # JSON's "\ud800" escape gives a str that no tokenizer (and no UTF-8 file) can hold
@@ -120,12 +110,17 @@ def local_record(row: Any) -> Record:
         metadata = row.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
             raise DataError(f"field 'metadata' must be an object, got {type(metadata).__name__}")
-        record = Record(prompt, chosen, _text(row, "rejected", optional=True), metadata)
+        rejected = None if row.get("rejected") is None else _text(row, "rejected")
+        record = Record(prompt, chosen, rejected, metadata)
     elif "question" in row and "answer" in row:  # GSM8K
         answer = _text(row, "answer")
         record = Record(_text(row, "question"), " " + answer, None, {"reference": answer})
-    elif "chosen" in row and "rejected" in row:
-        record = hh_record(row)
+    elif "chosen" in row and "rejected" in row:  # HH-RLHF dialogues
+        prompt, chosen = split_dialogue(_text(row, "chosen"))
+        prompt_r, rejected = split_dialogue(_text(row, "rejected"))
+        if prompt != prompt_r:
+            raise SkipRow("the chosen and rejected dialogues have different prompts")
+        record = Record(prompt, chosen, rejected)
     else:
         raise DataError(
             f"expected fields prompt + chosen [+ rejected], prompt + response, chosen + rejected "
