@@ -218,9 +218,7 @@ def write_cache(c, x, layer, slot):
     return c.at[layer, jnp.arange(x.shape[0]), :, slot, :].set(x[:, 0], mode="promise_in_bounds")
 
 
-def fused_decode_step(
-    module: nn.Module, mode: Mode, h, cache, config, heads: int, kv_heads: int, norm=None, eps: float = 0.0, rope=None
-):
+def fused_decode_step(module: nn.Module, mode: Mode, h, cache, config, norm=None, eps: float = 0.0, rope=None):
     """A decode step's q/k/v product and attention, the rest in one kernel (kernels.decode_attention.decode_step:
     the folded norm's end, the bias, the rotary embedding, the cache write and the attention). Returns (out
     [B, 1, H, K], cache), or None where it does not apply: not a decode step in the decode layout, or the kernel
@@ -233,6 +231,7 @@ def fused_decode_step(
     if not (mode.decoding and mode.decode_layout):
         return None
     K, mesh, kernel = config.head_dim, mode.mesh, config.backend.kernels
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if not fuses_step(kernel, B, kv_heads, cache["k"].shape[3], K, heads // kv_heads, mesh):
         return None
     p = module.get_variable("params", "qkv_proj")
@@ -321,6 +320,60 @@ def attention(q, k, v, cache, config, mode: Mode, segment_ids=None):
         return causal_attention(q, k, v, config.backend.attention, segment_ids), None
     dropout = nn.Dropout(config.attention_dropout, deterministic=False)
     return dropout_attention(q, k, v, dropout, segment_ids), None
+
+
+def apply_rope(x, cos, sin, interleaved: bool = False):
+    """Rotate x [B, T, H, K] by the tables cos, sin [B, T, 1, K/2] (llama.rope_tables): pairs (i, i + K/2) ("rotate
+    half"), or (2i, 2i + 1) if interleaved."""
+    xf = x.astype(jnp.float32)
+    if interleaved:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(x.shape)
+    else:
+        x1, x2 = jnp.split(xf, 2, axis=-1)
+        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class SelfAttention(nn.Module):
+    """Self-attention (grouped-query where Hkv < H), the softmax in float32. q, k, v from three Linear layers, or in
+    the decode layout from one product with "qkv_proj" [D, Hkv, (G + 2) K] (per KV head: its G query heads, its key,
+    its value); q times the attention's scale K^-1/2 after its bias, as OPT does (stack_qkv folds the scale into the
+    kernel: no multiply per step). Then the rotary embedding where `rope` (cos, sin) [B, T, 1, K/2] is given, the
+    attention (`attention`: cached, causal or with dropout) and the output projection `out_name`. A decode step in
+    the decode layout runs all between the two products in one kernel where it applies (fused_decode_step: the
+    folded norm's end, the bias, the rotation, the cache write and the attention). Returns (out [B, T, D], cache)."""
+
+    config: Any
+    mode: Mode
+    use_bias: bool
+    eps: float  # the epsilon of the norm folded into qkv_proj (the decode layout)
+    out_name: str
+
+    @nn.compact
+    def __call__(self, h, cache=None, norm=None, segment_ids=None, rope=None, interleaved: bool = False):
+        # h [B, T, D]; norm: the rows of the norm folded into qkv_proj (norm_rows), or None
+        c, mode = self.config, self.mode
+        B, T, D = h.shape
+        H, Hkv, K = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        step_rope = None if rope is None else tuple(x[:, 0, 0] for x in rope)  # [B, K/2]: a step's one token per row
+        step = None if interleaved else fused_decode_step(self, mode, h, cache, c, norm, self.eps, step_rope)
+        if step is not None:
+            out, cache = step
+        else:
+            if mode.decode_layout:
+                G = H // Hkv
+                y = stacked_dense(self, "qkv_proj", h, c.compute_dtype, norm)  # [B, T, Hkv, (G + 2) K]
+                q, k, v = y[..., : G * K].reshape(B, T, H, K), y[..., G * K : (G + 1) * K], y[..., (G + 1) * K :]
+            else:
+                dense = lambda n, name: Dense(n * K, use_bias=self.use_bias, dtype=c.compute_dtype, name=name)
+                q = dense(H, "q_proj")(h).reshape(B, T, H, K) * K**-0.5
+                k, v = (dense(Hkv, name)(h).reshape(B, T, Hkv, K) for name in ("k_proj", "v_proj"))
+            if rope is not None:  # q is scaled already: the rotation is linear
+                q, k = (apply_rope(x, *rope, interleaved) for x in (q, k))
+            out, cache = attention(q, k, v, cache, c, mode, segment_ids)  # [B, T, H, K]
+        out_proj = Dense(D, use_bias=self.use_bias, dtype=c.compute_dtype, name=self.out_name)
+        return out_proj(out.reshape(B, T, H * K)), cache
 
 
 # --------------------------------------------------------------------------------------- padding layout
@@ -624,30 +677,6 @@ def norm_rows(h, eps: float, centred: bool):
         return jax.lax.rsqrt(mean_sq + eps), None
     mean = jnp.mean(x, axis=-1, keepdims=True)
     return jax.lax.rsqrt(jnp.maximum(mean_sq - jnp.square(mean), 0.0) + eps), mean
-
-
-def project_qkv(
-    module: nn.Module,
-    mode: Mode,
-    h,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    use_bias: bool,
-    dtype,
-    norm=None,
-):
-    """q [B, T, H, K] (times the attention's scale K^-1/2), k, v [B, T, Hkv, K] of h [B, T, D]: three Linear
-    layers, or in the decode layout one product with "qkv_proj" [D, Hkv, (G + 2) K] (per KV head: its G query
-    heads, its key, its value), whose query part carries the scale (stack_qkv: no multiply per step)."""
-    B, T, _ = h.shape
-    H, Hkv, K = heads, kv_heads, head_dim
-    if mode.decode_layout:
-        G = H // Hkv
-        y = stacked_dense(module, "qkv_proj", h, dtype, norm)  # [B, T, Hkv, (G + 2) K]
-        return y[..., : G * K].reshape(B, T, H, K), y[..., G * K : (G + 1) * K], y[..., (G + 1) * K :]
-    dense = lambda n, name: Dense(n * K, use_bias=use_bias, dtype=dtype, name=name)(h).reshape(B, T, n, K)
-    return dense(H, "q_proj") * K**-0.5, dense(Hkv, "k_proj"), dense(Hkv, "v_proj")
 
 
 # The sharding rows of what every family shares (each family's PARAM_AXES says the rest; see sharding.py): the value

@@ -125,48 +125,6 @@ def rope_tables(positions, head_dim: int, theta: float):
     return jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
 
 
-def apply_rope(x, cos, sin, interleaved: bool = False):
-    """Rotate x [B, T, H, K] by the tables of `rope_tables`: pairs (i, i + K/2), or (2i, 2i + 1) if interleaved."""
-    xf = x.astype(jnp.float32)
-    if interleaved:
-        x1, x2 = xf[..., 0::2], xf[..., 1::2]
-        out = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(x.shape)
-    else:
-        x1, x2 = jnp.split(xf, 2, axis=-1)
-        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
-
-
-class LlamaAttention(nn.Module):
-    """Grouped-query self-attention with rotary embeddings; the softmax runs in float32. Returns (out, cache)."""
-
-    config: LlamaConfig
-    mode: Mode = Mode()
-
-    @nn.compact
-    def __call__(self, h, rope, cache=None, norm=None, segment_ids=None):
-        # h: [B, T, D]; rope: (cos, sin) [B, T, 1, K/2]; norm: see LlamaLayer
-        c, mode = self.config, self.mode
-        B, T, D = h.shape
-        H, Hkv, K = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        step = (
-            None
-            if c.rope_interleaved
-            else common.fused_decode_step(
-                self, mode, h, cache, c, H, Hkv, norm, c.rms_norm_eps, tuple(x[:, 0, 0] for x in rope)
-            )
-        )
-        if step is not None:  # a decode step: rotary embedding, cache write and attention in one kernel
-            out, cache = step
-        else:
-            q, k, v = common.project_qkv(self, mode, h, H, Hkv, K, c.attention_bias, c.compute_dtype, norm=norm)
-            q = apply_rope(q, *rope, c.rope_interleaved)  # project_qkv scaled q: the rotation is linear
-            k = apply_rope(k, *rope, c.rope_interleaved)
-            out, cache = common.attention(q, k, v, cache, c, mode, segment_ids)  # [B, T, H, K]
-        o_proj = common.Dense(D, use_bias=c.attention_bias, dtype=c.compute_dtype, name="o_proj")
-        return o_proj(out.reshape(B, T, H * K)), cache
-
-
 class LlamaMLP(nn.Module):
     """SwiGLU: down(silu(gate x) * up x)."""
 
@@ -216,7 +174,8 @@ class LlamaLayer(nn.Module):
             return h, common.norm_rows(h, c.rms_norm_eps, centred=False)
 
         x, r = norm("input_layernorm", h)
-        a, cache = LlamaAttention(c, mode, name="self_attn")(x, where["rope"], cache, r, where["segment_ids"])
+        attention = common.SelfAttention(c, mode, c.attention_bias, c.rms_norm_eps, "o_proj", name="self_attn")
+        a, cache = attention(x, cache, r, where["segment_ids"], where["rope"], c.rope_interleaved)
         h = h + drop(a)
         h = h + drop(LlamaMLP(c, mode, name="mlp")(*norm("post_attention_layernorm", h)))
         return common.carry_out(h, cache)

@@ -88,32 +88,6 @@ class OPTConfig:
         return DTYPES[self.dtype]
 
 
-class OPTAttention(nn.Module):
-    """Multi-head self-attention with OPT's q scaling; the softmax runs in float32.
-
-    Without a cache (training, scoring) rows hold their real tokens first (see OPTDecoder) and attention
-    is plain causal attention; with one (generation) see `cached_attention`. Returns (out, cache).
-    """
-
-    config: OPTConfig
-    mode: Mode = Mode()
-
-    @nn.compact
-    def __call__(self, h, cache=None, norm=None, segment_ids=None):
-        # h: [B, T, D]; norm: the folded LayerNorm's rows (see OPTLayer), or None
-        c, mode = self.config, self.mode
-        B, T, D = h.shape
-        H, K = c.num_attention_heads, c.head_dim
-        step = common.fused_decode_step(self, mode, h, cache, c, H, H, norm, c.layer_norm_eps)
-        if step is not None:  # a decode step: the norm's end, q/k/v's bias, the cache write and attention in one kernel
-            out, cache = step
-        else:  # q scaled after its bias, as OPT does
-            q, k, v = common.project_qkv(self, mode, h, H, H, K, c.enable_bias, c.compute_dtype, norm=norm)
-            out, cache = common.attention(q, k, v, cache, c, mode, segment_ids)
-        out_proj = common.Dense(D, use_bias=c.enable_bias, dtype=c.compute_dtype, name="out_proj")
-        return out_proj(out.reshape(B, T, D)), cache
-
-
 # The released OPT architectures (vocab 50272, 2048 positions, FFN = 4 x hidden), for random-weight
 # models in benchmarks and demos: `OPTConfig(**PRESETS["opt-1.3b"])`.
 PRESETS = {
@@ -162,7 +136,8 @@ class OPTLayer(nn.Module):
             rows = common.norm_rows(h, c.layer_norm_eps, centred=True)
         elif c.do_layer_norm_before:
             h = norm("self_attn_layer_norm")(h)
-        h, cache = OPTAttention(c, mode, name="self_attn")(h, cache, rows, where["segment_ids"])
+        attention = common.SelfAttention(c, mode, c.enable_bias, c.layer_norm_eps, "out_proj", name="self_attn")
+        h, cache = attention(h, cache, rows, where["segment_ids"])
         h = residual + drop(h)
         if not c.do_layer_norm_before:
             h = norm("self_attn_layer_norm")(h)
