@@ -44,8 +44,7 @@ TORCH_INDEX = "pytorch_model.bin.index.json"
 VALUE_HEAD_FILE = "value_head.safetensors"
 VALUE_HEAD_KEY = "v_head.weight"
 
-# Each family's names: models/<family>.py's HF (models.common.HFNames). A module's kind says its tensors:
-# "embed" (weight), "linear" (weight transposed, optional bias), "norm" (weight -> scale, bias).
+# Each family's names: models/<family>.py's HF (models.common.HFNames); a module's kind says its tensors.
 _FORMATS = {model_type: fam.HF for model_type, fam in FAMILIES.items()}
 _TENSORS = {  # kind -> [(HF tensor suffix, our leaf name, transpose)]
     "embed": [("weight", "embedding", False)],

@@ -42,17 +42,13 @@ def make_batch(arrays: dict, idx, step: int, config: DataConfig, pad_id: int) ->
     if step == 3:
         ids, mask = pad_rows(_rows(arrays, "", idx), config.max_prompt_len, pad_id, left=True)
         meta = arrays.get("metadata")
-        return {
-            "prompt_ids": ids,
-            "prompt_mask": mask,
-            "metadata": [{} if meta is None else json.loads(meta[i]) for i in idx],
-        }
+        metadata = [{} if meta is None else json.loads(meta[i]) for i in idx]
+        return {"prompt_ids": ids, "prompt_mask": mask, "metadata": metadata}
     if step == 2:
         batch = {}
         for field in ("chosen", "rejected"):
-            batch[f"{field}_ids"], batch[f"{field}_mask"] = pad_rows(
-                _rows(arrays, f"{field}_", idx), config.max_seq_len, pad_id, left=False
-            )
+            rows = _rows(arrays, f"{field}_", idx)
+            batch[f"{field}_ids"], batch[f"{field}_mask"] = pad_rows(rows, config.max_seq_len, pad_id, left=False)
         batch["prompt_len"] = arrays["prompt_len"][np.asarray(idx)].astype(np.int32)
         return batch
     length = config.unsupervised_block_size if step == "unsupervised" else config.max_seq_len

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxrlhf.config import InputError, decode_utf8, one_line
+from jaxrlhf.data import synthetic
 
 ASSISTANT = "\n\nAssistant:"
 
@@ -262,8 +263,6 @@ def read_source(
 
     The synthetic task has its own eval split (`eval_fraction` of its pairs), labelled without noise."""
     if spec == "synthetic" or spec.startswith("synthetic:"):
-        from jaxrlhf.data import synthetic
-
         n = int(spec.split(":", 1)[1]) if ":" in spec else 4000
         splits = synthetic.preference_splits(n, seed, eval_fraction)
         return {
