@@ -50,7 +50,6 @@ from jaxrlhf.config import check_fields
 from jaxrlhf.models.common import fused_kernel
 from jaxrlhf.sharding import path_str
 
-_LEAVES = ("lora_a", "lora_b")
 # The default module filter per model family, keyed by the root module of its parameter tree (HF's names:
 # OPTForCausalLM's model.decoder.layers, LlamaForCausalLM's model.layers): every Linear of the layers.
 FAMILY_LAYERS = {"decoder": "decoder.layers.", "model": "model.layers."}
@@ -164,20 +163,6 @@ def _init(shapes: tuple, dim: int, key) -> dict:  # one compiled program for the
     return lora
 
 
-def _adapters(lora: Any) -> dict[str, dict[str, Any]]:
-    """{module path: {"lora_a": a, "lora_b": b}} from a LoRA tree, refusing anything else in it."""
-    out: dict[str, dict[str, Any]] = {}
-    for path, x in jax.tree_util.tree_flatten_with_path(lora)[0]:
-        module, _, name = path_str(path).rpartition("/")
-        if name not in _LEAVES:
-            raise ValueError(f"{path_str(path)}: not a LoRA leaf; a LoRA tree holds only lora_a and lora_b")
-        out.setdefault(module, {})[name] = x
-    for module, pair in out.items():
-        if len(pair) != 2:
-            raise ValueError(f"{module}: a LoRA adapter needs both lora_a and lora_b, got only {sorted(pair)}")
-    return out
-
-
 def fuse(params: Any, lora: Any, cfg: LoRAConfig) -> Any:
     """`params` with every adapted kernel replaced by kernel + (lora_a @ lora_b) * scaling / dim.
 
@@ -186,26 +171,26 @@ def fuse(params: Any, lora: Any, cfg: LoRAConfig) -> Any:
     """
     if lora is None or cfg.dim == 0:
         return params
-    adapters = _fitting_adapters(params, lora, cfg)
-
-    def one(path, x):
-        module, _, name = path_str(path).rpartition("/")
-        if name != "kernel" or module not in adapters:
-            return x
-        return fused_kernel(x, adapters[module]["lora_a"], adapters[module]["lora_b"])
-
-    return jax.tree_util.tree_map_with_path(one, params)
+    return fuse_attached(attach(params, lora, cfg))
 
 
 def _fitting_adapters(params: Any, lora: Any, cfg: LoRAConfig) -> dict[str, dict[str, Any]]:
-    """`_adapters(lora)`, each checked against its kernel in `params` (it exists; the shapes fit `cfg.dim`),
-    with lora_b in float32 times scaling / dim: what `fused_kernel` takes."""
-    adapters = _adapters(lora)
+    """{module path: {"lora_a": a, "lora_b": b}} from a LoRA tree (nothing else in it), each checked against its
+    kernel in `params` (it exists; the shapes fit `cfg.dim`), with lora_b in float32 times scaling / dim: what
+    `fused_kernel` takes."""
+    adapters: dict[str, dict[str, Any]] = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(lora)[0]:
+        module, _, name = path_str(path).rpartition("/")
+        if name not in ("lora_a", "lora_b"):
+            raise ValueError(f"{path_str(path)}: not a LoRA leaf; a LoRA tree holds only lora_a and lora_b")
+        adapters.setdefault(module, {})[name] = x
     kernels = _kernels(params)
     unknown = sorted(set(adapters) - set(kernels))
     if unknown:
         raise ValueError(f"LoRA adapters {unknown} have no Linear kernel in params (modules: {sorted(kernels)})")
     for module, pair in adapters.items():
+        if len(pair) != 2:
+            raise ValueError(f"{module}: a LoRA adapter needs both lora_a and lora_b, got only {sorted(pair)}")
         *lead, n_in, n_out = kernels[module].shape
         a, b = pair["lora_a"].shape, pair["lora_b"].shape
         if a != (*lead, n_in, cfg.dim) or b != (*lead, cfg.dim, n_out):
