@@ -198,65 +198,33 @@ def _pair_scores(config, params, chosen_ids, chosen_mask, rejected_ids, rejected
 
 def answer(cfg: EvalConfig, model, ids, mask, max_new: int, eos_id: int, pad_id: int):
     """Every prompt's sampled answer: tokens and mask [N, G]; batch i is sampled with key fold_in(seed, i)."""
-    config, params = model
+    sampling = {k: getattr(cfg, k) for k in ("temperature", "top_k", "top_p")}
 
     def run(i, ids, mask):
-        gen = generate(
-            config,
-            params,
-            ids,
-            mask,
-            jax.random.fold_in(jax.random.key(cfg.seed), i),
-            max_new_tokens=max_new,
-            temperature=cfg.temperature,
-            top_k=cfg.top_k,
-            top_p=cfg.top_p,
-            eos_id=eos_id,
-            pad_id=pad_id,
-        )
+        key = jax.random.fold_in(jax.random.key(cfg.seed), i)
+        gen = generate(*model, ids, mask, key, max_new_tokens=max_new, eos_id=eos_id, pad_id=pad_id, **sampling)
         return gen.tokens, gen.mask
 
     return _in_batches(run, [ids, mask], cfg.batch_size)
 
 
 def gold_and_kl(
-    models: dict,
-    tok,
-    ids,
-    mask,
-    gold,
-    *,
-    samples: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
+    models: dict, tok, ids, mask, gold, *, samples: int, max_new_tokens: int, seed: int = 0, **sampling
 ) -> tuple[dict, dict]:
     """The Step 1 model against the final actor (`models`: {"step1": (config, params), "actor": ...}) on left-padded
     prompts ids, mask [N, P]: the mean gold reward (`gold(prompt index, answer text)`) of each one's answers, sampled
-    `samples` times per prompt and greedy once; and the KL from the actor to the Step 1 model on the actor's sampled
-    answers (nats per answer). Returns (figures, {(model, "sampled" or "greedy"): answer texts})."""
+    `samples` times per prompt (`sampling`: generate's temperature, top_k, top_p) and greedy once; and the KL from the
+    actor to the Step 1 model on the actor's sampled answers (nats per answer). Returns (figures, {(model, "sampled" or
+    "greedy"): answer texts})."""
     rows = {
-        "sampled": (np.tile(ids, (samples, 1)), np.tile(mask, (samples, 1)), temperature),
-        "greedy": (ids, mask, 0.0),
+        "sampled": (np.tile(ids, (samples, 1)), np.tile(mask, (samples, 1)), sampling),
+        "greedy": (ids, mask, {**sampling, "temperature": 0.0}),
     }
     out, texts, sampled = {}, {}, None
-    for name, (config, params) in models.items():
-        for mode, (ids_m, mask_m, temp) in rows.items():
-            gen = generate(
-                config,
-                params,
-                ids_m,
-                mask_m,
-                jax.random.key(seed),
-                max_new_tokens=max_new_tokens,
-                temperature=temp,
-                top_k=top_k,
-                top_p=top_p,
-                eos_id=tok.eos_token_id,
-                pad_id=tok.pad_token_id,
-            )
+    kw = dict(max_new_tokens=max_new_tokens, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    for name, model in models.items():
+        for mode, (ids_m, mask_m, s) in rows.items():
+            gen = generate(*model, ids_m, mask_m, jax.random.key(seed), **kw, **s)
             texts[name, mode] = decode_rows(tok, gen.tokens, gen.mask)
             out[f"{name}_gold_reward_{mode}"] = float(
                 np.mean([gold(i % len(ids), a) for i, a in enumerate(texts[name, mode])])
