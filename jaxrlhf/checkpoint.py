@@ -225,14 +225,12 @@ def _read_torch(file: Path) -> dict[str, np.ndarray]:
 def read_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Every weight tensor of an HF folder by name: model.safetensors, a sharded index, or pytorch_model.bin."""
     path = Path(path)
-    for index_name, reader in ((SAFETENSORS_INDEX, _read_safetensors), (TORCH_INDEX, _read_torch)):
-        index = path / index_name
+    for index, reader in ((path / SAFETENSORS_INDEX, _read_safetensors), (path / TORCH_INDEX, _read_torch)):
         if index.is_file():
             return {name: t for shard in _shard_names(index) for name, t in reader(path / shard).items()}
-    if (path / SAFETENSORS_FILE).is_file():
-        return _read_safetensors(path / SAFETENSORS_FILE)
-    if (path / TORCH_FILE).is_file():
-        return _read_torch(path / TORCH_FILE)
+    for file, reader in ((path / SAFETENSORS_FILE, _read_safetensors), (path / TORCH_FILE, _read_torch)):
+        if file.is_file():
+            return reader(file)
     raise CheckpointError(
         f"{path}: no weights found; expected {SAFETENSORS_FILE}, {SAFETENSORS_INDEX}, {TORCH_FILE} or {TORCH_INDEX}"
     )

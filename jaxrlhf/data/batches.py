@@ -62,8 +62,7 @@ def make_batch(arrays: dict, idx, step: int, config: DataConfig, pad_id: int) ->
 
 
 def num_rows(arrays: dict) -> int:
-    offsets = arrays.get("offsets", arrays.get("chosen_offsets"))
-    return len(offsets) - 1
+    return len(arrays.get("offsets", arrays.get("chosen_offsets"))) - 1
 
 
 @dataclasses.dataclass(eq=False)
@@ -80,7 +79,6 @@ class Batches:
     config: DataConfig = dataclasses.field(repr=False)
     pad_id: int
     _: dataclasses.KW_ONLY
-    shuffle: bool = True
     epoch: int = 0
     position: int = 0
     process_index: int = 0
@@ -107,8 +105,7 @@ class Batches:
         local = self.batch_size // self.process_count
         while True:
             n = num_rows(self.arrays)
-            rng = _rng(self.config.seed, "batches", str(self.step), str(self.epoch))
-            order = rng.permutation(n) if self.shuffle else np.arange(n)
+            order = _rng(self.config.seed, "batches", str(self.step), str(self.epoch)).permutation(n)
             while self.position < self.per_epoch:
                 start = self.position * self.batch_size + self.process_index * local
                 self.position += 1

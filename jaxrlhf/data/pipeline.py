@@ -234,8 +234,7 @@ def prepare(config: DataConfig, step: int | str, tokenizer, *, log=print) -> dic
             raise DataError("no unsupervised data: set unsupervised_data_path")
         texts = [t for spec in config.unsupervised_data_path for t in read_texts(spec)]
         train = lm_blocks(texts, tokenizer, config.unsupervised_block_size)
-        empty = {"tokens": np.zeros(0, np.int32), "offsets": np.zeros(1, np.int64)}
-        data = {"train": train, "eval": empty, "stats": {"train": {"blocks": len(train["offsets"]) - 1}}}
+        data = {"train": train, "eval": _ragged([]), "stats": {"train": {"blocks": len(train["offsets"]) - 1}}}
     else:
         records, reports = step_records(config, step)
         for report in reports:

@@ -211,9 +211,14 @@ def _json(text: str, path: Path, first_line: int = 1):
         raise DataError(f"{path}:{first_line}: invalid JSON (nested too deeply)") from None
 
 
+SUFFIXES = (".json", ".jsonl", ".jsonl.gz", ".json.gz", ".parquet")
+
+
 def _rows(path: Path) -> Iterable[tuple[str, Any]]:
     """(location, row) for every row of a local file; location is "file:line" or "file row N"."""
     name = path.name.lower()
+    if not name.endswith(SUFFIXES):
+        raise DataError(f"{path}: unsupported file type; expected one of {', '.join(SUFFIXES)}")
     if name.endswith(".parquet"):
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -253,9 +258,6 @@ def _collect(source: str, rows: Iterable[tuple[str, Any]], convert, on_bad_row: 
     return records, report
 
 
-SUFFIXES = (".json", ".jsonl", ".jsonl.gz", ".json.gz", ".parquet")
-
-
 def read_source(
     spec: str, *, on_bad_row: str = "error", seed: int = 1234, eval_fraction: float = 0.1
 ) -> dict[str, tuple[list[Record], Report]]:
@@ -271,8 +273,6 @@ def read_source(
         }
     path = Path(spec)
     if path.is_file():
-        if not path.name.lower().endswith(SUFFIXES):
-            raise DataError(f"{path}: unsupported file type; expected one of {', '.join(SUFFIXES)}")
         return {"train": _collect(spec, _rows(path), local_record, on_bad_row)}
     if not path.is_dir() and spec not in HUB_ADAPTERS:
         known = ", ".join(["synthetic", *HUB_ADAPTERS])
