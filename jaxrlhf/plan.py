@@ -8,10 +8,10 @@ alone, before anything is loaded or compiled. `python -m jaxrlhf.plan CONFIG [ke
     actor/critic optim    always; offload: its step only   Adam moments of the leaves that train
     reference / reward    always; offload: scoring only    compute dtype, only the leaves not shared (engine.py)
     ema                   always                           float32, the fused actor
-    gradients             the model's step                 the whole trainable tree (two with accumulation)
+    gradients             the model's step                 the whole trainable tree, twice (the sum accumulated)
     fused LoRA kernels    scoring and the model's step     one layer's adapted kernels fused (lora.attach), fp32
     FSDP -> TP switch     reshard                          compute dtype, both layouts at once
-    TP copy + KV cache    generation                       compute dtype; cache [L, B/data, Hkv/tp, S, K], S = P + G up to x64
+    TP copy + KV cache    generation                       compute dtype; cache [L, B/data, Hkv/tp, S, K]
     activations           every program                    see `activations` (with and without remat)
 
 Shapes and sharding are exact (the trainer state is traced with `jax.eval_shape` and laid out with the
@@ -21,6 +21,7 @@ are an estimate (see `activations`). The phase peak is the resident items plus t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -215,12 +216,12 @@ def plan(
     backend = backend or jax.default_backend()
     G, N, tp = cfg.max_answer_len, mesh.size, mesh.shape["model"]
     T = prompt_len + G
-    critic_free = getattr(cfg, "critic_free", False)
+    critic_free = cfg.critic_free
     a = _model(actor_config, cfg.actor, cfg.precision, mesh, value_head=False)
     # critic-free: the reward model alone, every leaf its own (a side without LoRA shares nothing)
     c = _model(critic_config, ModelSide() if critic_free else cfg.critic, cfg.precision, mesh, value_head=True)
     # generation holds a cache row per decode slot (continuous batching: decode_slots < batch)
-    rows, gen_rows = -(-batch // N), -(-min(getattr(cfg, "decode_slots", 0) or DECODE_SLOTS, batch) // (N // tp))
+    rows, gen_rows = -(-batch // N), -(-min(cfg.decode_slots or DECODE_SLOTS, batch) // (N // tp))
     cache = init_cache_bytes(actor_config, gen_rows, T, tp)
     head = gen_rows * -(-actor_config.vocab_size // tp) * 4  # the prefill's fp32 logits (the last position only)
     # FSDP gathers each layer's weights as the scan reaches it: two layers in flight (none on one device)
@@ -228,19 +229,13 @@ def plan(
     gather_c = 0 if N == 1 else 2 * c["master"] // critic_config.num_hidden_layers
     # the generation copy is built one layer at a time (generate.decode_params): one layer's FSDP shards gathered
     switch = 0 if N == 1 else a["master"] * N // actor_config.num_hidden_layers
-    # a training step runs one micro-batch at a time, summing into a second gradient tree: gradient_accumulation_steps
-    # of them, or packed (max_tokens_per_micro_batch) at most budget // T rows of the widest width T per device
-    budget = getattr(cfg, "max_tokens_per_micro_batch", 0)
-    micro = lambda n, side: (
-        min(max(budget // T, 1), 2 ** math.ceil(math.log2(-(-n // N))))
-        if budget
-        else -(-n // (N * side.optim.gradient_accumulation_steps))
-    )
-    # the actor's log-probs take the LM head on the answer's positions only (engine._answer_logprobs); scoring runs
-    # in the actor's micro-batches (engine._score)
+    # scoring and the training steps run one packed micro-batch at a time (the steps summing into a second gradient
+    # tree): at most budget // T rows of the widest width T per device
+    budget = cfg.max_tokens_per_micro_batch
+    # the actor's log-probs take the LM head on the answer's positions only (experience.answer_logprobs)
     act = lambda config, side, value_head, train, n=batch, length=T, head_len=G + 1: activations(
         config,
-        micro(n, side if train else cfg.actor),
+        min(max(budget // T, 1), 2 ** math.ceil(math.log2(-(-n // N)))),
         length,
         train=train,
         remat=side.remat,
@@ -248,7 +243,6 @@ def plan(
         backend=backend,
         head_len=head_len,
     )
-    grads = lambda x, side: x["gradients"] * (2 if budget or side.optim.gradient_accumulation_steps > 1 else 1)
     items = {
         "actor weights": a["weights"],
         "actor optimizer": a["optimizer"],
@@ -267,12 +261,12 @@ def plan(
             act(actor_config, cfg.actor, False, False), act(critic_config, cfg.critic, True, False)
         )
         + max(gather_a, gather_c),
-        "actor gradients": grads(a, cfg.actor),
+        "actor gradients": 2 * a["gradients"],
         "actor fused LoRA": a["fused"],
         "actor step activations": act(actor_config, cfg.actor, False, True)
         + gather_a
         + (unsup_rows and act(actor_config, cfg.actor, False, True, unsup_rows, unsup_len, unsup_len)),
-        "critic gradients": grads(c, cfg.critic),
+        "critic gradients": 2 * c["gradients"],
         "critic fused LoRA": c["fused"],
         "critic step activations": act(critic_config, cfg.critic, True, True) + gather_c,
         "experience": experiences * rows * T * 4 * 12,
@@ -305,16 +299,15 @@ def plan(
         held[:0] = resident + [i for i, on in offloaded.items() if on and uses[i] == phase]
     notes = [
         f"{N} device(s), inference_tp_size {tp}, batch {batch}, {prompt_len} + {G} tokens, precision "
-        f"{cfg.precision}, backend {backend}, micro-batches "
-        + (f"of {budget} tokens per device" if budget else "of gradient_accumulation_steps")
-        + "; offloaded to host: "
+        f"{cfg.precision}, backend {backend}, micro-batches of {budget} tokens per device; offloaded to host: "
         + (", ".join(i for i, on in offloaded.items() if on) or "nothing")
     ]
     return Plan(items, phases, capacity, notes, host=sum(items[i] for i, on in offloaded.items() if on))
 
 
 def init_cache_bytes(config, rows: int, T: int, tp: int) -> int:
-    """Bytes per device of the KV cache (models.common.init_cache): k and v [L, rows, Hkv / tp, S, K], S = T up to x64."""
+    """Bytes per device of the KV cache (models.common.init_cache): k and v [L, rows, Hkv / tp, S, K], S = T up to
+    x64."""
     S = -(-T // 64) * 64
     heads = -(-config.num_key_value_heads // tp)
     return 2 * config.num_hidden_layers * rows * heads * S * config.head_dim * np.dtype(config.compute_dtype).itemsize
@@ -347,7 +340,8 @@ def capacity(gib: float = 0.0) -> int | None:
 
 def ppo_plan(cfg, mesh, actor_config=None, critic_config=None, backend=None) -> Plan:
     """The plan of a PPOConfig on `mesh`: its batch (x num_samples_per_prompt answers), prompt length and capacity
-    (device_memory_gib); a critic-free one notes what PPO with the same batch would need (what dropping the critic saves)."""
+    (device_memory_gib); a critic-free one notes what PPO with the same batch would need (what dropping the critic
+    saves)."""
     unsup = bool(cfg.data.unsupervised_data_path) and cfg.unsup_coef > 0
     actor_config, critic_config = (
         actor_config or model_config(cfg, cfg.actor),
@@ -381,7 +375,7 @@ def alternatives(cfg, mesh, actor_config, critic_config, backend=None) -> list[t
     """The options that change the memory, each alone: LoRA, remat, offload, a smaller batch, more devices, a
     larger inference_tp_size; as (kind, what to set, its plan)."""
     replace = dataclasses.replace
-    names = ("actor",) if getattr(cfg, "critic_free", False) else ("actor", "critic")  # the trained sides
+    names = ("actor",) if cfg.critic_free else ("actor", "critic")  # the trained sides
     keys = lambda key: " ".join(f"{n}.{key}" for n in names)  # noqa: E731
     sides = lambda **kw: {n: replace(getattr(cfg, n), **kw) for n in names}  # noqa: E731
     lora = {
@@ -411,21 +405,10 @@ def alternatives(cfg, mesh, actor_config, critic_config, backend=None) -> list[t
             )
         )
     N, tp = mesh.size, mesh.shape["model"]
-    budget, T = getattr(cfg, "max_tokens_per_micro_batch", 0), cfg.data.max_prompt_len + cfg.max_answer_len
-    while budget and budget // 2 >= T:
+    budget, T = cfg.max_tokens_per_micro_batch, cfg.data.max_prompt_len + cfg.max_answer_len
+    while budget // 2 >= T:
         budget //= 2
         options.append((f"max_tokens_per_micro_batch={budget}", replace(cfg, max_tokens_per_micro_batch=budget), mesh))
-    k = 2
-    while not cfg.max_tokens_per_micro_batch and (cfg.batch_size // N) % k == 0:
-        optim = lambda n: replace(getattr(cfg, n).optim, gradient_accumulation_steps=k)
-        options.append(
-            (
-                f"gradient_accumulation_steps={k} (actor.optim. and critic.optim.)",
-                replace(cfg, **{n: replace(getattr(cfg, n), optim=optim(n)) for n in ("actor", "critic")}),
-                mesh,
-            )
-        )
-        k *= 2
     batch = cfg.batch_size // 2
     while batch >= N and batch % N == 0:
         options.append((f"batch_size={batch}", replace(cfg, batch_size=batch), mesh))
@@ -445,11 +428,10 @@ def check(cfg, mesh, actor_config=None, critic_config=None, backend=None) -> Pla
     """Refuse a Step 3 config whose plan does not fit the device, before anything is loaded or compiled: the
     message names the phase, the largest item and what each option would need."""
     T = cfg.data.max_prompt_len + cfg.max_answer_len
-    if 0 < cfg.max_tokens_per_micro_batch < T:
+    if cfg.max_tokens_per_micro_batch < T:
         raise ConfigError(
             f"max_tokens_per_micro_batch {cfg.max_tokens_per_micro_batch} is below one sequence's "
-            f"data.max_prompt_len + max_answer_len = {T} tokens: set it to at least {T} (0: padded "
-            "micro-batches of gradient_accumulation_steps)"
+            f"data.max_prompt_len + max_answer_len = {T} tokens: set it to at least {T}"
         )
     actor_config = actor_config or model_config(cfg, cfg.actor)
     critic_config = critic_config or model_config(cfg, cfg.critic)
@@ -504,19 +486,15 @@ def measure(engine, prompt_batch: dict) -> dict[str, int]:
     """
     device = jax.local_devices()[0]
     peaks: dict[str, int] = {}
-    if device.memory_stats() and "peak_bytes_in_use" in device.memory_stats():
-        timed = engine._timed
+    gpu = "peak_bytes_in_use" in (device.memory_stats() or {})
+    current, timed = {"phase": None}, engine._timed
 
-        def after(phase, fn, *args):
-            out = timed(phase, fn, *args)
+    def in_phase(phase, fn, *args):
+        current["phase"] = phase
+        out = timed(phase, fn, *args)
+        if gpu:
             peaks[phase] = device.memory_stats()["peak_bytes_in_use"]
-            return out
-
-        with mock.patch.object(engine, "_timed", after):
-            engine.train_rlhf(engine.generate_experience(prompt_batch))
-        return peaks
-
-    current = {"phase": None}
+        return out
 
     def probe(fn):
         def run(*args, **kwargs):
@@ -528,36 +506,20 @@ def measure(engine, prompt_batch: dict) -> dict[str, int]:
 
         return run
 
-    timed = engine._timed
-
-    def in_phase(phase, fn, *args):
-        current["phase"] = phase
-        return timed(phase, fn, *args)
-
     identity = sharding_mod._identity
-    patches = [
-        mock.patch.object(engine, "_timed", in_phase),
-        mock.patch.object(sharding_mod, "_identity", lambda shardings: probe(identity(shardings))),
-        mock.patch.object(generate_mod, "_generate", probe(generate_mod._generate)),
-    ]
-    patches += [
-        mock.patch.object(generate_mod, n, probe(getattr(generate_mod, n)))
-        for n in ("_decode_one_layer", "_decode_rest")
-    ]
-    programs = {
-        rl_engine: ("score", "advantages", "padded_experience_jit", "score_packed"),  # as the engine calls them
-        rl_steps: ("actor_update", "critic_update", "zero_accumulator", "accumulate", "apply"),
+    programs = {  # as the engine calls them
+        generate_mod: ("_generate", "_decode_one_layer", "_decode_rest"),
+        rl_engine: ("score", "advantages", "padded_experience"),
+        rl_steps: ("zero_accumulator", "accumulate", "apply"),
     }
-    patches += [
-        mock.patch.object(module, n, probe(getattr(module, n))) for module, names in programs.items() for n in names
-    ]
-    for p in patches:
-        p.start()
-    try:
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(mock.patch.object(engine, "_timed", in_phase))
+        if not gpu:
+            patches.enter_context(mock.patch.object(sharding_mod, "_identity", lambda sh: probe(identity(sh))))
+            for module, names in programs.items():
+                for n in names:
+                    patches.enter_context(mock.patch.object(module, n, probe(getattr(module, n))))
         engine.train_rlhf(engine.generate_experience(prompt_batch))
-    finally:
-        for p in reversed(patches):
-            p.stop()
     return peaks
 
 

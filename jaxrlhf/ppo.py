@@ -43,10 +43,10 @@ from jaxrlhf.loop import settings, start_run
 from jaxrlhf.metrics import MetricsLog
 from jaxrlhf.rewards import HostRewards
 from jaxrlhf.rl import HybridEngine, ModelSide, PPOConfig
-from jaxrlhf.rl.experience import base_params, check_accumulation
+from jaxrlhf.rl.experience import base_params
 from jaxrlhf.sharding import make_mesh
 from jaxrlhf.tokenizer import decode_rows
-from jaxrlhf.trainer import RunConfig, load_model, precision_warning
+from jaxrlhf.trainer import RunConfig, check_microbatches, load_model, precision_warning
 
 INPUTS = ("actor.model", "critic.model")  # the model folders a run starts from (loop.settings)
 PHASES = ("reshard", "generate", "score", "rewards", "advantages", "actor_step", "critic_step", "offload")
@@ -66,24 +66,20 @@ def check(cfg: PPOConfig, mesh):
                     f"{key}: algorithm {cfg.algorithm} trains no critic (critic.model is its reward model "
                     "only); leave the critic's training settings unset"
                 )
-    n = cfg.num_samples_per_prompt
-    for name, rows in (
-        ("batch_size", cfg.batch_size * n),
-        ("unsup_batch_size", cfg.unsup_batch_size or cfg.batch_size),
+    n, unsup = cfg.num_samples_per_prompt, cfg.unsup_batch_size or cfg.batch_size
+    answers = f"batch_size {cfg.batch_size} x num_samples_per_prompt {n} = {cfg.batch_size * n} answers"
+    for what, rows in (
+        (answers if n > 1 else f"batch_size {cfg.batch_size}", cfg.batch_size * n),
+        (f"unsup_batch_size {unsup}", unsup),
     ):
         if rows % mesh.size:
-            what = (
-                f"batch_size {cfg.batch_size} x num_samples_per_prompt {n} = {rows} answers"
-                if name == "batch_size" and n > 1
-                else f"{name} {rows}"
-            )
             raise ConfigError(f"{what} does not split over the {mesh.size} devices; use a multiple of {mesh.size}")
-        try:
-            check_accumulation(cfg, rows, mesh.size)
-        except ValueError as e:
-            raise ConfigError(f"{e} (with {name} {rows})") from None
-    if cfg.max_skipped_steps < 1:
-        raise ConfigError(f"max_skipped_steps: expected >= 1, got {cfg.max_skipped_steps}")
+    try:  # the actor's gradient_accumulation_steps cuts the mixture batch (the experience is cut by tokens)
+        check_microbatches(
+            unsup, cfg.actor.optim.gradient_accumulation_steps, mesh.size, "actor.optim.gradient_accumulation_steps"
+        )
+    except ValueError as e:
+        raise ConfigError(f"{e} (with unsup_batch_size {unsup})") from None
     local = jax.local_device_count()
     if jax.process_count() > 1 and local % cfg.inference_tp_size:  # each process loads its own prompts
         raise ConfigError(

@@ -234,20 +234,16 @@ def test_ema_is_float32_under_pure_bf16_and_stays_when_the_actor_step_is_skipped
 
 
 @pytest.mark.slow
-def test_gradient_accumulation_gives_the_whole_batch_step(models, prompts):
-    """gradient_accumulation_steps splits the PPO steps (token-weighted sums make them the whole-batch step) and
-    the scoring (the same experience, micro-batch by micro-batch)."""
+def test_one_row_per_micro_batch_gives_the_whole_batch_step(models, prompts):
+    """Packed micro-batches of one row each (max_tokens_per_micro_batch = one sequence, 11 tokens) and all 8 rows in
+    one give the same experience (scored row by row) and the same steps (token-weighted sums: the whole-batch step)."""
     batch, eos = prompts
     one = make_mesh(1, jax.devices()[:1])
     runs, exps = [], []
-    for n in (1, 4):
-        side = ModelSide(
-            optim=OptimConfig(
-                learning_rate=1e-2, warmup_steps=0, schedule="constant", eps=1e-4, gradient_accumulation_steps=n
-            )
-        )
-        e = engine(models, one, eos, actor=side, critic=side, enable_ema=False, max_tokens_per_micro_batch=0)  # padded
+    for budget in (11, 1024):
+        e = engine(models, one, eos, enable_ema=False, max_tokens_per_micro_batch=budget)
         exp = e.generate_experience(batch)
+        assert len(e._micro_batches(exp)) == (8 if budget == 11 else 1)
         exps.append(host(exp))
         runs.append((e.train_rlhf(exp), host(e.state)))
     for k in ("seq", "mask", "logprobs", "ref_logprobs", "values", "scores"):
@@ -255,15 +251,12 @@ def test_gradient_accumulation_gives_the_whole_batch_step(models, prompts):
             exps[0][k], exps[1][k], rtol=1e-5, atol=1e-5, err_msg=k
         )  # fp32 sums in another order
     assert np.abs(exps[0]["scores"]).max() > 0.1 and np.abs(exps[0]["ref_logprobs"]).max() > 0.1  # not all zeros
-    (stats1, state1), (stats4, state4) = runs
+    (stats1, state1), (stats8, state8) = runs
     for k in stats1:
-        np.testing.assert_allclose(stats1[k], stats4[k], rtol=1e-5, atol=1e-6, err_msg=k)
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(state1)[0], jax.tree.leaves(state4)):
+        np.testing.assert_allclose(stats1[k], stats8[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(state1)[0], jax.tree.leaves(state8)):
         if "k_proj/bias" not in path_str(path):  # float noise through Adam (see the test above)
             np.testing.assert_allclose(a, b, atol=1e-4, err_msg=path_str(path))
-    side = ModelSide(optim=OptimConfig(learning_rate=1e-2, gradient_accumulation_steps=3))
-    with pytest.raises(ValueError, match="batch_size 8 is not divisible by critic.optim.gradient_accumulation_steps 3"):
-        engine(models, one, eos, critic=side, enable_ema=False, max_tokens_per_micro_batch=0).train_rlhf(exp)
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """Step 3 without padding (jaxrlhf.packing): the micro-batch plan keeps to its token budget and holds every row once;
 packed rows are the padded rows' real tokens; and the engine gives the same experience, losses, gradients and
-updates packed as padded, for OPT (pre- and post-LN) and Llama (grouped-query), under FSDP on 8 devices and LoRA."""
+updates however the batch is cut (one row per device in micro-batches of two widths, or all rows in one), for OPT
+(pre- and post-LN) and Llama (grouped-query), under FSDP on 8 devices and LoRA."""
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,8 @@ def test_the_plan_holds_every_row_once_within_the_token_budget(budget, devices, 
     assert [W for W, _ in micro] == sorted((W for W, _ in micro), reverse=True)  # longest first
     with pytest.raises(ValueError, match="a sequence of 40 tokens is longer than max_tokens_per_micro_batch 39"):
         plan([3, 40], 39, 1)
+    with pytest.raises(ValueError, match=r"max_tokens_per_micro_batch: expected >= 1 \(tokens per device"):
+        EngineConfig(max_tokens_per_micro_batch=0)
 
 
 def test_packed_rows_are_the_real_tokens_and_unpack_puts_them_back():
@@ -78,10 +81,10 @@ LLAMA = LlamaConfig(
 
 @pytest.mark.parametrize("family", ["opt", "llama"])
 @pytest.mark.slow
-def test_packed_equals_padded_experience_losses_and_updates(family):
-    """Two engines, one packed (micro-batches of several widths; continuous batching in 8 decode slots) and one padded
-    (a slot per prompt): the same experience, then two PPO epochs with the mixture loss: the same losses, gradient
-    norms and weights after each step (LoRA actor, FSDP)."""
+def test_every_cut_gives_the_same_experience_losses_and_updates(family):
+    """Two engines, one in micro-batches of one row per device and two widths (continuous batching in 8 decode slots)
+    and one with all rows in one micro-batch (a slot per prompt): the same experience, then two PPO epochs with the
+    mixture loss: the same losses, gradient norms and weights after each step (LoRA actor, FSDP)."""
     actor_cfg, critic_cfg = OPT if family == "opt" else (LLAMA, LLAMA)
     actor = jax.device_get(init_params(actor_cfg, jax.random.key(0), std=0.3))
     critic = jax.device_get(init_params(critic_cfg, jax.random.key(1), value_head=True, std=0.3))
@@ -94,7 +97,7 @@ def test_packed_equals_padded_experience_losses_and_updates(family):
         learning_rate=1e-2, warmup_steps=0, schedule="constant", eps=1e-4, gradient_accumulation_steps=2
     )
     runs = []
-    for budget in (0, 12):  # 12 tokens per device: one row per device in micro-batches of widths 11 and 8
+    for budget in (1024, 12):  # 12 tokens per device: one row per device in micro-batches of widths 11 and 8
         cfg = EngineConfig(
             actor=ModelSide(optim=optim, lora=LoRAConfig(dim=4)),
             critic=ModelSide(optim=optim),
@@ -106,13 +109,13 @@ def test_packed_equals_padded_experience_losses_and_updates(family):
             max_tokens_per_micro_batch=budget,
             packed_width_multiple=4,
             # the packed engine also generates in 8 slots refilled 4 at a time: the same answers
-            decode_slots=8 if budget else 0,
+            decode_slots=8 if budget == 12 else 0,
             refill_size=4,
         )
         engine = HybridEngine(cfg, mesh, (actor_cfg, actor), (critic_cfg, critic), total_steps=10, eos_id=-1, pad_id=1)
         exp = engine.generate_experience({"prompt_ids": ids, "prompt_mask": mask, "answer_limits": limits})
-        if budget:
-            assert {W for W, _ in engine._micro_batches(exp)} == {11, 8}  # the whole row, then rows of <= 8
+        widths = [W for W, _ in engine._micro_batches(exp)]
+        assert set(widths) == {11, 8} if budget == 12 else widths == [11]  # the whole row, then rows of <= 8
         host = jax.device_get({k: exp[k] for k in ("seq", "mask", "logprobs", "ref_logprobs", "values", "scores")})
         stats = [engine.train_rlhf(exp, unsup) for _ in range(2)]
         runs.append((host, stats, jax.device_get(engine.state)))

@@ -151,7 +151,7 @@ def test_bad_configs_are_refused_before_compiling(folders, tmp_path, capsys):
             [str(bad)],
             f"{bad}:2: unknown key 'kl_coeff' (did you mean kl_coef, kl_target, kl_horizon, kl_loss, kl_loss_coef?)",
         ),
-        ([str(negative)], f"{negative}:1: PPOConfig: kl_target: expected > 0 or null, got -1.0"),
+        ([str(negative)], f"{negative}:1: PPOConfig: kl_target: expected > 0, got -1.0"),
         (["actor.lora.only_optimize_lora=true"], "LoRAConfig.only_optimize_lora: needs LoRA on (dim > 0)"),
         ([*models, "batch_size=12"], "batch_size 12 does not split over the 8 devices; use a multiple of 8"),
         (

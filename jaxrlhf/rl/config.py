@@ -5,10 +5,11 @@ the run's (PPOConfig: data, length, logging, saving, alarms), read from YAML wit
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Literal
 
 from jaxrlhf.alarms import AlarmConfig
-from jaxrlhf.config import check_fields
+from jaxrlhf.config import ConfigError, check_fields
 from jaxrlhf.data import DataConfig
 from jaxrlhf.lora import LoRAConfig
 from jaxrlhf.metrics import check_trackers
@@ -31,6 +32,9 @@ class ModelSide:
     #: keep the optimizer state in host memory (pinned_host), on the device only during this model's step
     #: (DeepSpeed-Chat's --offload)
     offload: bool = False
+
+    def __post_init__(self):
+        check_fields(self, dropout="[0, 1)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +75,7 @@ class EngineConfig:
     refill_size: int = 0
     #: tokens per device in a micro-batch of scoring and of both training steps: the experience's rows sorted by
     #: length and cut to the width they need (jaxrlhf.rl.packing), not padded to max_prompt_len + max_answer_len, so
-    #: micro-batches are set by tokens, not rows (0: the padded path, micro-batches of gradient_accumulation_steps)
+    #: micro-batches are set by tokens, not rows (at least one sequence: max_prompt_len + max_answer_len)
     max_tokens_per_micro_batch: int = 16384
     #: packed micro-batches are as wide as their longest row rounded up to this (fewer shapes to compile, more padding)
     packed_width_multiple: int = 64
@@ -80,7 +84,8 @@ class EngineConfig:
     #: kept for DeepSpeed-Chat configs: the KV cache exists only inside the compiled generate call and is
     #: always freed when it returns, with the generation copy of the weights
     release_inference_cache: bool = True
-    #: keep the reference model's own leaves in host memory, on the device only while scoring (--offload_reference_model)
+    #: keep the reference model's own leaves in host memory, on the device only while scoring
+    #: (--offload_reference_model)
     offload_reference_model: bool = False
     #: keep the reward model's own leaves in host memory, on the device only while scoring (--offload_reward_model)
     offload_reward_model: bool = False
@@ -129,74 +134,35 @@ class EngineConfig:
     seed: int = 1234
 
     def __post_init__(self):
-        check_fields(self)  # every float finite, the seed in range
-        checks = [
-            (
-                self.precision in ("bf16", "fp32", "pure_bf16"),
-                f"precision: expected bf16, fp32 or pure_bf16, got {self.precision!r}",
-            ),
-            (self.max_answer_len >= 1, f"max_answer_len: expected >= 1, got {self.max_answer_len}"),
-            (
-                self.temperature >= 0 and self.top_k >= 0 and 0 < self.top_p <= 1,
-                "sampling: expected temperature >= 0, "
-                f"top_k >= 0, 0 < top_p <= 1; got {self.temperature}, {self.top_k}, {self.top_p}",
-            ),
-            (self.inference_tp_size >= 1, f"inference_tp_size: expected >= 1, got {self.inference_tp_size}"),
-            (
-                self.max_tokens_per_micro_batch >= 0,
-                "max_tokens_per_micro_batch: expected >= 0 (0: padded micro-batches), "
-                f"got {self.max_tokens_per_micro_batch}",
-            ),
-            (
-                self.packed_width_multiple >= 1,
-                f"packed_width_multiple: expected >= 1, got {self.packed_width_multiple}",
-            ),
-            (
-                self.decode_slots >= 0 and self.refill_size >= 0,
-                f"decode_slots and refill_size: expected >= 0 (0: auto), got {self.decode_slots}, {self.refill_size}",
-            ),
-            (self.kl_coef >= 0, f"kl_coef: expected >= 0, got {self.kl_coef}"),
-            (self.kl_target is None or self.kl_target > 0, f"kl_target: expected > 0 or null, got {self.kl_target}"),
-            (self.kl_horizon > 0, f"kl_horizon: expected > 0, got {self.kl_horizon}"),
-            (
-                self.clip_score > 0 and self.clip_ratio > 0 and self.clip_value > 0,
-                "clip_score, clip_ratio and clip_value must be > 0",
-            ),
-            (
-                0 < self.gamma <= 1 and 0 <= self.lam <= 1,
-                f"expected 0 < gamma <= 1 and 0 <= lam <= 1, got {self.gamma}, {self.lam}",
-            ),
-            (0 <= self.ema_decay < 1, f"ema_decay: expected a number in [0, 1), got {self.ema_decay}"),
-            (self.unsup_coef >= 0, f"unsup_coef: expected >= 0, got {self.unsup_coef}"),
-            (
-                self.algorithm in ("ppo", "grpo", "rloo", "reinforce_pp"),
-                f"algorithm: expected ppo, grpo, rloo or reinforce_pp, got {self.algorithm!r}",
-            ),
-            (
-                self.num_samples_per_prompt >= (2 if self.algorithm in ("grpo", "rloo") else 1),
-                f"num_samples_per_prompt: expected >= 1, and >= 2 for grpo and rloo (their baseline is the other answers "
-                f"to the same prompt); got {self.num_samples_per_prompt} with algorithm {self.algorithm}",
-            ),
-            (
-                all(c is None or c > 0 for c in (self.clip_ratio_low, self.clip_ratio_high)),
-                f"clip_ratio_low and clip_ratio_high: expected > 0 or null, got {self.clip_ratio_low}, {self.clip_ratio_high}",
-            ),
-            (
-                self.loss_agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"),
-                f"loss_agg: expected token_mean, seq_mean_token_mean or seq_mean_token_sum, got {self.loss_agg!r}",
-            ),
-            (self.kl_loss in ("none", "k1", "k3"), f"kl_loss: expected none, k1 or k3, got {self.kl_loss!r}"),
-            (self.kl_loss_coef >= 0, f"kl_loss_coef: expected >= 0, got {self.kl_loss_coef}"),
-            (
-                self.kl_loss == "none" or self.kl_target is None,
-                "kl_target: the adaptive KL controller steers the KL in the reward; with kl_loss set there is none (kl_target=null)",
-            ),
-        ]
-        for d in (self.actor.dropout, self.critic.dropout):
-            checks.append((d is None or 0 <= d < 1, f"dropout: expected a probability in [0, 1) or null, got {d}"))
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+        rules = {  # besides every float finite and the seed in range (check_fields)
+            ">= 1": ("max_answer_len", "packed_width_multiple", "inference_tp_size", "kl_horizon"),
+            ">= 0": ("temperature", "top_k", "decode_slots", "refill_size", "kl_coef", "kl_loss_coef", "unsup_coef"),
+            "> 0": ("kl_target", "clip_score", "clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_value"),
+            "(0, 1]": ("top_p", "gamma"),
+            "[0, 1]": ("lam",),
+            "[0, 1)": ("ema_decay",),
+        }
+        check_fields(self, **{name: rule for rule, names in rules.items() for name in names})
+        hints = typing.get_type_hints(EngineConfig)  # the choices of Literal fields, checked here for Python callers
+        for name in ("precision", "algorithm", "loss_agg", "kl_loss"):
+            if getattr(self, name) not in typing.get_args(hints[name]):
+                choices = list(typing.get_args(hints[name]))
+                raise ConfigError(f"{name}: expected one of {choices}, got {getattr(self, name)!r}")
+        if self.max_tokens_per_micro_batch < 1:
+            raise ConfigError(
+                "max_tokens_per_micro_batch: expected >= 1 (tokens per device in a packed micro-batch; the padded "
+                f"path of 0 is gone), got {self.max_tokens_per_micro_batch}"
+            )
+        if self.num_samples_per_prompt < (2 if self.algorithm in ("grpo", "rloo") else 1):
+            raise ConfigError(
+                "num_samples_per_prompt: expected >= 1, and >= 2 for grpo and rloo (their baseline is the other "
+                f"answers to the same prompt); got {self.num_samples_per_prompt} with algorithm {self.algorithm}"
+            )
+        if self.kl_loss != "none" and self.kl_target is not None:
+            raise ConfigError(
+                "kl_target: the adaptive KL controller steers the KL in the reward; with kl_loss set there is none "
+                "(kl_target=null)"
+            )
 
     @property
     def critic_free(self) -> bool:
@@ -247,9 +213,9 @@ class PPOConfig(EngineConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if min(self.batch_size, self.generation_batches, self.ppo_epochs, self.epochs, self.log_every) < 1:
-            raise ValueError("batch_size, generation_batches, ppo_epochs, epochs and log_every must be >= 1")
-        if self.max_steps < 0 or self.save_every < 0 or self.unsup_batch_size < 0:
-            raise ValueError("max_steps, save_every and unsup_batch_size must be >= 0")
-        check_fields(self, keep_checkpoints=">= 1", device_memory_gib=">= 0")
+        rules = {
+            ">= 1": ("batch_size", "generation_batches", "ppo_epochs", "epochs", "log_every", "keep_checkpoints"),
+            ">= 0": ("max_steps", "save_every", "unsup_batch_size", "device_memory_gib"),
+        }
+        check_fields(self, max_skipped_steps=">= 1", **{n: rule for rule, names in rules.items() for n in names})
         check_trackers(self.report_to)

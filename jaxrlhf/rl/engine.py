@@ -22,7 +22,6 @@
         rewards (KL penalty + clipped score) ──► GAE (on the padded [B, G] block) ──► actor PPO step (rl/steps.py)
         (+ unsup_coef * LM loss): gradients summed over the packed micro-batches, divided once ──► EMA
         ──► critic step the same way;  states donated
-    (max_tokens_per_micro_batch=0: padded micro-batches of gradient_accumulation_steps instead, in one program each)
 
 Critic-free algorithms (algorithm grpo, rloo, reinforce_pp): no critic. The reward model then holds all its own
 leaves, nothing is shared; scoring computes no values; each prompt is answered num_samples_per_prompt times (its
@@ -56,10 +55,9 @@ from jaxrlhf.rl.experience import (
     advantages,
     base_params,
     next_kl_coef,
-    padded_experience_jit,
+    padded_experience,
     row_layout,
     score,
-    score_packed,
     with_shared,
 )
 from jaxrlhf.sharding import check_tp, reshard, shardings_for
@@ -98,13 +96,12 @@ def repeat_rows(batch: dict, n: int) -> dict:
     side: rows i n .. i n + n - 1 are prompt i's group."""
     if n == 1:
         return batch
-    rep = lambda x: (
-        [v for v in x for _ in range(n)]
-        if isinstance(x, (list, tuple))
-        else np.repeat(x, n, axis=0)
-        if isinstance(x, np.ndarray)
-        else jnp.repeat(x, n, axis=0)
-    )
+
+    def rep(x):
+        if isinstance(x, (list, tuple)):
+            return [v for v in x for _ in range(n)]
+        return (np if isinstance(x, np.ndarray) else jnp).repeat(x, n, axis=0)
+
     return {k: rep(v) for k, v in batch.items()}
 
 
@@ -139,23 +136,26 @@ class HybridEngine:
         self.cfg, self.mesh = cfg, mesh
         (self.actor_config, actor_params), (self.critic_config, critic_params) = actor, critic
         # Everything the compiled programs depend on besides array shapes: engines alike share their compilations.
-        engine_cfg = EngineConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(EngineConfig)})
         # Where arrays wait between uses changes no program: an offloaded engine shares the others' compilations.
-        engine_cfg = dataclasses.replace(
-            engine_cfg,
+        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(EngineConfig)}
+        fields.update(
             offload_reference_model=False,
             offload_reward_model=False,
             **{n: dataclasses.replace(getattr(cfg, n), offload=False) for n in ("actor", "critic")},
         )
+        engine_cfg = EngineConfig(**fields)
         self.static = Static(engine_cfg, self.actor_config, self.critic_config, total_steps, mesh)
         check_tp(self.actor_config.num_attention_heads, mesh)
         self.eos_id = self.actor_config.eos_token_id if eos_id is None else eos_id
         self.pad_id = self.actor_config.pad_token_id if pad_id is None else pad_id
         key = jax.random.key(cfg.seed)
-        memory = lambda side: "pinned_host" if side.offload else "device"  # offloaded Adam moments are born on the host
-        actor_state = create_state(
-            actor_params, cfg.actor.lora, self.static.tx("actor"), jax.random.fold_in(key, 1), mesh, memory(cfg.actor)
-        )
+
+        def create(name, params, i):  # offloaded Adam moments are born on the host
+            side = getattr(cfg, name)
+            memory = "pinned_host" if side.offload else "device"
+            return create_state(params, side.lora, self.static.tx(name), jax.random.fold_in(key, i), mesh, memory)
+
+        actor_state = create("actor", actor_params, 1)
         frozen_dtype = self.actor_config.compute_dtype  # what the forward casts to anyway
         self.ref_own = reshard(
             own_leaves(actor_params, never_moves(actor_state, cfg.actor.lora), frozen_dtype), "fsdp", mesh
@@ -169,14 +169,7 @@ class HybridEngine:
         if cfg.critic_free:  # the reward model alone: all its leaves its own
             shared = jax.tree.map(lambda _: False, critic_params)
         else:
-            self.state["critic"] = create_state(
-                critic_params,
-                cfg.critic.lora,
-                self.static.tx("critic"),
-                jax.random.fold_in(key, 2),
-                mesh,
-                memory(cfg.critic),
-            )
+            self.state["critic"] = create("critic", critic_params, 2)
             shared = never_moves(self.state["critic"], cfg.critic.lora)
         # No reward model where reward.model_weight is 0 (the reward is Python functions' alone): none held or run.
         self.reward_own = (
@@ -227,22 +220,22 @@ class HybridEngine:
 
     def _timed(self, phase: str, fn, *args):
         start = time.perf_counter()
-        with jax.profiler.TraceAnnotation(
-            f"jaxrlhf.{phase}"
-        ):  # a profile splits its kernels by phase (tools/common.py)
+        # a profile splits its kernels by phase (tools/common.py)
+        with jax.profiler.TraceAnnotation(f"jaxrlhf.{phase}"):
             out = jax.block_until_ready(fn(*args))
         self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - start
         return out
 
     def generate_experience(self, prompt_batch: dict, start_rewards=None) -> dict:
         """Answers to left-padded prompts {"prompt_ids", "prompt_mask"} [B, P] (host or device arrays; optionally
-        "answer_limits" [B], each answer's own maximum length) and their scores. Returns the experience, on the mesh with rows split over every device: seq, seq_mask
-        [B, P + G] (prompt then answer); mask (answer tokens up to and including EOS), logprobs (old),
-        ref_logprobs, values, generation_logprobs (generation's own) [B, G]; scores [B] (the reward: reward.model_weight
-        x the reward model's score, plus the reward functions'); kl_coef (the KL penalty's coefficient for this batch;
-        an adaptive one then moves on this batch's KL). `start_rewards(prompt_batch, tokens, mask)`, given, is called
-        with the answers [B, G] as soon as they exist and returns a Future of the reward functions' weighted scores of
-        this process's rows (jaxrlhf.ppo.reward_starter): they run on the host while the device scores."""
+        "answer_limits" [B], each answer's own maximum length) and their scores. Returns the experience, on the mesh
+        with rows split over every device: seq, seq_mask [B, P + G] (prompt then answer); mask (answer tokens up to
+        and including EOS), logprobs (old), ref_logprobs, values, generation_logprobs (generation's own) [B, G]; scores
+        [B] (the reward: reward.model_weight x the reward model's score, plus the reward functions'); kl_coef (the KL
+        penalty's coefficient for this batch; an adaptive one then moves on this batch's KL).
+        `start_rewards(prompt_batch, tokens, mask)`, given, is called with the answers [B, G] as soon as they exist and
+        returns a Future of the reward functions' weighted scores of this process's rows (jaxrlhf.ppo.reward_starter):
+        they run on the host while the device scores."""
         cfg, mesh = self.cfg, self.mesh
         prompt_batch = repeat_rows(prompt_batch, cfg.num_samples_per_prompt)
         ids, mask = prompt_batch["prompt_ids"], prompt_batch["prompt_mask"]
@@ -297,14 +290,7 @@ class HybridEngine:
             for own, on in ((self.ref_own, cfg.offload_reference_model), (self.reward_own, cfg.offload_reward_model))
         ]
         weights = {n: {k: v for k, v in self.state[n].items() if k in ("trainable", "frozen")} for n in self.trained}
-        if cfg.max_tokens_per_micro_batch:
-            exp = self._timed(
-                "score", self._score_packed, weights, frozen, ids, mask, tokens, answer_mask, gen_logprobs
-            )
-        else:
-            exp = self._timed(
-                "score", score, self.static, weights, *frozen, ids, mask, tokens, answer_mask, gen_logprobs
-            )
+        exp = self._timed("score", self._score, weights, frozen, ids, mask, tokens, answer_mask, gen_logprobs)
         for tree, on in zip(frozen, (cfg.offload_reference_model, cfg.offload_reward_model)):
             for leaf in jax.tree.leaves(tree) if on else ():
                 leaf.delete()
@@ -321,10 +307,10 @@ class HybridEngine:
         self.state["iteration"] = self.state["iteration"] + 1
         return exp
 
-    def _score_packed(self, weights, frozen, ids, mask, tokens, answer_mask, gen_logprobs):
+    def _score(self, weights, frozen, ids, mask, tokens, answer_mask, gen_logprobs):
         """The experience scored in packed micro-batches of max_tokens_per_micro_batch (jaxrlhf.rl.packing)."""
         s, B, G = self.static, *answer_mask.shape
-        exp = padded_experience_jit(s, ids, mask, tokens, answer_mask)
+        exp = padded_experience(s, ids, mask, tokens, answer_mask)
         micro = self._micro_batches(exp)
         names = (
             "ref_logprobs",
@@ -335,7 +321,7 @@ class HybridEngine:
             {**{k: jnp.zeros((B, G), jnp.float32) for k in names}, "scores": jnp.zeros((B,), jnp.float32)}, self.mesh
         )
         for W, rows in micro:
-            out = score_packed(s, W, weights, *frozen, exp, out, rows)
+            out = score(s, W, weights, *frozen, exp, out, rows)
         if self.cfg.old_logprobs_from_generation:
             out["logprobs"] = gen_logprobs * answer_mask
         return {**exp, **out}
@@ -351,18 +337,17 @@ class HybridEngine:
             max_width=exp["seq"].shape[1],
         )
 
-    def _step_packed(self, name: str, exp: dict):
+    def _step(self, name: str, exp: dict, micro: list):
         """One optimizer step of `name` over the experience's packed micro-batches (plus, for the actor, the mixture
         batch in gradient_accumulation_steps parts): gradients summed, divided once (trainer.apply_gradients)."""
         s, state = self.static, self.state[name]
-        micro = exp.pop("micro_batches")
         acc = steps.zero_accumulator(s, name, micro[0][0], state, exp, micro[0][1])
         for i, (W, rows) in enumerate(micro):
             acc = steps.accumulate(s, name, W, state, acc, exp, rows, i)
-        if name == "actor" and "unsup" in exp:
+        if "unsup" in exp:
             n = s.side("actor").optim.gradient_accumulation_steps
             rows = len(exp["unsup"]["input_ids"])
-            for i in range(n):  # rows i, i + n, ...: as the padded path cuts it (_micro_batches)
+            for i in range(n):  # rows i, i + n, ...: each part splits over the devices (ppo.check)
                 acc = steps.accumulate(
                     s, name, 0, state, acc, exp, np.arange(i, rows, n, dtype=np.int32), len(micro) + i
                 )
@@ -383,36 +368,18 @@ class HybridEngine:
                 else unsupervised
             )
         exp, stats = self._timed("advantages", advantages, self.static, exp, experience["kl_coef"])
-        packed = bool(self.cfg.max_tokens_per_micro_batch)
-        if packed:
-            exp["micro_batches"] = self._micro_batches(exp)
-        self._opt_to("actor", "device")  # offloaded optimizer states are on the device for their own step only
-        if packed:
-            actor, ema, a = self._timed("actor_step", self._step_packed, "actor", dict(exp))
-        else:
-            actor, ema, a = self._timed(
-                "actor_step", steps.actor_update, self.static, self.state["actor"], self.state.get("ema"), exp
-            )
-        self.state.update(actor=actor, **({"ema": ema} if ema is not None else {}))
-        self._opt_to("actor", "pinned_host")
-        stats.update(
-            actor_skipped=a["skipped"],
-            actor_grad_norm=a["grad_norm"],
-            kl_coef=experience["kl_coef"],
-            **{k: a[k] / a["count"] for k in ("actor_loss", "unsup_loss", "kl_loss") if k in a},
-        )
-        if "critic" in self.trained:
-            self._opt_to("critic", "device")
-            if packed:
-                critic, _, c = self._timed(
-                    "critic_step", self._step_packed, "critic", {k: v for k, v in exp.items() if k != "unsup"}
-                )
-            else:
-                critic, c = self._timed("critic_step", steps.critic_update, self.static, self.state["critic"], exp)
-            self.state["critic"] = critic
-            self._opt_to("critic", "pinned_host")
+        stats["kl_coef"] = experience["kl_coef"]
+        micro = self._micro_batches(exp)
+        for name in self.trained:  # the actor (with the mixture batch), then the critic
+            self._opt_to(name, "device")  # offloaded optimizer states are on the device for their own step only
+            part = exp if name == "actor" else {k: v for k, v in exp.items() if k != "unsup"}
+            self.state[name], ema, m = self._timed(f"{name}_step", self._step, name, part, micro)
+            if ema is not None:
+                self.state["ema"] = ema
+            self._opt_to(name, "pinned_host")
+            stats.update({f"{name}_skipped": m["skipped"], f"{name}_grad_norm": m["grad_norm"]})
             stats.update(
-                critic_skipped=c["skipped"], critic_loss=c["critic_loss"] / c["count"], critic_grad_norm=c["grad_norm"]
+                {k: m[k] / m["count"] for k in ("actor_loss", "unsup_loss", "kl_loss", "critic_loss") if k in m}
             )
         return {k: float(v) for k, v in jax.device_get(stats).items()}
 

@@ -1,10 +1,11 @@
 """Step 3's experience: the answers scored (old and reference log-probs, values, reward), the adaptive KL
-coefficient, rewards and advantages; padded rows or packed micro-batches (jaxrlhf.rl.packing).
+coefficient, rewards and advantages; in packed micro-batches (jaxrlhf.rl.packing).
 
 The programs here and in jaxrlhf.rl.steps are module-level and keyed by `Static` (hashable), so two engines with
 the same settings and shapes (a run and its resumption, or tests) compile once. Each pins its outputs to the FSDP
-layout. Answer token g sits at sequence position P + g (packed: prompt length + g): its log-prob comes from the
-logits one position earlier, and its value is the critic's output there too (the state the token was chosen in).
+layout. Answer token g sits at sequence position prompt length + g: its log-prob comes from the logits one
+position earlier (packed rows' head_at), and its value is the critic's output there too (the state the token was
+chosen in).
 """
 
 from __future__ import annotations
@@ -15,14 +16,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jaxrlhf.losses import masked_mean, token_logprobs
 from jaxrlhf.models import logits, values
 from jaxrlhf.rl import losses, packing
-from jaxrlhf.sharding import AXES, batch_sharding, shardings_for
-from jaxrlhf.trainer import check_microbatches, effective_params, make_optimizer
+from jaxrlhf.sharding import batch_sharding, shardings_for
+from jaxrlhf.trainer import effective_params, make_optimizer
 
 # --------------------------------------------------------------------------- weights shared with a frozen model
 
@@ -71,8 +70,8 @@ def row_layout(tree, mesh):
 
 
 def answer_logprobs(config, params, exp, key=None):
-    """[B, G]: log p of each answer token, from the logits one position earlier (the LM head runs on the
-    G + 1 last positions only; packed rows: on each row's head_at positions, jaxrlhf.rl.packing)."""
+    """[B, G]: log p of each answer token, from the logits one position earlier (packed rows: the LM head runs on
+    each row's head_at positions, jaxrlhf.rl.packing; padded rows, as tools/mixture_step.py's: on the G + 1 last)."""
     if "head_at" in exp:
         out = logits(config, params, exp["seq"], exp["seq_mask"], dropout_rng=key, at=exp["head_at"])
         return packing.answer_logprobs(out, exp["answer"])
@@ -82,16 +81,15 @@ def answer_logprobs(config, params, exp, key=None):
 
 
 def answer_values(config, params, exp, key=None):
-    """[B, G]: the value of the state each answer token was chosen in (the position before it)."""
-    if "head_at" in exp:
-        out = values(config, params, exp["seq"], exp["seq_mask"], dropout_rng=key)
-        return jnp.take_along_axis(out, exp["head_at"], axis=1)
-    G = exp["mask"].shape[1]
-    return values(config, params, exp["seq"], exp["seq_mask"], dropout_rng=key)[:, -G - 1 : -1]
+    """[n, A]: the value of the state each answer token of packed rows was chosen in (at its head_at position)."""
+    out = values(config, params, exp["seq"], exp["seq_mask"], dropout_rng=key)
+    return jnp.take_along_axis(out, exp["head_at"], axis=1)
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def padded_experience(s: Static, prompt_ids, prompt_mask, tokens, mask):
-    """The padded experience block: seq, seq_mask [B, P + G] (prompt then answer), mask [B, G]."""
+    """The padded experience block that packing cuts rows from: seq, seq_mask [B, P + G] (prompt then answer),
+    mask [B, G]."""
     return row_layout(
         {
             "seq": jnp.concatenate([prompt_ids, tokens], 1),
@@ -102,12 +100,9 @@ def padded_experience(s: Static, prompt_ids, prompt_mask, tokens, mask):
     )
 
 
-padded_experience_jit = jax.jit(padded_experience, static_argnums=0)
-
-
 def _score_rows(s: Static, state, ref_own, reward_own, e):
-    """Old log-probs (unless generation's are used), reference log-probs and values (with a critic) [rows, G] and
-    reward scores [rows] of padded or packed rows `e`."""
+    """Old log-probs (unless generation's are used), reference log-probs and values (with a critic) [n, A] and
+    reward scores [n] of packed rows `e`."""
     cfg, m = s.cfg, e["mask"]
     actor, critic = state["actor"], state.get("critic")
     out = {}
@@ -120,36 +115,18 @@ def _score_rows(s: Static, state, ref_own, reward_own, e):
     if not weight:
         return {**out, "scores": jnp.zeros(m.shape[:1], jnp.float32)}
     reward = values(s.critic, with_shared(reward_own, critic), e["seq"], e["seq_mask"])
-    # the answer's last real token (EOS if it ended): packed, one column after the head's position for its last token
-    first = e["head_at"][:, 0] + 1 if "head_at" in e else e["seq"].shape[1] - m.shape[1]
-    last = first + jnp.sum(m, axis=1) - 1
+    # the answer's last real token (EOS if it ended): one column after the head's position for that token
+    last = e["head_at"][:, 0] + jnp.sum(m, axis=1)
     out["scores"] = weight * jnp.take_along_axis(reward, last[:, None], axis=1)[:, 0]
     return out
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=6)
-def score_packed(s: Static, W: int, state, ref_own, reward_own, exp, out, rows):
-    """One packed micro-batch of rows `rows` scored (_score_rows) and written into the batch's `out`."""
+def score(s: Static, W: int, state, ref_own, reward_own, exp, out, rows):
+    """One packed micro-batch of rows `rows` scored (_score_rows) and written into the batch's `out`. `state` holds
+    the actor's and critic's weights only (their optimizer states may be in host memory)."""
     part = _score_rows(s, state, ref_own, reward_own, packed_rows(s, exp, rows, W))
     return row_layout(packing.unpack(out, part, rows), s.mesh)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def score(s: Static, state, ref_own, reward_own, prompt_ids, prompt_mask, tokens, mask, gen_logprobs):
-    """The experience of one batch (see HybridEngine.generate_experience), rows over all devices. `state` holds the
-    actor's and critic's weights only (their optimizer states may be in host memory). Scored in the actor's
-    micro-batches (its gradient_accumulation_steps), one after the other, as the training steps run: the
-    activations (the LM head's [rows, G + 1, V] float32 logits above all) are one micro-batch's."""
-    cfg = s.cfg
-    exp = padded_experience(s, prompt_ids, prompt_mask, tokens, mask)
-    score = functools.partial(_score_rows, s, state, ref_own, reward_own)
-    if s.side("actor").optim.gradient_accumulation_steps > 1:
-        exp.update(_whole_batch(jax.lax.map(score, micro_batches(s, "actor", exp))))
-    else:
-        exp.update(score(exp))
-    if cfg.old_logprobs_from_generation:
-        exp["logprobs"] = gen_logprobs * mask
-    return row_layout(exp, s.mesh)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -200,30 +177,6 @@ def advantages(s: Static, exp, kl_coef):
         {"advantage": masked_mean(adv, m), "return": jnp.mean(jnp.sum(rewards, axis=1))}
     )  # the sequence reward
     return {**exp, "advantages": adv}, stats
-
-
-def check_accumulation(cfg, batch_size: int, n_devices: int):
-    """Each side's gradient_accumulation_steps must split the batch into micro-batches that split over the devices."""
-    for name in ("actor",) if cfg.critic_free else ("actor", "critic"):
-        check_microbatches(
-            batch_size,
-            getattr(cfg, name).optim.gradient_accumulation_steps,
-            n_devices,
-            f"{name}.optim.gradient_accumulation_steps",
-        )
-
-
-def micro_batches(s: Static, name: str, exp):
-    """Every leaf [B, ...] as [n, B / n, ...]: micro-batch i holds rows i, i + n, ..., so no row leaves its device."""
-    n = s.side(name).optim.gradient_accumulation_steps
-    check_accumulation(s.cfg, exp["mask"].shape[0], s.mesh.size)
-    split = lambda x: jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
-    return jax.lax.with_sharding_constraint(jax.tree.map(split, exp), NamedSharding(s.mesh, P(None, AXES)))
-
-
-def _whole_batch(parts):
-    """micro_batches' inverse: every leaf [n, B / n, ...] back to [B, ...] in the original row order."""
-    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:]), parts)
 
 
 def packed_rows(s: Static, exp, rows, W: int):

@@ -16,7 +16,8 @@ from jaxrlhf.losses import masked_mean
 
 
 def sequence_kl(logprobs, ref_logprobs, mask):
-    """The KL to the reference per answer, estimated on the sampled tokens: mean_b sum_t (logprobs - ref_logprobs) * mask."""
+    """The KL to the reference per answer, estimated on the sampled tokens:
+    mean_b sum_t (logprobs - ref_logprobs) * mask."""
     return jnp.sum((logprobs - ref_logprobs) * mask.astype(jnp.float32)) / mask.shape[0]
 
 
@@ -103,15 +104,7 @@ def aggregate(per_token, mask, mode: str = "token_mean"):
     return jnp.sum(per_row), jnp.sum(n > 0).astype(jnp.float32)
 
 
-def actor_loss(
-    logprobs,
-    old_logprobs,
-    advantages,
-    mask,
-    clip: float = 0.2,
-    clip_high: float | None = None,
-    mode: str = "token_mean",
-):
+def actor_loss(logprobs, old_logprobs, advantages, mask, clip=0.2, clip_high=None, mode="token_mean"):
     """The policy loss: policy_loss aggregated by `mode` (aggregate); PPO's masked mean by default."""
     total, count = aggregate(policy_loss(logprobs, old_logprobs, advantages, clip, clip_high), mask, mode)
     return total / jnp.maximum(count, 1)

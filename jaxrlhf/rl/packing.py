@@ -27,9 +27,9 @@ def plan(
     lengths, budget: int, devices: int, multiple: int = 64, max_width: int | None = None
 ) -> list[tuple[int, np.ndarray]]:
     """Micro-batches [(W, rows)] over rows of real `lengths` [B] (prompt + answer tokens): longest first, each of
-    width W (its longest row rounded up to `multiple`, at most `max_width` and the budget) and n = (budget // W) x devices rows (a
-    whole number per device), or, for the rows left at the end, a power of two per device; the last one filled up
-    with index B, an empty row. Every row is in exactly one."""
+    width W (its longest row rounded up to `multiple`, at most `max_width` and the budget) and n = (budget // W) x
+    devices rows (a whole number per device), or, for the rows left at the end, a power of two per device; the last
+    one filled up with index B, an empty row. Every row is in exactly one."""
     lengths = np.asarray(lengths)
     B = len(lengths)
     max_width = max_width or int(lengths.max(initial=1))

@@ -1,5 +1,5 @@
 """Step 3's training programs: the actor's PPO step (plus the mixture LM loss) with its EMA, and the critic's
-clipped value step; over padded micro-batches in one program, or packed micro-batches accumulated one at a time.
+clipped value step, each over packed micro-batches accumulated one at a time (HybridEngine._step drives them).
 """
 
 from __future__ import annotations
@@ -12,19 +12,10 @@ import jax.numpy as jnp
 from jaxrlhf.losses import lm_loss, lm_targets
 from jaxrlhf.models import logits
 from jaxrlhf.rl import losses
-from jaxrlhf.rl.experience import (
-    Static,
-    answer_logprobs,
-    answer_values,
-    fsdp_layout,
-    micro_batches,
-    packed_rows,
-    row_layout,
-)
+from jaxrlhf.rl.experience import Static, answer_logprobs, answer_values, fsdp_layout, packed_rows, row_layout
 from jaxrlhf.trainer import (
     apply_gradients,
     effective_params,
-    make_train_step,
     micro_gradients,
     state_shardings,
     step_keys,
@@ -39,17 +30,10 @@ def fused_actor(s: Static, actor):
     return fsdp_layout(jax.tree.map(lambda x: x.astype(jnp.float32), effective_params(actor, s.cfg.actor.lora)), s.mesh)
 
 
-def _one_step(s: Static, name: str, loss_fn, state, exp):
-    """One optimizer step of the actor or critic on the whole batch, accumulated over its micro-batches."""
-    step = make_train_step(loss_fn, s.tx(name), s.side(name).lora)
-    state, metrics = step(state, micro_batches(s, name, exp))
-    return jax.lax.with_sharding_constraint(state, state_shardings(state, s.mesh)), metrics
-
-
 def _actor_loss(s: Static, lm_weight=None):
-    """The actor's loss on a micro-batch: its policy-loss total over the answers (padded or packed rows; clip-higher,
-    plus kl_loss_coef times the KL estimator with a KL loss term, aggregated by loss_agg: losses.aggregate), and with
-    an "unsup" batch unsup_coef times its LM sum weighted by `lm_weight` (see actor_update); count: the answer tokens
+    """The actor's loss on a micro-batch: its policy-loss total over the answers (packed rows; clip-higher, plus
+    kl_loss_coef times the KL estimator with a KL loss term, aggregated by loss_agg: losses.aggregate), or with an
+    "unsup" batch unsup_coef times its LM sum weighted by `lm_weight` (_lm_weight); count: the answer tokens
     (token_mean) or answers (the seq_mean modes)."""
     cfg = s.cfg
     clip_low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
@@ -91,8 +75,12 @@ def _critic_loss(s: Static):
 
 
 def _lm_weight(s: Static, exp):
-    """The whole batch's policy-loss count (answer tokens, or answers: losses.aggregate) / LM targets: a micro-batch's
-    LM sum times it, divided with the policy sums by that count, is the LM loss's mean over all targets (actor_update)."""
+    """The whole batch's policy-loss count (answer tokens, or answers: losses.aggregate) / LM targets.
+
+    The step's gradient is the whole batch's, however it is cut into micro-batches: the PPO loss's mean over all
+    the batch's answer tokens plus unsup_coef times the LM loss's mean over all the unsupervised batch's targets.
+    The trainer sums the micro-batches' totals and divides once by their summed count, the answer tokens; so a
+    micro-batch's LM sum enters weighted by the whole batch's answer tokens / LM targets."""
     if "unsup" not in exp:
         return None
     count = losses.aggregate(exp["mask"].astype(jnp.float32), exp["mask"], s.cfg.loss_agg)[1]
@@ -140,24 +128,5 @@ def _ema_update(s: Static, actor, ema, metrics):
     cfg = s.cfg
     fused = effective_params(actor, cfg.actor.lora)
     new = jax.tree.map(lambda e, a: cfg.ema_decay * e + (1 - cfg.ema_decay) * a.astype(e.dtype), ema, fused)
-    if "skipped" in metrics:  # the trainer's non-finite guard skipped the actor step: the EMA stays too
-        new = jax.tree.map(lambda n, e: jnp.where(metrics["skipped"] > 0, e, n), new, ema)
+    new = jax.tree.map(lambda n, e: jnp.where(metrics["skipped"] > 0, e, n), new, ema)  # a skipped step: as it was
     return fsdp_layout(new, s.mesh)
-
-
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
-def actor_update(s: Static, actor, ema, exp):
-    """The actor's PPO step (+ the mixture LM loss) and the EMA update.
-
-    The step's gradient is the whole batch's, however it is cut into micro-batches: the PPO loss's mean over all
-    the batch's answer tokens plus unsup_coef times the LM loss's mean over all the unsupervised batch's targets.
-    The trainer sums the micro-batches' totals and divides once by their summed count, the answer tokens; so a
-    micro-batch's LM sum enters weighted by the whole batch's answer tokens / LM targets."""
-    actor, metrics = _one_step(s, "actor", _actor_loss(s, _lm_weight(s, exp)), actor, exp)
-    return actor, _ema_update(s, actor, ema, metrics), metrics
-
-
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
-def critic_update(s: Static, critic, exp):
-    """The critic's clipped value-loss step."""
-    return _one_step(s, "critic", _critic_loss(s), critic, exp)
