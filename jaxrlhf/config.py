@@ -104,9 +104,7 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in typing.get_args(tp):
             return None
-        for arg in typing.get_args(tp):
-            if arg is type(None):
-                continue
+        for arg in [a for a in typing.get_args(tp) if a is not type(None)]:
             try:
                 return _convert(value, arg, where)
             except ConfigError:
@@ -173,20 +171,16 @@ class _StrictLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = {}
         for key, _ in node.value:
+            line, problem = key.start_mark.line + 1, None
             if key.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`
                 continue
             if not (isinstance(key, yaml.ScalarNode) and key.tag == "tag:yaml.org,2002:str"):
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"a key that is not a string ({one_line(key.value, 40)!r}); quote it", key.start_mark
-                )
-            if key.value in seen:
-                raise yaml.constructor.ConstructorError(
-                    None,
-                    None,
-                    f"'{key.value}' is set twice (lines {seen[key.value]} and {key.start_mark.line + 1}); keep one",
-                    key.start_mark,
-                )
-            seen[key.value] = key.start_mark.line + 1
+                problem = f"a key that is not a string ({one_line(key.value, 40)!r}); quote it"
+            elif key.value in seen:
+                problem = f"'{key.value}' is set twice (lines {seen[key.value]} and {line}); keep one"
+            if problem:
+                raise yaml.constructor.ConstructorError(None, None, problem, key.start_mark)
+            seen[key.value] = line
         return super().construct_mapping(node, deep)
 
     def construct_object(self, node, deep=False):

@@ -21,6 +21,7 @@ fused), resumes and skips like Steps 1 and 2 (jaxrlhf.trainer.train).
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Literal
 
 import jax.numpy as jnp
@@ -61,14 +62,10 @@ def answer_logprobs(config, params, batch, key=None):
     return lp[:n], lp[n:]
 
 
-def reference_logprobs(config):
-    """trainer's reference_fn: the frozen reference's answer log-probs, added to each micro-batch."""
-
-    def reference_fn(params, batch):
-        ref_c, ref_r = answer_logprobs(config, params, batch)
-        return {**batch, "ref_chosen": ref_c, "ref_rejected": ref_r}
-
-    return reference_fn
+def reference_logprobs(config, params, batch):
+    """trainer's reference_fn (`config` bound): the batch plus the frozen reference's answer log-probs."""
+    ref_c, ref_r = answer_logprobs(config, params, batch)
+    return {**batch, "ref_chosen": ref_c, "ref_rejected": ref_r}
 
 
 def dpo_loss_fn(config, cfg: DPOConfig):
@@ -98,13 +95,12 @@ def run(cfg: DPOConfig, log=print, mesh=None) -> dict:
     """DPO (see trainer.train); returns the final state, the logged records and the model folder."""
     return train(
         cfg,
-        step=2,
-        value_head=False,
-        make_loss=lambda config: dpo_loss_fn(config, cfg),
-        summarise=summarise,
+        2,
+        partial(dpo_loss_fn, cfg=cfg),
+        summarise,
         log=log,
         mesh=mesh,
-        make_reference=reference_logprobs,
+        make_reference=lambda config: partial(reference_logprobs, config),
     )
 
 

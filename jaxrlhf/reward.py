@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -61,13 +62,8 @@ def reward_loss_fn(config, kind: str):
 
 def summarise(sums) -> dict:
     pairs = max(float(sums["pairs"]), 1.0)
-    return {
-        "loss": float(sums["loss"]) / max(float(sums["count"]), 1.0),
-        "accuracy": float(sums["accuracy"]) / pairs,
-        "chosen_score": float(sums["chosen_score"]) / pairs,
-        "rejected_score": float(sums["rejected_score"]) / pairs,
-        "pairs": int(sums["pairs"]),
-    }
+    means = {k: float(sums[k]) / pairs for k in ("accuracy", "chosen_score", "rejected_score")}
+    return {"loss": float(sums["loss"]) / max(float(sums["count"]), 1.0), **means, "pairs": int(sums["pairs"])}
 
 
 def score_texts(config, params, tokenizer, prompts: list[str], answers: list[str], max_len: int = 512, batch: int = 8):
@@ -110,15 +106,7 @@ def score(cfg: RewardConfig, log=print) -> list[dict]:
 
 def run(cfg: RewardConfig, log=print, mesh=None) -> dict:
     """Step 2 (see trainer.train); returns the final state, the logged records and the model folder."""
-    return train(
-        cfg,
-        step=2,
-        value_head=True,
-        make_loss=lambda config: reward_loss_fn(config, cfg.loss_kind),
-        summarise=summarise,
-        log=log,
-        mesh=mesh,
-    )
+    return train(cfg, 2, partial(reward_loss_fn, kind=cfg.loss_kind), summarise, value_head=True, log=log, mesh=mesh)
 
 
 def main(argv=None):

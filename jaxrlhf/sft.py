@@ -89,16 +89,7 @@ def prompt_eval(cfg: SFTConfig):
 
 def run(cfg: SFTConfig, log=print, mesh=None) -> dict:
     """Step 1 (see trainer.train); returns the final state, the logged records and the model folder."""
-    return train(
-        cfg,
-        step=1,
-        value_head=False,
-        make_loss=sft_loss,
-        summarise=summarise,
-        log=log,
-        mesh=mesh,
-        make_on_eval=prompt_eval(cfg),
-    )
+    return train(cfg, 1, sft_loss, summarise, log=log, mesh=mesh, make_on_eval=prompt_eval(cfg))
 
 
 def main(argv=None):

@@ -18,6 +18,7 @@ gold reward of the Step 1 model and of the final actor on held-out prompts, with
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -110,44 +111,29 @@ class TrainConfig:
 # dotted overrides applied before the config file and the command line. Models come from --actor-model and
 # --reward-model (no hub here); data from its hub names unless data.data_path says otherwise.
 _REAL = {
-    "data.data_path": ["Dahoas/rm-static"],
-    "data.max_seq_len": 512,
-    "data.max_prompt_len": 256,
-    "sft.precision": "bf16",
-    "sft.max_steps": 0,
-    "sft.epochs": 1,
-    "sft.sample_prompts": 3,
-    "sft.log_every": 10,
+    "data": {"data_path": ["Dahoas/rm-static"], "max_seq_len": 512, "max_prompt_len": 256},
+    "sft": {"precision": "bf16", "max_steps": 0, "epochs": 1, "sample_prompts": 3, "log_every": 10},
     "sft.optim": {"learning_rate": 9.65e-6, "weight_decay": 0.0, "schedule": "cosine", "warmup_steps": 0},
-    "reward.precision": "bf16",
-    "reward.max_steps": 0,
-    "reward.epochs": 1,
-    "reward.loss_kind": "span",
-    "reward.log_every": 10,
+    "reward": {"precision": "bf16", "max_steps": 0, "epochs": 1, "loss_kind": "span", "log_every": 10},
     "reward.optim": {"learning_rate": 5e-5, "weight_decay": 0.1, "schedule": "cosine", "warmup_steps": 0},
-    "ppo.precision": "bf16",
-    "ppo.max_steps": 0,
-    "ppo.max_answer_len": 256,
-    "ppo.kl_coef": 0.1,
-    "ppo.log_every": 1,
+    "ppo": {"precision": "bf16", "max_steps": 0, "max_answer_len": 256, "kl_coef": 0.1, "log_every": 1},
     "ppo.actor": {"optim": {"learning_rate": 9.65e-6, "warmup_steps": 100}, "remat": True},
     "ppo.critic": {"optim": {"learning_rate": 5e-6, "warmup_steps": 100}, "remat": True},
     "ppo.enable_ema": True,
 }
 # Answers per prompt of the group-baseline algorithms: a batch of batch_size / GROUP prompts, as many answers as PPO's.
 GROUP = {"grpo": 4, "rloo": 4}
+_batch = lambda n: {f"{step}.batch_size": n for step in ("sft", "reward", "ppo")}
 DEPLOYMENTS = {
     "demo": {},
     "single_gpu": {
         **_REAL,
-        "sft.batch_size": 8,
-        "reward.batch_size": 8,
-        "ppo.batch_size": 8,
+        **_batch(8),
         "sft.lora": {"dim": 128},
         "ppo.actor": {**_REAL["ppo.actor"], "lora": {"dim": 128}},
     },
-    "single_node": {**_REAL, "sft.batch_size": 32, "reward.batch_size": 32, "ppo.batch_size": 32},
-    "multi_node": {**_REAL, "sft.batch_size": 64, "reward.batch_size": 64, "ppo.batch_size": 64},
+    "single_node": {**_REAL, **_batch(32)},
+    "multi_node": {**_REAL, **_batch(64)},
 }
 
 
@@ -223,20 +209,17 @@ def run(cfg: TrainConfig, log=print, mesh=None) -> dict:
     sft_model, rm_model = dirs[1] / "model", dirs[2] / "model"
     result, clock = {}, time.perf_counter()
 
-    starting_model = lambda name, seed: name if name != BUILTIN else str(builtin_model(out / f"builtin-{seed}", seed))
-
-    if 1 in cfg.steps:
-        log(f"=== Step 1: supervised fine-tuning -> {dirs[1]}")
-        step = dataclasses.replace(
-            cfg.sft, model=starting_model(cfg.actor_model, 0), output_dir=str(dirs[1]), data=cfg.data
-        )
-        result["step1"] = str(sft.run(step, log=log, mesh=mesh)["model_dir"])
-    if 2 in cfg.steps:
-        log(f"=== Step 2: reward model -> {dirs[2]}")
-        step = dataclasses.replace(
-            cfg.reward, model=starting_model(cfg.reward_model, 1), output_dir=str(dirs[2]), data=cfg.data
-        )
-        result["step2"] = str(reward.run(step, log=log, mesh=mesh)["model_dir"])
+    first_steps = {
+        1: ("supervised fine-tuning", sft, cfg.sft, cfg.actor_model),
+        2: ("reward model", reward, cfg.reward, cfg.reward_model),
+    }
+    for n, (what, module, step_cfg, model) in first_steps.items():
+        if n in cfg.steps:
+            log(f"=== Step {n}: {what} -> {dirs[n]}")
+            if model == BUILTIN:  # seed 0 for the actor, 1 for the reward model
+                model = str(builtin_model(out / f"builtin-{n - 1}", n - 1))
+            step = dataclasses.replace(step_cfg, model=model, output_dir=str(dirs[n]), data=cfg.data)
+            result[f"step{n}"] = str(module.run(step, log=log, mesh=mesh)["model_dir"])
     if 3 in cfg.steps:
         log(f"=== Step 3: {cfg.ppo.algorithm.upper()} -> {dirs[3]}")
         for path in (sft_model, rm_model):
@@ -320,16 +303,11 @@ def flags(parser):
 
 def _preset(cfg: TrainConfig) -> TrainConfig | None:
     """The deployment preset's settings, which the file and the command line then override."""
-    dotted, tree = dict(DEPLOYMENTS[cfg.deployment_type]), {}
+    dotted, tree = copy.deepcopy(DEPLOYMENTS[cfg.deployment_type]), {}  # deep: set_dotted fills nested sections
     if cfg.algorithm != "ppo":  # Step 3's algorithm; GROUP answers to each of a batch's prompts
         n = GROUP.get(cfg.algorithm, 1)
-        dotted.update(
-            {
-                "ppo.algorithm": cfg.algorithm,
-                "ppo.num_samples_per_prompt": n,
-                "ppo.batch_size": dotted.get("ppo.batch_size", TrainConfig.ppo.batch_size) // n,
-            }
-        )
+        dotted["ppo.batch_size"] = dotted.get("ppo.batch_size", TrainConfig.ppo.batch_size) // n
+        dotted |= {"ppo.algorithm": cfg.algorithm, "ppo.num_samples_per_prompt": n}
     for key, value in dotted.items():
         set_dotted(tree, key, value)
     return build(TrainConfig, tree) if dotted else None

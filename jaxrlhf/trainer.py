@@ -170,13 +170,9 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, lora_cfg: LoRAConfig = Lo
     is clipped by global norm, and the adapters have their own learning rate."""
 
     def adamw(peak):
+        b1, b2 = cfg.betas
         return optax.adamw(
-            schedule(cfg, peak, total_steps),
-            b1=cfg.betas[0],
-            b2=cfg.betas[1],
-            eps=cfg.eps,
-            weight_decay=cfg.weight_decay,
-            mask=decay_mask,
+            schedule(cfg, peak, total_steps), b1, b2, cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask
         )
 
     label_fn = lambda tree: labels(tree, lora_cfg)
@@ -420,34 +416,62 @@ def load_model(run: RunConfig, *, value_head: bool, fresh_head: bool = False):
     return config, params, tokenizer
 
 
-def fit(
+def train(
     run: RunConfig,
-    state,
-    loss_fn: LossFn,
-    tx,
-    train_batches,
-    eval_set,
+    step: int,
+    make_loss,
     summarise,
-    mesh,
     *,
-    total_steps: int,
-    on_eval=None,
+    value_head: bool = False,
     log=print,
-    manager=None,
-    reference_fn=None,
-) -> tuple[dict, list[dict]]:
-    """Train `state` for `total_steps` optimizer steps in the one loop (jaxrlhf.loop.fit); returns the final state and
-    the logged records.
+    mesh=None,
+    make_on_eval=None,
+    make_reference=None,
+) -> dict:
+    """Step 1 or 2 (or DPO) from start to HF export: checks, model, data, state, the loop (jaxrlhf.loop.fit), then
+    output_dir/model. Returns the final state, the logged records, the model config and the model folder.
 
-    `train_batches` is a `jaxrlhf.data.Batches`; `eval_set` the tokenized eval split, evaluated in order in
-    fixed-size batches (the last partial one dropped; run.eval_batches of them if set); `summarise(sums)`
-    turns metric sums into the figures to log (e.g. loss per token, accuracy per pair). Steps the non-finite guard
-    skips are logged at the next log step (no extra host sync), left out of the logged loss and counted in
+    `make_loss(config)` gives the loss function; `summarise(sums)` turns metric sums into the figures to log (e.g. loss
+    per token, accuracy per pair); `make_on_eval(config, tokenizer, data, state)` may give an extra evaluation (e.g.
+    sample answers); `make_reference(config)` a reference_fn (make_train_step), and the state then keeps the starting
+    weights frozen. `mesh` defaults to all devices with a "model" axis of run.tp. The eval split is evaluated in order
+    in batches of run.batch_size (the last partial one dropped; run.eval_batches of them if set). Steps the non-finite
+    guard skips are logged at the next log step (no extra host sync), left out of the logged loss and counted in
     "skipped"; `run.max_skipped_steps` in a row stop the run (NonFiniteError).
     """
+    mesh = mesh or make_mesh(run.tp)
+    accum = run.optim.gradient_accumulation_steps
+    check_microbatches(run.batch_size, accum, mesh.size)
     out = Path(run.output_dir)
+    manager = loop.checkpoint_manager(out, run.keep_checkpoints)
+    if start_run(run, [out / "model"], manager.latest_step(), log=log):
+        manager.close()
+        return {"state": None, "records": [], "config": None, "model_dir": out / "model", "skipped": True}
+    log(
+        f"mesh {dict(mesh.shape)}: {mesh.size} devices, {jax.process_count()} process(es), this is process "
+        f"{jax.process_index()}"
+    )
+    if warning := precision_warning(run.precision, run.optim, run.lora):
+        log(warning)
+    config, params, tokenizer = load_model(run, value_head=value_head, fresh_head=True)
+    data = prepare(run.data, step, tokenizer, log=log)
+    batches = Batches(
+        data["train"],
+        step,
+        run.batch_size,
+        run.data,
+        tokenizer.pad_token_id,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    )
+    total = run.max_steps or run.epochs * len(batches)
+    if total <= 0:
+        raise ValueError("nothing to train: 0 steps (check epochs, max_steps and the size of the training set)")
+    tx = make_optimizer(run.optim, total, run.lora)
+    state = create_state(params, run.lora, tx, jax.random.key(run.seed), mesh, reference=make_reference is not None)
+    on_eval = make_on_eval(config, tokenizer, data, state) if make_on_eval else None
+    loss_fn, reference_fn = make_loss(config), make_reference(config) if make_reference else None
     shardings = state_shardings(state, mesh)
-    accum, rows = run.optim.gradient_accumulation_steps, NamedSharding(mesh, P(None, FSDP_AXES))
     step_fn = jax.jit(
         make_train_step(loss_fn, tx, run.lora, reference_fn), out_shardings=(shardings, None), donate_argnums=0
     )
@@ -458,16 +482,20 @@ def fit(
         _, count, sums = loss_fn(effective_params(state, run.lora, fused=False), batch, None)
         return {**sums, "count": count}
 
-    lr_fn = schedule(run.optim, run.optim.learning_rate, total_steps)
+    put = lambda spec, host: {
+        k: jax.make_array_from_process_local_data(NamedSharding(mesh, spec), v) for k, v in host.items()
+    }
+    lr_fn = schedule(run.optim, run.optim.learning_rate, total)
     since = {"tokens": 0, "clock": time.perf_counter()}  # of the log window
+    host_batches = iter(batches)
 
-    def step(state, i):
-        host = next(batches)
-        where = f"step {i} (epoch {train_batches.epoch}, batch {train_batches.position - 1})"
+    def train_step(state, i):
+        host = next(host_batches)
+        where = f"step {i} (epoch {batches.epoch}, batch {batches.position - 1})"
         since["tokens"] += int(sum(v.sum() for k, v in host.items() if k.endswith("mask") and "loss" not in k))
         # leaves [B, ...] -> [accumulation, B / accumulation, ...], the rows split over all devices
         micro = {k: v.reshape(accum, v.shape[0] // accum, *v.shape[1:]) for k, v in host.items()}
-        state, metrics = step_fn(state, {k: jax.make_array_from_process_local_data(rows, v) for k, v in micro.items()})
+        state, metrics = step_fn(state, put(P(None, FSDP_AXES), micro))
         return state, (i, metrics), [("model", metrics["skipped"], where)]
 
     def log_figures(window):
@@ -485,99 +513,28 @@ def fit(
         return figures
 
     def evaluate(state):
-        sums, n, B = None, num_rows(eval_set) // run.batch_size, run.batch_size
+        sums, n, B = None, num_rows(data["eval"]) // run.batch_size, run.batch_size
         for i in range(min(n, run.eval_batches) if run.eval_batches else n):
-            batch = make_batch(eval_set, range(i * B, (i + 1) * B), train_batches.step, run.data, train_batches.pad_id)
-            placed = {
-                k: jax.make_array_from_process_local_data(NamedSharding(mesh, P(FSDP_AXES)), v)
-                for k, v in batch.items()
-            }
-            m = jax.device_get(eval_fn(state, placed))
+            batch = make_batch(data["eval"], range(i * B, (i + 1) * B), step, run.data, batches.pad_id)
+            m = jax.device_get(eval_fn(state, put(P(FSDP_AXES), batch)))
             sums = m if sums is None else jax.tree.map(np.add, sums, m)
         if sums is None:
             return None
         return {**summarise(sums), **(on_eval(state) if on_eval is not None else {})}
 
-    batches = iter(train_batches)
-    return loop.fit(
+    state, records = loop.fit(
         run,
         state,
-        step,
+        train_step,
         log_figures,
-        train_batches,
-        total=total_steps,
+        batches,
+        total=total,
         evaluate=evaluate,
         log=log,
-        manager=manager or loop.checkpoint_manager(out, run.keep_checkpoints),
+        manager=manager,
         shardings=shardings,
         metrics_log=MetricsLog(out, run.report_to, settings(run)),
         shown=("loss", "accuracy", "lr", "tokens_per_s"),
-    )
-
-
-def train(
-    run: RunConfig,
-    *,
-    step: int,
-    value_head: bool,
-    make_loss,
-    summarise,
-    log=print,
-    mesh=None,
-    make_on_eval=None,
-    make_reference=None,
-) -> dict:
-    """Step 1 or 2 (or DPO) from start to HF export: checks, model, data, state, `fit`, then output_dir/model.
-
-    `make_loss(config)` gives the loss function; `make_on_eval(config, tokenizer, data, state)` may give
-    an extra evaluation (e.g. sample answers); `make_reference(config)` a reference_fn (make_train_step), and the
-    state then keeps the starting weights frozen. `mesh` defaults to all devices with a "model" axis of run.tp.
-    """
-    mesh = mesh or make_mesh(run.tp)
-    check_microbatches(run.batch_size, run.optim.gradient_accumulation_steps, mesh.size)
-    out = Path(run.output_dir)
-    manager = loop.checkpoint_manager(out, run.keep_checkpoints)
-    if start_run(run, [out / "model"], manager.latest_step(), log=log):
-        manager.close()
-        return {"state": None, "records": [], "config": None, "model_dir": out / "model", "skipped": True}
-    log(
-        f"mesh {dict(mesh.shape)}: {mesh.size} devices, {jax.process_count()} process(es), this is process "
-        f"{jax.process_index()}"
-    )
-    if warning := precision_warning(run.precision, run.optim, run.lora):
-        log(warning)
-    config, params, tokenizer = load_model(run, value_head=value_head, fresh_head=True)
-    data = prepare(run.data, step, tokenizer, log=log)
-    pad = tokenizer.pad_token_id
-    batches = Batches(
-        data["train"],
-        step,
-        run.batch_size,
-        run.data,
-        pad,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-    )
-    steps = run.max_steps or run.epochs * len(batches)
-    if steps <= 0:
-        raise ValueError("nothing to train: 0 steps (check epochs, max_steps and the size of the training set)")
-    tx = make_optimizer(run.optim, steps, run.lora)
-    state = create_state(params, run.lora, tx, jax.random.key(run.seed), mesh, reference=make_reference is not None)
-    on_eval = make_on_eval(config, tokenizer, data, state) if make_on_eval else None
-    state, records = fit(
-        run,
-        state,
-        make_loss(config),
-        tx,
-        batches,
-        data["eval"],
-        summarise,
-        mesh,
-        total_steps=steps,
-        on_eval=on_eval,
-        log=log,
-        manager=manager,
-        reference_fn=make_reference(config) if make_reference else None,
     )
     final = to_host(effective_params(state, run.lora))
     if jax.process_index() == 0:

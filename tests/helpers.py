@@ -142,3 +142,23 @@ def all_eqns(jaxpr):
 def kernel_calls(jaxpr, name: str) -> int:
     """How many places in `jaxpr` (and the programs inside it) call the Pallas kernel `name`."""
     return sum(eqn.primitive.name == "pallas_call" and str(eqn.params["name"]) == name for eqn in all_eqns(jaxpr))
+
+
+def pairs_config(cls, model, tmp_path: Path, data_path, data: dict, **fields):
+    """A Step 2 config (`cls`: RewardConfig or DPOConfig) from `model`, fp32, on the pairs of `data_path` alone
+    (data_split 0,1,0; `data`: more DataConfig fields), its output (run/) and data cache under `tmp_path`."""
+    from jaxrlhf.data import DataConfig
+
+    data = DataConfig(data_path=(str(data_path),), data_split="0,1,0", cache_dir=str(tmp_path / "cache"), **data)
+    return cls(model=str(model), output_dir=str(tmp_path / "run"), precision="fp32", data=data, **fields)
+
+
+def run_on_one_device(run, cfg) -> tuple[dict, dict]:
+    """`run(cfg)` (a Step 1 or 2 entry point) quietly on one device (on a 2-core CPU the 8 fake devices only add
+    collectives to a step this small): (its result, its last eval record)."""
+    import jax
+
+    from jaxrlhf.sharding import make_mesh
+
+    out = run(cfg, log=lambda _: None, mesh=make_mesh(1, jax.devices()[:1]))
+    return out, [r for r in out["records"] if r["split"] == "eval"][-1]

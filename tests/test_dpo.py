@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import jit_logits
+from helpers import jit_logits, pairs_config, run_on_one_device
 from jaxrlhf import OPTConfig, init_params, load_hf, load_tokenizer, opt_tokenizer, save_hf
-from jaxrlhf.data import DataConfig, make_batch, prepare
+from jaxrlhf.data import make_batch, prepare
 from jaxrlhf.distributed import to_host
 from jaxrlhf.dpo import DPOConfig, main, run
 from jaxrlhf.lora import LoRAConfig
@@ -141,25 +141,15 @@ def tiny_model(assets, tmp_path_factory):
 
 def dpo_config(model, tmp_path, **kw):
     """320 training pairs of the built-in task, 160 held out; 16 pairs a step in 2 micro-batches of 8 (1 a device)."""
-    data = DataConfig(
-        data_path=("synthetic:480",),
-        data_split="0,1,0",
-        eval_fraction=1 / 3,
-        max_seq_len=32,
-        cache_dir=str(tmp_path / "cache"),
-    )
     base = dict(
-        model=str(model),
-        output_dir=str(tmp_path / "out"),
         batch_size=16,
         epochs=2,
         log_every=1,
-        precision="fp32",
         beta=0.5,
-        data=data,
         optim=OptimConfig(learning_rate=1e-2, warmup_steps=2, gradient_accumulation_steps=2),
     )
-    return DPOConfig(**{**base, **kw})
+    data = dict(eval_fraction=1 / 3, max_seq_len=32)
+    return pairs_config(DPOConfig, model, tmp_path, "synthetic:480", data, **{**base, **kw})
 
 
 def train_losses(records):
@@ -260,34 +250,16 @@ def test_dpo_raises_held_out_hh_preference_accuracy(assets, tmp_path, capsys):
     from test_reward_hh import HH, wilson
 
     from jaxrlhf.convert import llama2c_to_hf
-    from jaxrlhf.sharding import make_mesh
 
     src = assets / "models" / "stories260K"
     model = llama2c_to_hf(src / "stories260K.bin", src / "tok512.bin", tmp_path / "stories260K")
-    data = DataConfig(
-        data_path=(str(assets / HH),),
-        on_bad_row="skip",
-        data_split="0,1,0",
-        eval_fraction=0.3,
-        max_seq_len=128,
-        cache_dir=str(tmp_path / "cache"),
-    )
-    cfg = DPOConfig(
-        model=str(model),
-        output_dir=str(tmp_path / "dpo"),
-        batch_size=32,
-        epochs=2,
-        log_every=10,
-        precision="fp32",
-        beta=0.1,
-        data=data,
-        optim=OptimConfig(learning_rate=3e-4),
-    )
-    out = run(cfg, log=lambda _: None, mesh=make_mesh(1, jax.devices()[:1]))
-    evaluation = [r for r in out["records"] if r["split"] == "eval"][-1]
+    data = dict(on_bad_row="skip", eval_fraction=0.3, max_seq_len=128)
+    fields = dict(batch_size=32, epochs=2, log_every=10, beta=0.1, optim=OptimConfig(learning_rate=3e-4))
+    cfg = pairs_config(DPOConfig, model, tmp_path, assets / HH, data, **fields)
+    _, evaluation = run_on_one_device(run, cfg)
     n = evaluation["pairs"]
     low, high = wilson(round(evaluation["accuracy"] * n), n)
-    chosen, rejected = held_out_logps(model, data, load_tokenizer(model))
+    chosen, rejected = held_out_logps(model, cfg.data, load_tokenizer(model))
     with capsys.disabled():
         print(
             f"\nDPO on HH: held-out implicit-reward accuracy 0.5 (reference) -> {evaluation['accuracy']:.3f} "

@@ -6,7 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrlhf import OPTConfig, init_params, make_mesh, opt_tokenizer, save_hf
+from helpers import pairs_config, run_on_one_device
+from jaxrlhf import OPTConfig, init_params, opt_tokenizer, save_hf
 from jaxrlhf.data import DataConfig, make_batch, read_source, tokenize
 from jaxrlhf.reward import RewardConfig
 from jaxrlhf.reward import run as run_reward
@@ -78,28 +79,12 @@ def test_reward_model_beats_chance_on_held_out_hh_pairs(assets, tmp_path):
         dropout=0.0,
     )
     model = save_hf(tmp_path / "base", config, jax.device_get(init_params(config, jax.random.key(0), std=0.1)), tok)
-    data = DataConfig(
-        data_path=(str(assets / HH),),
-        on_bad_row="skip",
-        data_split="0,1,0",
-        eval_fraction=0.3,
-        max_seq_len=64,
-        cache_dir=str(tmp_path / "cache"),
+    data = dict(on_bad_row="skip", eval_fraction=0.3, max_seq_len=64)
+    optim = OptimConfig(learning_rate=1e-2, weight_decay=0.1)
+    fields = dict(batch_size=32, epochs=4, log_every=50, loss_kind="span", optim=optim)
+    _, evaluation = run_on_one_device(
+        run_reward, pairs_config(RewardConfig, model, tmp_path, assets / HH, data, **fields)
     )
-    cfg = RewardConfig(
-        model=str(model),
-        output_dir=str(tmp_path / "rm"),
-        batch_size=32,
-        epochs=4,
-        log_every=50,
-        precision="fp32",
-        loss_kind="span",
-        data=data,
-        optim=OptimConfig(learning_rate=1e-2, weight_decay=0.1),
-    )
-    # One device: on a 2-core CPU the 8 fake devices only add collectives to a step this small.
-    out = run_reward(cfg, log=lambda _: None, mesh=make_mesh(1, jax.devices()[:1]))
-    evaluation = [r for r in out["records"] if r["split"] == "eval"][-1]
     n = evaluation["pairs"]
     low, high = wilson(round(evaluation["accuracy"] * n), n)
     print(f"held-out HH accuracy {evaluation['accuracy']:.3f} over {n} pairs, 95 % interval {low:.3f}-{high:.3f}")

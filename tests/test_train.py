@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from helpers import pairs_config, run_on_one_device
 from jaxrlhf import OPTConfig, init_params, load_hf, load_tokenizer, logits, make_mesh, opt_tokenizer, save_hf, values
 from jaxrlhf.data import DataConfig
 from jaxrlhf.lora import LoRAConfig
@@ -292,27 +293,12 @@ def test_reward_model_learns_the_builtin_preferences(assets, tmp_path):
     )
     # Held-out accuracy with weights from key 0, 1, 2: 0.903, 0.945, 0.924 (key 2 here).
     model = save_hf(tmp_path / "base", config, jax.device_get(init_params(config, jax.random.key(2), std=0.1)), tok)
-    data = DataConfig(
-        data_path=("synthetic:28000",),
-        data_split="0,1,0",
-        eval_fraction=0.05,
-        max_seq_len=32,
-        cache_dir=str(tmp_path / "cache"),
+    data = dict(eval_fraction=0.05, max_seq_len=32)
+    optim = OptimConfig(learning_rate=4e-3, schedule="cosine", warmup_steps=10)
+    fields = dict(batch_size=128, max_steps=200, log_every=50, loss_kind="span", optim=optim)
+    out, evaluation = run_on_one_device(
+        run_reward, pairs_config(RewardConfig, model, tmp_path, "synthetic:28000", data, **fields)
     )
-    cfg = RewardConfig(
-        model=str(model),
-        output_dir=str(tmp_path / "rm"),
-        batch_size=128,
-        max_steps=200,
-        log_every=50,
-        precision="fp32",
-        loss_kind="span",
-        data=data,
-        optim=OptimConfig(learning_rate=4e-3, schedule="cosine", warmup_steps=10),
-    )
-    # One device: on a 2-core CPU the 8 fake devices only add collectives to a step this small.
-    out = run_reward(cfg, log=lambda _: None, mesh=make_mesh(1, jax.devices()[:1]))
-    evaluation = [r for r in out["records"] if r["split"] == "eval"][-1]
     train_accuracy = [r["accuracy"] for r in out["records"] if r["split"] == "train"]
     print("held-out accuracy", evaluation["accuracy"], "training accuracy", train_accuracy)
     assert evaluation["accuracy"] >= 0.9
