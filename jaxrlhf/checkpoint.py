@@ -154,8 +154,7 @@ def resolve(path: str | os.PathLike) -> Path:
     except Exception as e:  # offline (LocalEntryNotFoundError, HF_HUB_OFFLINE=1), unreachable, interrupted
         raise CheckpointError(
             f"{name}: no such folder, and the Hugging Face Hub is unreachable ({one_line(e, 100)}); "
-            f"download it where it is reachable (hf download {name} --local-dir DIR) and pass DIR "
-            "instead"
+            f"download it where it is reachable (hf download {name} --local-dir DIR) and pass DIR instead"
         ) from None
 
 
@@ -477,16 +476,14 @@ def save_hf(
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(config_to_hf(config, dtypes.pop()), indent=2) + "\n")
         shards = _shard(model, max_shard_bytes)
-        names = [f"model-{n:05d}-of-{len(shards):05d}.safetensors" for n in range(1, len(shards) + 1)]
-        names = names if len(shards) > 1 else [SAFETENSORS_FILE]
-        for name, shard in zip(names, shards):
-            save_file(shard, str(tmp / name), metadata={"format": "pt"})
+        files = {f"model-{n:05d}-of-{len(shards):05d}.safetensors": shard for n, shard in enumerate(shards, 1)}
         if len(shards) > 1:
-            weight_map = {tensor: name for name, shard in zip(names, shards) for tensor in shard}
+            weight_map = {tensor: name for name, shard in files.items() for tensor in shard}
             index = {"metadata": {"total_size": sum(v.nbytes for v in model.values())}, "weight_map": weight_map}
             (tmp / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        if head:
-            save_file(head, str(tmp / VALUE_HEAD_FILE), metadata={"format": "pt"})
+        files = files if len(shards) > 1 else {SAFETENSORS_FILE: model}
+        for name, tensors in ((files | {VALUE_HEAD_FILE: head}) if head else files).items():
+            save_file(tensors, str(tmp / name), metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         ours = {"written_by": "jaxrlhf", "id": uuid.uuid4().hex, **(manifest or {})}  # id: which save this was

@@ -70,16 +70,14 @@ def sentencepiece_bpe(pieces: list[str], scores: list[float]):
     vocab = {p: i for i, p in enumerate(pieces)}
     if len(vocab) != len(pieces):
         raise ValueError("sentencepiece_bpe: the vocabulary repeats a piece")
-    merges = []
-    for i, piece in enumerate(pieces):
-        if i < 3 or (piece.startswith("<0x") and len(piece) == 6):
-            continue
-        merges += [
-            (-scores[i], i, piece[:j], piece[j:])
-            for j in range(1, len(piece))
-            if piece[:j] in vocab and piece[j:] in vocab
-        ]
-    merges = [(a, b) for *_, a, b in sorted(merges)]
+    ranked = sorted(
+        (-scores[i], i, piece[:j], piece[j:])
+        for i, piece in enumerate(pieces)
+        if i >= 3 and not (piece.startswith("<0x") and len(piece) == 6)  # special tokens and byte fallbacks
+        for j in range(1, len(piece))
+        if piece[:j] in vocab and piece[j:] in vocab
+    )
+    merges = [(a, b) for *_, a, b in ranked]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     tok.decoder = decoders.Sequence(
