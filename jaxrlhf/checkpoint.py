@@ -259,16 +259,14 @@ def _shard_names(index: Path) -> list[str]:
     return sorted(set(weight_map.values()))
 
 
-@functools.lru_cache(maxsize=8)
-def _param_shapes(config, value_head: bool):
-    # Tracing the model for its shapes takes ~0.1 s; a run loads one config several times (actor, reference, critic,
-    # reward model), and each load asks twice.
-    return param_shapes(config, value_head=value_head)
+# Tracing the model for its shapes takes ~0.1 s; a run loads one config several times (actor, reference, critic,
+# reward model), and each load asks twice.
+_param_shapes = functools.lru_cache(maxsize=8)(param_shapes)
 
 
 def _leaf_names(config, with_value_head: bool):
     """Yield (HF tensor name without prefix, our path, layer index or None, transpose) for every leaf."""
-    shapes = _param_shapes(config, False)
+    shapes = _param_shapes(config, value_head=False)
     for module, (ours, kind) in _FORMATS[config.model_type].modules.items():
         node = shapes
         for part in ours.split("/"):
@@ -305,7 +303,7 @@ def params_from_tensors(config, tensors: dict[str, np.ndarray], source: str, dty
         if lm_head is not None and not np.array_equal(lm_head, tensors[fmt.root]):
             raise CheckpointError(f"{source}: lm_head.weight differs from the embedding, but the config ties them")
     with_value_head = VALUE_HEAD_KEY in tensors
-    expected = _param_shapes(config, with_value_head)
+    expected = _param_shapes(config, value_head=with_value_head)
     stacked, params = {}, {}
     for name, path, layer, transpose in _leaf_names(config, with_value_head):
         if name not in tensors:

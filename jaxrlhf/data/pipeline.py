@@ -9,10 +9,8 @@ without their own eval split give `eval_fraction` of their rows to eval first. S
 (`sft_only_data_path`) go to Step 1 whole.
 
 Tokenized sets are ragged (tokens + offsets), padded only when batched (batches.py):
-    step 1   sequence = BOS + prompt + chosen + EOS; `prompt_len` for the loss mask
+    step 1   sequence = BOS + prompt + chosen + EOS, cut to max_seq_len (see tokenize); `prompt_len` for the loss mask
     step 2   chosen and rejected sequences as in step 1
-             longer than max_seq_len: the prompt loses its oldest tokens after BOS (both halves of a pair
-             alike, down to half of max_seq_len at most), then the answer its end
     step 3   BOS + prompt; prompts longer than max_prompt_len are dropped (and counted), never cut; each
              prompt's metadata (Record.metadata) as a JSON string, for the reward functions (jaxrlhf.rewards)
     "unsupervised"  texts joined with EOS between them and cut into blocks of unsupervised_block_size

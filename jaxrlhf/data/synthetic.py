@@ -141,13 +141,9 @@ class SyntheticTask:
         return (rejected, chosen) if rng.random() < self.flip_rate else (chosen, rejected)
 
     def records(self, kind: str, n: int) -> list[dict]:
-        """`n` records {prompt, chosen, rejected} of one kind, drawn from `seed` alone.
-
-        "sft": chosen is a demonstration, wrong by one mistake in a share `error_rate`; rejected is None.
-        "preference": rejected is chosen with 1-2 more mistakes, clearly lower in gold reward; a share
-        `flip_rate` is labelled the wrong way.
-        "prompt": chosen is the gold answer (for reference only); rejected is None.
-        """
+        """`n` records {prompt, chosen, rejected} of one kind, drawn from `seed` alone: "sft" (a demonstration,
+        one mistake in a share `error_rate`), "preference" (see `_pair`; a share `flip_rate` labelled the wrong way)
+        or "prompt" (chosen is the gold answer, for reference only); rejected is None except in "preference"."""
         if kind not in KINDS:
             raise ValueError(f"SyntheticTask.records: kind must be one of {KINDS}, got {kind!r}")
         if not isinstance(n, int) or n < 0:
