@@ -84,7 +84,7 @@ def answer_figures(tokens, mask, logprobs, *, eos_id: int | None = None, ngram: 
 
 
 def experience_figures(experiences: list[dict], eos_id: int | None, ngram: int = 3) -> dict[str, float]:
-    """repetition and entropy (answer_figures) of one Step 3 iteration's experience batches (engine.generate_experience)."""
+    """answer_figures' repetition and entropy of one Step 3 iteration's experience (engine.generate_experience)."""
     G = experiences[0]["mask"].shape[1]
     host = jax.device_get([(e["seq"][:, -G:], e["mask"], e["logprobs"]) for e in experiences])
     tokens, mask, logprobs = (np.concatenate(parts) for parts in zip(*host))
@@ -99,17 +99,14 @@ def check(figures: dict, baseline: dict | None, bounds: AlarmConfig) -> list[tup
         out.append(("repetition", f"repetition {figures['repetition']:.2f} > {bounds.max_repetition:g}"))
     if "kl" in figures and figures["kl"] > bounds.max_kl:
         out.append(("kl", f"KL {figures['kl']:.3g} > {bounds.max_kl:g}"))
-    if baseline:
-        length, base_len = figures.get("answer_len"), baseline.get("answer_len")
-        if length is not None and base_len:
-            ratio = length / base_len
-            if not bounds.min_len_ratio <= ratio <= bounds.max_len_ratio:
-                out.append(("answer_len", f"answer length {length:.3g} is {ratio:.2f}x its baseline {base_len:.3g}"))
-        entropy, base_ent = figures.get("entropy"), baseline.get("entropy")
-        if entropy is not None and base_ent and base_ent > 0 and entropy < bounds.min_entropy_ratio * base_ent:
-            out.append(
-                ("entropy", f"entropy {entropy:.3g} < {bounds.min_entropy_ratio:g}x its baseline {base_ent:.3g}")
-            )
+    length, base_len = figures.get("answer_len"), (baseline or {}).get("answer_len")
+    if length is not None and base_len and not bounds.min_len_ratio <= length / base_len <= bounds.max_len_ratio:
+        out.append(
+            ("answer_len", f"answer length {length:.3g} is {length / base_len:.2f}x its baseline {base_len:.3g}")
+        )
+    entropy, base_ent = figures.get("entropy"), (baseline or {}).get("entropy")
+    if entropy is not None and base_ent and base_ent > 0 and entropy < bounds.min_entropy_ratio * base_ent:
+        out.append(("entropy", f"entropy {entropy:.3g} < {bounds.min_entropy_ratio:g}x its baseline {base_ent:.3g}"))
     return out
 
 

@@ -359,13 +359,10 @@ def parse_cli(
         parser.epilog, argv = settings_help(cls, full=True), ["--help"]
     ns = parser.parse_intermixed_args(argv)
     keys = {key for _, key, _, _ in _settings(cls())}
+    setting = lambda a: isinstance(a, str) and ("=" in a or a.endswith((".yaml", ".yml"))) and not Path(a).is_dir()
     for dest, value in vars(ns).items():  # "--models A B key=value": a list-valued option took the overrides
         if isinstance(value, list) and dest != "args":
-            stray = [
-                a
-                for a in value
-                if isinstance(a, str) and ("=" in a or a.endswith((".yaml", ".yml"))) and not Path(a).is_dir()
-            ]
+            stray = [a for a in value if setting(a)]
             setattr(ns, dest, [a for a in value if a not in stray])
             ns.args += stray
     files = [a for a in ns.args if "=" not in a]

@@ -20,12 +20,6 @@ import os
 import jax
 import numpy as np
 
-ENV = {
-    "coordinator_address": "JAXRLHF_COORDINATOR_ADDRESS",
-    "num_processes": "JAXRLHF_NUM_PROCESSES",
-    "process_id": "JAXRLHF_PROCESS_ID",
-}
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("several processes (multi-node; see the README)")
@@ -43,7 +37,8 @@ def initialize(
 ) -> bool:
     """Join the other processes if the arguments, the environment or SLURM describe several; True if joined."""
     given = {"coordinator_address": coordinator_address, "num_processes": num_processes, "process_id": process_id}
-    for key, var in ENV.items():
+    for key in given:
+        var = f"JAXRLHF_{key.upper()}"  # JAXRLHF_COORDINATOR_ADDRESS, JAXRLHF_NUM_PROCESSES, JAXRLHF_PROCESS_ID
         if given[key] is None and os.environ.get(var):
             given[key] = os.environ[var] if key == "coordinator_address" else int(os.environ[var])
     explicit = any(v is not None for v in given.values())

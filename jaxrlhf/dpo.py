@@ -12,7 +12,7 @@ the log-ratio of the chosen answer over the rejected one against a frozen refere
 
 log π(answer | prompt) sums the answer's token log-probs (its EOS included, the prompt masked). With LoRA and
 only_optimize_lora the reference is the frozen base with the adapters off: no second copy of the model; otherwise
-the state holds a frozen copy of the starting weights (trainer.reference_params). Evaluation on the held-out
+the state holds a frozen copy of the starting weights (trainer.with_reference). Evaluation on the held-out
 pairs: the loss, the implicit rewards β (π - π_ref) of chosen and rejected, their margin, and the accuracy
 (chosen's reward above rejected's; 0.5 for the reference itself). Writes output_dir/model (an HF causal LM, LoRA
 fused), resumes and skips like Steps 1 and 2 (jaxrlhf.trainer.train).
@@ -71,15 +71,8 @@ def reference_logprobs(config, params, batch):
 def dpo_loss_fn(config, cfg: DPOConfig):
     def loss_fn(params, batch, key):
         c, r = answer_logprobs(config, params, batch, key)
-        return dpo_loss(
-            c,
-            r,
-            batch["ref_chosen"],
-            batch["ref_rejected"],
-            beta=cfg.beta,
-            label_smoothing=cfg.label_smoothing,
-            kind=cfg.loss_type,
-        )
+        ref_c, ref_r = batch["ref_chosen"], batch["ref_rejected"]
+        return dpo_loss(c, r, ref_c, ref_r, beta=cfg.beta, label_smoothing=cfg.label_smoothing, kind=cfg.loss_type)
 
     return loss_fn
 

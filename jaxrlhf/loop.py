@@ -221,12 +221,8 @@ def fit(
             if i % cfg.log_every == 0 or i == total:
                 figures = summarise(window)
                 write(i, "train", figures)
-                bar.set_postfix(
-                    {
-                        **{k: f"{figures[k]:.4g}" for k in shown if k in figures},
-                        **({"ALARM": figures["alarms"]} if "alarms" in figures else {}),
-                    }
-                )
+                postfix = {k: f"{figures[k]:.4g}" for k in shown if k in figures}
+                bar.set_postfix(postfix | ({"ALARM": figures["alarms"]} if "alarms" in figures else {}))
                 for model, flag, where in skipped:  # after the write: a stopped run's log shows its skips
                     in_a_row[model] = in_a_row.get(model, 0) + 1 if float(flag) else 0
                     if in_a_row[model]:

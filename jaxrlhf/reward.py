@@ -48,13 +48,7 @@ def reward_loss_fn(config, kind: str):
         v = values(config, params, ids, mask, dropout_rng=key)
         n = batch["chosen_ids"].shape[0]
         return reward_loss(
-            v[:n],
-            v[n:],
-            batch["chosen_ids"],
-            batch["rejected_ids"],
-            batch["chosen_mask"],
-            batch["rejected_mask"],
-            kind=kind,
+            v[:n], v[n:], *(batch[k] for k in ("chosen_ids", "rejected_ids", "chosen_mask", "rejected_mask")), kind=kind
         )
 
     return loss_fn

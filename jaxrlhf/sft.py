@@ -50,16 +50,8 @@ def summarise(sums) -> dict:
 def sample_answers(config, params, tokenizer, prompts: list[np.ndarray], n_tokens: int) -> list[str]:
     """Greedy answers (KV-cached generation, stopping at EOS) to tokenized prompts, as text."""
     ids, mask = pad_rows(prompts, max(len(p) for p in prompts), tokenizer.pad_token_id, left=True)
-    out = generate(
-        config,
-        params,
-        ids,
-        mask,
-        jax.random.key(0),
-        max_new_tokens=n_tokens,
-        temperature=0.0,
-        eos_id=tokenizer.eos_token_id,
-    )
+    greedy = dict(max_new_tokens=n_tokens, temperature=0.0, eos_id=tokenizer.eos_token_id)
+    out = generate(config, params, ids, mask, jax.random.key(0), **greedy)
     return decode_rows(tokenizer, out.tokens, out.mask)
 
 

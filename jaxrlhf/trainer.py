@@ -196,7 +196,7 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, lora_cfg: LoRAConfig = Lo
 
 def init_state(params, lora_cfg: LoRAConfig, tx, key, reference: bool = False) -> dict:
     """The training state from (host or device) parameters; see the module docstring for its layout. `reference`:
-    keep the starting weights frozen (reference_params), as a copy unless only_optimize_lora freezes them anyway."""
+    keep the starting weights frozen (with_reference), as a copy unless only_optimize_lora freezes them anyway."""
     lora = init_lora(params, lora_cfg, jax.random.fold_in(key, 1), dtype=jnp.float32) if lora_cfg.dim else None
     if lora_cfg.only_optimize_lora:
         trainable, frozen = {"lora": lora}, {"params": params}
@@ -455,15 +455,8 @@ def train(
         log(warning)
     config, params, tokenizer = load_model(run, value_head=value_head, fresh_head=True)
     data = prepare(run.data, step, tokenizer, log=log)
-    batches = Batches(
-        data["train"],
-        step,
-        run.batch_size,
-        run.data,
-        tokenizer.pad_token_id,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-    )
+    proc = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    batches = Batches(data["train"], step, run.batch_size, run.data, tokenizer.pad_token_id, **proc)
     total = run.max_steps or run.epochs * len(batches)
     if total <= 0:
         raise ValueError("nothing to train: 0 steps (check epochs, max_steps and the size of the training set)")
