@@ -55,6 +55,8 @@ class Chatbot:
         # the decode layout, built once: every answer's decode steps read each layer's own arrays
         self.params = decode_params(self.config, {k: v for k, v in params.items() if k != "value_head"})
         self.tokenizer = load_tokenizer(cfg.path)
+        self.sampling = {k: getattr(cfg, k) for k in ("temperature", "top_k", "top_p")}
+        self.sampling.update(eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id)
         self.max_new = min(cfg.max_new_tokens, self.config.max_position_embeddings // 2)
         self.turns = 0
 
@@ -68,19 +70,8 @@ class Chatbot:
         ids = ids[-room:]  # a long conversation keeps its latest part
         width = min(room, 1 << (len(ids) - 1).bit_length())  # a few prompt shapes, so few compilations
         prompt, mask = pad_rows([ids], width, tok.pad_token_id, left=True)
-        out = generate(
-            self.config,
-            self.params,
-            prompt,
-            mask,
-            jax.random.key(self.cfg.seed + self.turns),
-            max_new_tokens=self.max_new,
-            temperature=self.cfg.temperature,
-            top_k=self.cfg.top_k,
-            top_p=self.cfg.top_p,
-            eos_id=tok.eos_token_id,
-            pad_id=tok.pad_token_id,
-        )
+        key = jax.random.key(self.cfg.seed + self.turns)
+        out = generate(self.config, self.params, prompt, mask, key, max_new_tokens=self.max_new, **self.sampling)
         self.turns += 1
         tokens = [
             int(t) for t, m in zip(np.asarray(out.tokens)[0], np.asarray(out.mask)[0]) if m and t != tok.eos_token_id

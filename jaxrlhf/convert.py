@@ -16,6 +16,7 @@ tokenizer) that jaxrlhf and transformers both load.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import struct
 import sys
@@ -54,46 +55,39 @@ def read_llama2c(path: str | os.PathLike) -> tuple[LlamaConfig, dict]:
     K = dim // H
     kv = Hkv * K
     floats = np.frombuffer(data, "<f4", offset=_HEADER.size)
-    sizes = [
-        ("embed", vocab * dim),
-        ("rms_att", L * dim),
-        ("wq", L * dim * dim),
-        ("wk", L * kv * dim),
-        ("wv", L * kv * dim),
-        ("wo", L * dim * dim),
-        ("rms_ffn", L * dim),
-        ("w1", L * hidden * dim),
-        ("w2", L * dim * hidden),
-        ("w3", L * hidden * dim),
-        ("rms_final", dim),
-        ("rope", seq_len * K),
-    ]
-    if not shared:
-        sizes.append(("wcls", vocab * dim))
-    need = sum(n for _, n in sizes)
+    shapes = {  # the file's arrays in order; the rotary table ("rope") is not used
+        "embed": (vocab, dim),
+        "rms_att": (L, dim),
+        "wq": (L, dim, dim),
+        "wk": (L, kv, dim),
+        "wv": (L, kv, dim),
+        "wo": (L, dim, dim),
+        "rms_ffn": (L, dim),
+        "w1": (L, hidden, dim),
+        "w2": (L, dim, hidden),
+        "w3": (L, hidden, dim),
+        "rms_final": (dim,),
+        "rope": (seq_len, K),
+    } | ({} if shared else {"wcls": (vocab, dim)})
+    need = sum(math.prod(shape) for shape in shapes.values())
     if floats.size != need:
         raise CheckpointError(f"{path}: holds {floats.size} floats after the header; the header's shapes need {need}")
     arrays, at = {}, 0
-    for name, n in sizes:
-        arrays[name], at = floats[at : at + n], at + n
-    layers = lambda name, *shape: arrays[name].reshape(L, *shape)  # noqa: E731
-
-    tensors = {
-        "model.embed_tokens.weight": arrays["embed"].reshape(vocab, dim),
-        "model.norm.weight": arrays["rms_final"],
-    }
+    for name, shape in shapes.items():
+        arrays[name], at = floats[at : at + math.prod(shape)].reshape(shape), at + math.prod(shape)
+    tensors = {"model.embed_tokens.weight": arrays["embed"], "model.norm.weight": arrays["rms_final"]}
     if not shared:
-        tensors["lm_head.weight"] = arrays["wcls"].reshape(vocab, dim)
+        tensors["lm_head.weight"] = arrays["wcls"]
     per_layer = {
-        "input_layernorm": layers("rms_att", dim),
-        "post_attention_layernorm": layers("rms_ffn", dim),
-        "self_attn.q_proj": [interleaved_to_halves(w, H) for w in layers("wq", dim, dim)],
-        "self_attn.k_proj": [interleaved_to_halves(w, Hkv) for w in layers("wk", kv, dim)],
-        "self_attn.v_proj": layers("wv", kv, dim),
-        "self_attn.o_proj": layers("wo", dim, dim),
-        "mlp.gate_proj": layers("w1", hidden, dim),
-        "mlp.down_proj": layers("w2", dim, hidden),
-        "mlp.up_proj": layers("w3", hidden, dim),
+        "input_layernorm": arrays["rms_att"],
+        "post_attention_layernorm": arrays["rms_ffn"],
+        "self_attn.q_proj": [interleaved_to_halves(w, H) for w in arrays["wq"]],
+        "self_attn.k_proj": [interleaved_to_halves(w, Hkv) for w in arrays["wk"]],
+        "self_attn.v_proj": arrays["wv"],
+        "self_attn.o_proj": arrays["wo"],
+        "mlp.gate_proj": arrays["w1"],
+        "mlp.down_proj": arrays["w2"],
+        "mlp.up_proj": arrays["w3"],
     }
     for module, stack in per_layer.items():
         for i in range(L):

@@ -128,10 +128,7 @@ def final_number(text: str) -> float | None:
     """GSM8K's final answer: the number after "####", else the text's last number (commas dropped)."""
     found = _FINAL.search(text)
     numbers = [found.group(1)] if found else _NUMBER.findall(text)
-    try:
-        return float(numbers[-1].replace(",", "")) if numbers else None
-    except ValueError:
-        return None
+    return float(numbers[-1].replace(",", "")) if numbers else None  # both patterns match valid floats only
 
 
 def gold_rewards(prompts: list[str], references: list[str | None], answers: list[str]) -> list[float] | None:
@@ -190,10 +187,8 @@ def _row_nll(config, params, input_ids, attention_mask, loss_mask):
 
 @partial(jax.jit, static_argnums=0)
 def _pair_scores(config, params, chosen_ids, chosen_mask, rejected_ids, rejected_mask):
-    return (
-        end_scores(values(config, params, chosen_ids, chosen_mask), chosen_mask),
-        end_scores(values(config, params, rejected_ids, rejected_mask), rejected_mask),
-    )
+    score = lambda ids, mask: end_scores(values(config, params, ids, mask), mask)
+    return score(chosen_ids, chosen_mask), score(rejected_ids, rejected_mask)
 
 
 def answer(cfg: EvalConfig, model, ids, mask, max_new: int, eos_id: int, pad_id: int):
@@ -302,9 +297,6 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
         names = [f"{Path(m).parent.name}/{Path(m).name}" for m in cfg.models]
     tok = load_tokenizer(cfg.tokenizer or cfg.models[0])
     eos, pad = tok.eos_token_id, tok.pad_token_id
-    load = lambda path: (lambda c, p: (c, {k: v for k, v in p.items() if k != "value_head"}))(
-        *load_hf(path, dtype=dtype)
-    )
     rm = load_hf(cfg.reward_model, dtype=dtype)
     if "value_head" not in rm[1]:
         raise ValueError(f"{cfg.reward_model}: no value head; expected a reward model (the Step 2 output)")
@@ -325,14 +317,14 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
     prompts = decode_rows(tok, ids, mask, skip_first=True)
     records = step_records(cfg.data, 3)[0]["eval"]  # the reference answers, for a gold reward (GSM8K's "#### N")
     references = [records[i].chosen for i in held[3]["record_index"][:n]]
-    reference = load(cfg.reference or cfg.models[0])
+    reference = load_hf(cfg.reference or cfg.models[0], dtype=dtype)  # a value head in a model folder goes unused
     G = min(cfg.max_answer_len, reference[0].max_position_embeddings - ids.shape[1])
     if G < 1:
         raise ValueError(f"data.max_prompt_len {ids.shape[1]} leaves no positions for an answer")
     log(f"eval: {n} held-out prompts, answers of up to {G} tokens, {len(cfg.models)} models")
     rows, per_prompt = [], {"prompts": prompts}
     for name, path in zip(names, cfg.models):
-        model = load(path)
+        model = load_hf(path, dtype=dtype)
         tokens, amask = answer(cfg, model, ids, mask, G, eos, pad)
         forward = lambda i, *x: [_answer_logprobs(*model, *x), _answer_logprobs(*reference, *x), _scores(*rm, *x)]
         logp, ref_logp, scores = _in_batches(forward, [ids, mask, tokens, amask], cfg.batch_size)
@@ -354,22 +346,20 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
         row["gold_reward"] = float(np.mean(golds)) if golds else None
         per_prompt[name] = {"answers": texts, "scores": scores.tolist(), "gold": golds, "lengths": lengths.tolist()}
         rows.append(row)
+        mine, base = per_prompt[name], per_prompt[names[0]]  # the first model is its own baseline
+        row.update(win_rate(mine["scores"], base["scores"]))
+        row["alarms"] = [m for _, m in check(row, rows[0], cfg.alarms)]
+        if (
+            golds
+            and paired_t(mine["scores"], base["scores"]) > cfg.alarms.z
+            and paired_t(golds, base["gold"]) < -cfg.alarms.z
+        ):
+            row["alarms"].append(f"higher reward but lower gold reward than {names[0]}: reward hacking?")
         log(
             f"eval: {name}: reward {row['reward']:.3f}"
             + (f", gold {row['gold_reward']:.3f}" if golds else "")
             + f", KL {row['kl']:.3f}, length {row['answer_len']:.1f}, repetition {row['repetition']:.3f}"
         )
-    base = per_prompt[names[0]]
-    for row in rows:
-        mine = per_prompt[row["name"]]
-        row.update(win_rate(mine["scores"], base["scores"]))
-        row["alarms"] = [m for _, m in check(row, rows[0], cfg.alarms)]
-        if (
-            mine["gold"]
-            and paired_t(mine["scores"], base["scores"]) > cfg.alarms.z
-            and paired_t(mine["gold"], base["gold"]) < -cfg.alarms.z
-        ):
-            row["alarms"].append(f"higher reward but lower gold reward than {names[0]}: reward hacking?")
     metrics = find_metrics(cfg)
     return {
         "models": rows,
@@ -422,16 +412,10 @@ def plot_frontier(report: dict):
     gold = report["models"][0]["gold_reward"] is not None
     fig, axes = _figure(2 if gold else 1)
     for ax, key, title in zip(axes, ("reward", "gold_reward"), ("reward model score", "gold reward")):
-        training = [r for r in report["training"] if key in r]
+        training = [(r["kl"], r[key], r["step"]) for r in report["training"] if key in r]
         if training:
-            points = ax.scatter(
-                [r["kl"] for r in training],
-                [r[key] for r in training],
-                c=[r["step"] for r in training],
-                cmap="viridis",
-                s=12,
-                alpha=0.7,
-            )
+            kl, y, steps = zip(*training)
+            points = ax.scatter(kl, y, c=steps, cmap="viridis", s=12, alpha=0.7)
             fig.colorbar(points, ax=ax, label="Step 3 iteration")
         for m in report["models"]:
             ax.plot([m["kl"]], [m[key]], marker="o", linestyle="none", label=m["name"])
@@ -460,9 +444,8 @@ def plot_win_rates(report: dict):
     """Win rate against the baseline per model, with the 95% interval."""
     fig, (ax,) = _figure(1)
     models = report["models"]
-    rates = [m["win_rate"] for m in models]
     err = np.array([[m["win_rate"] - m["win_ci"][0], m["win_ci"][1] - m["win_rate"]] for m in models]).T
-    ax.bar([m["name"] for m in models], rates, yerr=err, capsize=4, color="tab:blue")
+    ax.bar([m["name"] for m in models], [m["win_rate"] for m in models], yerr=err, capsize=4, color="tab:blue")
     ax.axhline(0.5, color="0.5", linestyle="--", linewidth=1, label="_tie")
     ax.set(ylim=(0, 1), ylabel=f"win rate vs {report['baseline']}", title="judged by the reward model")
     return fig

@@ -102,20 +102,9 @@ def run(cfg: InspectConfig) -> dict:
         prompt = np.asarray(tokenizer(cfg.prompt)["input_ids"], np.int32)[None]
     else:
         prompt = np.array([[config.bos_token_id, 100, 200, 300, 400]], np.int32)
-    replicated = NamedSharding(mesh, P())
-    ids, mask = jax.device_put((prompt, np.ones_like(prompt)), replicated)
-    gen = lambda: (
-        generate(
-            config,
-            tp_params,
-            ids,
-            mask,
-            jax.random.key(0),
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=0.0,
-            force_length=True,
-        ).tokens
-    )
+    ids, mask = jax.device_put((prompt, np.ones_like(prompt)), NamedSharding(mesh, P()))  # replicated
+    greedy = partial(generate, max_new_tokens=cfg.max_new_tokens, temperature=0.0, force_length=True)
+    gen = lambda: greedy(config, tp_params, ids, mask, jax.random.key(0)).tokens
     seconds = _timed(gen, repeats=3)
     new = np.asarray(gen())[0]
     shown = tokenizer.decode(new) if tokenizer is not None else new.tolist()

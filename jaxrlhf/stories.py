@@ -25,20 +25,11 @@ def sample_pool(model_dir: str | Path, n: int, max_new_tokens: int, seed: int = 
     config, params = load_hf(model_dir)
     tok = load_tokenizer(model_dir)
     prompt = np.asarray(tok(OPENING.strip())["input_ids"], np.int32)  # BOS + the opening words
-    stories = []
+    stories, ids = [], np.tile(prompt, (batch, 1))
+    ends = dict(eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
     for i in range(0, n, batch):
-        ids = np.tile(prompt, (batch, 1))
-        out = generate(
-            config,
-            params,
-            ids,
-            np.ones_like(ids),
-            jax.random.key(seed * 1000 + i),
-            max_new_tokens=max_new_tokens,
-            temperature=1.0,
-            eos_id=tok.eos_token_id,
-            pad_id=tok.pad_token_id,
-        )
+        key = jax.random.key(seed * 1000 + i)
+        out = generate(config, params, ids, np.ones_like(ids), key, max_new_tokens=max_new_tokens, **ends)
         for row, m in zip(np.asarray(out.tokens), np.asarray(out.mask)):
             text = tok.decode(np.concatenate([prompt, row[m.astype(bool)]]).tolist(), skip_special_tokens=True)
             stories.append(" " + text.strip())

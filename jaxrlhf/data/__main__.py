@@ -31,8 +31,7 @@ def run(cfg: PrepareConfig, out=print) -> dict:
     steps = list(cfg.steps) + (["unsupervised"] if cfg.data.unsupervised_data_path else [])
     results = {}
     for step in steps:
-        data = prepare(cfg.data, step, tok, log=out)
-        results[step] = data
+        results[step] = data = prepare(cfg.data, step, tok, log=out)
         out(f"\nstep {step}: {num_rows(data['train'])} train, {num_rows(data['eval'])} eval; {data['stats']}")
         if num_rows(data["train"]):
             batch = make_batch(data["train"], [0], step, cfg.data, tok.pad_token_id)
