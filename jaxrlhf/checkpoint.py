@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from jaxrlhf.config import ConfigError, InputError, build, decode_utf8, one_line
+from jaxrlhf.data.sources import parse_json
 from jaxrlhf.models import CONFIGS, FAMILIES, Backend, LlamaConfig, OPTConfig, param_shapes
 
 CONFIG_FILE = "config.json"
@@ -44,7 +45,6 @@ TORCH_INDEX = "pytorch_model.bin.index.json"
 VALUE_HEAD_FILE = "value_head.safetensors"
 VALUE_HEAD_KEY = "v_head.weight"
 
-# Each family's names: models/<family>.py's HF (models.common.HFNames); a module's kind says its tensors.
 _FORMATS = {model_type: fam.HF for model_type, fam in FAMILIES.items()}
 _TENSORS = {  # kind -> [(HF tensor suffix, our leaf name, transpose)]
     "embed": [("weight", "embedding", False)],
@@ -171,12 +171,7 @@ def read_config(path: str | os.PathLike, **overrides):
 
 
 def _read_json(file: Path):
-    try:
-        return json.loads(decode_utf8(file.read_bytes(), file, CheckpointError))
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{file}:{e.lineno}: not valid JSON ({e.msg})") from None
-    except RecursionError:
-        raise CheckpointError(f"{file}: not valid JSON (nested too deeply)") from None
+    return parse_json(decode_utf8(file.read_bytes(), file, CheckpointError), file, error=CheckpointError)
 
 
 # ---------------------------------------------------------------------------------------------- tensors

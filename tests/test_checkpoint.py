@@ -153,7 +153,7 @@ def test_bad_configs_are_refused(tmp_path):
     (folder / "config.json").write_text(json.dumps({**cfg, "activation_function": "gelu"}))
     _one_line_error(folder, "activation_function is 'gelu'")
     (folder / "config.json").write_text('{\n  "model_type": "opt",\n  oops\n}')
-    _one_line_error(folder, r"config\.json:3: not valid JSON")
+    _one_line_error(folder, r"config\.json:3: invalid JSON")
     (folder / "config.json").unlink()
     _one_line_error(folder, r"config\.json: missing")
     _one_line_error(tmp_path / "nowhere", "not a folder")
@@ -387,7 +387,7 @@ def test_a_local_folder_never_asks_the_network(tiny, tmp_path, monkeypatch):
         (huggingface_hub, "hf_hub_download"),
     ]:
         monkeypatch.setattr(owner, name, refuse)
-    config, params = load_hf(folder)
+    config, _ = load_hf(folder)
     assert load_tokenizer(folder)("a b c")["input_ids"] == want
     assert config == load_hf(str(folder))[0] and asked == []
 

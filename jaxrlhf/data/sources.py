@@ -61,12 +61,7 @@ class Report:
     source: str
     kept: int = 0
     skipped: int = 0
-    reasons: list[str] = dataclasses.field(default_factory=list)
-
-    def skip(self, reason: str):
-        self.skipped += 1
-        if len(self.reasons) < 5:
-            self.reasons.append(reason)
+    reasons: list[str] = dataclasses.field(default_factory=list)  # the first 5
 
     def __str__(self):
         text = f"{self.source}: {self.kept} records"
@@ -201,14 +196,14 @@ def _read_text(path: Path) -> str:
     return text
 
 
-def _json(text: str, path: Path, first_line: int = 1):
-    """`text` parsed as JSON; it starts at line `first_line` of `path`, which errors name."""
+def parse_json(text: str, path, first_line: int = 1, error: type[InputError] = DataError):
+    """`text` parsed as JSON; it starts at line `first_line` of `path`, which errors (an `error`) name."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{first_line + e.lineno - 1}: invalid JSON ({e.msg})") from None
+        raise error(f"{path}:{first_line + e.lineno - 1}: invalid JSON ({e.msg})") from None
     except RecursionError:
-        raise DataError(f"{path}:{first_line}: invalid JSON (nested too deeply)") from None
+        raise error(f"{path}:{first_line}: invalid JSON (nested too deeply)") from None
 
 
 SUFFIXES = (".json", ".jsonl", ".jsonl.gz", ".json.gz", ".parquet")
@@ -233,13 +228,13 @@ def _rows(path: Path) -> Iterable[tuple[str, Any]]:
         return
     text = _read_text(path)
     if name.endswith(".json") and text.lstrip().startswith("["):
-        yield from ((f"{path} row {i}", row) for i, row in enumerate(_json(text, path)))
+        yield from ((f"{path} row {i}", row) for i, row in enumerate(parse_json(text, path)))
         return
     # JSON lines end at "\n" only: str.splitlines would also split at U+2028 and other Unicode line breaks,
     # which JSON allows unescaped inside strings.
     for lineno, line in enumerate(text.split("\n"), 1):
         if line.strip():
-            yield f"{path}:{lineno}", _json(line, path, lineno)
+            yield f"{path}:{lineno}", parse_json(line, path, lineno)
 
 
 def _collect(source: str, rows: Iterable[tuple[str, Any]], convert, on_bad_row: str) -> tuple[list[Record], Report]:
@@ -251,7 +246,9 @@ def _collect(source: str, rows: Iterable[tuple[str, Any]], convert, on_bad_row: 
             reason = f"{where}: {e if isinstance(e, DataError) else f'missing or bad field {e}'}"
             if on_bad_row != "skip" and not isinstance(e, SkipRow):
                 raise DataError(reason + " (set on_bad_row to 'skip' to drop such rows)") from None
-            report.skip(reason)
+            report.skipped += 1
+            if len(report.reasons) < 5:
+                report.reasons.append(reason)
     if not records:
         raise DataError(f"{source}: no usable records" + (f" ({report})" if report.skipped else ""))
     report.kept = len(records)
