@@ -43,17 +43,6 @@ from jaxrlhf.models import Mode, decode_layer, in_decode_layout, init_cache, log
 from jaxrlhf.sharding import shardings_for
 
 
-def _layers_key(params: dict):
-    """Where "layers" sits: None at the top of `params`, else the key of the dict holding it (OPT: decoder,
-    Llama: model)."""
-    if "layers" in params:
-        return None
-    for k, v in params.items():
-        if isinstance(v, dict) and "layers" in v:
-            return k
-    raise ValueError(f"no 'layers' in the parameter tree (top level: {sorted(params)})")
-
-
 @partial(jax.jit, static_argnames=("config", "mesh"))
 def _to_decode_layout(config, tree, mesh, i=None):
     """`tree` (all but the layers; or, given `i`, layer i of the stacked layers) fused, cast and laid out for
@@ -88,17 +77,18 @@ def decode_params(config, params: Any, mesh=None) -> Any:
     """
     if in_decode_layout(params):
         return params
-    key = _layers_key(params)
-    parent = params if key is None else params[key]
-    layers = parent["layers"]
+    # the decoder's key (OPT: decoder, Llama: model)
+    key = next((k for k, v in params.items() if isinstance(v, dict) and "layers" in v), None)
+    if key is None:
+        raise ValueError(f"no 'layers' in the parameter tree (top level: {sorted(params)})")
     # host (NumPy) leaves go to the device once, not once per layer's program
-    layers = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jnp.asarray(x), layers)
+    layers = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jnp.asarray(x), params[key]["layers"])
     per_layer = tuple(
         _to_decode_layout(config, layers, mesh, jnp.int32(i)) for i in range(jax.tree.leaves(layers)[0].shape[0])
     )
-    rest = {k: v for k, v in parent.items() if k != "layers"}
-    out = _to_decode_layout(config, rest if key is None else {**params, key: rest}, mesh)
-    (out if key is None else out[key])["layers"] = per_layer  # out's dicts are new (jit builds them)
+    rest = {k: v for k, v in params[key].items() if k != "layers"}
+    out = _to_decode_layout(config, {**params, key: rest}, mesh)
+    out[key]["layers"] = per_layer  # out's dicts are new (jit builds them)
     return out
 
 

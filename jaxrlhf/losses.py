@@ -73,14 +73,15 @@ def reward_loss(
         pairs = (n > 0).astype(jnp.float32)
     else:
         raise ValueError(f"reward loss kind: expected 'span' or 'last', got {kind!r}")
+    total = jnp.sum(per_pair * pairs)
     metrics = {
-        "loss": jnp.sum(per_pair * pairs),
+        "loss": total,
         "pairs": jnp.float32(chosen_ids.shape[0]),
         "accuracy": jnp.sum((c_end > r_end).astype(jnp.float32)),
         "chosen_score": jnp.sum(c_end),
         "rejected_score": jnp.sum(r_end),
     }
-    return jnp.sum(per_pair * pairs), jnp.sum(pairs), metrics
+    return total, jnp.sum(pairs), metrics
 
 
 def answer_mask(attention_mask, prompt_len):
@@ -117,20 +118,19 @@ def dpo_loss(
     r_c, r_r = beta * (policy_chosen - ref_chosen), beta * (policy_rejected - ref_rejected)
     h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
     if kind == "sigmoid":
-        per_pair = -(1 - label_smoothing) * jax.nn.log_sigmoid(beta * h) - label_smoothing * jax.nn.log_sigmoid(
-            -beta * h
-        )
+        eps = label_smoothing
+        per_pair = -(1 - eps) * jax.nn.log_sigmoid(beta * h) - eps * jax.nn.log_sigmoid(-beta * h)
     elif kind == "ipo":
         per_pair = (h - 1 / (2 * beta)) ** 2
     else:
         raise ValueError(f"DPO loss kind: expected 'sigmoid' or 'ipo', got {kind!r}")
-    total = jnp.sum(per_pair)
+    total, pairs = jnp.sum(per_pair), jnp.float32(per_pair.shape[0])
     metrics = {
         "loss": total,
-        "pairs": jnp.float32(per_pair.shape[0]),
+        "pairs": pairs,
         "accuracy": jnp.sum(jnp.where(r_c > r_r, 1.0, jnp.where(r_c == r_r, 0.5, 0.0))),
         "chosen_reward": jnp.sum(r_c),
         "rejected_reward": jnp.sum(r_r),
         "margin": jnp.sum(r_c - r_r),
     }
-    return total, jnp.float32(per_pair.shape[0]), metrics
+    return total, pairs, metrics

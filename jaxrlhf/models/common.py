@@ -245,20 +245,9 @@ def fused_decode_step(module: nn.Module, mode: Mode, h, cache, config, norm=None
     # subtracts mean(h) colsum from the product, which therefore stays float32 (no cancellation in bf16).
     out_dtype = jnp.float32 if layer_norm is not None else config.compute_dtype
     qkv = stacked_dense(module, "qkv_proj", h, config.compute_dtype, bias=False, out_dtype=out_dtype)
-    out, k, v = decode_step(
-        qkv.reshape(B, kv_heads, -1, K),
-        cache["k"],
-        cache["v"],
-        cache["start"],
-        cache["slot"],
-        cache["layer"],
-        rope=rope,
-        rms=rms,
-        layer_norm=layer_norm,
-        bias=per_head(p["bias"]) if "bias" in p else None,
-        config=kernel,
-        mesh=mesh,
-    )
+    bias = per_head(p["bias"]) if "bias" in p else None
+    operands = (qkv.reshape(B, kv_heads, -1, K), *(cache[n] for n in ("k", "v", "start", "slot", "layer")))
+    out, k, v = decode_step(*operands, rope=rope, rms=rms, layer_norm=layer_norm, bias=bias, config=kernel, mesh=mesh)
     return out[:, None], {**cache, "k": k, "v": v}
 
 
@@ -312,16 +301,6 @@ def decode_product(
     return y.astype(dtype)[:, None]
 
 
-def attention(q, k, v, cache, config, mode: Mode, segment_ids=None):
-    """The attention a layer runs: cached (generation), plain causal, or with dropout (training): (out, cache)."""
-    if cache is not None:
-        return cached_attention(q, k, v, cache, mode, config.backend)
-    if mode.deterministic or config.attention_dropout == 0.0:
-        return causal_attention(q, k, v, config.backend.attention, segment_ids), None
-    dropout = nn.Dropout(config.attention_dropout, deterministic=False)
-    return dropout_attention(q, k, v, dropout, segment_ids), None
-
-
 def apply_rope(x, cos, sin, interleaved: bool = False):
     """Rotate x [B, T, H, K] by the tables cos, sin [B, T, 1, K/2] (llama.rope_tables): pairs (i, i + K/2) ("rotate
     half"), or (2i, 2i + 1) if interleaved."""
@@ -340,9 +319,10 @@ class SelfAttention(nn.Module):
     the decode layout from one product with "qkv_proj" [D, Hkv, (G + 2) K] (per KV head: its G query heads, its key,
     its value); q times the attention's scale K^-1/2 after its bias, as OPT does (stack_qkv folds the scale into the
     kernel: no multiply per step). Then the rotary embedding where `rope` (cos, sin) [B, T, 1, K/2] is given, the
-    attention (`attention`: cached, causal or with dropout) and the output projection `out_name`. A decode step in
-    the decode layout runs all between the two products in one kernel where it applies (fused_decode_step: the
-    folded norm's end, the bias, the rotation, the cache write and the attention). Returns (out [B, T, D], cache)."""
+    attention (cached when generating, else causal, with dropout if training) and the output projection `out_name`.
+    A decode step in the decode layout runs all between the two products in one kernel where it applies
+    (fused_decode_step: the folded norm's end, the bias, the rotation, the cache write and the attention). Returns
+    (out [B, T, D], cache)."""
 
     config: Any
     mode: Mode
@@ -371,7 +351,12 @@ class SelfAttention(nn.Module):
                 k, v = (dense(Hkv, name)(h).reshape(B, T, Hkv, K) for name in ("k_proj", "v_proj"))
             if rope is not None:  # q is scaled already: the rotation is linear
                 q, k = (apply_rope(x, *rope, interleaved) for x in (q, k))
-            out, cache = attention(q, k, v, cache, c, mode, segment_ids)  # [B, T, H, K]
+            if cache is not None:  # [B, T, H, K]
+                out, cache = cached_attention(q, k, v, cache, mode, c.backend)
+            elif mode.deterministic or c.attention_dropout == 0.0:
+                out = causal_attention(q, k, v, c.backend.attention, segment_ids)
+            else:
+                out = dropout_attention(q, k, v, nn.Dropout(c.attention_dropout, deterministic=False), segment_ids)
         out_proj = Dense(D, use_bias=self.use_bias, dtype=c.compute_dtype, name=self.out_name)
         return out_proj(out.reshape(B, T, H * K)), cache
 
@@ -679,9 +664,13 @@ def norm_rows(h, eps: float, centred: bool):
     return jax.lax.rsqrt(jnp.maximum(mean_sq - jnp.square(mean), 0.0) + eps), mean
 
 
-# The sharding rows of what every family shares (each family's PARAM_AXES says the rest; see sharding.py): the value
-# head, and the decode layout's stacked q/k/v (stack_qkv) and a folded LayerNorm's column sums.
+# The sharding rows of what every family shares (each family's PARAM_AXES says the rest; see sharding.py): the token
+# embedding, q/k/v, the value head, and the decode layout's stacked q/k/v (stack_qkv) and a folded LayerNorm's column
+# sums. k/v_proj are [D, Hkv * K], so "heads" splits the KV heads over "model" too.
 PARAM_AXES = [
+    (r"embed_tokens/embedding", ("vocab", "embed")),
+    (r"layers/self_attn/[qkv]_proj/kernel", ("layers", "embed", "heads")),
+    (r"layers/self_attn/[qkv]_proj/bias", ("layers", "heads")),
     (r"value_head/kernel", ("embed", None)),
     (r"layers/self_attn/qkv_proj/kernel", ("layers", "embed", "heads", None)),
     (r"layers/self_attn/qkv_proj/(bias|colsum)", ("layers", "heads", None)),

@@ -230,17 +230,13 @@ def decode_layer(config: LlamaConfig, layer: dict) -> dict:
 
 
 # Parameter path (a regex matched against the end of the '/'-joined path) -> logical axis per dimension (see
-# opt.PARAM_AXES). k/v_proj are [D, Hkv * K], so "heads" splits the KV heads over "model" too.
+# opt.PARAM_AXES).
 PARAM_AXES = [
-    (r"embed_tokens/embedding", ("vocab", "embed")),
-    (r"layers/self_attn/[qkv]_proj/kernel", ("layers", "embed", "heads")),
-    (r"layers/self_attn/[qkv]_proj/bias", ("layers", "heads")),
     (r"layers/self_attn/o_proj/kernel", ("layers", "heads", "embed")),
-    (r"layers/self_attn/o_proj/bias", ("layers", "embed")),
     (r"layers/mlp/(gate|up)_proj/kernel", ("layers", "embed", "mlp")),
     (r"layers/mlp/(gate|up)_proj/bias", ("layers", "mlp")),
     (r"layers/mlp/down_proj/kernel", ("layers", "mlp", "embed")),
-    (r"layers/mlp/down_proj/bias", ("layers", "embed")),
+    (r"layers/(self_attn/o_proj|mlp/down_proj)/bias", ("layers", "embed")),
     (r"layers/(input|post_attention)_layernorm/scale", ("layers", "embed")),
     (r"model/norm/scale", ("embed",)),
     (r"lm_head/kernel", ("embed", "vocab")),

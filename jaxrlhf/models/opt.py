@@ -220,11 +220,8 @@ def decode_layer(config: OPTConfig, layer: dict) -> dict:
 # Parameter path (a regex matched against the end of the '/'-joined path) -> logical axis per dimension, first match
 # first (sharding.py maps logical axes to mesh axes; common.PARAM_AXES adds the value head and the decode layout).
 PARAM_AXES = [
-    (r"embed_tokens/embedding", ("vocab", "embed")),
     (r"embed_positions/embedding", ("position", "embed")),
     (r"project_(in|out)/kernel", ("embed", "embed")),
-    (r"layers/self_attn/[qkv]_proj/kernel", ("layers", "embed", "heads")),
-    (r"layers/self_attn/[qkv]_proj/bias", ("layers", "heads")),
     (r"layers/self_attn/out_proj/kernel", ("layers", "heads", "embed")),
     (r"layers/fc1/kernel", ("layers", "embed", "mlp")),
     (r"layers/fc1/(bias|colsum)", ("layers", "mlp")),
