@@ -4,9 +4,8 @@
     OPT         OPTConfig     jaxrlhf.models.opt     "opt"
     Llama       LlamaConfig   jaxrlhf.models.llama   "llama"
 
-A family module owns its config, PRESETS, Hugging Face names (`HF`), sharding table (`PARAM_AXES`), decode layout
-(`decode_layer`) and forward (`Model`). The functions below call the family of `config`, so the engine, the
-trainers and generation run every family through the same code. Each call's kind is explicit: `logits` and
+A family module (models/common.py says what it holds) is found from the config's type by the functions below, so the
+engine, the trainers and generation run every family through the same code. Each call's kind is explicit: `logits` and
 `values` are "train" (given a dropout key) or "score" calls; `logits_with_cache` a "prefill" or "decode" call
 (`Mode`). How the machine runs them is the config's `backend` (`Backend.detect()` at start-up; default plain XLA).
 """

@@ -16,9 +16,6 @@ Parameter tree (mirrors Hugging Face's module names so the name table `HF` below
     decoder/final_layer_norm/{scale,bias} [D]      only for pre-LN models (all but opt-350m)
     decoder/project_out/kernel            [D, E]   only when E != D
     value_head/kernel                     [E, 1]   reward model and critic only
-
-The layers run under one `nn.scan` (a single compiled layer body for all L layers), optionally
-rematerialised per layer, so compile time does not grow with depth.
 """
 
 from __future__ import annotations
