@@ -36,15 +36,12 @@ def checkpoint_manager(out_dir: Path, keep: int):
     return ocp.CheckpointManager((out_dir / "state").absolute(), options=options)
 
 
-def save_state(manager, state, meta: dict, step: int | None = None):
-    """Save `state` as step `step` (default: its own "step"), unless that step is saved already: a finished run
-    started again (nothing trained since its restore) must not fail on Orbax's "already exists"."""
-    step = int(state["step"]) if step is None else step
-    if step in manager.all_steps():
-        return
-    manager.save(
-        step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True
-    )
+def save_state(manager, state, meta: dict, step: int):
+    """Save `state` as step `step`, unless that step is saved already: a finished run started again (nothing trained
+    since its restore) must not fail on Orbax's "already exists"."""
+    if step not in manager.all_steps():
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        manager.save(step, args=args, force=True)
 
 
 # --------------------------------------------------------------------------------------------- run folders
@@ -195,7 +192,7 @@ def fit(
 
     def save():
         meta = {name: b.state() for name, b in named.items()} if isinstance(sources, dict) else sources.state()
-        save_state(manager, state, meta, step=int(state[key]))
+        save_state(manager, state, meta, int(state[key]))
 
     records, window, skipped, in_a_row = [], [], [], {}  # in_a_row: each model's steps skipped in a row so far
 

@@ -36,9 +36,8 @@ class MetricsLog:
         self.file, self.tb, self.wandb, self.mlflow = None, None, None, None
         if jax.process_index() != 0:
             return
-        check_trackers(report_to)
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(out_dir / "metrics.jsonl", "a")
+        self.file = open(out_dir / "metrics.jsonl", "a")  # noqa: SIM115 (open for the whole run: close() closes it)
         if "tensorboard" in report_to:
             try:
                 from tensorboardX import SummaryWriter

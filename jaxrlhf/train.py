@@ -176,19 +176,13 @@ def compare(cfg: TrainConfig, sft_model: Path, actor_model: Path, log=print) -> 
     held = prepare(cfg.data, 3, tok, log=lambda _: None)["eval"]  # Step 3's held-out prompts: never trained on
     n = min(cfg.eval_prompts, len(held["offsets"]) - 1)
     batch = make_batch(held, range(n), 3, cfg.data, tok.pad_token_id)
-    prompts = decode_rows(tok, batch["prompt_ids"], batch["prompt_mask"], skip_first=True)
+    ids, mask, ppo_cfg = batch["prompt_ids"], batch["prompt_mask"], cfg.ppo
+    prompts = decode_rows(tok, ids, mask, skip_first=True)
     models = {"step1": load_hf(sft_model), "actor": load_hf(actor_model)}
+    gold = lambda i, answer: gold_reward(prompts[i], answer)
+    sampling = dict(temperature=ppo_cfg.temperature, top_k=ppo_cfg.top_k, top_p=ppo_cfg.top_p)
     out, texts = gold_and_kl(
-        models,
-        tok,
-        batch["prompt_ids"],
-        batch["prompt_mask"],
-        lambda i, a: gold_reward(prompts[i], a),
-        samples=cfg.eval_samples,
-        max_new_tokens=cfg.ppo.max_answer_len,
-        temperature=cfg.ppo.temperature,
-        top_k=cfg.ppo.top_k,
-        top_p=cfg.ppo.top_p,
+        models, tok, ids, mask, gold, samples=cfg.eval_samples, max_new_tokens=ppo_cfg.max_answer_len, **sampling
     )
     out["examples"] = [
         {"prompt": p, "step1": texts["step1", "greedy"][i], "actor": texts["actor", "greedy"][i]}

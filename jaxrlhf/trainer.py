@@ -70,12 +70,9 @@ class OptimConfig:
             raise ValueError(f"betas: expected two numbers in [0, 1), got {self.betas}")
         check_fields(
             self,
-            learning_rate="> 0",
-            weight_decay=">= 0",
+            **dict.fromkeys(("learning_rate", "eps"), "> 0"),
+            **dict.fromkeys(("weight_decay", "warmup_steps", "clip_grad_norm"), ">= 0"),
             betas="[0, 1)",
-            eps="> 0",
-            warmup_steps=">= 0",
-            clip_grad_norm=">= 0",
             gradient_accumulation_steps=">= 1",
         )
 
@@ -225,12 +222,8 @@ def create_state(
 
 
 def state_shardings(state, mesh):
-    replicated = NamedSharding(mesh, P())
-    return {
-        **{k: shardings_for(state[k], "fsdp", mesh) for k in ("trainable", "frozen", "opt")},
-        "step": replicated,
-        "rng": replicated,
-    }
+    fsdp = {k: shardings_for(state[k], "fsdp", mesh) for k in ("trainable", "frozen", "opt")}
+    return fsdp | dict.fromkeys(("step", "rng"), NamedSharding(mesh, P()))
 
 
 def effective_params(state, lora_cfg: LoRAConfig, fused: bool = True):
