@@ -130,10 +130,6 @@ def config_to_hf(config, torch_dtype: str) -> dict:
     return hf
 
 
-# What loading reads from a Hub model: configs, tokenizer files, and the weights (safetensors, else PyTorch's .bin).
-HUB_FILES = ["*.json", "*.txt", "tokenizer*"]
-
-
 def resolve(path: str | os.PathLike) -> Path:
     """The folder that `path` names: itself if it is one, never asking the network; a Hugging Face Hub name (`org/name`,
     not a folder here) downloaded into the Hub cache by huggingface_hub, or a CheckpointError saying why not."""
@@ -144,10 +140,11 @@ def resolve(path: str | os.PathLike) -> Path:
     from huggingface_hub.errors import RepositoryNotFoundError
 
     name = path.as_posix()
+    files = ["*.json", "*.txt", "tokenizer*"]  # configs and tokenizer files, then the weights
     try:
-        folder = Path(snapshot_download(name, allow_patterns=HUB_FILES + ["*.safetensors"]))
-        if not any(folder.glob("*.safetensors")):
-            folder = Path(snapshot_download(name, allow_patterns=HUB_FILES + ["pytorch_model*.bin"]))
+        folder = Path(snapshot_download(name, allow_patterns=files + ["*.safetensors"]))
+        if not any(folder.glob("*.safetensors")):  # PyTorch's .bin only where there are no safetensors
+            folder = Path(snapshot_download(name, allow_patterns=files + ["pytorch_model*.bin"]))
         return folder
     except RepositoryNotFoundError:
         raise CheckpointError(f"{name}: no such folder, nor a model on the Hugging Face Hub") from None

@@ -119,11 +119,8 @@ def step_records(config: DataConfig, step: int) -> tuple[dict[str, list[Record]]
                 "list it under sft_only_data_path"
             )
         for part, rows in (("train", train), ("eval", evaluation)):
-            if not sft_only:
-                rows = [
-                    rows[i] for i in step_indices(len(rows), config.data_split, step, config.seed, f"{spec}/{part}")
-                ]
-            out[part] += rows
+            share = step_indices(len(rows), config.data_split, step, config.seed, f"{spec}/{part}")
+            out[part] += rows if sft_only else [rows[i] for i in share]
     for part in out:  # blend: one seeded shuffle over all sources
         out[part] = [out[part][i] for i in _rng(config.seed, "blend", str(step), part).permutation(len(out[part]))]
     return out, reports
