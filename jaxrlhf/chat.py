@@ -16,7 +16,7 @@ from typing import Literal
 import jax
 import numpy as np
 
-from jaxrlhf.config import run_cli
+from jaxrlhf.config import check_fields, run_cli
 from jaxrlhf.data.batches import pad_rows
 
 
@@ -36,8 +36,7 @@ class ChatConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: expected >= 1, got {self.max_new_tokens}")
+        check_fields(self, max_new_tokens=">= 1")
 
 
 class Chatbot:

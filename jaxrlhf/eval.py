@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxrlhf.alarms import AlarmConfig, answer_figures, answer_rows, check, training_records
 from jaxrlhf.checkpoint import load_hf
-from jaxrlhf.config import run_cli
+from jaxrlhf.config import check_fields, run_cli
 from jaxrlhf.data import DataConfig, DataError, make_batch, prepare, step_records, stories, synthetic
 from jaxrlhf.generate import generate
 from jaxrlhf.losses import end_scores, token_logprobs
@@ -84,13 +84,8 @@ class EvalConfig:
     def __post_init__(self):
         if self.names and len(self.names) != len(self.models):
             raise ValueError(f"names: expected one per model ({len(self.models)}), got {len(self.names)}")
-        if (
-            min(self.num_prompts, self.batch_size, self.max_answer_len) < 1
-            or min(self.ppl_rows, self.rm_pairs, self.samples) < 0
-        ):
-            raise ValueError(
-                "num_prompts, batch_size and max_answer_len must be >= 1; ppl_rows, rm_pairs, samples >= 0"
-            )
+        sizes = dict.fromkeys(("num_prompts", "batch_size", "max_answer_len"), ">= 1")
+        check_fields(self, **sizes, **dict.fromkeys(("ppl_rows", "rm_pairs", "samples"), ">= 0"))
 
 
 # ---------------------------------------------------------------------------------------------- numbers
