@@ -63,7 +63,7 @@ def answer_logprobs(config, params, batch, key=None):
 
 
 def reference_logprobs(config, params, batch):
-    """trainer's reference_fn (`config` bound): the batch plus the frozen reference's answer log-probs."""
+    """trainer.train's `reference`: the batch plus the frozen reference's answer log-probs."""
     ref_c, ref_r = answer_logprobs(config, params, batch)
     return {**batch, "ref_chosen": ref_c, "ref_rejected": ref_r}
 
@@ -79,22 +79,13 @@ def dpo_loss_fn(config, cfg: DPOConfig):
 
 def summarise(sums) -> dict:
     pairs = max(float(sums["pairs"]), 1.0)
-    return {k: float(sums[k]) / pairs for k in ("loss", "accuracy", "chosen_reward", "rejected_reward", "margin")} | {
-        "pairs": int(sums["pairs"])
-    }
+    means = {k: float(sums[k]) / pairs for k in ("loss", "accuracy", "chosen_reward", "rejected_reward", "margin")}
+    return means | {"pairs": int(sums["pairs"])}
 
 
 def run(cfg: DPOConfig, log=print, mesh=None) -> dict:
     """DPO (see trainer.train); returns the final state, the logged records and the model folder."""
-    return train(
-        cfg,
-        2,
-        partial(dpo_loss_fn, cfg=cfg),
-        summarise,
-        log=log,
-        mesh=mesh,
-        make_reference=lambda config: partial(reference_logprobs, config),
-    )
+    return train(cfg, 2, partial(dpo_loss_fn, cfg=cfg), summarise, log=log, mesh=mesh, reference=reference_logprobs)
 
 
 def main(argv=None):

@@ -379,16 +379,14 @@ def load_model(run: RunConfig, *, value_head: bool, fresh_head: bool = False):
     """
     if not run.model:
         raise ValueError("model: required, a Hugging Face OPT folder (or random:opt-125m for random weights)")
+    if run.model.startswith("random:") and run.tokenizer is None:
+        raise ValueError("tokenizer: required with a random model (e.g. a folder with OPT's vocab.json + merges.txt)")
     dtype = jnp.bfloat16 if run.precision == "pure_bf16" else jnp.float32
     compute = "float32" if run.precision == "fp32" else "bfloat16"
     key = jax.random.key(run.seed)
     if run.model.startswith("random:"):
         config = preset(run.model.removeprefix("random:"))  # any family's (opt-125m, llama-2-7b, ...)
         params = jax.device_get(init_params(config, key, value_head=value_head, dtype=dtype))
-        if run.tokenizer is None:
-            raise ValueError(
-                "tokenizer: required with a random model (e.g. a folder with OPT's vocab.json + merges.txt)"
-            )
     else:
         config, params = load_hf(run.model, dtype=dtype)
     if value_head and "value_head" not in params:
@@ -419,18 +417,18 @@ def train(
     log=print,
     mesh=None,
     make_on_eval=None,
-    make_reference=None,
+    reference=None,
 ) -> dict:
     """Step 1 or 2 (or DPO) from start to HF export: checks, model, data, state, the loop (jaxrlhf.loop.fit), then
     output_dir/model. Returns the final state, the logged records, the model config and the model folder.
 
     `make_loss(config)` gives the loss function; `summarise(sums)` turns metric sums into the figures to log (e.g. loss
     per token, accuracy per pair); `make_on_eval(config, tokenizer, data, state)` may give an extra evaluation (e.g.
-    sample answers); `make_reference(config)` a reference_fn (make_train_step), and the state then keeps the starting
-    weights frozen. `mesh` defaults to all devices with a "model" axis of run.tp. The eval split is evaluated in order
-    in batches of run.batch_size (the last partial one dropped; run.eval_batches of them if set). Steps the non-finite
-    guard skips are logged at the next log step (no extra host sync), left out of the logged loss and counted in
-    "skipped"; `run.max_skipped_steps` in a row stop the run (NonFiniteError).
+    sample answers); `reference(config, params, batch)`, the config bound, is make_train_step's reference_fn, and the
+    state then keeps the starting weights frozen. `mesh` defaults to all devices with a "model" axis of run.tp. The
+    eval split is evaluated in order in batches of run.batch_size (the last partial one dropped; run.eval_batches of
+    them if set). Steps the non-finite guard skips are logged at the next log step (no extra host sync) and left out of
+    the logged loss.
     """
     mesh = mesh or make_mesh(run.tp)
     accum = run.optim.gradient_accumulation_steps
@@ -454,9 +452,9 @@ def train(
     if total <= 0:
         raise ValueError("nothing to train: 0 steps (check epochs, max_steps and the size of the training set)")
     tx = make_optimizer(run.optim, total, run.lora)
-    state = create_state(params, run.lora, tx, jax.random.key(run.seed), mesh, reference=make_reference is not None)
+    state = create_state(params, run.lora, tx, jax.random.key(run.seed), mesh, reference=reference is not None)
     on_eval = make_on_eval(config, tokenizer, data, state) if make_on_eval else None
-    loss_fn, reference_fn = make_loss(config), make_reference(config) if make_reference else None
+    loss_fn, reference_fn = make_loss(config), partial(reference, config) if reference else None
     shardings = state_shardings(state, mesh)
     step_fn = jax.jit(
         make_train_step(loss_fn, tx, run.lora, reference_fn), out_shardings=(shardings, None), donate_argnums=0
