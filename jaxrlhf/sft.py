@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from functools import partial
 
 import jax
 import numpy as np
@@ -55,33 +56,28 @@ def sample_answers(config, params, tokenizer, prompts: list[np.ndarray], n_token
     return decode_rows(tokenizer, out.tokens, out.mask)
 
 
-def prompt_eval(cfg: SFTConfig):
-    """DeepSpeed-Chat's prompt_eval: greedy answers to held-out prompts, before training and at each eval."""
-
-    def make(config, tokenizer, data, state):
-        arrays = data["eval"]
-        n = min(cfg.sample_prompts, len(arrays["offsets"]) - 1)
-        if n == 0:
-            return None
-        starts = arrays["offsets"][:n]
-        prompts = [arrays["tokens"][a : a + length] for a, length in zip(starts, arrays["prompt_len"][:n])]
-        answers = lambda st: sample_answers(
-            config, effective_params(st, cfg.lora), tokenizer, prompts, cfg.sample_tokens
-        )
-        before = answers(state)
-        return lambda st: {
-            "samples": [
-                {"prompt": tokenizer.decode(p[1:]), "before": b, "after": a}
-                for p, b, a in zip(prompts, before, answers(st))
-            ]
-        }
-
-    return make
+def prompt_eval(cfg: SFTConfig, config, tokenizer, data, state):
+    """DeepSpeed-Chat's prompt_eval (train's make_on_eval, `cfg` bound): greedy answers to held-out prompts, before
+    training and at each eval."""
+    arrays = data["eval"]
+    n = min(cfg.sample_prompts, len(arrays["offsets"]) - 1)
+    if n == 0:
+        return None
+    starts = arrays["offsets"][:n]
+    prompts = [arrays["tokens"][a : a + length] for a, length in zip(starts, arrays["prompt_len"][:n])]
+    answers = lambda st: sample_answers(config, effective_params(st, cfg.lora), tokenizer, prompts, cfg.sample_tokens)
+    before = answers(state)
+    return lambda st: {
+        "samples": [
+            {"prompt": tokenizer.decode(p[1:]), "before": b, "after": a}
+            for p, b, a in zip(prompts, before, answers(st))
+        ]
+    }
 
 
 def run(cfg: SFTConfig, log=print, mesh=None) -> dict:
     """Step 1 (see trainer.train); returns the final state, the logged records and the model folder."""
-    return train(cfg, 1, sft_loss, summarise, log=log, mesh=mesh, make_on_eval=prompt_eval(cfg))
+    return train(cfg, 1, sft_loss, summarise, log=log, mesh=mesh, make_on_eval=partial(prompt_eval, cfg))
 
 
 def main(argv=None):
