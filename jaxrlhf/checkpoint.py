@@ -156,8 +156,7 @@ def resolve(path: str | os.PathLike) -> Path:
 
 
 def read_config(path: str | os.PathLike, **overrides):
-    """Our config from `path/config.json` (plus run options such as dtype and remat as overrides); `path` is a
-    folder or a Hub name (`resolve`)."""
+    """Our config from `path/config.json` (a folder or a Hub name), with run options (dtype, remat ...) as overrides."""
     path = resolve(path)
     file = path / CONFIG_FILE
     if not path.is_dir():
@@ -417,8 +416,7 @@ def export_manifest(path: str | os.PathLike) -> dict | None:
 
 
 def check_replaceable(path: str | os.PathLike):
-    """Refuse to write over `path` unless it is absent or a folder that save_hf wrote: a user's own files are never
-    deleted."""
+    """Refuse to write over `path` unless absent or a folder that save_hf wrote: a user's files are never deleted."""
     path = Path(path)
     if path.exists() and export_manifest(path) is None:
         what = "a file" if not path.is_dir() else f"a folder without {EXPORT_MANIFEST}"

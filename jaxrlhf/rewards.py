@@ -2,12 +2,11 @@
 
     reward = model_weight * reward model's score + sum_i weights[i] * functions[i](prompts, answers, metadata)
 
-A function is named `module:function` (importable by the user, like the built-ins jaxrlhf.rewards:synthetic,
-jaxrlhf.rewards:gsm8k and jaxrlhf.rewards:stories) and takes the batch's prompts and decoded answers (str) and each
-prompt's metadata from the data (a dict: GSM8K's {"reference": ...}), and returns one score per answer. It runs on
-the host in a worker thread (`HostRewards.start`) while the device scores the answers, so the device does not wait
-on it. A function that raises, returns the wrong number of scores or a non-finite score stops the run with a
-RewardError that names it and the offending row.
+A function is named `module:function` (importable by the user, like the built-ins below) and takes the batch's
+prompts and decoded answers (str) and each prompt's metadata from the data (a dict: GSM8K's {"reference": ...}), and
+returns one score per answer. It runs on the host in a worker thread (`HostRewards.start`) while the device scores
+the answers, so the device does not wait on it. A function that raises, returns the wrong number of scores or a
+non-finite score stops the run with a RewardError that names it and the offending row.
 """
 
 from __future__ import annotations

@@ -92,6 +92,8 @@ def test_other_bad_inputs(tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(DataError, match="empty.jsonl: the file is empty"):
         read_source(str(tmp_path / "empty.jsonl"))
+    with pytest.raises(DataError, match="synthetic:ten: expected 'synthetic' or 'synthetic:N'"):  # was a ValueError
+        read_source("synthetic:ten")
     with pytest.raises(DataError, match="Dahoas/rm-statik: not a file, a folder, or a known dataset name"):
         read_source("Dahoas/rm-statik")
     (tmp_path / "data.csv").write_text("a,b\n")
@@ -203,8 +205,9 @@ def test_step_shares_are_disjoint_cover_and_are_reproducible():
         len(step_indices(10, "1,0,0", 1, seed=0, name="x")) == 10
         and len(step_indices(10, "1,0,0", 2, seed=0, name="x")) == 0
     )
-    with pytest.raises(ValueError, match="data_split: expected three non-negative numbers"):
-        DataConfig(data_split="2,4")
+    for bad in ("2,4", "nan,1,1", "inf,1,1"):  # a NaN share passed `< 0` and cut the sources at garbage bounds
+        with pytest.raises(ValueError, match="data_split: expected three non-negative numbers"):
+            DataConfig(data_split=bad)
 
 
 def test_step_records_blend_sources_and_keep_sft_only_data_in_step_1(tmp_path, hh):

@@ -77,7 +77,7 @@ def split_shares(data_split: str) -> list[float]:
         parts = [float(p) for p in data_split.split(",")]
     except ValueError:
         parts = []
-    if len(parts) != 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+    if len(parts) != 3 or not all(0 <= p < float("inf") for p in parts) or sum(parts) <= 0:  # NaN fails too
         raise ValueError(f"data_split: expected three non-negative numbers like '2,4,4', got {data_split!r}")
     return [p / sum(parts) for p in parts]
 

@@ -262,8 +262,10 @@ def read_source(
 
     The synthetic task has its own eval split (`eval_fraction` of its pairs), labelled without noise."""
     if spec == "synthetic" or spec.startswith("synthetic:"):
-        n = int(spec.split(":", 1)[1]) if ":" in spec else 4000
-        splits = synthetic.preference_splits(n, seed, eval_fraction)
+        n = spec.partition(":")[2] or "4000"
+        if not n.isdecimal():
+            raise DataError(f"{spec}: expected 'synthetic' or 'synthetic:N', N the number of pairs")
+        splits = synthetic.preference_splits(int(n), seed, eval_fraction)
         return {
             part: ([Record(**r) for r in rows], Report(f"{spec} [{part}]", kept=len(rows)))
             for part, rows in splits.items()
