@@ -134,10 +134,6 @@ class Plan:
     def fits(self) -> bool:
         return self.capacity is None or self.peak <= self.capacity
 
-    def largest(self, phase: str | None = None) -> tuple[str, int]:
-        name = max(self.phases[phase or self.peak_phase], key=self.items.get)
-        return name, self.items[name]
-
     def table(self) -> str:
         """Items as rows, phases as columns (GiB, or MiB for small plans, per device), the peak marked."""
         unit, name = (GiB, "GiB") if self.peak >= GiB else (2**20, "MiB")
@@ -187,9 +183,8 @@ def _model(config, side, precision: str, mesh, value_head: bool) -> dict[str, in
             if not s
         ),
         "fused": sum(layer_fp32),  # the steps and scoring fuse one layer at a time (lora.attach)
-        "delta": max(
-            layer_fp32, default=0
-        ),  # the generation copy is built one layer at a time (generate.decode_params)
+        # the generation copy is built one layer at a time (generate.decode_params)
+        "delta": max(layer_fp32, default=0),
         "master": shard_bytes(params, "fsdp", mesh),
         "tp_compute": shard_bytes(_cast(params, config.compute_dtype), "tp", mesh),
     }
@@ -232,17 +227,13 @@ def plan(
     # scoring and the training steps run one packed micro-batch at a time (the steps summing into a second gradient
     # tree): at most budget // T rows of the widest width T per device
     budget = cfg.max_tokens_per_micro_batch
+
     # the actor's log-probs take the LM head on the answer's positions only (experience.answer_logprobs)
-    act = lambda config, side, value_head, train, n=batch, length=T, head_len=G + 1: activations(
-        config,
-        min(max(budget // T, 1), 2 ** math.ceil(math.log2(-(-n // N)))),
-        length,
-        train=train,
-        remat=side.remat,
-        value_head=value_head,
-        backend=backend,
-        head_len=head_len,
-    )
+    def act(config, side, value_head, train, n=batch, length=T, head_len=G + 1):
+        rows = min(max(budget // T, 1), 2 ** math.ceil(math.log2(-(-n // N))))
+        kw = dict(train=train, remat=side.remat, value_head=value_head, backend=backend, head_len=head_len)
+        return activations(config, rows, length, **kw)
+
     items = {
         "actor weights": a["weights"],
         "actor optimizer": a["optimizer"],
@@ -273,19 +264,13 @@ def plan(
     }
     if critic_free:  # no critic: its items count nothing (kept as rows, so a table shows what is saved)
         items.update({k: 0 for k in items if k.startswith("critic")})
-    offloaded = {
-        "actor optimizer": cfg.actor.offload,
-        "critic optimizer": cfg.critic.offload,
-        "reference (own leaves)": cfg.offload_reference_model,
-        "reward (own leaves)": cfg.offload_reward_model,
+    offloaded = {  # item: (offloaded, the phase that uses it)
+        "actor optimizer": (cfg.actor.offload, "actor_step"),
+        "critic optimizer": (cfg.critic.offload, "critic_step"),
+        "reference (own leaves)": (cfg.offload_reference_model, "score"),
+        "reward (own leaves)": (cfg.offload_reward_model, "score"),
     }
-    uses = {
-        "actor optimizer": "actor_step",
-        "critic optimizer": "critic_step",
-        "reference (own leaves)": "score",
-        "reward (own leaves)": "score",
-    }
-    resident = ["actor weights", "critic weights", "ema"] + [i for i in offloaded if not offloaded[i]]
+    resident = ["actor weights", "critic weights", "ema"] + [i for i, (on, _) in offloaded.items() if not on]
     phases = {
         "reshard": ["switch: one layer gathered", "switch: fp32 LoRA delta", "TP generation copy"],
         "generate": ["TP generation copy", "KV cache", "generation activations"],
@@ -296,13 +281,13 @@ def plan(
     if critic_free:
         del phases["critic_step"]
     for phase, held in phases.items():
-        held[:0] = resident + [i for i, on in offloaded.items() if on and uses[i] == phase]
+        held[:0] = resident + [i for i, (on, use) in offloaded.items() if on and use == phase]
     notes = [
         f"{N} device(s), inference_tp_size {tp}, batch {batch}, {prompt_len} + {G} tokens, precision "
         f"{cfg.precision}, backend {backend}, micro-batches of {budget} tokens per device; offloaded to host: "
-        + (", ".join(i for i, on in offloaded.items() if on) or "nothing")
+        + (", ".join(i for i, (on, _) in offloaded.items() if on) or "nothing")
     ]
-    return Plan(items, phases, capacity, notes, host=sum(items[i] for i, on in offloaded.items() if on))
+    return Plan(items, phases, capacity, notes, host=sum(items[i] for i, (on, _) in offloaded.items() if on))
 
 
 def init_cache_bytes(config, rows: int, T: int, tp: int) -> int:
@@ -379,31 +364,24 @@ def alternatives(cfg, mesh, actor_config, critic_config, backend=None) -> list[t
     keys = lambda key: " ".join(f"{n}.{key}" for n in names)  # noqa: E731
     sides = lambda **kw: {n: replace(getattr(cfg, n), **kw) for n in names}  # noqa: E731
     lora = {
-        n: replace(
-            getattr(cfg, n),
-            lora=replace(getattr(cfg, n).lora, dim=getattr(cfg, n).lora.dim or 128, only_optimize_lora=True),
-        )
-        for n in names
+        n: replace(getattr(cfg, n).lora, dim=getattr(cfg, n).lora.dim or 128, only_optimize_lora=True) for n in names
     }
-    options = []
-    if not all(getattr(cfg, n).lora.only_optimize_lora for n in names):
-        options.append(
-            (f"LoRA only ({keys('lora.dim')} 128, lora.only_optimize_lora=true)", replace(cfg, **lora), mesh)
-        )
-    if cfg.precision != "pure_bf16":
-        options.append(
-            ("precision=pure_bf16 (bf16 master weights and optimizer state)", replace(cfg, precision="pure_bf16"), mesh)
-        )
-    if not all(getattr(cfg, n).remat for n in names):
-        options.append((f"remat ({keys('remat')} =true)", replace(cfg, **sides(remat=True)), mesh))
-    if not (all(getattr(cfg, n).offload for n in names) and cfg.offload_reference_model and cfg.offload_reward_model):
-        options.append(
+    options = [  # each where it changes the config
+        (name, option, mesh)
+        for name, option in (
+            (
+                f"LoRA only ({keys('lora.dim')} 128, lora.only_optimize_lora=true)",
+                replace(cfg, **{n: replace(getattr(cfg, n), lora=lora[n]) for n in names}),
+            ),
+            ("precision=pure_bf16 (bf16 master weights and optimizer state)", replace(cfg, precision="pure_bf16")),
+            (f"remat ({keys('remat')} =true)", replace(cfg, **sides(remat=True))),
             (
                 f"offload ({keys('offload')} offload_reference_model offload_reward_model =true)",
                 replace(cfg, **sides(offload=True), offload_reference_model=True, offload_reward_model=True),
-                mesh,
-            )
+            ),
         )
+        if option != cfg
+    ]
     N, tp = mesh.size, mesh.shape["model"]
     budget, T = cfg.max_tokens_per_micro_batch, cfg.data.max_prompt_len + cfg.max_answer_len
     while budget // 2 >= T:
@@ -447,11 +425,11 @@ def check(cfg, mesh, actor_config=None, critic_config=None, backend=None) -> Pla
         )
     if p.fits:
         return p
-    item, size = p.largest()
+    item = max(p.phases[p.peak_phase], key=p.items.get)
     lines = [
         f"out of memory before starting: Step 3 needs {p.peak / GiB:.2f} GiB per device in {p.peak_phase}, the "
         f"device has {p.capacity / GiB:.2f} GiB (device_memory_gib or the device's bytes_limit); the largest item "
-        f"there is {item} ({size / GiB:.2f} GiB). Options (peak per device with each alone):"
+        f"there is {item} ({p.items[item] / GiB:.2f} GiB). Options (peak per device with each alone):"
     ]
     shown = {}  # per kind of option: the first that fits (the largest batch, the fewest devices), else the last tried
     for kind, name, q in alternatives(cfg, mesh, actor_config, critic_config, backend):

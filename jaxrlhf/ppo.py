@@ -152,10 +152,6 @@ def peak_memory() -> int | None:
     return max(peaks) if peaks and None not in peaks else None
 
 
-def export_names(cfg: PPOConfig) -> list[str]:
-    return ["actor", *([] if cfg.critic_free else ["critic"]), *(["actor_ema"] if cfg.enable_ema else [])]
-
-
 def export(engine: HybridEngine, cfg: PPOConfig, tokenizer) -> dict[str, Path]:
     """output_dir/actor, critic, actor_ema as HF folders (LoRA fused), as DeepSpeed-Chat lays them out; each one's
     manifest carries the run's settings (what tells a finished run when it is started again)."""
@@ -185,15 +181,11 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
     check(cfg, mesh)
     out = Path(cfg.output_dir)
     manager = loop.checkpoint_manager(out, cfg.keep_checkpoints)
-    if start_run(cfg, [out / name for name in export_names(cfg)], manager.latest_step(), INPUTS, log=log):
+    names = ("actor", *(() if cfg.critic_free else ("critic",)), *(("actor_ema",) if cfg.enable_ema else ()))
+    folders = {name: out / name for name in names}  # what export writes
+    if start_run(cfg, list(folders.values()), manager.latest_step(), INPUTS, log=log):
         manager.close()
-        return {
-            "engine": None,
-            "records": [],
-            "folders": {name: out / name for name in export_names(cfg)},
-            "tokenizer": None,
-            "skipped": True,
-        }
+        return {"engine": None, "records": [], "folders": folders, "tokenizer": None, "skipped": True}
     for who, side in (("actor ", cfg.actor), *(() if cfg.critic_free else (("critic ", cfg.critic),))):
         if warning := precision_warning(cfg.precision, side.optim, side.lora, who):
             log(warning)
@@ -277,15 +269,11 @@ def ppo_iteration(cfg: PPOConfig, engine: HybridEngine, tokenizer, prompts, unsu
             for _ in range(cfg.ppo_epochs)
             for exp in experiences
         ]
+        batches = cfg.generation_batches
         skips = [
-            (
-                name,
-                s[f"{name}_skipped"],
-                f"iteration {it}, PPO epoch {i // cfg.generation_batches + 1}, "
-                f"batch {i % cfg.generation_batches + 1}, {name}",
-            )
+            (n, s[f"{n}_skipped"], f"iteration {it}, PPO epoch {i // batches + 1}, batch {i % batches + 1}, {n}")
             for i, s in enumerate(stats)
-            for name in engine.trained
+            for n in engine.trained
         ]
         seconds = time.perf_counter() - clock
         samples = cfg.batch_size * cfg.num_samples_per_prompt * cfg.generation_batches  # answers

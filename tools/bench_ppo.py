@@ -221,7 +221,7 @@ def ours(args, actor: str, critic: str, B: int, precision: str, lora: int, algor
         "samples_per_s_per_gpu": B / t / mesh.size,
         "real_tokens_per_s": real / t,
         "real_tokens": real,
-        "answer_tokens": int(round(stats.get("answer_len", 0) * B)),
+        "answer_tokens": round(stats.get("answer_len", 0) * B),
         # DeepSpeed-Chat's Step 3 benchmark: 264,292 samples (9 hours for OPT-13B on 8 A100-80G)
         "deepspeed_chat_benchmark_hours": 264292 / (B / t) / 3600,
         "phases_s": {p: statistics.median(x.get(p, 0.0) for x in phases) for p in PHASES},
@@ -451,8 +451,8 @@ def main():
         "--tokens",
         type=int,
         default=16384,
-        help="ours: max_tokens_per_micro_batch (packed scoring and "
-        "training; 0: padded micro-batches of --micro-batch rows)",
+        help="ours: max_tokens_per_micro_batch (tokens per device in a packed micro-batch of scoring and training; "
+        "at least --prompt + --new)",
     )
     ap.add_argument("--width-multiple", type=int, default=64, help="ours: packed_width_multiple")
     ap.add_argument("--repeats", type=int, default=3)
@@ -460,7 +460,11 @@ def main():
     ap.add_argument("--no-ours", action="store_true", help="the PyTorch peer only (its runs in the result files alone)")
     ap.add_argument("--torch-micro-batch", type=int, default=16)
     ap.add_argument(
-        "--micro-batch", type=int, default=64, help="rows per actor/critic micro-batch (gradient accumulation)"
+        "--micro-batch",
+        type=int,
+        default=64,
+        help="ours: sets gradient_accumulation_steps = batch / this, which cuts only a mixture batch (none here): "
+        "the experience is cut by --tokens",
     )
     ap.add_argument(
         "--old-from-generation", action="store_true", help="old log-probs from generation (one actor forward less)"

@@ -81,9 +81,6 @@ class EngineConfig:
     packed_width_multiple: int = 64
     #: tensor-parallel size of the generation layout (DeepSpeed-Chat's inference_tp_size)
     inference_tp_size: int = 1
-    #: kept for DeepSpeed-Chat configs: the KV cache exists only inside the compiled generate call and is
-    #: always freed when it returns, with the generation copy of the weights
-    release_inference_cache: bool = True
     #: keep the reference model's own leaves in host memory, on the device only while scoring
     #: (--offload_reference_model)
     offload_reference_model: bool = False

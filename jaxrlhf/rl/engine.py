@@ -211,9 +211,8 @@ class HybridEngine:
 
     def _opt_to(self, name: str, kind: str):
         state = self.state[name]
-        if getattr(self.cfg, name).offload and any(
-            x.sharding.memory_kind != kind for x in jax.tree.leaves(state["opt"])
-        ):
+        elsewhere = any(x.sharding.memory_kind != kind for x in jax.tree.leaves(state["opt"]))
+        if getattr(self.cfg, name).offload and elsewhere:
             self.state[name] = {**state, "opt": self._timed("offload", to_memory, state["opt"], kind, True)}
 
     # ------------------------------------------------------------------------------------------------ verbs
@@ -309,33 +308,22 @@ class HybridEngine:
 
     def _score(self, weights, frozen, ids, mask, tokens, answer_mask, gen_logprobs):
         """The experience scored in packed micro-batches of max_tokens_per_micro_batch (jaxrlhf.rl.packing)."""
-        s, B, G = self.static, *answer_mask.shape
+        s, cfg, (B, G) = self.static, self.cfg, answer_mask.shape
         exp = padded_experience(s, ids, mask, tokens, answer_mask)
-        micro = self._micro_batches(exp)
-        names = (
-            "ref_logprobs",
-            *(() if self.cfg.old_logprobs_from_generation else ("logprobs",)),
-            *(() if self.cfg.critic_free else ("values",)),
-        )
-        out = row_layout(
-            {**{k: jnp.zeros((B, G), jnp.float32) for k in names}, "scores": jnp.zeros((B,), jnp.float32)}, self.mesh
-        )
-        for W, rows in micro:
+        names = {"ref_logprobs": True, "logprobs": not cfg.old_logprobs_from_generation, "values": not cfg.critic_free}
+        out = {k: jnp.zeros((B, G), jnp.float32) for k, on in names.items() if on}
+        out = row_layout({**out, "scores": jnp.zeros((B,), jnp.float32)}, self.mesh)
+        for W, rows in self._micro_batches(exp):
             out = score(s, W, weights, *frozen, exp, out, rows)
-        if self.cfg.old_logprobs_from_generation:
+        if cfg.old_logprobs_from_generation:
             out["logprobs"] = gen_logprobs * answer_mask
         return {**exp, **out}
 
     def _micro_batches(self, exp: dict) -> list:
         """The packed micro-batches of an experience (packing.plan on its rows' real lengths; the same every time)."""
         lengths = np.asarray(to_host(jnp.sum(exp["seq_mask"], axis=1)))  # whole on every process: one plan for all
-        return packing.plan(
-            lengths,
-            self.cfg.max_tokens_per_micro_batch,
-            self.mesh.size,
-            self.cfg.packed_width_multiple,
-            max_width=exp["seq"].shape[1],
-        )
+        budget, multiple = self.cfg.max_tokens_per_micro_batch, self.cfg.packed_width_multiple
+        return packing.plan(lengths, budget, self.mesh.size, multiple, max_width=exp["seq"].shape[1])
 
     def _step(self, name: str, exp: dict, micro: list):
         """One optimizer step of `name` over the experience's packed micro-batches (plus, for the actor, the mixture
@@ -356,17 +344,11 @@ class HybridEngine:
     def train_rlhf(self, experience: dict, unsupervised: dict | None = None) -> dict:
         """One PPO step of the actor (plus the mixture LM loss on `unsupervised`, a Step 1-style batch) and one
         of the critic (if any) on `experience`; the EMA follows the actor. Returns the batch's figures as floats."""
-        exp = {
-            k: experience[k]
-            for k in ("seq", "seq_mask", "mask", "logprobs", "ref_logprobs", "values", "scores")
-            if k in experience
-        }
+        keys = ("seq", "seq_mask", "mask", "logprobs", "ref_logprobs", "values", "scores")
+        exp = {k: experience[k] for k in keys if k in experience}
         if unsupervised is not None:
-            exp["unsup"] = (
-                place(unsupervised, self.mesh, "fsdp")
-                if isinstance(unsupervised["input_ids"], np.ndarray)
-                else unsupervised
-            )
+            on_host = isinstance(unsupervised["input_ids"], np.ndarray)
+            exp["unsup"] = place(unsupervised, self.mesh, "fsdp") if on_host else unsupervised
         exp, stats = self._timed("advantages", advantages, self.static, exp, experience["kl_coef"])
         stats["kl_coef"] = experience["kl_coef"]
         micro = self._micro_batches(exp)

@@ -90,14 +90,8 @@ def answer_values(config, params, exp, key=None):
 def padded_experience(s: Static, prompt_ids, prompt_mask, tokens, mask):
     """The padded experience block that packing cuts rows from: seq, seq_mask [B, P + G] (prompt then answer),
     mask [B, G]."""
-    return row_layout(
-        {
-            "seq": jnp.concatenate([prompt_ids, tokens], 1),
-            "seq_mask": jnp.concatenate([prompt_mask, mask], 1),
-            "mask": mask,
-        },
-        s.mesh,
-    )
+    seq, seq_mask = jnp.concatenate([prompt_ids, tokens], 1), jnp.concatenate([prompt_mask, mask], 1)
+    return row_layout({"seq": seq, "seq_mask": seq_mask, "mask": mask}, s.mesh)
 
 
 def _score_rows(s: Static, state, ref_own, reward_own, e):
@@ -173,9 +167,8 @@ def advantages(s: Static, exp, kl_coef):
             else losses.rloo_advantages(sequence, n)
         )
         adv = per_answer[:, None] * m
-    stats.update(
-        {"advantage": masked_mean(adv, m), "return": jnp.mean(jnp.sum(rewards, axis=1))}
-    )  # the sequence reward
+    # the return: the sequence reward
+    stats.update({"advantage": masked_mean(adv, m), "return": jnp.mean(jnp.sum(rewards, axis=1))})
     return {**exp, "advantages": adv}, stats
 
 
