@@ -201,10 +201,9 @@ def parse_yaml(text: str, source: str, lines: bool = True):
         finally:
             loader.dispose()
     except yaml.reader.ReaderError as e:
-        line = text.count("\n", 0, e.position) + 1
+        at = f":{text.count('\n', 0, e.position) + 1}" if lines else ""
         raise ConfigError(
-            f"{source}{f':{line}' if lines else ''}: not valid YAML (character #x{e.character:04x} is "
-            "not allowed); remove it"
+            f"{source}{at}: not valid YAML (character #x{e.character:04x} is not allowed); remove it"
         ) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
@@ -310,9 +309,8 @@ def settings_help(cls, full: bool = False) -> str:
     for _, key, _, _ in rows:
         depth[main(key)] = min(depth.get(main(key), 99), key.count("."))
     shown = rows if full else [r for r in rows if main(r[1]) and r[1].count(".") == depth[main(r[1])]]
-    out = [
-        "settings (in CONFIG.yaml or as key=value; values are YAML)" + (", by section:" if full else "; the main ones:")
-    ]
+    scope = ", by section:" if full else "; the main ones:"
+    out = [f"settings (in CONFIG.yaml or as key=value; values are YAML){scope}"]
     for i, (section, key, default, doc) in enumerate(shown):
         if i == 0 or section != shown[i - 1][0]:
             out.append(f" {section or root}:")
