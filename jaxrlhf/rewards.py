@@ -79,6 +79,7 @@ def _row(prompts, answers, i: int) -> str:
 
 def checked_scores(spec: str, fn, prompts: list[str], answers: list[str], metadata: list[dict]) -> np.ndarray:
     """fn's scores [B] as float64, or a RewardError naming `spec` and the offending row."""
+    name = f"reward function {spec}"
     try:
         out = fn(prompts, answers, metadata)
     except Exception as error:  # noqa: BLE001 - whatever the user's function raises stops the run, with its row
@@ -89,10 +90,7 @@ def checked_scores(spec: str, fn, prompts: list[str], answers: list[str], metada
             except Exception as row_error:  # noqa: BLE001
                 where, first = _row(prompts, answers, i), row_error
                 break
-        raise RewardError(
-            f"reward function {spec} raised {type(first).__name__} on {where}: {one_line(first)}"
-        ) from first
-    name = f"reward function {spec}"
+        raise RewardError(f"{name} raised {type(first).__name__} on {where}: {one_line(first)}") from first
     try:
         scores = np.asarray(out, np.float64)
     except (TypeError, ValueError) as e:
