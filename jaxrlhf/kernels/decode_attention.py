@@ -357,7 +357,8 @@ def _pallas(q, k, v, layer, start, end, *, config):
     qg = q.reshape(B, Hkv, G, K)
     splits = config.splits(B * Hkv, S, cores, K, G)
     chunk = _chunk(S, splits, block_s)
-    row = pl.BlockSpec((1,), lambda b, h, j: (b,))
+    scalar, row = pl.BlockSpec((1,), lambda b, h, j: (0,)), pl.BlockSpec((1,), lambda b, h, j: (b,))
+    queries, whole = pl.BlockSpec((None, None, G, K), lambda b, h, j: (b, h, 0, 0)), pl.no_block_spec
     part = lambda *shape: pl.BlockSpec((None, None, None, *shape), lambda b, h, j: (b, h, j) + (0,) * len(shape))
     if splits == 1:
         out_specs, out_shape = part(G, K), jax.ShapeDtypeStruct((B, Hkv, 1, G, K), q.dtype)
@@ -367,14 +368,7 @@ def _pallas(q, k, v, layer, start, end, *, config):
     out = pl.pallas_call(
         functools.partial(_kernel, block_s=block_s, chunk=chunk, use_dot=config.use_dot, mask_loads=config.mask_loads),
         grid=(B, Hkv, splits),
-        in_specs=[
-            pl.BlockSpec((1,), lambda b, h, j: (0,)),
-            row,
-            row,
-            pl.BlockSpec((None, None, G, K), lambda b, h, j: (b, h, 0, 0)),
-            pl.no_block_spec,
-            pl.no_block_spec,
-        ],
+        in_specs=[scalar, row, row, queries, whole, whole],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=params,
