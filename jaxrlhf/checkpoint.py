@@ -33,8 +33,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxrlhf.config import ConfigError, InputError, build, decode_utf8, one_line
-from jaxrlhf.data.sources import parse_json
+from jaxrlhf.config import ConfigError, InputError, build, decode_utf8, one_line, parse_json
 from jaxrlhf.models import CONFIGS, FAMILIES, Backend, LlamaConfig, OPTConfig, param_shapes
 
 CONFIG_FILE = "config.json"
@@ -288,7 +287,7 @@ def params_from_tensors(config, tensors: dict[str, np.ndarray], source: str, dty
             f"{source}: missing tensor {fmt.save_prefix}{fmt.root}; is this an {fmt.architecture} checkpoint?"
         )
     tensors = {k.removeprefix(prefix): v for k, v in tensors.items()}
-    if getattr(config, "tie_word_embeddings", True):
+    if config.tie_word_embeddings:
         # A tied LM head may be stored too; it must equal the embedding.
         lm_head = tensors.pop("lm_head.weight", None)
         if lm_head is not None and not np.array_equal(lm_head, tensors[fmt.root]):

@@ -51,6 +51,16 @@ def decode_utf8(data: bytes, path, error=InputError) -> str:
         raise error(f"{path}:{line}: not UTF-8 (byte {data[e.start]:#04x}); save the file as UTF-8") from None
 
 
+def parse_json(text: str, path, first_line: int = 1, error: type[InputError] = InputError):
+    """`text` parsed as JSON; it starts at line `first_line` of `path`, which errors (an `error`) name."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(f"{path}:{first_line + e.lineno - 1}: invalid JSON ({e.msg})") from None
+    except RecursionError:
+        raise error(f"{path}:{first_line}: invalid JSON (nested too deeply)") from None
+
+
 # ---------------------------------------------------------------------------------------------- values
 
 SEED_LIMIT = 2**32  # numpy's and JAX's seeds: a seed outside [0, 2**32) fails (or wraps) only once a run starts

@@ -486,7 +486,7 @@ def measure(engine, prompt_batch: dict) -> dict[str, int]:
 
     identity = sharding_mod._identity
     programs = {  # as the engine calls them
-        generate_mod: ("_generate", "_decode_one_layer", "_decode_rest"),
+        generate_mod: ("_generate", "_to_decode_layout"),
         rl_engine: ("score", "advantages", "padded_experience"),
         rl_steps: ("zero_accumulator", "accumulate", "apply"),
     }

@@ -34,7 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P
 
-from jaxrlhf.generate import Sampling, _generate, decode_params, generate  # noqa: E402
+from jaxrlhf.generate import Sampling, _generate, _Loop, decode_params, generate  # noqa: E402
 from jaxrlhf.models import Backend, init_params, llama, opt, param_shapes, preset  # noqa: E402
 from jaxrlhf.sharding import make_mesh, shardings_for  # noqa: E402
 from tools import common  # noqa: E402
@@ -113,18 +113,11 @@ def ours(config, params, mesh, B, Pn, G, repeats, decode, profile_dir=None):
     if profile_dir:
         result["profile"] = common.kernel_profile(run(G), profile_dir)
         # The optimized HLO of the same program, to tell which instruction each kernel of the profile is.
-        lowered = _generate.lower(
-            config,
-            params,
-            *batch,
-            jax.random.key(2),
-            max_new_tokens=G,
-            sampling=Sampling(),
-            eos_id=None,
-            pad_id=config.pad_token_id,
-            force_length=True,
-            mesh=mesh if mesh.size > 1 else None,
+        B = batch[0].shape[0]  # as generate() builds its loop: one slot per row, refills of B / 8, checks every 8
+        loop = _Loop(
+            G, Sampling(), None, config.pad_token_id, True, B, max(B // 8, 1), 8, mesh if mesh.size > 1 else None
         )
+        lowered = _generate.lower(config, loop, params, *batch, jax.random.key(2), jnp.full((B,), G, jnp.int32))
         with gzip.open(Path(profile_dir) / "generate.hlo.txt.gz", "wt") as f:
             f.write(lowered.compile().as_text())
     return result

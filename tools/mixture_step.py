@@ -23,7 +23,7 @@ from jaxrlhf import losses
 from jaxrlhf.models import OPTConfig, init_params, logits
 from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide
 from jaxrlhf.rl import losses as ppo_losses
-from jaxrlhf.rl.experience import advantages, answer_logprobs
+from jaxrlhf.rl.experience import advantages
 from jaxrlhf.sharding import make_mesh
 from jaxrlhf.trainer import OptimConfig, make_train_step
 
@@ -59,7 +59,8 @@ def lm_mean(params, u):
 
 
 def ppo_mean(engine, params, exp):
-    lp = answer_logprobs(ACTOR, params, exp)
+    seq, G = exp["seq"], exp["mask"].shape[1]  # padded rows: answer token g at position P + g, its logits one earlier
+    lp = losses.token_logprobs(logits(ACTOR, params, seq, exp["seq_mask"], last=G + 1), seq[:, -G - 1 :])
     return ppo_losses.actor_loss(lp, exp["logprobs"], exp["advantages"], exp["mask"], engine.cfg.clip_ratio)
 
 

@@ -24,14 +24,13 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import hashlib
-import json
 import re
 import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from jaxrlhf.config import InputError, decode_utf8, one_line
+from jaxrlhf.config import InputError, decode_utf8, one_line, parse_json
 from jaxrlhf.data import synthetic
 
 ASSISTANT = "\n\nAssistant:"
@@ -196,16 +195,6 @@ def _read_text(path: Path) -> str:
     return text
 
 
-def parse_json(text: str, path, first_line: int = 1, error: type[InputError] = DataError):
-    """`text` parsed as JSON; it starts at line `first_line` of `path`, which errors (an `error`) name."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise error(f"{path}:{first_line + e.lineno - 1}: invalid JSON ({e.msg})") from None
-    except RecursionError:
-        raise error(f"{path}:{first_line}: invalid JSON (nested too deeply)") from None
-
-
 SUFFIXES = (".json", ".jsonl", ".jsonl.gz", ".json.gz", ".parquet")
 
 
@@ -228,13 +217,13 @@ def _rows(path: Path) -> Iterable[tuple[str, Any]]:
         return
     text = _read_text(path)
     if name.endswith(".json") and text.lstrip().startswith("["):
-        yield from ((f"{path} row {i}", row) for i, row in enumerate(parse_json(text, path)))
+        yield from ((f"{path} row {i}", row) for i, row in enumerate(parse_json(text, path, error=DataError)))
         return
     # JSON lines end at "\n" only: str.splitlines would also split at U+2028 and other Unicode line breaks,
     # which JSON allows unescaped inside strings.
     for lineno, line in enumerate(text.split("\n"), 1):
         if line.strip():
-            yield f"{path}:{lineno}", parse_json(line, path, lineno)
+            yield f"{path}:{lineno}", parse_json(line, path, lineno, DataError)
 
 
 def _collect(source: str, rows: Iterable[tuple[str, Any]], convert, on_bad_row: str) -> tuple[list[Record], Report]:

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxrlhf.losses import masked_mean, token_logprobs
+from jaxrlhf.losses import masked_mean
 from jaxrlhf.models import logits, values
 from jaxrlhf.rl import losses, packing
 from jaxrlhf.sharding import batch_sharding, shardings_for
@@ -70,14 +70,10 @@ def row_layout(tree, mesh):
 
 
 def answer_logprobs(config, params, exp, key=None):
-    """[B, G]: log p of each answer token, from the logits one position earlier (packed rows: the LM head runs on
-    each row's head_at positions, jaxrlhf.rl.packing; padded rows, as tools/mixture_step.py's: on the G + 1 last)."""
-    if "head_at" in exp:
-        out = logits(config, params, exp["seq"], exp["seq_mask"], dropout_rng=key, at=exp["head_at"])
-        return packing.answer_logprobs(out, exp["answer"])
-    G = exp["mask"].shape[1]
-    out = logits(config, params, exp["seq"], exp["seq_mask"], dropout_rng=key, last=G + 1)
-    return token_logprobs(out, exp["seq"][:, -G - 1 :])
+    """[B, G]: log p of each answer token of packed rows, from the logits one position earlier (the LM head runs on
+    each row's head_at positions only, jaxrlhf.rl.packing)."""
+    out = logits(config, params, exp["seq"], exp["seq_mask"], dropout_rng=key, at=exp["head_at"])
+    return packing.answer_logprobs(out, exp["answer"])
 
 
 def answer_values(config, params, exp, key=None):
