@@ -16,8 +16,11 @@ from typing import Literal
 import jax
 import numpy as np
 
+from jaxrlhf.checkpoint import load_hf
 from jaxrlhf.config import check_fields, run_cli
 from jaxrlhf.data.batches import pad_rows
+from jaxrlhf.generate import decode_params, generate
+from jaxrlhf.tokenizer import load_tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,10 +46,6 @@ class Chatbot:
     """A model and its tokenizer, answering a conversation held as text."""
 
     def __init__(self, cfg: ChatConfig):
-        from jaxrlhf.checkpoint import load_hf
-        from jaxrlhf.generate import decode_params
-        from jaxrlhf.tokenizer import load_tokenizer
-
         if not cfg.path:
             raise ValueError("path: required, a Hugging Face OPT folder (e.g. --path runs/train/step3-models/actor)")
         self.cfg = cfg
@@ -61,8 +60,6 @@ class Chatbot:
 
     def answer(self, conversation: str) -> str:
         """The model's next answer to `conversation` (which ends with "Assistant:"), as text."""
-        from jaxrlhf.generate import generate
-
         tok = self.tokenizer
         ids = [tok.bos_token_id] + tok(conversation, add_special_tokens=False)["input_ids"]
         room = self.config.max_position_embeddings - self.max_new

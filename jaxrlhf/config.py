@@ -26,6 +26,8 @@ from typing import Any
 
 import yaml
 
+from jaxrlhf import distributed
+
 
 class InputError(ValueError):
     """Input that jaxrlhf cannot use (a config, data or checkpoint file): one line that names the file (and line,
@@ -347,8 +349,6 @@ def parse_cli(
     settings key (`dest="data.data_path"`) sets it, before the key=value overrides. `preset(settings)` may give
     defaults to load again on top of (the deployment presets). With `processes`, the multi-process flags
     (`jaxrlhf.distributed`) are read too, and the process joins the others."""
-    from jaxrlhf import distributed
-
     parser = argparse.ArgumentParser(
         prog=prog,
         description=description,

@@ -19,6 +19,7 @@ import os
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,6 +62,4 @@ def to_host(tree):
     """A tree of (possibly multi-process) arrays as numpy, whole, on every process."""
     if jax.process_count() == 1:
         return jax.device_get(tree)
-    from jax.experimental import multihost_utils
-
     return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree)
