@@ -50,9 +50,9 @@ def test_help_is_short_and_names_the_main_settings(name, capsys, monkeypatch):
 def test_help_all_lists_every_setting_by_section(name, capsys, monkeypatch):
     text = _help(name, "--help-all", capsys, monkeypatch)
     module = importlib.import_module(f"jaxrlhf.{name}" if name != "data" else "jaxrlhf.data.__main__")
-    cls = getattr(module, ENTRY_POINTS[name][0], None) or getattr(importlib.import_module("jaxrlhf.ppo"), "PPOConfig")
+    cls = getattr(module, ENTRY_POINTS[name][0], None) or importlib.import_module("jaxrlhf.ppo").PPOConfig
     rows = list(_settings(cls()))
-    for section, key, default, _ in rows:
+    for _, key, default, _ in rows:
         assert f"\n  {key} = {default!r}\n" in text, f"{name} --help-all lacks {key}"
     sections = {s for s, *_ in rows if s}
     assert all(f"\n {s}:\n" in text for s in sections)

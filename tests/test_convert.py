@@ -1,5 +1,7 @@
 """llama2.c's stories260K (a real pretrained tiny Llama) converted to an HF folder, then run by jaxrlhf."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,7 +70,7 @@ def _llama2c_encode(text, pieces, scores):
     while True:
         pairs = [
             (scores[vocab[pieces[a] + pieces[b]]], -i)
-            for i, (a, b) in enumerate(zip(ids, ids[1:]))
+            for i, (a, b) in enumerate(itertools.pairwise(ids))
             if pieces[a] + pieces[b] in vocab
         ]
         if not pairs:

@@ -222,9 +222,9 @@ def test_masked_loads_read_nothing_outside_the_valid_range():
 
 def step_reference(qkv, k, v, start, slot, layer, rope, rms=None, layer_norm=None, bias=None):
     """decode_step unfused, in float32: finish the folded norm (rms = (h, eps): rows times 1 / sqrt(mean(h^2) +
-    eps); layer_norm = (sums, squares, D, eps, colsum): (row - mean colsum) / sqrt(var + eps)), add the bias, rotate q and k (pairs
-    (i, i + K/2)), write k and v at `slot`, attend over start .. slot."""
-    B, Hkv, G2, K = qkv.shape
+    eps); layer_norm = (sums, squares, D, eps, colsum): (row - mean colsum) / sqrt(var + eps)), add the bias, rotate
+    q and k (pairs (i, i + K/2)), write k and v at `slot`, attend over start .. slot."""
+    B, _, G2, K = qkv.shape
     x = qkv.astype(jnp.float32)
     per_row = lambda t: t[:, None, None, None]
     if rms is not None:

@@ -272,7 +272,8 @@ def test_each_phase_is_marked_in_a_profile_with_its_measured_time(models, prompt
     e.timings.clear()
     with jax.profiler.trace(str(tmp_path), create_perfetto_trace=True):
         e.train_rlhf(e.generate_experience(batch))
-    events = json.load(gzip.open(next(tmp_path.rglob("perfetto_trace.json.gz"))))["traceEvents"]
+    with gzip.open(next(tmp_path.rglob("perfetto_trace.json.gz"))) as f:
+        events = json.load(f)["traceEvents"]
     marks = sorted(
         (ev["ts"], ev["name"].removeprefix("jaxrlhf."), ev["dur"] / 1e6)
         for ev in events

@@ -96,7 +96,8 @@ def test_stories_preset_raises_the_gold_reward_over_the_step1_model(assets, tmp_
     r = story_task.evaluate(tmp_path / "run/actor-models/model", tmp_path / "run/step3-models/actor", words)
     with capsys.disabled():
         print(
-            f"\nstories: {len(words)} words; gold reward sampled / greedy: Step 1 {r['step1_gold_reward_sampled']:.3f} / "
+            f"\nstories: {len(words)} words; gold reward sampled / greedy: "
+            f"Step 1 {r['step1_gold_reward_sampled']:.3f} / "
             f"{r['step1_gold_reward_greedy']:.3f}, actor {r['actor_gold_reward_sampled']:.3f} / "
             f"{r['actor_gold_reward_greedy']:.3f}; KL {r['kl_actor_to_step1']:.2f} nats per answer"
         )

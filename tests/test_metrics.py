@@ -1,4 +1,5 @@
-"""Metrics to JSON lines and the trackers named in report_to: TensorBoard, Weights & Biases (offline), MLflow (file:)."""
+"""Metrics to JSON lines and the trackers named in report_to: TensorBoard, Weights & Biases (offline), MLflow
+(file:)."""
 
 import json
 import sys

@@ -80,7 +80,7 @@ def launch(args: dict, tmp_path, n: int = 2, timeout: float = 300) -> list[str]:
                 f"--process-id={i}",
             ],
             env=env,
-            stdout=open(logs[i], "w"),
+            stdout=open(logs[i], "w"),  # noqa: SIM115 (the child holds it; the file closes when it exits)
             stderr=subprocess.STDOUT,
         )
         for i in range(n)
@@ -120,7 +120,8 @@ def ppo_config(tmp_path, **kw):
 
 
 def train_records(out_dir) -> list[dict]:
-    rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
     return [r for r in rows if r["split"] == "train"]
 
 

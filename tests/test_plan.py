@@ -128,7 +128,7 @@ def test_an_impossible_config_is_refused_before_loading_or_compiling(tmp_path, m
     # every kind of option with its peak, each below the config's own; none fits alone on one 80 GiB device
     peak = float(message.split("needs ")[1].split(" GiB")[0])
     for option in ("LoRA only", "precision=pure_bf16", "remat", "offload", "batch_size=1:", "8 devices:"):
-        line = next(l for l in message.splitlines() if l.strip().startswith(option))
+        line = next(row for row in message.splitlines() if row.strip().startswith(option))
         assert float(line.split(": ")[-1].split(" GiB")[0]) < peak and line.endswith("does not fit"), line
 
 
@@ -267,5 +267,5 @@ def test_a_token_budget_below_one_sequence_is_refused_and_a_smaller_one_is_an_op
     with pytest.raises(ConfigError) as e:
         memory_plan.check(cfg, make_mesh(1, jax.devices()[:1]), backend="gpu")
     assert "in actor_step" in str(e.value)
-    line = next(l for l in str(e.value).splitlines() if l.startswith("  max_tokens_per_micro_batch="))
+    line = next(row for row in str(e.value).splitlines() if row.startswith("  max_tokens_per_micro_batch="))
     assert line.endswith("-- fits"), line

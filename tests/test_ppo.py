@@ -156,7 +156,8 @@ def test_bad_configs_are_refused_before_compiling(folders, tmp_path, capsys):
         ([*models, "batch_size=12"], "batch_size 12 does not split over the 8 devices; use a multiple of 8"),
         (
             [*models, "batch_size=16", "actor.optim.gradient_accumulation_steps=4"],
-            "micro-batch of 4 sequences (batch_size / actor.optim.gradient_accumulation_steps) does not split over 8 devices",
+            "micro-batch of 4 sequences (batch_size / actor.optim.gradient_accumulation_steps) "
+            "does not split over 8 devices",
         ),
         ([*models, "inference_tp_size=3"], "inference_tp_size 3 must be >= 1 and divide the number of devices (8)"),
         (

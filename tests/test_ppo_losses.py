@@ -57,7 +57,8 @@ def test_whiten_by_hand():
 
 
 def test_actor_loss_by_hand():
-    # Three real tokens: ratio 1.5 with A = 1 (clipped to 1.2), ratio 0.5 with A = -1 (clipped to 0.8), ratio 1 with A = 2.
+    # Three real tokens: ratio 1.5 with A = 1 (clipped to 1.2), ratio 0.5 with A = -1 (clipped to 0.8),
+    # ratio 1 with A = 2.
     old = jnp.zeros((3, 3))
     logprobs = jnp.array([[math.log(1.5), math.log(0.5), 5.0], [3.0, 3.0, 3.0], [0.0, 4.0, 4.0]])
     adv = jnp.array([[1.0, -1.0, 8.0], [5.0, 5.0, 5.0], [2.0, 8.0, 8.0]])

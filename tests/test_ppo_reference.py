@@ -8,9 +8,9 @@ only the engine's sampled tokens; it scores them with its own copies of the four
 rewards, GAE, whitening and the KL coefficient in NumPy loops, the losses (their formulas in losses.py) over the
 whole batch in one piece, their gradients with jax.grad, and clipping, Adam and the EMA in NumPy. Its
 models move by its own steps only, so a difference in any step shows in the figures of the steps after it
-and in the weights after each iteration. Single-step checks cannot tell old log-probs or values from current ones (equal before the
-first step), nor an adaptive coefficient from a fixed one (the first iteration's KL is 0): two iterations
-of four steps can.
+and in the weights after each iteration. Single-step checks cannot tell old log-probs or values from current
+ones (equal before the first step), nor an adaptive coefficient from a fixed one (the first iteration's KL
+is 0): two iterations of four steps can.
 """
 
 import jax

@@ -9,7 +9,7 @@ TEXT = (
     "Building a website can be done in 10 simple steps. This message is for general people, "
     "so we assume they don't have basic concepts."
 )
-IDS = [37500, 10, 998, 64, 28, 626, 11, 158, 2007, 2402, 4, 152, 1579, 16, 13, 937, 82, 6, 98, 52, 6876, 51, 218, 75, 33, 3280, 14198, 4]  # fmt: skip
+IDS = [37500, 10, 998, 64, 28, 626, 11, 158, 2007, 2402, 4, 152, 1579, 16, 13, 937, 82, 6, 98, 52, 6876, 51, 218, 75, 33, 3280, 14198, 4]  # fmt: skip  # noqa: E501
 
 
 def test_opt_tokenizer_reproduces_the_test_vector(assets):

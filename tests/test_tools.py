@@ -35,7 +35,8 @@ def test_safely_and_the_child_process_report_errors_per_run():
     assert common.torch_child(
         [
             "-c",
-            "import os; print('noise'); print('{\"8\": ' + repr(os.environ['JAX_PLATFORMS']) .replace(\"'\", '\"') + '}')",
+            "import os; print('noise'); "
+            "print('{\"8\": ' + repr(os.environ['JAX_PLATFORMS']) .replace(\"'\", '\"') + '}')",
         ],
         [8],
     ) == {"8": "cpu"}
@@ -361,8 +362,8 @@ def test_bench_summary_reads_the_latest_unlabelled_result_of_each_benchmark(tmp_
 
 @pytest.mark.slow
 def test_bench_ppo_grpo_counts_answers_and_records_the_algorithm(tmp_path, monkeypatch, capsys):
-    """bench_ppo --algorithm ppo grpo --samples-per-prompt 4: --batch counts answers (B / n prompts, n answers each, every
-    answer its own drawn length: the same answer tokens as PPO's run), one result file per algorithm and n, the
+    """bench_ppo --algorithm ppo grpo --samples-per-prompt 4: --batch counts answers (B / n prompts, n answers each,
+    every answer its own drawn length: the same answer tokens as PPO's run), one result file per algorithm and n, the
     algorithm and n in every run's record; the PyTorch peer's GRPO iteration runs (in process here, not in a child)."""
     from jaxrlhf.models import opt
     from tools import bench_ppo as bench
