@@ -2,7 +2,7 @@
 
 from jaxrlhf.checkpoint import CheckpointError, load_hf, save_hf
 from jaxrlhf.generate import generate
-from jaxrlhf.models import Backend, LlamaConfig, OPTConfig, init_params, logits, preset, values
+from jaxrlhf.models import Backend, LlamaConfig, OPTConfig, QwenConfig, init_params, logits, preset, values
 from jaxrlhf.rl import EngineConfig, HybridEngine
 from jaxrlhf.sharding import LayoutError, batch_sharding, describe, make_mesh, reshard, shardings_for
 from jaxrlhf.tokenizer import load_tokenizer, opt_tokenizer
@@ -15,6 +15,7 @@ __all__ = [
     "LayoutError",
     "LlamaConfig",
     "OPTConfig",
+    "QwenConfig",
     "batch_sharding",
     "describe",
     "generate",

@@ -3,15 +3,16 @@
     HF folder                                   jaxrlhf
     config.json (model_type "opt")      <->     OPTConfig     (models/opt.py)
     config.json (model_type "llama")    <->     LlamaConfig   (models/llama.py)
+    config.json ("qwen2", "qwen3")      <->     QwenConfig    (models/qwen.py)
     model.safetensors | sharded index   <->     params (the tree drawn in the family's model file)
     | pytorch_model.bin (read only)
     value_head.safetensors              <->     params["value_head"]  (reward model / critic only)
     tokenizer files                     <->     a transformers tokenizer
 
 The family is chosen by config.json's `model_type`. Each family's weights map through its own declarative
-table (`HF.modules` in models/opt.py, models/llama.py): HF module name -> our path and kind. Linear weights are
-transposed ([out, in] -> [in, out]); per-layer tensors are stacked on a leading [L] axis. Every tensor's
-shape is checked, and a missing or unused tensor is an error that names it.
+table (`HF.modules` in models/opt.py, models/llama.py, models/qwen.py): HF module name -> our path and kind.
+Linear weights are transposed ([out, in] -> [in, out]); per-layer tensors are stacked on a leading [L] axis. Every
+tensor's shape is checked, and a missing or unused tensor is an error that names it.
 
 The value head is stored outside model.safetensors, in `value_head.safetensors` under the key
 `v_head.weight` with shape [1, E] (DeepSpeed-Chat's name and PyTorch's Linear layout), so that
@@ -34,7 +35,7 @@ import jax
 import numpy as np
 
 from jaxrlhf.config import ConfigError, InputError, build, decode_utf8, one_line, parse_json
-from jaxrlhf.models import CONFIGS, FAMILIES, Backend, LlamaConfig, OPTConfig, param_shapes
+from jaxrlhf.models import CONFIGS, HF_NAMES, Backend, LlamaConfig, OPTConfig, QwenConfig, param_shapes
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -44,7 +45,7 @@ TORCH_INDEX = "pytorch_model.bin.index.json"
 VALUE_HEAD_FILE = "value_head.safetensors"
 VALUE_HEAD_KEY = "v_head.weight"
 
-_FORMATS = {model_type: fam.HF for model_type, fam in FAMILIES.items()}
+_FORMATS = HF_NAMES
 _TENSORS = {  # kind -> [(HF tensor suffix, our leaf name, transpose)]
     "embed": [("weight", "embedding", False)],
     "linear": [("weight", "kernel", True), ("bias", "bias", False)],
@@ -53,6 +54,7 @@ _TENSORS = {  # kind -> [(HF tensor suffix, our leaf name, transpose)]
 # config.json settings that each family's model implements in one way only: written so, and refused otherwise.
 _FIXED = {
     "llama": {"hidden_act": "silu"},
+    **{qwen: {"hidden_act": "silu", "use_sliding_window": False} for qwen in ("qwen2", "qwen3")},
     "opt": {"activation_function": "relu", "layer_norm_elementwise_affine": True, "tie_word_embeddings": True},
 }
 
@@ -65,7 +67,7 @@ class CheckpointError(InputError):
 
 
 def config_from_hf(hf: dict, source: str = "config.json", **overrides):
-    """Our config (OPTConfig or LlamaConfig, by `model_type`) from an HF config dict; refuses other model
+    """Our config (OPTConfig, LlamaConfig or QwenConfig, by `model_type`) from an HF config dict; refuses other model
     types and options we do not implement; every value is checked against the config's field types."""
     if not isinstance(hf, dict):
         raise CheckpointError(
@@ -82,8 +84,10 @@ def config_from_hf(hf: dict, source: str = "config.json", **overrides):
     if not isinstance(rope, dict):
         raise CheckpointError(f"{source}: rope_parameters / rope_scaling is {one_line(rope, 60)}; expected an object")
     unsupported = {key: (hf.get(key, want), want) for key, want in _FIXED[model_type].items()}
-    if model_type == "llama":  # no RoPE scaling (yet)
+    if model_type != "opt":  # no RoPE scaling (yet)
         unsupported["rope type"] = (rope.get("rope_type", rope.get("type", "default")), "default")
+    if any(kind != "full_attention" for kind in hf.get("layer_types") or ()):  # Qwen2's sliding-window layers
+        unsupported["layer_types"] = (sorted(set(hf["layer_types"])), ["full_attention"])
     for key, (got, want) in unsupported.items():
         if got != want:
             raise CheckpointError(f"{source}: {key} is {got!r}; jaxrlhf's {model_type} supports only {want!r}")
@@ -107,7 +111,8 @@ def config_from_hf(hf: dict, source: str = "config.json", **overrides):
 
 
 def config_to_hf(config, torch_dtype: str) -> dict:
-    """The config.json that transformers needs to rebuild `config` as an OPTForCausalLM or LlamaForCausalLM."""
+    """The config.json that transformers needs to rebuild `config` as an OPTForCausalLM, LlamaForCausalLM,
+    Qwen2ForCausalLM or Qwen3ForCausalLM."""
     fmt = _FORMATS[config.model_type]
     hf = {theirs: getattr(config, ours) for theirs, ours in fmt.config_keys.items()}
     hf.update(model_type=config.model_type, architectures=[fmt.architecture], use_cache=True, dtype=torch_dtype)
@@ -122,7 +127,7 @@ def config_to_hf(config, torch_dtype: str) -> dict:
             )
         hf.update(
             initializer_range=0.02,
-            pretraining_tp=1,
+            **({"pretraining_tp": 1} if config.model_type == "llama" else {}),
             rope_theta=config.rope_theta,
             rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
         )
@@ -365,8 +370,11 @@ def params_to_tensors(config, params: dict) -> tuple[dict[str, np.ndarray], dict
 # ------------------------------------------------------------------------------------------ load / save
 
 
-def load_hf(path: str | os.PathLike, dtype=None, **config_overrides) -> tuple[OPTConfig | LlamaConfig, dict]:
-    """Read an HF OPT or Llama folder: (config, params as host NumPy arrays in `dtype`, or as stored if None).
+def load_hf(
+    path: str | os.PathLike, dtype=None, **config_overrides
+) -> tuple[OPTConfig | LlamaConfig | QwenConfig, dict]:
+    """Read an HF OPT, Llama, Qwen2 or Qwen3 folder: (config, params as host NumPy arrays in `dtype`, or as stored
+    if None).
 
     The compute dtype of the returned config follows `dtype` (float32 when None). The value head is
     included when the folder has `value_head.safetensors` (a reward model or critic saved by jaxrlhf)
@@ -427,7 +435,7 @@ def check_replaceable(path: str | os.PathLike):
 
 def save_hf(
     path: str | os.PathLike,
-    config: OPTConfig | LlamaConfig,
+    config: OPTConfig | LlamaConfig | QwenConfig,
     params: dict,
     tokenizer=None,
     *,

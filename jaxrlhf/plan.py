@@ -93,7 +93,7 @@ def activations(
     c = np.dtype(config.compute_dtype).itemsize
     D, L, H = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
     F = getattr(config, "ffn_dim", None) or config.intermediate_size
-    gated = 3 if config.model_type == "llama" else 2
+    gated = 2 if config.model_type == "opt" else 3
     xla_scores = backend != "gpu" or c == 4 or (train and config.attention_dropout > 0)
     scores = H * T * T * 4 if xla_scores else 0  # one [H, T, T] fp32 array per sequence
     layer = (

@@ -248,6 +248,7 @@ def _step_kernel(
     sq_ref,
     colsum_ref,
     bias_ref,
+    norm_ref,
     k_ref,
     v_ref,
     o_ref,
@@ -260,10 +261,12 @@ def _step_kernel(
     eps: float | None,
     width: int | None,
     bias: bool,
+    qk_eps: float | None,
 ):
     # qkv_ref: the whole [B, Hkv, G + 2, K] (per KV head its G queries, key, value); cos_ref, sin_ref [K / 2]; x_ref
     # [B, D] (a folded RMSNorm's input); sum_ref, sq_ref [1] (a folded LayerNorm's input row: its sum and sum of
     # squares over `width` values), colsum_ref [Hkv, G + 2, K] (its kernel's column sums); bias_ref [Hkv, G + 2, K];
+    # norm_ref [2, K] (the per-head q and k norms' scales, Qwen3's q_norm / k_norm, read where qk_eps is set);
     # k_ref, v_ref / ko_ref, vo_ref: the cache [L, B, Hkv, S, K], read / written (one buffer); o_ref [G, K].
     b, h = pl.program_id(0), pl.program_id(1)
     layer, slot = layer_ref[0], slot_ref[0]  # this row's slot
@@ -285,12 +288,20 @@ def _step_kernel(
         y = y * r
         return y + bias_ref[(h,) + at].astype(jnp.float32) if bias else y
 
+    def head_norm(pieces, which):  # RMSNorm of each row over K, pieces [n, K / len(pieces)] side by side; 0: q, 1: k
+        if qk_eps is None:
+            return pieces
+        r = jax.lax.rsqrt(sum(jnp.sum(x * x, axis=-1) for x in pieces) / K + qk_eps)[:, None]
+        width = K // len(pieces)
+        scale = lambda i: norm_ref[which, pl.ds(i * width, width)].astype(jnp.float32)[None, :]
+        return [x * r * scale(i) for i, x in enumerate(pieces)]
+
     v_new = part(G + 1, 1, 0, K)  # [1, K]
     if rope:  # rotate-half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) for each pair (i, i + K / 2)
         cos, sin = cos_ref[...][None, :], sin_ref[...][None, :]
         turn = lambda x1, x2: (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
-        q1, q2 = turn(part(0, G, 0, half), part(0, G, half, half))  # [G, K / 2]
-        k1, k2 = turn(part(G, 1, 0, half), part(G, 1, half, half))  # [1, K / 2]
+        q1, q2 = turn(*head_norm([part(0, G, 0, half), part(0, G, half, half)], 0))  # [G, K / 2]
+        k1, k2 = turn(*head_norm([part(G, 1, 0, half), part(G, 1, half, half)], 1))  # [1, K / 2]
         ko_ref[layer, b, h, pl.ds(slot, 1), pl.ds(0, half)] = k1.astype(ko_ref.dtype)
         ko_ref[layer, b, h, pl.ds(slot, 1), pl.ds(half, half)] = k2.astype(ko_ref.dtype)
         k1, k2 = (x.astype(ko_ref.dtype).astype(jnp.float32) for x in (k1, k2))  # as the cache holds it
@@ -308,9 +319,9 @@ def _step_kernel(
         )
         q = (place(q1, 0) + place(q2, half)).astype(o_ref.dtype)  # [rows, K]
     else:
-        k_new = part(G, 1, 0, K)
+        (k_new,) = head_norm([part(G, 1, 0, K)], 1)
         ko_ref[layer, b, h, pl.ds(slot, 1), :] = k_new.astype(ko_ref.dtype)
-        q = part(0, G, 0, K).astype(o_ref.dtype)
+        q = head_norm([part(0, G, 0, K)], 0)[0].astype(o_ref.dtype)
         s_new = jnp.sum(q.astype(jnp.float32) * k_new.astype(ko_ref.dtype).astype(jnp.float32), axis=-1)
         q = _repeat_rows(q, copies)
     vo_ref[layer, b, h, pl.ds(slot, 1), :] = v_new.astype(vo_ref.dtype)
@@ -379,7 +390,7 @@ def _pallas(q, k, v, layer, start, end, *, config):
     return out.reshape(B, H, K)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "rope", "eps", "width", "bias"))
+@functools.partial(jax.jit, static_argnames=("config", "rope", "eps", "width", "bias", "qk_eps"))
 def _pallas_step(
     qkv,
     k,
@@ -394,12 +405,14 @@ def _pallas_step(
     squares,
     colsum,
     b,
+    norms,
     *,
     config,
     rope: bool,
     eps: float | None,
     width: int | None,
     bias: bool,
+    qk_eps: float | None,
 ):
     B, Hkv, G2, K = qkv.shape
     G, S = G2 - 2, k.shape[3]
@@ -410,21 +423,28 @@ def _pallas_step(
     whole = pl.no_block_spec
     out, k, v = pl.pallas_call(
         functools.partial(
-            _step_kernel, block_s=block_s, mask_loads=config.mask_loads, rope=rope, eps=eps, width=width, bias=bias
+            _step_kernel,
+            block_s=block_s,
+            mask_loads=config.mask_loads,
+            rope=rope,
+            eps=eps,
+            width=width,
+            bias=bias,
+            qk_eps=qk_eps,
         ),
         grid=(B, Hkv),
-        in_specs=[scalar, row, row, whole, table, table, whole, row, row, whole, whole, whole, whole],
+        in_specs=[scalar, row, row, whole, table, table, whole, row, row, whole, whole, whole, whole, whole],
         out_specs=[pl.BlockSpec((None, None, G, K), lambda b, h: (b, h, 0, 0)), whole, whole],
         out_shape=[
             jax.ShapeDtypeStruct((B, Hkv, G, K), k.dtype),
             jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype),
         ],
-        input_output_aliases={11: 1, 12: 2},
+        input_output_aliases={12: 1, 13: 2},
         compiler_params=params,
         interpret=interpret,
         name="jaxrlhf_decode_attention_step",
-    )(layer.reshape(1), start, slot, qkv, cos, sin, x, sums, squares, colsum, b, k, v)
+    )(layer.reshape(1), start, slot, qkv, cos, sin, x, sums, squares, colsum, b, norms, k, v)
     return out.reshape(B, Hkv * G, K), k, v
 
 
@@ -453,6 +473,7 @@ def decode_step(
     rms=None,
     layer_norm=None,
     bias=None,
+    qk_norm=None,
     config: DecodeAttentionConfig = DecodeAttentionConfig(),
     mesh=None,
 ):
@@ -467,7 +488,9 @@ def decode_step(
       and sum of squares come computed (one reduction per row before this kernel, not one in each of the row's
       programs), each row (row - mean(x) colsum) / sqrt(var(x) + eps), colsum being the column sums of the folded
       kernel (opt.decode_layer).
-    bias (optional) [Hkv, G + 2, K]: added after the norm. rope (optional): (cos, sin) [B, K / 2], the rotary
+    bias (optional) [Hkv, G + 2, K]: added after the norm. qk_norm (optional): (scales [2, K], eps), Qwen3's RMSNorm
+    of each query head's and of the key's K values (times scales[0] for queries, scales[1] for the key), after the
+    bias and before the rotation. rope (optional): (cos, sin) [B, K / 2], the rotary
     embedding of this token's position (rotate-half pairs (i, i + K / 2)), applied to q and k. The new key and value
     are written into the cache (k, v [L, B, Hkv, S, K], updated in place) at `slot` (a scalar, or [B]: each row its
     own, as continuous batching has them), and the queries attend over slots start <= s <= slot of `layer`. Returns
@@ -487,15 +510,16 @@ def decode_step(
     )
     eps = ln_eps if layer_norm is not None else eps
     b = bias if bias is not None else unread(Hkv, G2, K)
+    norms, qk_eps = qk_norm if qk_norm is not None else (unread(2, K), None)
     fn = functools.partial(
-        _pallas_step, config=config, rope=rope is not None, eps=eps, width=width, bias=bias is not None
+        _pallas_step, config=config, rope=rope is not None, eps=eps, width=width, bias=bias is not None, qk_eps=qk_eps
     )
     rows = rows_axis(mesh, B)
     cache, heads = P(None, rows, "model", None, None), P("model", None, None)
     specs = (P(rows, "model", None, None), cache, cache, P(), P(rows), P(rows), *[P(rows, None)] * 3, P(rows), P(rows))
-    fn = per_shard(fn, mesh, (*specs, heads, heads), (P(rows, "model", None), cache, cache))
+    fn = per_shard(fn, mesh, (*specs, heads, heads, P()), (P(rows, "model", None), cache, cache))
     cos, sin, sums, squares, colsum = (x.astype(jnp.float32) for x in (cos, sin, sums, squares, colsum))
-    return fn(qkv, k, v, jnp.asarray(layer, jnp.int32), start, slot, cos, sin, x, sums, squares, colsum, b)
+    return fn(qkv, k, v, jnp.asarray(layer, jnp.int32), start, slot, cos, sin, x, sums, squares, colsum, b, norms)
 
 
 def decode_attention(

@@ -3,10 +3,13 @@
     family      config        module                 HF config.json model_type
     OPT         OPTConfig     jaxrlhf.models.opt     "opt"
     Llama       LlamaConfig   jaxrlhf.models.llama   "llama"
+    Qwen2/2.5   QwenConfig    jaxrlhf.models.qwen    "qwen2"
+    Qwen3       QwenConfig    jaxrlhf.models.qwen    "qwen3"
 
 A family module (models/common.py says what it holds) is found from the config's type by the functions below, so the
 engine, the trainers and generation run every family through the same code. Each call's kind is explicit: `logits` and
-`values` are "train" (given a dropout key) or "score" calls; `logits_with_cache` a "prefill" or "decode" call
+`values` (and `logprobs`: `hidden` then the chunked `head_logprobs`, where only log p(target) is needed, never the
+[B, T, V] logits) are "train" (given a dropout key) or "score" calls; `logits_with_cache` a "prefill" or "decode" call
 (`Mode`). How the machine runs them is the config's `backend` (`Backend.detect()` at start-up; default plain XLA).
 """
 
@@ -15,19 +18,21 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrlhf.models import common, llama, opt
+from jaxrlhf.models import common, llama, opt, qwen
 from jaxrlhf.models.common import Backend, Mode, positions_from_mask  # noqa: F401  (the API's types)
 from jaxrlhf.models.llama import LlamaConfig
 from jaxrlhf.models.opt import OPTConfig
+from jaxrlhf.models.qwen import QwenConfig
 
-FAMILIES = {"opt": opt, "llama": llama}  # config.json model_type -> module
-CONFIGS = {"opt": OPTConfig, "llama": LlamaConfig}
+FAMILIES = {"opt": opt, "llama": llama, "qwen2": qwen, "qwen3": qwen}  # config.json model_type -> module
+CONFIGS = {"opt": OPTConfig, "llama": LlamaConfig, "qwen2": QwenConfig, "qwen3": QwenConfig}
+HF_NAMES = {"opt": opt.HF, "llama": llama.HF, **qwen.HF}  # model_type -> its HF folders' names (checkpoint.py)
 # Every parameter path's logical axes (sharding.py): each family's table, then what they share.
-PARAM_AXES = [row for fam in FAMILIES.values() for row in fam.PARAM_AXES] + common.PARAM_AXES
+PARAM_AXES = [row for fam in dict.fromkeys(FAMILIES.values()) for row in fam.PARAM_AXES] + common.PARAM_AXES
 
 
 def family(config):
-    """The module (opt or llama) that implements `config`."""
+    """The module (opt, llama or qwen) that implements `config`."""
     try:
         return FAMILIES[config.model_type]
     except (AttributeError, KeyError):
@@ -37,11 +42,21 @@ def family(config):
 
 
 def _forward(
-    config, params, input_ids, attention_mask, value_head, dropout_rng, positions, segment_ids, last=0, at=None
+    config,
+    params,
+    input_ids,
+    attention_mask,
+    value_head,
+    dropout_rng,
+    positions,
+    segment_ids,
+    last=0,
+    at=None,
+    hidden=False,
 ):
     """A "train" call (with `dropout_rng`: dropout on) or a "score" call of `config`'s family."""
     mode = Mode("score" if dropout_rng is None else "train")
-    model = family(config).Model(config, value_head=value_head, mode=mode, last=last)
+    model = family(config).Model(config, value_head=value_head, mode=mode, last=last, hidden=hidden)
     rngs = None if dropout_rng is None else {"dropout": dropout_rng}
     return model.apply({"params": params}, input_ids, attention_mask, None, positions, at, segment_ids, rngs=rngs)
 
@@ -59,6 +74,53 @@ def logits(
 def values(config, params, input_ids, attention_mask, *, dropout_rng=None, positions=None, segment_ids=None):
     """Value-head outputs [B, T] in float32 (reward model and critic); `params` must hold `value_head`."""
     return _forward(config, params, input_ids, attention_mask, True, dropout_rng, positions, segment_ids)
+
+
+# Tokens per chunk of the LM head's log-softmax in `logprobs` (RunConfig.logits_chunk and ModelSide.logits_chunk's
+# default): a chunk's [chunk, V] float32 logits is what the head holds (622 MB at Qwen's V = 151,936).
+LOGITS_CHUNK = 1024
+
+
+def hidden(config, params, input_ids, attention_mask, *, dropout_rng=None, at=None, positions=None, segment_ids=None):
+    """The decoder's final hidden states [B, T, E] in the compute dtype: what the LM head reads (`at` [B, A]: at those
+    positions of each row, [B, A, E]); head_logprobs turns them into log-probs. Arguments as `logits`'."""
+    return _forward(config, params, input_ids, attention_mask, False, dropout_rng, positions, segment_ids, 0, at, True)
+
+
+def head_logprobs(config, params, h, targets, *, temperature: float = 1.0, chunk: int = LOGITS_CHUNK, entropy=False):
+    """log p(targets) [B, T] float32 under softmax(logits / temperature), the logits being `config`'s LM head (tied:
+    the embedding transposed; else "lm_head") on hidden states h [B, T, E] (`hidden`), computed `chunk` tokens at a
+    time (0: all at once) so that no [B, T, V] float32 logits exist, in the forward or the backward; with `entropy`
+    (log-probs, the entropy [B, T] of the same distribution). See common.head_logprobs."""
+    tied = config.tie_word_embeddings
+    body = params[family(config).Model.body_name]
+    kernel = body["embed_tokens"]["embedding"] if tied else params["lm_head"]["kernel"]
+    lp, ent = common.head_logprobs(h, kernel, targets, tied=tied, temperature=temperature, chunk=chunk, entropy=entropy)
+    return (lp, ent) if entropy else lp
+
+
+def logprobs(
+    config,
+    params,
+    input_ids,
+    attention_mask,
+    targets,
+    *,
+    temperature: float = 1.0,
+    chunk: int = LOGITS_CHUNK,
+    entropy: bool = False,
+    dropout_rng=None,
+    at=None,
+    positions=None,
+    segment_ids=None,
+):
+    """log p(targets[b, t]) [B, T] float32 from the head at position t (`at` [B, A]: at position at[b, a], targets
+    [B, A]) under softmax(logits / temperature), without the [B, T, V] logits (`hidden` then `head_logprobs`); with
+    `entropy`, (log-probs, entropy). The next token's: targets = input_ids[:, 1:] of the positions before the last
+    (losses.next_token_logprobs). Other arguments as `logits`'."""
+    kw = dict(dropout_rng=dropout_rng, at=at, positions=positions, segment_ids=segment_ids)
+    h = hidden(config, params, input_ids, attention_mask, **kw)
+    return head_logprobs(config, params, h, targets, temperature=temperature, chunk=chunk, entropy=entropy)
 
 
 init_cache = common.init_cache  # an empty KV cache [L, B, Hkv, S, K] for generation (see models/common.py)
@@ -95,9 +157,10 @@ def init_params(config, key, *, value_head: bool = False, dtype=jnp.float32, std
 
 
 def preset(name: str, **overrides):
-    """A config of a released architecture by name (opt-125m ... opt-66b, llama-2-7b, ...), random weights' shapes."""
+    """A config of a released architecture by name (opt-125m ... opt-66b, llama-2-7b, qwen2.5-1.5b, qwen3-8b, ...),
+    random weights' shapes."""
     for model_type, fam in FAMILIES.items():
         if name in fam.PRESETS:
             return CONFIGS[model_type](**{**fam.PRESETS[name], **overrides})
-    names = sorted(n for fam in FAMILIES.values() for n in fam.PRESETS)
+    names = sorted({n for fam in FAMILIES.values() for n in fam.PRESETS})
     raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(names)}")

@@ -218,9 +218,12 @@ def write_cache(c, x, layer, slot):
     return c.at[layer, jnp.arange(x.shape[0]), :, slot, :].set(x[:, 0], mode="promise_in_bounds")
 
 
-def fused_decode_step(module: nn.Module, mode: Mode, h, cache, config, norm=None, eps: float = 0.0, rope=None):
+def fused_decode_step(
+    module: nn.Module, mode: Mode, h, cache, config, norm=None, eps: float = 0.0, rope=None, qk_norm: bool = False
+):
     """A decode step's q/k/v product and attention, the rest in one kernel (kernels.decode_attention.decode_step:
-    the folded norm's end, the bias, the rotary embedding, the cache write and the attention). Returns (out
+    the folded norm's end, the bias, the per-head q/k norm (`qk_norm`: module's "q_norm", "k_norm" scales [K], epsilon
+    `eps`), the rotary embedding, the cache write and the attention). Returns (out
     [B, 1, H, K], cache), or None where it does not apply: not a decode step in the decode layout, or the kernel
     not in use or split (`fuses_step`). The caller then runs the unfused path, which on the GPU is one kernel each
     for the rotary embedding and the two cache writes. norm: the rows of a norm folded into qkv_proj (norm_rows:
@@ -246,8 +249,12 @@ def fused_decode_step(module: nn.Module, mode: Mode, h, cache, config, norm=None
     out_dtype = jnp.float32 if layer_norm is not None else config.compute_dtype
     qkv = stacked_dense(module, "qkv_proj", h, config.compute_dtype, bias=False, out_dtype=out_dtype)
     bias = per_head(p["bias"]) if "bias" in p else None
+    heads_norm = None
+    if qk_norm:
+        heads_norm = (jnp.stack([module.get_variable("params", n)["scale"] for n in ("q_norm", "k_norm")]), eps)
     operands = (qkv.reshape(B, kv_heads, -1, K), *(cache[n] for n in ("k", "v", "start", "slot", "layer")))
-    out, k, v = decode_step(*operands, rope=rope, rms=rms, layer_norm=layer_norm, bias=bias, config=kernel, mesh=mesh)
+    norms = dict(rms=rms, layer_norm=layer_norm, qk_norm=heads_norm)
+    out, k, v = decode_step(*operands, rope=rope, bias=bias, **norms, config=kernel, mesh=mesh)
     return out[:, None], {**cache, "k": k, "v": v}
 
 
@@ -326,9 +333,11 @@ class SelfAttention(nn.Module):
 
     config: Any
     mode: Mode
-    use_bias: bool
-    eps: float  # the epsilon of the norm folded into qkv_proj (the decode layout)
+    use_bias: bool  # biases on q/k/v (and on the output projection unless out_bias says otherwise)
+    eps: float  # the epsilon of the norm folded into qkv_proj (the decode layout), and of q_norm / k_norm
     out_name: str
+    out_bias: bool | None = None  # the output projection's bias (None: use_bias); Qwen2 has q/k/v biases only
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's K dims ("q_norm", "k_norm" [K]) on q and k before RoPE
 
     @nn.compact
     def __call__(self, h, cache=None, norm=None, segment_ids=None, rope=None, interleaved: bool = False):
@@ -336,8 +345,13 @@ class SelfAttention(nn.Module):
         c, mode = self.config, self.mode
         B, T, D = h.shape
         H, Hkv, K = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        # In the decode layout q_norm's scale holds the attention's scale K^-1/2 (stack_qkv), as qkv_proj's q part
+        # holds it without a q_norm: a norm after the product would undo a scale folded into the product.
+        head_norm = lambda name: nn.RMSNorm(epsilon=self.eps, dtype=c.compute_dtype, name=name)
         step_rope = None if rope is None else tuple(x[:, 0, 0] for x in rope)  # [B, K/2]: a step's one token per row
-        step = None if interleaved else fused_decode_step(self, mode, h, cache, c, norm, self.eps, step_rope)
+        step = None
+        if not interleaved:
+            step = fused_decode_step(self, mode, h, cache, c, norm, self.eps, step_rope, self.qk_norm)
         if step is not None:
             out, cache = step
         else:
@@ -345,10 +359,15 @@ class SelfAttention(nn.Module):
                 G = H // Hkv
                 y = stacked_dense(self, "qkv_proj", h, c.compute_dtype, norm)  # [B, T, Hkv, (G + 2) K]
                 q, k, v = y[..., : G * K].reshape(B, T, H, K), y[..., G * K : (G + 1) * K], y[..., (G + 1) * K :]
+                if self.qk_norm:  # (q_norm's scale holds K^-1/2)
+                    q, k = head_norm("q_norm")(q), head_norm("k_norm")(k)
             else:
                 dense = lambda n, name: Dense(n * K, use_bias=self.use_bias, dtype=c.compute_dtype, name=name)
-                q = dense(H, "q_proj")(h).reshape(B, T, H, K) * K**-0.5
+                q = dense(H, "q_proj")(h).reshape(B, T, H, K)
                 k, v = (dense(Hkv, name)(h).reshape(B, T, Hkv, K) for name in ("k_proj", "v_proj"))
+                if self.qk_norm:
+                    q, k = head_norm("q_norm")(q), head_norm("k_norm")(k)
+                q = q * K**-0.5
             if rope is not None:  # q is scaled already: the rotation is linear
                 q, k = (apply_rope(x, *rope, interleaved) for x in (q, k))
             if cache is not None:  # [B, T, H, K]
@@ -357,7 +376,8 @@ class SelfAttention(nn.Module):
                 out = causal_attention(q, k, v, c.backend.attention, segment_ids)
             else:
                 out = dropout_attention(q, k, v, nn.Dropout(c.attention_dropout, deterministic=False), segment_ids)
-        out_proj = Dense(D, use_bias=self.use_bias, dtype=c.compute_dtype, name=self.out_name)
+        out_bias = self.use_bias if self.out_bias is None else self.out_bias
+        out_proj = Dense(D, use_bias=out_bias, dtype=c.compute_dtype, name=self.out_name)
         return out_proj(out.reshape(B, T, H * K)), cache
 
 
@@ -505,6 +525,38 @@ def _float32_logits_bwd(equation, residuals, g):
 float32_logits.defvjp(_float32_logits_fwd, _float32_logits_bwd)
 
 
+def head_logprobs(h, kernel, targets, *, tied: bool, temperature: float = 1.0, chunk: int = 0, entropy: bool = False):
+    """log p(targets) [B, T] float32 under softmax(z / temperature), z = the LM head's logits on h [B, T, E] (kernel:
+    the embedding [V, E] if `tied`, else the untied head's [E, V]); with `entropy`, (log-probs, the entropy [B, T] of
+    that distribution), else (log-probs, None). The logits are float32 (float32_logits), whatever h's dtype.
+
+    chunk > 0 tokens: the head and its log-softmax run on one chunk of c = max(1, chunk // B) positions of every row
+    at a time (T padded up to a multiple of c), each under jax.checkpoint: neither the forward nor the backward holds
+    more than one chunk's [B, c, V] float32 logits (the backward recomputes them: one more head product). A chunk
+    covering the whole batch, or chunk = 0, is the plain computation in one piece ([B, T, V])."""
+    equation = "bte,ve->btv" if tied else "bte,ev->btv"
+    kernel = kernel.astype(h.dtype)
+
+    def one(h, targets):  # [b, c, E], [b, c] -> [b, c] (twice)
+        logp = jax.nn.log_softmax(float32_logits(equation, h, kernel) / temperature, axis=-1)
+        lp = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+        return lp, (-jnp.sum(jnp.exp(logp) * logp, axis=-1) if entropy else None)
+
+    B, T = targets.shape
+    if not chunk or chunk >= B * T:
+        return one(h, targets)
+    c = max(1, chunk // B)
+    n = -(-T // c)
+    # [B, T, ...] -> [n, B, c, ...]: the loop runs over chunks of positions, each chunk keeping the rows' layout (the
+    # batch stays split over the devices inside every step)
+    split = lambda x: jnp.moveaxis(
+        jnp.pad(x, [(0, 0), (0, n * c - T)] + [(0, 0)] * (x.ndim - 2)).reshape(B, n, c, *x.shape[2:]), 1, 0
+    )
+    joined = lambda x: None if x is None else jnp.moveaxis(x, 0, 1).reshape(B, n * c)[:, :T]
+    lp, ent = jax.lax.map(jax.checkpoint(lambda xs: one(*xs)), (split(h), split(targets)))
+    return joined(lp), joined(ent)
+
+
 def value_head(h, dtype):
     """The reward/critic head: `Linear(E, 1)`, no bias, on the last hidden state; [B, T] float32."""
     return Dense(1, use_bias=False, dtype=dtype, name="value_head")(h)[..., 0].astype(jnp.float32)
@@ -524,13 +576,15 @@ class LMHead(nn.Module):
 class CausalLM(nn.Module):
     """A family's forward (its `Model`): the decoder `body` (a module class, named `body_name` in the tree), then on
     its h [B, T, E] the LM head, tied (the embedding [V, E]) or not (config.tie_word_embeddings False: "lm_head"),
-    or with `value_head=True` the reward/critic head. Returns logits [B, T, V] or values [B, T] in float32, and the
-    cache when given one."""
+    or with `value_head=True` the reward/critic head; with `hidden=True` no head: h itself (what the LM head reads,
+    for head_logprobs). Returns logits [B, T, V] or values [B, T] in float32 (or h [B, T, E] in the compute dtype),
+    and the cache when given one."""
 
     config: Any
     value_head: bool = False
     mode: Mode = Mode()
     last: int = 0  # > 0: the head runs on the last `last` positions only
+    hidden: bool = False  # return the final hidden states h (after `last` / head_at), no head
     body = None  # the family's decoder class and its name (class attributes, not fields)
     body_name = ""
 
@@ -545,6 +599,8 @@ class CausalLM(nn.Module):
             h = h[:, -self.last :]
         if head_at is not None:  # [B, A] positions: the head runs there only (packed rows: each row's answer)
             h = jnp.take_along_axis(h, head_at[..., None], axis=1)
+        if self.hidden:
+            return h if cache is None else (h, cache)
         untied = None if c.tie_word_embeddings else LMHead(c.vocab_size, name="lm_head")
         if self.value_head:
             out = value_head(h, c.compute_dtype)
@@ -677,15 +733,21 @@ PARAM_AXES = [
 ]
 
 
-def stack_qkv(attn: dict, kv_heads: int) -> dict:
+def stack_qkv(attn: dict, kv_heads: int, qk_norm: bool = False) -> dict:
     """One layer's attention parameters in the decode layout: the q/k/v kernels [D, n K] (biases [n K]) as
     "qkv_proj" [D, Hkv, (G + 2) K] ([Hkv, (G + 2) K]): query head h = j G + g sits with KV head j, so tensor
     parallelism splits the stacked kernel by KV heads as it splits the three. The query part is multiplied by
-    the attention's scale K^-1/2 (rotary embeddings are linear, so scaling before them is the same)."""
+    the attention's scale K^-1/2 (rotary embeddings are linear, so scaling before them is the same); with a
+    per-head q norm (`qk_norm`, Qwen3), which would undo that, the norm's scale [K] is multiplied instead."""
     names = ("q_proj", "k_proj", "v_proj")
     parts = [attn[n] for n in names]
     K = parts[1]["kernel"].shape[-1] // kv_heads
-    parts[0] = jax.tree.map(lambda x: x * K**-0.5, parts[0])
+    scaled = lambda tree: jax.tree.map(lambda x: x * K**-0.5, tree)
     per_head = lambda x: x.reshape(*x.shape[:-1], kv_heads, -1)
+    rest = {n: x for n, x in attn.items() if n not in names}
+    if qk_norm:
+        rest["q_norm"] = scaled(rest["q_norm"])
+    else:
+        parts[0] = scaled(parts[0])
     fused = {leaf: jnp.concatenate([per_head(p[leaf]) for p in parts], axis=-1) for leaf in parts[0]}
-    return {**{n: x for n, x in attn.items() if n not in names}, "qkv_proj": fused}
+    return {**rest, "qkv_proj": fused}

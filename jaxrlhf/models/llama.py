@@ -89,6 +89,16 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig: rotary embeddings need an even head dim, got {self.head_dim}")
 
     @property
+    def qkv_bias(self) -> bool:
+        """Biases on q/k/v (Llama: with attention_bias, as on o_proj; Qwen2: always, none on o_proj)."""
+        return self.attention_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        """A per-head RMSNorm on q and on k before the rotation (Qwen3's q_norm, k_norm; none in Llama)."""
+        return False
+
+    @property
     def word_embed_proj_dim(self) -> int:
         """Width of the last hidden state (the value head's input), named as OPTConfig names it."""
         return self.hidden_size
@@ -174,7 +184,9 @@ class LlamaLayer(nn.Module):
             return h, common.norm_rows(h, c.rms_norm_eps, centred=False)
 
         x, r = norm("input_layernorm", h)
-        attention = common.SelfAttention(c, mode, c.attention_bias, c.rms_norm_eps, "o_proj", name="self_attn")
+        attention = common.SelfAttention(
+            c, mode, c.qkv_bias, c.rms_norm_eps, "o_proj", c.attention_bias, c.qk_norm, name="self_attn"
+        )
         a, cache = attention(x, cache, r, where["segment_ids"], where["rope"], c.rope_interleaved)
         h = h + drop(a)
         h = h + drop(LlamaMLP(c, mode, name="mlp")(*norm("post_attention_layernorm", h)))
@@ -223,7 +235,7 @@ def decode_layer(config: LlamaConfig, layer: dict) -> dict:
         **{n: x for n, x in mlp.items() if n not in ("gate_proj", "up_proj")},
         "gate_up_proj": common.fold_norm(gate_up, layer["post_attention_layernorm"]["scale"]),
     }
-    attn = common.stack_qkv(layer["self_attn"], config.num_key_value_heads)
+    attn = common.stack_qkv(layer["self_attn"], config.num_key_value_heads, config.qk_norm)
     attn["qkv_proj"] = common.fold_norm(attn["qkv_proj"], layer["input_layernorm"]["scale"])
     rest = {n: x for n, x in layer.items() if n not in ("input_layernorm", "post_attention_layernorm")}
     return {**rest, "self_attn": attn, "mlp": mlp}
