@@ -145,6 +145,13 @@ def main():
         help="query heads (default: 2048 / head dim); KV heads: as many (multi-head) and a quarter (grouped-query)",
     )
     ap.add_argument(
+        "--kv-heads",
+        type=int,
+        nargs="+",
+        default=None,
+        help="KV heads to time (default: --heads and a quarter of them); e.g. 2 for Qwen2.5-1.5B's 12 query heads",
+    )
+    ap.add_argument(
         "--splits",
         type=int,
         nargs="+",
@@ -203,7 +210,7 @@ def main():
     ratio = lambda t, need: t * bandwidth / need if bandwidth else None
     for K in args.head_dim:
         H = args.heads or 2048 // K  # 32 heads of 64 (OPT-1.3B), 16 of 128
-        for Hkv in (H, H // 4) if H >= 4 else (H,):
+        for Hkv in args.kv_heads or ((H, H // 4) if H >= 4 else (H,)):
             kernel = chosen.get("mha" if Hkv == H else "gqa", default)
             for S in args.seq:
                 for B in args.batch:

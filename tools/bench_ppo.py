@@ -48,6 +48,7 @@ import json
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -56,33 +57,38 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxrlhf.checkpoint import config_to_hf  # noqa: E402
 from jaxrlhf.lora import LoRAConfig  # noqa: E402
-from jaxrlhf.models import Backend, init_params, llama, opt, param_shapes, preset  # noqa: E402
+from jaxrlhf.models import FAMILIES, Backend, init_params, llama, opt, param_shapes, preset  # noqa: E402
 from jaxrlhf.plan import capacity, plan  # noqa: E402
+from jaxrlhf.rewards import RewardConfig  # noqa: E402
 from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide  # noqa: E402
 from jaxrlhf.rl import engine as rl_engine  # noqa: E402
 from jaxrlhf.sharding import make_mesh, shardings_for  # noqa: E402
 from jaxrlhf.trainer import OptimConfig  # noqa: E402
 from tools import common  # noqa: E402
 
-PRESETS = {**opt.PRESETS, **llama.PRESETS}  # actor and critic: any family's shape (e.g. --actor tinyllama-1.1b)
+PRESETS = {name: c for fam in FAMILIES.values() for name, c in fam.PRESETS.items()}  # any family's shape
+NO_CRITIC = "none"  # --critic none: no critic and no reward model; the reward is a rule on the host (rule_scores)
 PHASES = ("reshard", "generate", "score", "advantages", "actor_step", "critic_step")
 CRITIC_FREE = ("grpo", "rloo", "reinforce_pp")
 
 
 def n_params(name: str, value_head: bool = False) -> int:
+    if name == NO_CRITIC:
+        return 0
     return sum(x.size for x in jax.tree.leaves(param_shapes(preset(name), value_head=value_head)))
 
 
 def vocab(*names: str) -> int:
     """Token ids every model of `names` knows (random prompts draw below it)."""
-    return min(preset(n).vocab_size for n in names)
+    return min(preset(n).vocab_size for n in names if n != NO_CRITIC)
 
 
 def effective_flops(actor: str, critic: str, B: int, L: int, ppo_epochs: int = 1, critic_free: bool = False) -> float:
     """DeepSpeed-Chat's count for one iteration (BENCHMARKS.md); critic-free: no critic values, no critic update."""
     na, nc = n_params(actor), n_params(critic, True)
-    if critic_free:
+    if critic_free:  # nc = 0 without a reward model (--critic none)
         return B * L * (2 * na * 3 + 2 * nc + ppo_epochs * 6 * na)
     return B * L * (2 * na * 3 + 2 * nc * 2 + ppo_epochs * 6 * (na + nc))
 
@@ -109,6 +115,12 @@ def prompt_batch(B: int, P: int, prompt_lens, answer_lens, vocab: int = 50272, n
     ids = np.where(mask == 1, ids, 1)
     ids[np.arange(rows), P - prompt_lens] = 2
     return {"prompt_ids": ids, "prompt_mask": mask, "answer_limits": np.asarray(answer_lens, np.int32)}
+
+
+def rule_scores(tokens, mask) -> np.ndarray:
+    """The host rule that stands for a verifier (--critic none): 1 where an answer's token ids sum to an even number,
+    else 0 (random weights answer at random, so groups have spread). tokens, mask [B, G] (host arrays)."""
+    return (np.sum(np.asarray(tokens) * np.asarray(mask), axis=1) % 2 == 0).astype(np.float32)
 
 
 def real_tokens(batch: dict) -> int:
@@ -144,6 +156,10 @@ def ours(args, actor: str, critic: str, B: int, precision: str, lora: int, algor
     compute = "float32" if precision == "fp32" else "bfloat16"
     configs, params = [], []
     for name, head in ((actor, False), (critic, True)):
+        if name == NO_CRITIC:  # no critic, no reward model: the actor's config stands in (the engine reads no weights)
+            configs.append(configs[0])
+            params.append(None)
+            continue
         config = preset(name, dtype=compute, dropout=0.0, backend=Backend.detect())
         configs.append(config)
         # made sharded over the mesh (an OPT-66B would not fit one device), then gathered to the host as a checkpoint is
@@ -163,7 +179,11 @@ def ours(args, actor: str, critic: str, B: int, precision: str, lora: int, algor
         dropout=0.0,
     )
     critic_side = ModelSide() if algorithm in CRITIC_FREE else side(5e-6)  # critic-free: the reward model only
+    rule = critic == NO_CRITIC  # the long-answer workload: a rule's reward, GRPO's KL as a k3 loss term (as the peer)
+    extra = dict(reward=RewardConfig(functions=("tools.bench_ppo:rule_scores",), model_weight=0.0)) if rule else {}
     cfg = EngineConfig(
+        **extra,
+        **(dict(kl_loss="k3", kl_loss_coef=0.001) if rule else {}),
         actor=side(9.65e-6),
         critic=critic_side,
         precision=precision,
@@ -185,28 +205,35 @@ def ours(args, actor: str, critic: str, B: int, precision: str, lora: int, algor
             f"the device has {need.capacity / 2**30:.1f} GiB",
             "plan_peak_bytes": need.peak,
         }
+    started = time.perf_counter()  # time to the first iteration: the engine's start, compilation, one iteration
     engine = HybridEngine(
         cfg, mesh, (configs[0], params[0]), (configs[1], params[1]), total_steps=1000, eos_id=-1, pad_id=1
     )  # EOS never matches: every answer has its full length
     del params
     batch = prompt_batch(B, args.prompt, *draw_lengths(args.lengths, B, args.prompt, args.new), vocab(actor, critic), n)
+    pool = ThreadPoolExecutor(1)
+    start_rewards = None
+    if rule:  # the rule runs on the host while the device scores, as reward functions do (jaxrlhf.ppo)
+        start_rewards = lambda _, tokens, mask: pool.submit(rule_scores, *jax.device_get((tokens, mask)))
     times, phases = [], []
     with per_answer_limits():
         for i in range(args.repeats + 1):  # the first iteration compiles
             engine.timings.clear()
             start = time.perf_counter()
-            stats = engine.train_rlhf(engine.generate_experience(batch))
+            stats = engine.train_rlhf(engine.generate_experience(batch, start_rewards))
             elapsed = time.perf_counter() - start
             if i:
                 times.append(elapsed)
                 phases.append(dict(engine.timings))
+            else:
+                first = time.perf_counter() - started
         t = statistics.median(times)
         profile = {}
         if args.profile:  # the kernels of one more iteration by device time, per phase (HybridEngine marks them)
             trace = Path(args.out or common.RESULTS / "ppo") / f"trace-{algorithm}-n{n}-{actor}-{B}-{precision}"
             profile = {
                 "profile": common.kernel_profile(
-                    lambda: engine.train_rlhf(engine.generate_experience(batch)), trace, top=25
+                    lambda: engine.train_rlhf(engine.generate_experience(batch, start_rewards)), trace, top=25
                 )
             }
     real = real_tokens(batch)
@@ -217,6 +244,7 @@ def ours(args, actor: str, critic: str, B: int, precision: str, lora: int, algor
         "prompts": B // n,
         "answers": B,
         "iteration_s": t,
+        "first_iteration_s": first,
         "samples_per_s": B / t,
         "samples_per_s_per_gpu": B / t / mesh.size,
         "real_tokens_per_s": real / t,
@@ -253,25 +281,32 @@ def theirs(args, actor: str, critic: str, B: int, algorithm: str = "ppo", n: int
     if algorithm not in ("ppo", "grpo"):
         raise ValueError(f"the PyTorch peer runs ppo and grpo, not {algorithm}")
     critic_free = algorithm == "grpo"
+    started = time.perf_counter()
     import torch
-    import torch.nn.functional as F
     import transformers
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     bf16 = torch.bfloat16
 
     def mk(name: str, head: str):  # transformers' own model of a preset's shape: "ForCausalLM" or "Model"
+        if name not in opt.PRESETS and name not in llama.PRESETS:  # other families: the config.json save_hf writes
+            hf = {k: v for k, v in config_to_hf(preset(name), "bfloat16").items() if k not in ("architectures",)}
+            config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf, attn_implementation="sdpa")
+            auto = transformers.AutoModelForCausalLM if head == "ForCausalLM" else transformers.AutoModel
+            return auto.from_config(config).to(dev, bf16)
         family = "Llama" if name in llama.PRESETS else "OPT"
         config = getattr(transformers, f"{family}Config")(
             **PRESETS[name], attn_implementation="sdpa", **({"dropout": 0.0} if family == "OPT" else {})
         )
         return getattr(transformers, f"{family}{head}")(config).to(dev, bf16)
 
+    rule = critic == NO_CRITIC  # TRL's GRPO: a rule's reward, the KL as a k3 loss term, old log-probs = the actor's own
     actor_m = mk(actor, "ForCausalLM")
     ref_m = mk(actor, "ForCausalLM").eval().requires_grad_(False)
-    reward_m = mk(critic, "Model").eval().requires_grad_(False)
-    proj = PRESETS[critic].get("word_embed_proj_dim", PRESETS[critic]["hidden_size"])
-    r_head = torch.nn.Linear(proj, 1, bias=False).to(dev, bf16).requires_grad_(False)
+    if not rule:
+        reward_m = mk(critic, "Model").eval().requires_grad_(False)
+        proj = PRESETS[critic].get("word_embed_proj_dim", PRESETS[critic]["hidden_size"])
+        r_head = torch.nn.Linear(proj, 1, bias=False).to(dev, bf16).requires_grad_(False)
     opt_a = torch.optim.AdamW(actor_m.parameters(), lr=9.65e-6, betas=(0.9, 0.95), fused=dev == "cuda")
     if not critic_free:
         critic_m, v_head = mk(critic, "Model"), torch.nn.Linear(proj, 1, bias=False).to(dev, bf16)
@@ -286,8 +321,8 @@ def theirs(args, actor: str, critic: str, B: int, algorithm: str = "ppo", n: int
     force_lengths = length_forcer(P, limits, EOS)
 
     def logprobs(model, seq, mask):
-        lp = F.log_softmax(model(seq, attention_mask=mask).logits[:, P - 1 : -1].float(), -1)
-        return lp.gather(-1, seq[:, P:, None])[..., 0]
+        logits = model(seq, attention_mask=mask).logits[:, P - 1 : -1].float()
+        return logits.gather(-1, seq[:, P:, None])[..., 0] - torch.logsumexp(logits, -1)
 
     def vals(model, head, seq, mask):
         return head(model(seq, attention_mask=mask).last_hidden_state[:, P - 1 : -1]).float()[..., 0]
@@ -320,16 +355,22 @@ def theirs(args, actor: str, critic: str, B: int, algorithm: str = "ppo", n: int
             old, ref, v, score = [], [], [], []
             for i in range(0, B, mb):
                 s, m = seq[i : i + mb], mask[i : i + mb]
-                old.append(logprobs(actor_m, s, m))
                 ref.append(logprobs(ref_m, s, m))
+                if rule:  # the rule scores on the host; old log-probs come from the training pass itself
+                    continue
+                old.append(logprobs(actor_m, s, m))
                 if not critic_free:
                     v.append(vals(critic_m, v_head, s, m))
                 h = reward_m(s, attention_mask=m).last_hidden_state
                 score.append(r_head(h[torch.arange(len(s), device=dev), last[i : i + mb]]).float()[:, 0])
-            old, ref, score = map(torch.cat, (old, ref, score))
             am = answer.float()
-            old, ref = old * am, ref * am
-            rewards = -0.1 * (old - ref)
+            ref = torch.cat(ref) * am
+            if rule:
+                host = rule_scores(seq[:, P:].cpu().numpy(), answer.cpu().numpy())
+                score, old = torch.tensor(host, device=dev), torch.zeros_like(ref)
+            else:
+                old, score = torch.cat(old) * am, torch.cat(score)
+            rewards = -0.1 * (old - ref) * (not rule)
             rewards[torch.arange(B, device=dev), answer.sum(1) - 1] += score.clamp(-5, 5)
             if critic_free:  # GRPO: each answer's sequence reward against its group's mean, over the group's std
                 r = rewards.sum(1).view(-1, n)
@@ -346,9 +387,14 @@ def theirs(args, actor: str, critic: str, B: int, algorithm: str = "ppo", n: int
         actor_m.train()
         for i in range(0, B, mb):
             s, m, w = seq[i : i + mb], mask[i : i + mb], am[i : i + mb]
-            ratio = torch.exp(logprobs(actor_m, s, m) - old[i : i + mb])
+            lp = logprobs(actor_m, s, m)
+            ratio = torch.exp(lp - (lp.detach() if rule else old[i : i + mb]))
             a = adv[i : i + mb]
-            loss = (torch.max(-a * ratio, -a * ratio.clamp(0.8, 1.2)) * w).sum() / tokens
+            per_token = torch.max(-a * ratio, -a * ratio.clamp(0.8, 1.2))
+            if rule:  # GRPO's k3 KL to the reference, weight 0.001 (veRL's default; ours passes the same)
+                d = ref[i : i + mb] - lp
+                per_token = per_token + 0.001 * (torch.exp(d) - d - 1)
+            loss = (per_token * w).sum() / tokens
             loss.backward()
         torch.nn.utils.clip_grad_norm_(actor_m.parameters(), 1.0)
         opt_a.step()
@@ -366,7 +412,10 @@ def theirs(args, actor: str, critic: str, B: int, algorithm: str = "ppo", n: int
         opt_c.zero_grad(set_to_none=True)
 
     sync = (lambda _: torch.cuda.synchronize()) if dev == "cuda" else (lambda _: None)
-    t = common.timeit(iteration, args.repeats, warmup=1, block=sync)
+    iteration()
+    sync(None)
+    first = time.perf_counter() - started  # the models made, the first iteration (HF compiles the static-cache forward)
+    t = common.timeit(iteration, args.repeats, warmup=0, block=sync)
     peak = torch.cuda.max_memory_allocated() if dev == "cuda" else None
     real = real_tokens(batch)
     return {
@@ -375,6 +424,7 @@ def theirs(args, actor: str, critic: str, B: int, algorithm: str = "ppo", n: int
         "prompts": B // n,
         "answers": B,
         "iteration_s": t["median_s"],
+        "first_iteration_s": first,
         "samples_per_s": B / t["median_s"],
         "spread_s": [t["min_s"], t["max_s"]],
         "real_tokens_per_s": real / t["median_s"],
@@ -404,7 +454,13 @@ def find_max(args) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--actor", default="opt-1.3b", choices=sorted(PRESETS))
-    ap.add_argument("--critic", default="opt-350m", choices=sorted(PRESETS))
+    ap.add_argument(
+        "--critic",
+        default="opt-350m",
+        choices=[*sorted(PRESETS), NO_CRITIC],
+        help="critic and reward model; none: neither (critic-free algorithms), the reward a rule on the host "
+        "(rule_scores), GRPO's KL a k3 loss term of weight 0.001 on both sides (the long-answer workload)",
+    )
     ap.add_argument(
         "--batch", type=int, nargs="+", default=[64, 128, 256], help="answers per iteration (all algorithms)"
     )
