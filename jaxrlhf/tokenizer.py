@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxrlhf.checkpoint import CheckpointError, resolve
+from jaxrlhf.data.messages import ChatFormat
 
 _BPE_FILES = ("vocab.json", "merges.txt")
 
@@ -96,8 +97,21 @@ def sentencepiece_bpe(pieces: list[str], scores: list[float]):
     )
 
 
+def stop_id(tokenizer, chat_template: str = "auto") -> int:
+    """The token generation stops at and answers are trained to end with: the chat template's end-of-turn token
+    (e.g. Qwen's <|im_end|>) when `chat_template` (data.chat_template) uses it, else the tokenizer's EOS."""
+    return ChatFormat(tokenizer, chat_template).stop_id
+
+
 def decode_rows(tokenizer, ids, mask, skip_first: bool = False) -> list[str]:
-    """The text of each row's real tokens (EOS dropped; `skip_first` drops the prompt's BOS)."""
-    eos, start = tokenizer.eos_token_id, int(skip_first)
-    rows = (row[m.astype(bool)][start:] for row, m in zip(np.asarray(ids), np.asarray(mask)))
-    return [tokenizer.decode([int(t) for t in row if t != eos]) for row in rows]
+    """The text of each row's real tokens: a last token that ends an answer (EOS, or the chat template's
+    end-of-turn token) dropped, and with `skip_first` a leading BOS (a prompt's; a chat template that writes
+    none leaves the prompt whole)."""
+    ends = {tokenizer.eos_token_id, ChatFormat(tokenizer).stop_id}
+    bos = tokenizer.bos_token_id
+    out = []
+    for row, m in zip(np.asarray(ids), np.asarray(mask)):
+        row = [int(t) for t in row[m.astype(bool)]]
+        row = row[1:] if skip_first and row[:1] == [bos] else row
+        out.append(tokenizer.decode(row[:-1] if row[-1:] and row[-1] in ends else row))
+    return out

@@ -13,6 +13,8 @@ Tokenized sets are ragged (tokens + offsets), padded only when batched (batches.
     step 2   chosen and rejected sequences as in step 1
     step 3   BOS + prompt; prompts longer than max_prompt_len are dropped (and counted), never cut; each
              prompt's metadata (Record.metadata) as a JSON string, for the reward functions (jaxrlhf.rewards)
+    conversational rows: the chat template's rendering with no BOS of ours, answers ending with its end-of-turn
+             token in place of EOS (jaxrlhf.data.messages); HH text without a template or with chat_template none
     "unsupervised"  texts joined with EOS between them and cut into blocks of unsupervised_block_size
              (DeepSpeed-Chat's group_texts), for the mixture LM loss of Step 3
 """
@@ -29,10 +31,11 @@ from typing import Literal
 
 import numpy as np
 
-from jaxrlhf.config import check_fields
+from jaxrlhf.config import ConfigError, check_fields
+from jaxrlhf.data.messages import CHAT_TEMPLATE_SETTINGS, ChatFormat, MessagesError
 from jaxrlhf.data.sources import DataError, Record, Report, fingerprint, read_source, read_texts
 
-CACHE_VERSION = 6  # bump when the tokenized format or any adapter's output changes
+CACHE_VERSION = 7  # bump when the tokenized format or any adapter's output changes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +58,10 @@ class DataConfig:
     max_prompt_len: int = 256
     #: Step 1: train only on the response tokens (DeepSpeed-Chat trains on the prompt too)
     mask_prompt: bool = False
+    #: conversational rows (lists of {role, content}): "auto" renders them with the tokenizer's chat template
+    #: (HH text "\n\nHuman: ...\n\nAssistant:" when it has none), "none" always as HH text; plain strings are
+    #: used as they are either way
+    chat_template: Literal["auto", "none"] = "auto"
     #: what to do with a malformed row: stop with its file and line ("error"), or count and drop it ("skip")
     on_bad_row: Literal["error", "skip"] = "error"
     #: plain-text datasets for Step 3's mixture LM loss (.txt, rows with "text", or hub "name:config")
@@ -66,6 +73,8 @@ class DataConfig:
 
     def __post_init__(self):
         split_shares(self.data_split)  # raises on a malformed split
+        if self.chat_template not in CHAT_TEMPLATE_SETTINGS:
+            raise ConfigError(f"chat_template: expected 'auto' or 'none', got {self.chat_template!r}")
         # At least 2 tokens: BOS plus one (a block: one input and its target).
         check_fields(
             self, eval_fraction="[0, 1)", max_seq_len=">= 2", max_prompt_len=">= 2", unsupervised_block_size=">= 2"
@@ -113,14 +122,20 @@ def step_records(config: DataConfig, step: int) -> tuple[dict[str, list[Record]]
             order = _rng(config.seed, "eval", spec).permutation(len(train))
             held = set(order[: round(config.eval_fraction * len(train))].tolist())
             train, evaluation = [r for i, r in enumerate(train) if i not in held], [train[i] for i in sorted(held)]
-        if step == 2 and any(r.rejected is None for r in train + evaluation):  # eval pairs are scored too
+        if step == 2 and any(r.rejected is None and r.chosen is not None for r in train + evaluation):
             raise DataError(
                 f"{spec}: has rows without a rejected response, so it cannot train a reward model; "
                 "list it under sft_only_data_path"
             )
         for part, rows in (("train", train), ("eval", evaluation)):
             share = step_indices(len(rows), config.data_split, step, config.seed, f"{spec}/{part}")
-            out[part] += rows if sft_only else [rows[i] for i in share]
+            used = rows if sft_only else [rows[i] for i in share]
+            if step < 3 and any(r.chosen is None for r in used):
+                raise DataError(
+                    f"{spec}: has prompts without a response, which only Step 3 can use; give it no share of "
+                    "Steps 1 and 2 (data_split like 0,0,10), or add the answers"
+                )
+            out[part] += used
     for part in out:  # blend: one seeded shuffle over all sources
         out[part] = [out[part][i] for i in _rng(config.seed, "blend", str(step), part).permutation(len(out[part]))]
     return out, reports
@@ -142,10 +157,18 @@ def _ragged(seqs: list[list[int]]) -> dict[str, np.ndarray]:
 
 def tokenize(records: list[Record], tokenizer, step: int, config: DataConfig) -> tuple[dict[str, np.ndarray], dict]:
     """The ragged arrays of `step` for `records`, and counts of what was cut or dropped."""
-    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-    if bos is None or eos is None:
-        raise DataError("the tokenizer has no BOS or EOS token; jaxrlhf needs both (set them in tokenizer_config.json)")
-    prompts = [[bos] + p for p in _encode(tokenizer, [r.prompt for r in records])]
+    if tokenizer.eos_token_id is None:
+        raise DataError("the tokenizer has no EOS token; jaxrlhf needs one (set eos_token in tokenizer_config.json)")
+    fmt = ChatFormat(tokenizer, config.chat_template)
+    try:
+        prompts = [fmt.prompt_ids(r.prompt) for r in records]
+        if step == 3:
+            answers = {}
+        else:
+            fields = ("chosen",) if step == 1 else ("chosen", "rejected")
+            answers = {f: [fmt.answer_ids(r.prompt, getattr(r, f)) for r in records] for f in fields}
+    except MessagesError as e:
+        raise DataError(str(e)) from None
     if step == 3:
         keep = [i for i, p in enumerate(prompts) if len(p) <= config.max_prompt_len]
         arrays = _ragged([prompts[i] for i in keep])
@@ -153,21 +176,22 @@ def tokenize(records: list[Record], tokenizer, step: int, config: DataConfig) ->
         arrays["metadata"] = np.array([json.dumps(records[i].metadata or {}) for i in keep], str)
         return arrays, {"prompts": len(keep), "dropped_too_long": len(prompts) - len(keep)}
     arrays, stats = {}, {"sequences": len(records)}
-    fields = ("chosen",) if step == 1 else ("chosen", "rejected")
-    answers = {field: _encode(tokenizer, [getattr(r, field) for r in records]) for field in fields}
     # An over-long sequence loses the oldest prompt tokens after BOS first, the same number in both halves
     # of a pair (so they still share the prompt and differ where the answers do), but the prompt keeps at
     # least half of the room; then the answer loses its end. Cutting the end alone (DeepSpeed-Chat) drops
     # the answer, which is what both steps learn from: a pair whose prompt fills max_seq_len becomes two
     # identical sequences. Cutting the prompt alone would leave a long answer without its question.
-    room = config.max_seq_len - 2  # BOS and EOS
-    longest = [max(len(answers[f][i]) for f in fields) for i in range(len(records))]
-    keep = [max(room - n, min(len(p) - 1, room // 2)) for p, n in zip(prompts, longest)]
-    cut = [max(0, len(p) - 1 - k) for p, k in zip(prompts, keep)]
+    heads = [int(fmt.bos_id is not None and p[:1] == [fmt.bos_id]) for p in prompts]  # a leading BOS stays
+    longest = [max(len(a[i]) for a in answers.values()) for i in range(len(records))]  # answers end with EOS
+    keep = [
+        max(config.max_seq_len - h - n, min(len(p) - h, (config.max_seq_len - h - 1) // 2))
+        for p, h, n in zip(prompts, heads, longest)
+    ]
+    cut = [max(0, len(p) - h - k) for p, h, k in zip(prompts, heads, keep)]
     stats["prompts_cut"] = sum(c > 0 for c in cut)
-    prompts = [p[:1] + p[1 + c :] for p, c in zip(prompts, cut)]
-    for field in fields:
-        seqs = [p + a + [eos] for p, a in zip(prompts, answers[field])]
+    prompts = [p[:h] + p[h + c :] for p, h, c in zip(prompts, heads, cut)]
+    for field, ids in answers.items():
+        seqs = [p + a for p, a in zip(prompts, ids)]
         stats[f"{field}_truncated"] = sum(len(s) > config.max_seq_len for s in seqs)
         for key, value in _ragged([s[: config.max_seq_len] for s in seqs]).items():
             arrays[key if step == 1 else f"{field}_{key}"] = value
@@ -196,6 +220,8 @@ def cache_key(config: DataConfig, step: int, tokenizer) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     vocab = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
     vocab += json.dumps([tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id])
+    fmt = ChatFormat(tokenizer, config.chat_template)  # the template renders conversational rows: it shapes them
+    vocab += json.dumps([fmt.template, fmt.stop_id])
     blob = {
         "version": CACHE_VERSION,
         "step": step,

@@ -7,11 +7,18 @@
     path/to/folder                          a folder written by `datasets` (save_to_disk)
 
 Row formats of local files: {prompt, chosen[, rejected]} (pairs, or SFT when rejected is absent or null),
-{prompt, response} (SFT), {chosen, rejected} (raw Anthropic HH-RLHF dialogues: the prompt is the text up
-to and including the last "\n\nAssistant:", each response what follows it; pairs whose two prompts
-differ are skipped and counted), {question, answer} (GSM8K: the question is the prompt, " " + answer the SFT
-response, and the answer is kept as the row's metadata {"reference": answer} for Step 3's reward function). A
-prompt row may carry a "metadata" object, which reaches Step 3's reward functions with its prompt.
+{prompt, response} or {prompt, completion} (SFT), {prompt} alone (Step 3 prompt sets), {chosen, rejected} (raw
+Anthropic HH-RLHF dialogues: the prompt is the text up to and including the last "\n\nAssistant:", each response
+what follows it; pairs whose two prompts differ are skipped and counted), {question, answer} (GSM8K: the question
+is the prompt, " " + answer the SFT response, and the answer is kept as the row's metadata {"reference": answer}
+for Step 3's reward function). A prompt row may carry a "metadata" object, which reaches Step 3's reward
+functions with its prompt.
+
+TRL's conversational rows hold lists of {role, content} messages instead of strings (jaxrlhf.data.messages
+renders them at tokenization): {messages} (SFT: the last assistant message is the answer, the turns before it
+the prompt), {prompt, chosen[, rejected]} or {prompt, completion} with every field a list (the answers hold the
+assistant turn(s) after the prompt), {chosen, rejected} as whole conversations (TRL's implicit prompt: their
+common leading messages), and {prompt} alone.
 
 Prompts keep DeepSpeed-Chat's format ("\n\nHuman: ... \n\nAssistant:" or " Human: ... Assistant:") and
 responses start with their leading space, so prompt + response is the original text, exactly.
@@ -32,6 +39,7 @@ from typing import Any
 
 from jaxrlhf.config import InputError, decode_utf8, one_line, parse_json
 from jaxrlhf.data import synthetic
+from jaxrlhf.data.messages import Messages, MessagesError, common_prefix, parse_messages
 
 ASSISTANT = "\n\nAssistant:"
 
@@ -47,9 +55,11 @@ class SkipRow(DataError):
 
 @dataclasses.dataclass(frozen=True)
 class Record:
-    prompt: str
-    chosen: str
-    rejected: str | None = None  # None in SFT-only data
+    """One example; a field is a string (used as it is) or Messages (rendered by the tokenizer's chat format)."""
+
+    prompt: str | Messages
+    chosen: str | Messages | None  # None in prompt-only (Step 3) data
+    rejected: str | Messages | None = None  # None in SFT-only data
     metadata: dict | None = None  # what Step 3's reward functions get with the prompt (GSM8K: {"reference": answer})
 
 
@@ -95,18 +105,66 @@ def _text(row: dict, field: str) -> str:
     return value
 
 
+def _messages(row: dict, field: str, last: str | None = None) -> Messages:
+    try:
+        return parse_messages(row.get(field), field, last=last)
+    except MessagesError as e:
+        raise DataError(str(e)) from None
+
+
+def _conversation(row: dict) -> Record:
+    """TRL's conversational rows: {messages}, {prompt, answers...} as lists, or {chosen, rejected} (implicit prompt)."""
+    if "messages" in row:  # SFT: the last assistant message answers the turns before it
+        messages = _messages(row, "messages", last="assistant")
+        cut = max(i for i, (role, _) in enumerate(messages) if role == "assistant")
+        if cut == 0:
+            raise DataError("field 'messages' has no message before the last assistant message (the prompt)")
+        return Record(messages[:cut], messages[cut:])
+    answers = [f for f in ("chosen", "rejected", "completion", "response") if row.get(f) is not None]
+    for field in answers:
+        if not isinstance(row[field], list):
+            raise DataError(
+                f"field '{field}' must be a list of {{role, content}} messages, as 'prompt' is "
+                f"(TRL's conversational format), got {type(row[field]).__name__}"
+            )
+    got = {f: _messages(row, f, last="assistant") for f in answers}
+    if "prompt" in row:
+        prompt = _messages(row, "prompt")
+        if not answers and not set(row) <= {"prompt", "metadata"}:
+            raise DataError(
+                f"a prompt alone may carry only 'metadata' (for the reward functions); got {sorted(row)}; expected "
+                "answers in chosen [+ rejected] or completion"
+            )
+    else:  # TRL's implicit prompt: the leading messages both conversations share
+        n = common_prefix(got["chosen"], got["rejected"])
+        if n == 0 or n == min(len(got["chosen"]), len(got["rejected"])):
+            raise DataError(
+                f"fields 'chosen' and 'rejected' share {'no' if n == 0 else 'all their'} leading messages; as "
+                "whole conversations they must share the prompt and differ in the answer"
+            )
+        prompt, got = got["chosen"][:n], {f: m[n:] for f, m in got.items()}
+    chosen = got.get("chosen", got.get("completion", got.get("response")))
+    return Record(prompt, chosen, got.get("rejected"))
+
+
+def _blank(value: str | Messages | None) -> bool:
+    return value is not None and not "".join(value if isinstance(value, str) else (c for _, c in value)).strip()
+
+
 def local_record(row: Any) -> Record:
     """One row of a local file in any of the documented formats."""
     if not isinstance(row, dict):
         raise DataError(f"expected an object with fields, got {type(row).__name__}")
-    if "prompt" in row and ("chosen" in row or "response" in row):
-        prompt = _text(row, "prompt")
-        chosen = _text(row, "chosen" if "chosen" in row else "response")
-        metadata = row.get("metadata")
-        if metadata is not None and not isinstance(metadata, dict):
-            raise DataError(f"field 'metadata' must be an object, got {type(metadata).__name__}")
+    metadata = row.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise DataError(f"field 'metadata' must be an object, got {type(metadata).__name__}")
+    answer = next((f for f in ("chosen", "response", "completion") if f in row), None)
+    if "messages" in row or isinstance(row.get("prompt"), list) or isinstance(row.get("chosen"), list):
+        record = dataclasses.replace(_conversation(row), metadata=metadata)
+    elif "prompt" in row and (answer or set(row) <= {"prompt", "metadata"}):  # answers, or a prompt alone (Step 3)
+        chosen = _text(row, answer) if answer else None
         rejected = None if row.get("rejected") is None else _text(row, "rejected")
-        record = Record(prompt, chosen, rejected, metadata)
+        record = Record(_text(row, "prompt"), chosen, rejected, metadata)
     elif "question" in row and "answer" in row:  # GSM8K
         answer = _text(row, "answer")
         record = Record(_text(row, "question"), " " + answer, None, {"reference": answer})
@@ -118,14 +176,14 @@ def local_record(row: Any) -> Record:
         record = Record(prompt, chosen, rejected)
     else:
         raise DataError(
-            f"expected fields prompt + chosen [+ rejected], prompt + response, chosen + rejected "
-            f"(HH-RLHF dialogues), or question + answer (GSM8K); got {sorted(row)}"
+            "expected fields prompt + chosen [+ rejected], prompt + response (or completion), prompt alone "
+            "(+ metadata), chosen + rejected (HH-RLHF dialogues), question + answer (GSM8K), or messages; "
+            f"got {sorted(row)}"
         )
-    if not record.prompt.strip():
+    if _blank(record.prompt):
         raise DataError("empty prompt")
     for field in ("chosen", "rejected"):
-        value = getattr(record, field)
-        if value is not None and not value.strip():
+        if _blank(getattr(record, field)):
             raise DataError(f"prompt with no response (field '{field}' is empty)")
     return record
 
