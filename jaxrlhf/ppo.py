@@ -116,14 +116,19 @@ def needs_critic_model(cfg: PPOConfig) -> bool:
 
 def reward_starter(rewards: HostRewards, tokenizer):
     """engine.generate_experience's start_rewards: a batch's answers decoded as soon as they exist, then the reward
-    functions started on the host with this process's prompts and their metadata (prompt_batch["metadata"])."""
+    functions started on the host with this process's prompts and their metadata (prompt_batch["metadata"]), each
+    answer's token ids (EOS included where it ended) and whether it was truncated (no EOS: it hit its length limit,
+    max_answer_len or its row's answer_limits)."""
 
     def start(prompt_batch, tokens, mask):
         rows = len(prompt_batch["prompt_ids"])  # this process's: the global batch holds each process's rows in turn
         local = slice(jax.process_index() * rows, (jax.process_index() + 1) * rows)
         tokens, mask = (np.asarray(to_host(x))[local] for x in (tokens, mask))
         prompts = decode_rows(tokenizer, prompt_batch["prompt_ids"], prompt_batch["prompt_mask"], skip_first=True)
-        return rewards.start(prompts, decode_rows(tokenizer, tokens, mask), prompt_batch["metadata"])
+        token_ids = [row[m != 0].tolist() for row, m in zip(tokens, mask)]
+        truncated = [tokenizer.eos_token_id not in ids for ids in token_ids]
+        answers = decode_rows(tokenizer, tokens, mask)
+        return rewards.start(prompts, answers, prompt_batch["metadata"], token_ids=token_ids, truncated=truncated)
 
     return start
 
@@ -245,13 +250,38 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
     return {"engine": engine, "records": records, "folders": folders, "tokenizer": tokenizer}
 
 
+def sampled_batch(cfg: PPOConfig, engine: HybridEngine, prompt_iter, starter) -> tuple[dict, dict]:
+    """One generation batch (engine.generate_experience on the next prompts) and its figures. With dynamic_sampling
+    (DAPO), the groups whose rewards are all equal are dropped and more prompts drawn until batch_size groups are
+    kept, at most max_draws batches; at the cap the batch is filled with dropped groups, left out of the loss (its
+    shape stays, so nothing compiles again). Figures: dropped_groups (the share of the drawn groups dropped),
+    draws (batches drawn)."""
+    exps = [engine.generate_experience(next(prompt_iter), starter)]
+    if not cfg.dynamic_sampling:
+        return exps[0], {}
+    n, groups, kept, dropped = cfg.num_samples_per_prompt, cfg.batch_size, [], []
+    while True:
+        spread, base = engine.group_spread(exps[-1]), (len(exps) - 1) * groups
+        kept += [base + int(g) for g in np.flatnonzero(spread)]
+        dropped += [base + int(g) for g in np.flatnonzero(~spread)]
+        if len(kept) >= groups or len(exps) == cfg.max_draws:
+            break
+        exps.append(engine.generate_experience(next(prompt_iter), starter, draw=len(exps)))
+    figures = {"dropped_groups": len(dropped) / (len(exps) * groups), "draws": float(len(exps))}
+    if len(exps) == 1 and not dropped:
+        return exps[0], figures
+    chosen = (kept + dropped)[:groups]  # the kept groups first; dropped ones fill what the cap left empty
+    rows = [g * n + j for g in chosen for j in range(n)]
+    return engine.select_rows(exps, rows, left_out=range(min(len(kept), groups) * n, groups * n)), figures
+
+
 def ppo_iteration(cfg: PPOConfig, engine: HybridEngine, tokenizer, prompts, unsup, iterations: int, log):
     """Step 3's step for the loop (jaxrlhf.loop.fit): iteration `it` answers and scores `generation_batches` batches
     of prompts, then runs `ppo_epochs` passes of one actor and (PPO) one critic step per batch; its figures (the mean
     over the steps, skip counts, phase seconds, throughput, gold reward, alarms) are host floats."""
     synthetic = all(p.startswith("synthetic") for p in cfg.data.data_path)
     prompt_iter, unsup_iter = iter(prompts), iter(unsup) if unsup else None
-    starter = reward_starter(HostRewards(cfg.reward), tokenizer) if cfg.reward.functions else None
+    starter = reward_starter(HostRewards(cfg.reward, log), tokenizer) if cfg.reward.functions else None
     tracker = None
 
     def step(state, it):
@@ -263,7 +293,8 @@ def ppo_iteration(cfg: PPOConfig, engine: HybridEngine, tokenizer, prompts, unsu
         engine.state = state
         engine.offload()  # a restored state's offloaded optimizer states back in host memory (else a no-op)
         clock, engine.timings = time.perf_counter(), {}
-        experiences = [engine.generate_experience(next(prompt_iter), starter) for _ in range(cfg.generation_batches)]
+        drawn = [sampled_batch(cfg, engine, prompt_iter, starter) for _ in range(cfg.generation_batches)]
+        experiences = [exp for exp, _ in drawn]
         stats = [
             engine.train_rlhf(exp, next(unsup_iter) if unsup_iter else None)
             for _ in range(cfg.ppo_epochs)
@@ -278,6 +309,8 @@ def ppo_iteration(cfg: PPOConfig, engine: HybridEngine, tokenizer, prompts, unsu
         seconds = time.perf_counter() - clock
         samples = cfg.batch_size * cfg.num_samples_per_prompt * cfg.generation_batches  # answers
         figures = {k: float(np.mean([s[k] for s in stats])) for k in stats[0]}
+        figures.update({k: float(np.mean([d[k] for _, d in drawn])) for k in drawn[0][1]})  # dynamic sampling's
+        figures.update({k: float(f([s[k] for s in stats])) for k, f in (("ratio_min", min), ("ratio_max", max))})
         figures.update({f"{k}_skipped": float(sum(s[f"{k}_skipped"] for s in stats)) for k in engine.trained})  # counts
         figures.update(
             {f"{p}_s": engine.timings.get(p, 0.0) for p in PHASES},

@@ -4,6 +4,7 @@ that overlaps the device, and the built-in rules against the numbers the rest of
 import importlib
 import json
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -30,6 +31,18 @@ def user_module(tmp_path, monkeypatch):
         "def nan_at_2(prompts, answers, metadata):\n    return [float('nan') if a == 'boom' else 0 for a in answers]\n"
         "def words(prompts, answers, metadata):\n    return ['x'] * len(answers)\n"
         "not_callable = 3\n"
+        "def maybe(prompts, answers, metadata):\n    return [None if a == 'boom' else 1.0 for a in answers]\n"
+        "def shout(prompts, answers, metadata):\n    return [1 / len(a.strip()) for a in answers]\n"
+        "def ids(prompts, answers, metadata, token_ids):\n    return [float(sum(t)) for t in token_ids]\n"
+        "def cut(prompts, answers, metadata, *, truncated=None):\n    return [-1.0 if t else 0.0 for t in truncated]\n"
+        "def trl(prompts, completions, metadata, **kwargs):\n"
+        "    return [len(t) + 10 * c for t, c in zip(kwargs['token_ids'], kwargs['truncated'])]\n"
+        "both = threading.Barrier(2, timeout=10)\n"
+        "def meet(prompts, answers, metadata):\n    both.wait()\n    return [1.0] * len(answers)\n"
+        "meet_too = meet\n"
+        "def hang(prompts, answers, metadata):\n    released.wait(10)\n    return [5.0] * len(answers)\n"
+        "def missing_lib(prompts, answers, metadata):\n    return [0.0] * len(answers)\n"
+        "missing_lib.requires = (('no_such_library_x', 'jaxrlhf[math]'),)\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     yield importlib.import_module("my_rewards")
@@ -66,6 +79,19 @@ def test_config_defaults_to_the_reward_model_and_weights_functions(user_module):
 def test_a_bad_function_name_is_a_config_error_naming_the_setting(user_module, spec, message):
     with pytest.raises(ConfigError, match=r"^functions: " + message):
         RewardConfig(functions=(spec,))
+
+
+def test_a_function_whose_library_is_missing_stops_the_run_at_configuration(user_module, monkeypatch):
+    with pytest.raises(ConfigError, match=r"^functions: my_rewards:missing_lib needs the 'no_such_library_x' library"):
+        RewardConfig(functions=("my_rewards:missing_lib",))
+    real = rewards.importlib.util.find_spec
+    monkeypatch.setattr(rewards.importlib.util, "find_spec", lambda name: None if name == "math_verify" else real(name))
+    with pytest.raises(
+        ConfigError, match=r"math_verify needs the 'math_verify' library: pip install 'jaxrlhf\[math\]'"
+    ):
+        RewardConfig(functions=("jaxrlhf.rewards:boxed_format", "jaxrlhf.rewards:math_verify"))
+    with pytest.raises(ConfigError, match=r"^timeout: expected > 0, got 0\.0"):
+        RewardConfig(functions=("my_rewards:length",), timeout=0.0)
 
 
 def test_the_setting_reads_from_the_command_line(user_module):
@@ -105,6 +131,62 @@ def test_checked_scores_name_the_function_and_the_row(user_module):
         checked_scores("my_rewards:words", mod.words, PROMPTS, ANSWERS, META)
 
 
+def test_an_empty_answer_shows_as_empty_in_the_error(user_module):
+    """one_line("") is its type's name, so an empty answer read 'str' in the message."""
+    with pytest.raises(RewardError, match=r"on row 1 \(prompt 'p1', answer '' \(empty\)\): division by zero"):
+        checked_scores("my_rewards:shout", user_module.shout, PROMPTS, ["a", "", "b", "c"], META)
+    with pytest.raises(RewardError, match=r"on row 0 \(prompt 'p0', answer ' \\n' \(empty\)\)"):
+        checked_scores("my_rewards:shout", user_module.shout, PROMPTS, [" \n", "a", "b", "c"], META)
+
+
+def test_none_leaves_an_answer_out_and_extras_go_to_the_functions_that_take_them(user_module):
+    mod = user_module
+    np.testing.assert_array_equal(
+        checked_scores("my_rewards:maybe", mod.maybe, PROMPTS, ANSWERS, META), [1.0, 1.0, np.nan, 1.0]
+    )
+    assert rewards.extras_of(mod.length) == () and rewards.extras_of(mod.ids) == ("token_ids",)
+    assert rewards.extras_of(mod.cut) == ("truncated",) and rewards.extras_of(mod.trl) == rewards.EXTRAS
+    functions = ("my_rewards:maybe", "my_rewards:ids", "my_rewards:cut", "my_rewards:trl", "my_rewards:length")
+    runner = HostRewards(RewardConfig(functions=functions, weights=(1.0, 1.0, 1.0, 0.5, 0.25)))
+    token_ids, truncated = [[5, 2], [7], [1, 1, 2], [3, 4]], [False, True, False, True]
+    out = runner.start(PROMPTS, ANSWERS, META, token_ids=token_ids, truncated=truncated).result(timeout=10)
+    # maybe + sum(ids) - truncated + 0.5 (len(ids) + 10 truncated) + 0.25 len(answer); row 2 left out: 0, scored 0
+    assert out.scores.dtype == np.float32 and out.scores.tolist() == [9.25, 13.0, 0.0, 14.0]
+    assert out.scored.dtype == np.float32 and out.scored.tolist() == [1.0, 1.0, 0.0, 1.0]
+    with pytest.raises(RewardError, match=r"my_rewards:ids takes \['token_ids'\] but this caller does not give them"):
+        runner(PROMPTS, ANSWERS, META)
+
+
+def test_functions_run_in_parallel_and_one_past_its_timeout_leaves_the_batch_out(user_module):
+    mod = user_module
+    # meet and meet_too each wait for the other at a barrier of two: one after the other, both would time out
+    both = HostRewards(RewardConfig(functions=("my_rewards:meet", "my_rewards:meet_too"), weights=(1.0, 2.0)))
+    assert both(PROMPTS, ANSWERS, META).scores.tolist() == [3.0] * 4
+    lines = []
+    mod.released.clear()
+    runner = HostRewards(
+        RewardConfig(functions=("my_rewards:length", "my_rewards:hang"), timeout=0.3), log=lines.append
+    )
+    clock = time.monotonic()
+    out = runner.start(PROMPTS, ANSWERS, META).result(timeout=10)
+    assert time.monotonic() - clock < 5  # the run goes on: the hanging call is not waited for
+    mod.released.set()
+    assert out.scores.tolist() == [0.0] * 4 and out.scored.tolist() == [0.0] * 4
+    assert lines == [
+        "warning: reward function my_rewards:hang took over 0.3 s (reward.timeout) on a batch: its 4 answers are "
+        "left out of the loss"
+    ]
+    assert runner(PROMPTS, ANSWERS, META).scores.tolist() == [6.0, 7.0, 9.0, 9.0]  # released: in time again
+
+
+def test_the_process_workers_give_the_threads_results():
+    functions = ("jaxrlhf.rewards:gsm8k", "jaxrlhf.rewards:boxed_format")
+    answers, meta = ["#### 4", "so 5", "\\boxed{4}", "4"], [{"reference": "#### 4"}] * 4
+    threads = HostRewards(RewardConfig(functions=functions))(PROMPTS, answers, meta)
+    processes = HostRewards(RewardConfig(functions=functions, workers="processes"))(PROMPTS, answers, meta)
+    assert threads.scores.tolist() == processes.scores.tolist() == [2.0, 0.0, 2.0, 1.0]
+
+
 def test_the_runner_overlaps_the_caller_and_weights_the_functions(user_module):
     mod = user_module
     runner = HostRewards(RewardConfig(functions=("my_rewards:blocked", "my_rewards:length"), weights=(3.0, -0.5)))
@@ -112,7 +194,7 @@ def test_the_runner_overlaps_the_caller_and_weights_the_functions(user_module):
     pending = runner.start(PROMPTS, ANSWERS, META)  # returns while `blocked` waits: the device work goes on meanwhile
     assert not pending.done()
     mod.released.set()
-    scores = pending.result(timeout=10)
+    scores = pending.result(timeout=10).scores
     assert scores.dtype == np.float32 and scores.tolist() == [2.5, 2.0, 1.0, 1.0]  # 3 * 1 - 0.5 * len(answer)
 
 
@@ -148,6 +230,63 @@ def test_gsm8k_compares_the_last_number_with_the_reference():
     ) == [1.0, 1.0, 0.0]
     with pytest.raises(ValueError, match=r"the reference has no '#### <number>'"):
         rewards.gsm8k([""], ["1"], [{"reference": "7"}])
+
+
+def test_numbers_are_read_as_whole_tokens():
+    """ "1e3" was read as 3 and "1.2.3" as 0.3: a number's pieces were numbers of their own."""
+    cases = {
+        "1e3": 1000.0,
+        "it is 2.5E-1 m": 0.25,
+        "1.2.3": None,
+        "version v1.2.3 ships": None,
+        "12 then 1.2.3": 12.0,
+        "3-4": 4.0,
+        "$1,234.50": 1234.5,
+        "-$5": -5.0,
+        "1234.": 1234.0,
+        "3 eggs, 4eggs": 4.0,
+        ".5": 0.5,
+    }
+    assert {t: rewards.parse_number(t) for t in cases} == cases
+    assert rewards.gsm8k(
+        [""] * 3,
+        ["1e3", "1.2.3", "0.3"],
+        [{"reference": "#### 1000"}, {"reference": "#### 0.3"}] + [{"reference": "#### 0.3"}],
+    ) == [1.0, 0.0, 1.0]
+
+
+def test_math_verify_reads_boxed_and_gsm8k_answers_with_numeric_and_latex_equivalence():
+    cases = [  # (answer, reference, right?)
+        ("so \\boxed{72}.", "72", 1.0),
+        ("The answer is 72.", "She has 3 + 4 = <<3+4=7>>7 apples.\n#### 72", 1.0),
+        ("#### 1234", "#### 1,234", 1.0),
+        ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("It is 1/2", "\\frac12", 1.0),
+        ("\\boxed{\\dfrac{\\sqrt{2}}{2}}", "\\frac{1}{\\sqrt{2}}", 1.0),
+        ("first \\boxed{3}, then \\boxed{\\{1, 2\\}}", "Solution ... \\boxed{\\{2, 1\\}}", 1.0),
+        ("\\boxed{15.0}", "15", 1.0),
+        ("\\boxed{71}", "72", 0.0),
+        ("#### 72 then \\boxed{7}", "72", 0.0),  # the box is the final answer
+        ("", "72", 0.0),
+        ("\\boxed{", "72", 0.0),
+    ]
+    got = rewards.math_verify([""] * len(cases), [a for a, _, _ in cases], [{"reference": r} for _, r, _ in cases])
+    assert got == [want for _, _, want in cases]
+    with pytest.raises(ValueError, match=r'row 1: expected metadata \{"reference": "<the answer>"\}, got \{\}'):
+        rewards.math_verify([""] * 2, ["1", "2"], [{"reference": "1"}, {}])
+
+
+def test_math_verify_agrees_with_gsm8k_on_the_real_reference_answers(assets):
+    rows = [json.loads(line) for line in (assets / "data" / "gsm8k" / "test.jsonl").read_text().splitlines()][:40]
+    meta = [{"reference": r["answer"]} for r in rows]
+    answers = [r["answer"] for r in rows] + [r["answer"] for r in rows[1:] + rows[:1]]
+    assert rewards.math_verify(None, answers, meta + meta) == rewards.gsm8k(None, answers, meta + meta)
+    assert rewards.math_verify(None, answers[:40], meta) == [1.0] * 40
+
+
+def test_boxed_format_wants_exactly_one_final_answer():
+    answers = ["\\boxed{3}", "so #### 3", "3", "\\boxed{3} and \\boxed{4}", "#### 3 \\boxed{3}", "\\boxed{ }", "####"]
+    assert rewards.boxed_format(None, answers, None) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
 
 
 def test_gsm8k_rewards_every_real_reference_answer_as_right(assets):
@@ -210,7 +349,7 @@ def test_the_runner_runs_the_builtins_by_name():
     )
     prompt = story_task.make_prompt("cat")
     out = runner([prompt] * 2, [" a cat: 4", " a dog: 5"], [{"reference": "#### 4"}] * 2)
-    assert out.tolist() == [3.0, 0.0]
+    assert out.scores.tolist() == [3.0, 0.0] and out.scored.tolist() == [1.0, 1.0]
 
 
 # ---------------------------------------------------------------------------------------------- in Step 3
@@ -273,8 +412,14 @@ def test_step3_rewards_are_the_weighted_sum_of_the_functions_and_the_model(built
     np.testing.assert_array_equal(out["sum"]["seq"], out["model"]["seq"])
     want = np.asarray(gold_rewards(tok, out["model"]), np.float32)  # the rule ppo logs, on the decoded answers
     assert len(set(want.tolist())) > 1 and out["model"]["scores"].std() > 0
-    np.testing.assert_array_equal(out["gold"]["scores"], want)
-    np.testing.assert_allclose(out["sum"]["scores"], 0.5 * out["model"]["scores"] + 2.0 * want, rtol=1e-6, atol=1e-6)
+    # scores: the reward model's alone (what clip_score clips); function_scores beside it, never clipped
+    np.testing.assert_array_equal(out["gold"]["scores"], np.zeros(8))
+    np.testing.assert_array_equal(out["gold"]["function_scores"], want)
+    np.testing.assert_allclose(out["sum"]["scores"], 0.5 * out["model"]["scores"], rtol=1e-6)
+    np.testing.assert_array_equal(out["sum"]["function_scores"], 2.0 * want)
+    np.testing.assert_array_equal(out["model"]["function_scores"], np.zeros(8))
+    for name in out:
+        np.testing.assert_array_equal(out[name]["scored"], np.ones(8))
     assert out["gold"]["own"] == 0 < out["model"]["own"] == out["sum"]["own"]  # no reward model without its weight
 
 
@@ -286,14 +431,19 @@ def test_the_hook_hands_each_prompt_its_metadata(builtin):
     seen = []
 
     class Spy:
-        def start(self, prompts, answers, metadata):
-            seen.append((prompts, answers, metadata))
+        def start(self, prompts, answers, metadata, **extras):
+            seen.append((prompts, answers, metadata, extras))
 
     tagged = batch | {"metadata": [{"row": i} for i in range(8)]}
-    answers = np.array([tok(" a b", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]] * 8, np.int32)
-    reward_starter(Spy(), tok)(tagged, answers, np.ones_like(answers))
-    prompts, texts, metadata = seen[0]
-    assert metadata == [{"row": i} for i in range(8)] and texts == [" a b"] * 8
+    ab, eos = tok(" a b", add_special_tokens=False)["input_ids"], tok.eos_token_id
+    answers = np.array([ab + [eos]] * 4 + [ab + ab[:1]] * 4, np.int32)
+    mask = np.ones_like(answers)
+    mask[1, -1] = 0  # " a b" cut at a limit of 2 tokens: no EOS, truncated
+    reward_starter(Spy(), tok)(tagged, answers, mask)
+    prompts, texts, metadata, extras = seen[0]
+    assert metadata == [{"row": i} for i in range(8)] and texts == [" a b"] * 4 + [" a b a"] * 4
+    assert extras["token_ids"] == [ab + [eos], ab] + [ab + [eos]] * 2 + [ab + ab[:1]] * 4
+    assert extras["truncated"] == [False, True, False, False, True, True, True, True]
     assert prompts == [tok.decode(r[m == 1][1:]) for r, m in zip(batch["prompt_ids"], batch["prompt_mask"])]
     assert all(synthetic_task.prompt_items(p) for p in prompts)
 

@@ -54,10 +54,13 @@ from jaxrlhf.rl.experience import (
     Static,
     advantages,
     base_params,
+    group_spread,
     next_kl_coef,
     padded_experience,
     row_layout,
     score,
+    take_rows,
+    truncated_rows,
     with_shared,
 )
 from jaxrlhf.sharding import check_tp, reshard, shardings_for
@@ -225,16 +228,19 @@ class HybridEngine:
         self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - start
         return out
 
-    def generate_experience(self, prompt_batch: dict, start_rewards=None) -> dict:
+    def generate_experience(self, prompt_batch: dict, start_rewards=None, draw: int = 0) -> dict:
         """Answers to left-padded prompts {"prompt_ids", "prompt_mask"} [B, P] (host or device arrays; optionally
         "answer_limits" [B], each answer's own maximum length) and their scores. Returns the experience, on the mesh
         with rows split over every device: seq, seq_mask [B, P + G] (prompt then answer); mask (answer tokens up to
         and including EOS), logprobs (old), ref_logprobs, values, generation_logprobs (generation's own) [B, G]; scores
-        [B] (the reward: reward.model_weight x the reward model's score, plus the reward functions'); kl_coef (the KL
+        [B] (reward.model_weight x the reward model's score; 0 without one), function_scores [B] (the reward functions'
+        weighted sum), scored [B] (1, or 0 where a function left the answer out of the loss); kl_coef (the KL
         penalty's coefficient for this batch; an adaptive one then moves on this batch's KL).
         `start_rewards(prompt_batch, tokens, mask)`, given, is called with the answers [B, G] as soon as they exist and
-        returns a Future of the reward functions' weighted scores of this process's rows (jaxrlhf.ppo.reward_starter):
-        they run on the host while the device scores."""
+        returns a Future of the reward functions' HostScores of this process's rows (jaxrlhf.ppo.reward_starter):
+        they run on the host while the device scores. Also truncated [B] (1: no EOS within the answer's limit).
+        `draw` > 0: an extra draw of dynamic sampling for the same generation batch (its own sampling key; the
+        iteration counter, which keys the checkpoints, does not move)."""
         cfg, mesh = self.cfg, self.mesh
         prompt_batch = repeat_rows(prompt_batch, cfg.num_samples_per_prompt)
         ids, mask = prompt_batch["prompt_ids"], prompt_batch["prompt_mask"]
@@ -257,6 +263,7 @@ class HybridEngine:
         params = self._timed("reshard", to_tp)
         self.reshard_bytes = tree_bytes(params)
         key = jax.random.fold_in(jax.random.key(cfg.seed), int(self.state["iteration"]))
+        key = jax.random.fold_in(key, draw) if draw else key
 
         def answer(params):
             gen = generate(
@@ -294,17 +301,38 @@ class HybridEngine:
             for leaf in jax.tree.leaves(tree) if on else ():
                 leaf.delete()
         del frozen
+        # scores: the reward model's alone (clipped later); the functions' weighted sum and which rows they scored
+        # (0: a function returned None or timed out, left out of the loss) beside it, unclipped
+        host = {"function_scores": exp["scores"] * 0, "scored": exp["scores"] * 0 + 1}
         if pending is not None:  # "rewards": the wait for the functions after the device's scoring, if they outlast it
-            host = self._timed("rewards", pending.result)
-            exp["scores"] = exp["scores"] + place({"scores": host}, mesh, "fsdp")["scores"]
+            done = self._timed("rewards", pending.result)
+            host = place({"function_scores": done.scores, "scored": done.scored}, mesh, "fsdp")
+        exp.update(host)
+        exp["truncated"] = truncated_rows(self.static, tokens, answer_mask, self.eos_id)
         exp["generation_logprobs"] = gen_logprobs
         # The KL coefficient of this batch's rewards, the same in every PPO epoch; the adaptive controller then
         # steps once per generation batch, on this batch's KL (Ziegler et al. 2019; TRL's PPOTrainer).
         exp["kl_coef"] = self.state["kl_coef"]
         if cfg.kl_target is not None:
             self.state["kl_coef"] = next_kl_coef(self.static, self.state["kl_coef"], exp)
-        self.state["iteration"] = self.state["iteration"] + 1
+        if not draw:
+            self.state["iteration"] = self.state["iteration"] + 1
         return exp
+
+    def group_spread(self, exp: dict) -> np.ndarray:
+        """[B / n] bool on the host: whether each group's rewards differ (dynamic sampling keeps those)."""
+        return np.asarray(to_host(group_spread(self.static, exp)))
+
+    def select_rows(self, experiences: list[dict], rows, left_out=()) -> dict:
+        """One experience from rows `rows` (indices into the experiences' rows one after another; their number must
+        split over the devices) of experiences alike, kl_coef the first's; the rows at positions `left_out` of `rows`
+        are kept for the shape but marked unscored (scored 0: out of the loss and of their group's statistics)."""
+        rows = np.asarray(rows, np.int32)
+        keep = np.ones(len(rows), np.float32)
+        keep[list(left_out)] = 0.0
+        per_row = [k for k, v in experiences[0].items() if k != "kl_coef" and getattr(v, "ndim", 0) >= 1]
+        out = take_rows(self.static, [{k: e[k] for k in per_row} for e in experiences], rows, keep)
+        return {**out, "kl_coef": experiences[0]["kl_coef"]}
 
     def _score(self, weights, frozen, ids, mask, tokens, answer_mask, gen_logprobs):
         """The experience scored in packed micro-batches of max_tokens_per_micro_batch (jaxrlhf.rl.packing)."""
@@ -344,7 +372,8 @@ class HybridEngine:
     def train_rlhf(self, experience: dict, unsupervised: dict | None = None) -> dict:
         """One PPO step of the actor (plus the mixture LM loss on `unsupervised`, a Step 1-style batch) and one
         of the critic (if any) on `experience`; the EMA follows the actor. Returns the batch's figures as floats."""
-        keys = ("seq", "seq_mask", "mask", "logprobs", "ref_logprobs", "values", "scores")
+        keys = ("seq", "seq_mask", "mask", "logprobs", "ref_logprobs", "values", "scores", "function_scores", "scored")
+        keys += ("truncated",)
         exp = {k: experience[k] for k in keys if k in experience}
         if unsupervised is not None:
             on_host = isinstance(unsupervised["input_ids"], np.ndarray)
@@ -363,6 +392,10 @@ class HybridEngine:
             stats.update(
                 {k: m[k] / m["count"] for k in ("actor_loss", "unsup_loss", "kl_loss", "critic_loss") if k in m}
             )
+            if name == "actor":  # the ratio's diagnostics: token means, and its extremes (losses.ratio_figures)
+                tokens = jnp.maximum(m["ratio_tokens"], 1)
+                stats.update({k: m[k] / tokens for k in ("clip_frac", "approx_kl")}, ratio_mean=m["ratio"] / tokens)
+                stats.update(ratio_min=m["ratio_min"], ratio_max=m["ratio_max"])
         return {k: float(v) for k, v in jax.device_get(stats).items()}
 
     # ------------------------------------------------------------------------------------------------ views
