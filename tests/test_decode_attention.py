@@ -163,11 +163,11 @@ def test_kernel_lowers_to_triton_for_an_h200(mask_loads):
         assert module.count('name = "jaxrlhf_decode_attention"') == 1
         assert ("masked_load" in module) == mask_loads  # the Triton IR's debug names
         # the fused step, its caches aliased to its outputs: grouped-query heads with rotary and RMSNorm (Llama),
-        # multi-head with a LayerNorm, its float32 product and a bias (OPT)
+        # (and Qwen3's per-head q/k norm), multi-head with a LayerNorm, its float32 product and a bias (OPT)
         f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
         G2, llama = H // Hkv + 2, Hkv < H
         step = jax.jit(
-            lambda qkv, k, v, s, c, n, x, m, r, cs, b: decode_step(
+            lambda qkv, k, v, s, c, n, x, m, r, cs, b, w: decode_step(
                 qkv,
                 k,
                 v,
@@ -178,6 +178,7 @@ def test_kernel_lowers_to_triton_for_an_h200(mask_loads):
                 rms=(x, 1e-5) if llama else None,
                 layer_norm=None if llama else (m, r, 2048, 1e-5, cs),
                 bias=None if llama else b,
+                qk_norm=(w, 1e-6) if llama else None,  # Qwen3's
                 config=config,
             )
         )
@@ -198,6 +199,7 @@ def test_kernel_lowers_to_triton_for_an_h200(mask_loads):
                 f32(4),  # Llama-13B's width: 5 pieces
                 f32(Hkv, G2, K),
                 bf16(Hkv, G2, K),
+                bf16(2, K),
             )
         module = exported.mlir_module()
         assert module.count('name = "jaxrlhf_decode_attention_step"') == 1 and "output_operand_alias" in module
@@ -220,10 +222,11 @@ def test_masked_loads_read_nothing_outside_the_valid_range():
     assert np.isnan(np.asarray(whole)).any(axis=(1, 2)).all()  # every row has a partial block
 
 
-def step_reference(qkv, k, v, start, slot, layer, rope, rms=None, layer_norm=None, bias=None):
+def step_reference(qkv, k, v, start, slot, layer, rope, rms=None, layer_norm=None, bias=None, qk_norm=None):
     """decode_step unfused, in float32: finish the folded norm (rms = (h, eps): rows times 1 / sqrt(mean(h^2) +
-    eps); layer_norm = (sums, squares, D, eps, colsum): (row - mean colsum) / sqrt(var + eps)), add the bias, rotate
-    q and k (pairs (i, i + K/2)), write k and v at `slot`, attend over start .. slot."""
+    eps); layer_norm = (sums, squares, D, eps, colsum): (row - mean colsum) / sqrt(var + eps)), add the bias, normalise
+    each q head and k (qk_norm = (scales [2, K], eps): x / sqrt(mean(x^2) + eps) * scale), rotate q and k (pairs
+    (i, i + K/2)), write k and v at `slot`, attend over start .. slot."""
     B, _, G2, K = qkv.shape
     x = qkv.astype(jnp.float32)
     per_row = lambda t: t[:, None, None, None]
@@ -236,6 +239,10 @@ def step_reference(qkv, k, v, start, slot, layer, rope, rms=None, layer_norm=Non
     if bias is not None:
         x = x + bias.astype(jnp.float32)
     q, k_new, v_new = x[:, :, : G2 - 2], x[:, :, G2 - 2], x[:, :, G2 - 1]
+    if qk_norm is not None:
+        scales, eps = qk_norm
+        rms_of = lambda t: jnp.sqrt(jnp.mean(jnp.square(t), axis=-1, keepdims=True) + eps)
+        q, k_new = q / rms_of(q) * scales[0].astype(jnp.float32), k_new / rms_of(k_new) * scales[1].astype(jnp.float32)
     if rope is not None:
         cos, sin = rope[0][:, None, None, :], rope[1][:, None, None, :]
         turn = lambda t: jnp.concatenate(
@@ -248,11 +255,14 @@ def step_reference(qkv, k, v, start, slot, layer, rope, rms=None, layer_norm=Non
     return out, k, v
 
 
-STEP_CASES = [  # (L, B, Hkv, G, S, K, dtype, rope, the folded norm: None, "rms" or "layer", RMSNorm's width D, bias)
-    (2, 3, 2, 2, 48, 64, jnp.float32, True, "rms", 96, False),  # Llama: grouped-query, rotary, RMSNorm (D in 3 pieces)
-    (1, 4, 4, 1, 64, 64, jnp.float32, False, None, 0, False),  # OPT unfolded (post-LN): multi-head, neither
-    (2, 4, 4, 1, 64, 64, jnp.float32, False, "layer", 0, True),  # OPT pre-LN: LayerNorm (statistics given), bias
-    (3, 2, 2, 4, 32, 128, jnp.bfloat16, True, "rms", 256, True),  # biased Llama (Qwen-like) in bf16
+STEP_CASES = [  # (L, B, Hkv, G, S, K, dtype, rope, the folded norm: None, "rms" or "layer", RMSNorm's width D, bias,
+    # Qwen3's per-head q/k norm)
+    (2, 3, 2, 2, 48, 64, jnp.float32, True, "rms", 96, False, False),  # Llama: grouped-query, rotary, RMSNorm (D in 3)
+    (1, 4, 4, 1, 64, 64, jnp.float32, False, None, 0, False, False),  # OPT unfolded (post-LN): multi-head, neither
+    (2, 4, 4, 1, 64, 64, jnp.float32, False, "layer", 0, True, False),  # OPT pre-LN: LayerNorm (statistics given), bias
+    (3, 2, 2, 4, 32, 128, jnp.bfloat16, True, "rms", 256, True, False),  # Qwen2: q/k/v biases, in bf16
+    (2, 3, 2, 4, 48, 64, jnp.float32, True, "rms", 96, False, True),  # Qwen3: q/k norm before the rotation
+    (2, 3, 2, 2, 48, 64, jnp.bfloat16, False, "rms", 64, True, True),  # q/k norm with a bias, no rotation, bf16
 ]
 
 
@@ -265,7 +275,7 @@ def norm_input(key, B, D, dtype=jnp.float32):
 @pytest.mark.parametrize("case", range(len(STEP_CASES)))
 @pytest.mark.slow
 def test_the_fused_step_equals_normalise_rotate_write_attend(case):
-    L, B, Hkv, G, S, K, dtype, rope, norm, D, bias = STEP_CASES[case]
+    L, B, Hkv, G, S, K, dtype, rope, norm, D, bias, qk = STEP_CASES[case]
     ks = jax.random.split(jax.random.key(200 + case), 8)  # fresh inputs per case
     # A folded LayerNorm's product comes in float32 (common.fused_decode_step): its mean part cancels
     qkv = jax.random.normal(ks[0], (B, Hkv, G + 2, K), jnp.float32 if norm == "layer" else dtype)
@@ -279,10 +289,11 @@ def test_the_fused_step_equals_normalise_rotate_write_attend(case):
         (x.sum(-1), (x * x).sum(-1), 96, 0.5, jax.random.normal(ks[6], (Hkv, G + 2, K))) if norm == "layer" else None
     )
     bias = jax.random.normal(ks[7], (Hkv, G + 2, K), dtype) if bias else None
-    got = decode_step(
-        qkv, k, v, start, slot, layer, rope=rope, rms=rms, layer_norm=layer_norm, bias=bias, config=KERNEL
-    )
-    want = step_reference(qkv, k, v, start, slot, layer, rope, rms, layer_norm, bias)
+    # scales away from 1, different for q and k (a swap shows), and a large epsilon (an epsilon left out shows)
+    qk_norm = (jax.random.uniform(ks[6], (2, K), minval=0.5, maxval=1.5).astype(dtype), 0.3) if qk else None
+    norms = dict(rms=rms, layer_norm=layer_norm, qk_norm=qk_norm)
+    got = decode_step(qkv, k, v, start, slot, layer, rope=rope, bias=bias, **norms, config=KERNEL)
+    want = step_reference(qkv, k, v, start, slot, layer, rope, rms, layer_norm, bias, qk_norm)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), atol=tol, rtol=tol)
     for name, g, w in (("k", got[1], want[1]), ("v", got[2], want[2])):  # the write, and every other slot untouched
@@ -292,12 +303,16 @@ def test_the_fused_step_equals_normalise_rotate_write_attend(case):
     )
     differs = lambda other: np.abs(np.asarray(other[0], np.float32) - np.asarray(want[0], np.float32)).max() > 0.05
     if rope is not None:  # each part matters: without it the answer differs
-        assert differs(step_reference(qkv, k, v, start, slot, layer, None, rms, layer_norm, bias))
+        assert differs(step_reference(qkv, k, v, start, slot, layer, None, rms, layer_norm, bias, qk_norm))
+    if qk_norm is not None:
+        assert differs(step_reference(qkv, k, v, start, slot, layer, rope, rms, layer_norm, bias))
+        swapped = (qk_norm[0][::-1], qk_norm[1])
+        assert differs(step_reference(qkv, k, v, start, slot, layer, rope, rms, layer_norm, bias, swapped))
     if layer_norm is not None:
         centred = (0 * layer_norm[0], layer_norm[1] - layer_norm[0] ** 2 / 96, *layer_norm[2:])  # same variance, mean 0
         assert differs(step_reference(qkv, k, v, start, slot, layer, rope, rms, centred, bias))
     if bias is not None:
-        assert differs(step_reference(qkv, k, v, start, slot, layer, rope, rms, layer_norm))
+        assert differs(step_reference(qkv, k, v, start, slot, layer, rope, rms, layer_norm, None, qk_norm))
 
 
 @pytest.mark.slow
