@@ -21,8 +21,11 @@ from jaxrlhf.rl.losses import (
     aggregate,
     grpo_advantages,
     kl_penalty,
+    overlong_penalty,
     policy_loss,
+    ratio_figures,
     reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
     rloo_advantages,
 )
 from jaxrlhf.trainer import OptimConfig
@@ -44,6 +47,34 @@ def np_group_advantages(r, n, kind, scale=True):
             else:
                 out[start + j] = (g[j] - g.mean()) / ((g.std(ddof=1) + 1e-6) if scale else 1.0)
     return out
+
+
+def np_reinforce_pp_baseline(scores, mask, n, valid=None):
+    """Group mean over the valid answers subtracted (0 for a group whose valid rewards are equal), the centred score
+    on every token (gamma 1, no KL), divided by the std over the valid answers' tokens."""
+    valid = np.ones(len(scores)) if valid is None else valid
+    centred = np.zeros(len(scores))
+    for start in range(0, len(scores), n):
+        g, v = scores[start : start + n], valid[start : start + n] > 0
+        if len(set(g[v])) > 1:
+            centred[start : start + n] = np.where(v, g - g[v].mean(), 0)
+    m = mask * valid[:, None]
+    tokens = (centred[:, None] * m)[m > 0]
+    return centred[:, None] * m / np.sqrt(tokens.var() + 1e-8)
+
+
+def np_gspo_loss(lp, old, adv, mask, low, high):
+    """GSPO's loss per token and its gradient d loss / d lp [B, G], one answer at a time: s = exp(mean_t (lp - old));
+    the term -A s, or -A clip(s) where that is the larger (then no gradient)."""
+    loss, grad = np.zeros_like(lp), np.zeros_like(lp)
+    for b in range(len(lp)):
+        n = int(mask[b].sum())
+        s = np.exp(np.mean(lp[b, :n] - old[b, :n]))
+        a = adv[b, 0]
+        unclipped, clipped = -a * s, -a * np.clip(s, 1 - low, 1 + high)
+        loss[b, :n] = max(unclipped, clipped)
+        grad[b, :n] = -a * s if unclipped >= clipped else 0.0  # d(-A s_b,t)/d lp_t = -A s_b (GSPO-token)
+    return loss, grad
 
 
 def np_reinforce_pp(rewards, mask, gamma):
@@ -101,6 +132,97 @@ def test_reinforce_pp_advantages_equal_a_numpy_loop():
     np.testing.assert_allclose(np.asarray(hand).ravel(), (want - want.mean()) / np.sqrt(want.var() + 1e-8), rtol=1e-5)
 
 
+@pytest.mark.parametrize("n,r", [(8, 0.7), (12, 4.7), (4, 1.0), (6, -0.3)])
+def test_equal_rewards_give_exactly_zero_advantages(n, r):
+    """A group of equal rewards has no learning signal. In float32, r - mean and the std are each one rounding step
+    (0.7 x 8: the mean is not 0.7), so their quotient was O(1): 0.056 at n 8, r 0.7; -0.48 at n 12, r 4.7."""
+    other = jnp.arange(n, dtype=jnp.float32) / n  # a second group with spread: its advantages are not zero
+    rewards = jnp.concatenate([jnp.full((n,), r, jnp.float32), other])
+    mask = jnp.ones((2 * n, 3))
+    for name, adv in (
+        ("grpo", grpo_advantages(rewards, n)),
+        ("grpo unscaled", grpo_advantages(rewards, n, scale=False)),
+        ("rloo", rloo_advantages(rewards, n)),
+        ("reinforce_pp_baseline", reinforce_pp_baseline_advantages(rewards, mask, n)),
+    ):
+        adv = np.asarray(adv).reshape(2 * n, -1)
+        assert np.all(adv[:n] == 0.0), (name, adv[:n].ravel())
+        assert np.abs(adv[n:]).min() > 0 or name != "grpo", name
+    # With a reward function's None (valid 0) in a group, the others' statistics leave it out, and it gets 0.
+    valid = jnp.ones(2 * n).at[n + 1].set(0.0)
+    spiked = rewards.at[n + 1].set(1e6)  # the left-out answer's reward changes nothing
+    np.testing.assert_allclose(
+        grpo_advantages(spiked, n, valid=valid)[n:],
+        np_group_advantages(np.delete(np.asarray(other), 1), n - 1, "grpo").tolist()[:1]
+        + [0.0]
+        + np_group_advantages(np.delete(np.asarray(other), 1), n - 1, "grpo").tolist()[1:],
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+def test_reinforce_pp_baseline_equals_a_numpy_loop():
+    """Group mean subtracted, then divided by the batch's std over answer tokens: by hand on two groups of two, then
+    against the loop on random groups of unequal means and lengths, with a left-out answer and an equal group."""
+    # groups (1, 3) and (0, 4), one token each: centred (-1, 1, -2, 2), std sqrt(2.5)
+    hand = reinforce_pp_baseline_advantages(jnp.array([1.0, 3.0, 0.0, 4.0]), jnp.ones((4, 1)), 2)
+    np.testing.assert_allclose(np.asarray(hand).ravel(), np.array([-1, 1, -2, 2]) / math.sqrt(2.5), rtol=1e-5)
+    rng = np.random.default_rng(3)
+    scores = (rng.normal(size=12) + np.repeat([0, 3, -2], 4)).astype(np.float32)
+    scores[8:] = 0.5  # the third group: equal rewards
+    mask = (np.arange(5)[None] < rng.integers(1, 6, 12)[:, None]).astype(np.float32)
+    valid = np.ones(12, np.float32)
+    valid[2] = 0.0
+    got = reinforce_pp_baseline_advantages(jnp.asarray(scores), jnp.asarray(mask), 4, jnp.asarray(valid))
+    np.testing.assert_allclose(got, np_reinforce_pp_baseline(scores, mask, 4, valid), rtol=1e-5, atol=1e-6)
+
+
+def test_gspo_loss_and_gradient_equal_a_numpy_loop():
+    """GSPO's sequence-level ratio (the mean log-ratio over the answer's tokens) and clip, per answer: its loss and
+    its gradient w.r.t. the log-probs (GSPO-token: sg[s_b] p_t / sg[p_t]) against NumPy, with answers inside, above
+    and below the small clip range, of both signs of advantage."""
+    mask = np.array([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 0]], np.float32)
+    old = np.random.default_rng(4).normal(size=(5, 4)).astype(np.float32)
+    # mean log-ratio per answer: 1e-4 (inside), 2e-3 (above 1 + 4e-4), -2e-3 (below 1 - 3e-4), 2e-3, -2e-3
+    shift = np.array(
+        [[3e-4, -2e-4, 2e-4, 9], [1e-3, 3e-3, 9, 9], [-2e-3] * 4, [2e-3, 9, 9, 9], [-1e-3, -4e-3, -1e-3, 9]]
+    )
+    lp = (old + shift * mask).astype(np.float32)
+    adv = np.array([1.0, 1.0, -1.0, -2.0, 0.5], np.float32)[:, None] * mask
+    want_loss, want_grad = np_gspo_loss(lp.astype(np.float64), old, adv, mask, 3e-4, 4e-4)
+
+    def total(x):
+        return jnp.sum(policy_loss(x, jnp.asarray(old), jnp.asarray(adv), 3e-4, 4e-4, jnp.asarray(mask), True) * mask)
+
+    per_token = policy_loss(jnp.asarray(lp), jnp.asarray(old), jnp.asarray(adv), 3e-4, 4e-4, jnp.asarray(mask), True)
+    np.testing.assert_allclose(per_token * mask, want_loss, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(jax.grad(total)(jnp.asarray(lp)) * mask, want_grad, rtol=1e-5, atol=1e-6)
+    # answers 1 (A > 0, above) and 4 (A > 0, below: unclipped side) vs 2 (A < 0, below: clipped): which get gradient
+    assert (want_grad[1] == 0).all() and (want_grad[2] == 0).all() and (want_grad[0, :3] != 0).all()
+    # the token ratio (PPO's) differs: answer 0's tokens are not clipped one by one the same way
+    assert not np.allclose(
+        policy_loss(jnp.asarray(lp), jnp.asarray(old), jnp.asarray(adv), 3e-4, 4e-4) * mask, want_loss
+    )
+
+
+def test_ratio_figures_and_overlong_penalty_by_hand():
+    old = jnp.zeros((2, 3))
+    lp = jnp.log(jnp.array([[1.5, 0.5, 1.1], [0.9, 7.0, 7.0]]))
+    adv = jnp.array([[1.0, -1.0, 1.0], [-1.0, 0.0, 0.0]])
+    mask = jnp.array([[1, 1, 1], [1, 0, 0]])
+    f = ratio_figures(lp, old, adv, mask, 0.2, 0.2)
+    # clipped (the clipped term larger): 1.5 with A > 0 (1.2), 0.5 with A < 0 (0.8); 1.1 and 0.9 inside
+    logs = np.log([1.5, 0.5, 1.1, 0.9])
+    want = {"clip_frac": 2, "approx_kl": 0.5 * (logs**2).sum(), "ratio": 4.0, "ratio_tokens": 4}
+    for k, v in want.items():
+        np.testing.assert_allclose(f[k], v, rtol=1e-5, err_msg=k)
+    np.testing.assert_allclose((f["ratio_min"], f["ratio_max"]), (0.5, 1.5), rtol=1e-6)  # 7.0: masked
+    # DAPO's soft over-long punishment, L = 10, L_cache = 4: 0 up to 6 tokens, then -1/4 per token, -1 beyond 10
+    got = overlong_penalty(jnp.array([3, 6, 7, 9, 10, 12]), 10, 4)
+    np.testing.assert_allclose(got, [0, 0, -0.25, -0.75, -1, -1], atol=1e-7)
+    np.testing.assert_allclose(overlong_penalty(jnp.array([8]), 10, 4, factor=0.5), [-0.25], atol=1e-7)
+
+
 def test_kl_estimators_by_hand():
     lp, ref = jnp.log(jnp.array([[0.5, 0.2]])), jnp.log(jnp.array([[0.25, 0.2]]))
     # d = log p_ref - log p = log 0.5: k1 = log 2; k3 = 0.5 - log 0.5 - 1 = log 2 - 0.5; equal tokens: 0
@@ -139,13 +261,55 @@ def test_policy_loss_clip_higher_by_hand():
 
 
 def test_settings_refused():
-    with pytest.raises(ValueError, match="num_samples_per_prompt: .* >= 2 for grpo and rloo"):
-        EngineConfig(algorithm="rloo")
+    for algorithm in ("grpo", "gspo", "rloo", "reinforce_pp_baseline"):
+        with pytest.raises(ValueError, match="num_samples_per_prompt: .* >= 2 for grpo, gspo, rloo, reinforce_pp_base"):
+            EngineConfig(algorithm=algorithm)
     with pytest.raises(ValueError, match="kl_target: the adaptive KL controller"):
         EngineConfig(kl_loss="k3", kl_target=1.0)
-    with pytest.raises(ValueError, match=r"algorithm: expected one of \['ppo', 'grpo', 'rloo', 'reinforce_pp'\]"):
+    with pytest.raises(ValueError, match=r"kl_target: .* \(kl_loss auto, algorithm grpo\)"):
+        EngineConfig(algorithm="grpo", num_samples_per_prompt=2, kl_target=1.0)
+    with pytest.raises(ValueError, match=r"algorithm: expected one of \['ppo', 'grpo', 'gspo', 'rloo', 'reinforce_pp'"):
         EngineConfig(algorithm="dpo")
+    with pytest.raises(ValueError, match="dynamic_sampling: .* algorithm reinforce_pp has no groups"):
+        EngineConfig(algorithm="reinforce_pp", dynamic_sampling=True)
+    with pytest.raises(ValueError, match="max_draws: expected >= 1"):
+        EngineConfig(algorithm="grpo", num_samples_per_prompt=2, dynamic_sampling=True, max_draws=0)
+    with pytest.raises(ValueError, match=r"overlong_buffer: expected at most max_answer_len \(8\), got 9"):
+        EngineConfig(max_answer_len=8, overlong_buffer=9)
+    with pytest.raises(ValueError, match="overlong_penalty: expected >= 0"):
+        EngineConfig(overlong_penalty=-1.0)
     EngineConfig(algorithm="reinforce_pp")  # one answer per prompt is fine: its baseline is the batch's
+
+
+def test_each_algorithm_defaults_to_its_published_kl_aggregation_and_clip():
+    """kl_loss auto: the KL in the loss (k3) for grpo, gspo and reinforce_pp_baseline (DeepSeekMath, veRL, OpenRLHF),
+    in the reward for ppo, rloo and reinforce_pp; loss_agg auto: gspo's per-answer mean; gspo's clip 3e-4 / 4e-4. A
+    user's explicit choice wins."""
+    cfg = lambda algorithm, **kw: EngineConfig(algorithm=algorithm, num_samples_per_prompt=2, **kw)  # noqa: E731
+    kl = {a: cfg(a).kl_estimator for a in ("ppo", "grpo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline")}
+    assert kl == dict(ppo="none", grpo="k3", gspo="k3", rloo="none", reinforce_pp="none", reinforce_pp_baseline="k3")
+    assert cfg("grpo", kl_loss="none").kl_estimator == "none" and cfg("ppo", kl_loss="k1").kl_estimator == "k1"
+    assert cfg("gspo").aggregation == "seq_mean_token_mean" and cfg("grpo").aggregation == "token_mean"
+    assert cfg("gspo", loss_agg="token_mean").aggregation == "token_mean"
+    assert cfg("gspo").clip_range == (3e-4, 4e-4) and cfg("grpo", clip_ratio_high=0.28).clip_range == (0.2, 0.28)
+    assert cfg("gspo", clip_ratio_high=1e-3).clip_range == (3e-4, 1e-3)
+
+
+def test_grpo_default_cannot_amplify_kl_noise():
+    """The issue's case: a group whose answers all scored 1, with log-probs away from the reference. Under the default
+    config its advantages are exactly 0 however the KL varies (the KL is a loss term); with the KL put in the reward
+    (kl_loss none) it is divided by the group's std and becomes O(1) advantages of KL noise alone."""
+    from jaxrlhf.rl.experience import Static, advantages
+
+    rng = np.random.default_rng(5)
+    mask = np.ones((4, 6), np.float32)
+    exp = {"logprobs": rng.normal(size=(4, 6)).astype(np.float32), "ref_logprobs": np.zeros((4, 6), np.float32)}
+    exp |= {"scores": np.ones(4, np.float32), "mask": mask}
+    s = lambda **kw: Static(EngineConfig(algorithm="grpo", num_samples_per_prompt=4, **kw), None, None, 1, ONE)  # noqa: E731
+    out, stats = advantages(s(), exp, jnp.float32(0.1))
+    assert np.all(np.asarray(out["advantages"]) == 0.0) and stats["zero_spread"] == 1.0
+    noisy, _ = advantages(s(kl_loss="none"), exp, jnp.float32(0.1))
+    assert np.abs(np.asarray(noisy["advantages"])).max() > 0.5  # what the old default did
 
 
 def test_ppo_check_refuses_a_split_batch_and_critic_settings(tmp_path):
@@ -193,31 +357,88 @@ def test_plan_without_a_critic():
 
 
 @pytest.mark.parametrize(
-    "algorithm,kl_loss", [("grpo", "none"), ("grpo", "k3"), ("rloo", "none"), ("reinforce_pp", "k1")]
+    "algorithm,kl_loss",
+    [
+        ("grpo", "none"),
+        ("grpo", "auto"),
+        ("gspo", "auto"),
+        ("rloo", "auto"),
+        ("reinforce_pp", "k1"),
+        ("reinforce_pp_baseline", "auto"),
+        ("reinforce_pp_baseline", "none"),
+    ],
 )
 def test_the_advantages_program_on_a_whole_batch(algorithm, kl_loss):
     """experience.advantages on 8 answers (2 groups of 4, rows side by side) with log-probs away from the reference:
-    the sequence reward is the clipped score minus kl_coef x the answer's KL, unless the KL is a loss term."""
+    the answer's reward is the clipped score plus the reward functions' (unclipped) plus the over-long penalty,
+    minus kl_coef x the answer's KL unless the KL is a loss term; an unscored answer (a function's None) is out of
+    its group and the loss, a truncated one out of the loss (overlong_filter)."""
     from jaxrlhf.rl.experience import Static, advantages
 
     rng = np.random.default_rng(2)
-    mask = (np.arange(4)[None] < np.array([4, 2, 3, 1, 4, 4, 2, 3])[:, None]).astype(np.float32)
+    lengths = np.array([4, 2, 3, 1, 4, 4, 2, 3])
+    mask = (np.arange(4)[None] < lengths[:, None]).astype(np.float32)
     lp, ref = (rng.normal(size=(8, 4)).astype(np.float32) * mask for _ in range(2))
     scores = np.array([0.5, 2.0, -0.3, 0.1, 3.0, -4.0, 0.2, 1.0], np.float32)  # clip_score 1: 2 -> 1, 3 -> 1, -4 -> -1
+    functions = np.array([0.0, 1.5, 0.0, -2.0, 0.0, 0.0, 3.0, 0.0], np.float32)  # not clipped
+    scored, truncated = np.ones(8, np.float32), (lengths == 4).astype(np.float32)
+    scored[5] = 0.0
     n = 1 if algorithm == "reinforce_pp" else 4
-    cfg = EngineConfig(algorithm=algorithm, num_samples_per_prompt=n, kl_loss=kl_loss, clip_score=1.0, gamma=0.9)
+    cfg = EngineConfig(
+        algorithm=algorithm, num_samples_per_prompt=n, kl_loss=kl_loss, clip_score=1.0, gamma=0.9, max_answer_len=4
+    )
+    cfg = EngineConfig(**{**cfg.__dict__, "overlong_filter": True, "overlong_buffer": 2, "overlong_penalty": 0.5})
     exp = {"logprobs": lp, "ref_logprobs": ref, "scores": scores, "mask": mask}
+    exp |= {"function_scores": functions, "scored": scored, "truncated": truncated}
     out, stats = advantages(Static(cfg, None, None, 1, make_mesh(1)), exp, jnp.float32(0.2))
-    beta = 0.0 if kl_loss != "none" else 0.2
+    beta = 0.0 if cfg.kl_estimator != "none" else 0.2
+    # the over-long penalty, L 4, L_cache 2, factor 0.5: lengths 3 -> -0.25, 4 -> -0.5
+    reward = np.clip(scores, -1, 1) + functions - 0.5 * np.clip((lengths - 2) / 2, 0, 1)
     token_rewards = -beta * (lp - ref) * mask
-    for b, length in enumerate(mask.sum(1).astype(int)):
-        token_rewards[b, length - 1] += np.clip(scores[b], -1, 1)
+    for b, length in enumerate(lengths):
+        token_rewards[b, length - 1] += reward[b]
+    loss_mask = mask * (scored * (1 - truncated))[:, None]
+    np.testing.assert_array_equal(out["mask"], loss_mask)
     if algorithm == "reinforce_pp":
-        want = np_reinforce_pp(token_rewards, mask, 0.9)
+        want = np_reinforce_pp(token_rewards * loss_mask, loss_mask, 0.9)
+    elif algorithm == "reinforce_pp_baseline":
+        kl_rewards = token_rewards.copy()
+        kl_rewards[np.arange(8), lengths - 1] -= reward
+        want = np_reinforce_pp_baseline_kl(reward, kl_rewards, mask, scored, 0.9) * loss_mask
     else:
-        want = np_group_advantages(token_rewards.sum(1), 4, algorithm)[:, None] * mask
+        kind = "rloo" if algorithm == "rloo" else "grpo"
+        keep = scored > 0  # the unscored answer is out of its group: 3 answers there
+        per_answer = np.zeros(8)
+        for start in (0, 4):
+            idx = np.flatnonzero(keep[start : start + 4]) + start
+            per_answer[idx] = np_group_advantages(token_rewards.sum(1)[idx], len(idx), kind)
+        want = per_answer[:, None] * loss_mask
     np.testing.assert_allclose(out["advantages"], want, rtol=1e-5, atol=1e-5)
     assert "returns" not in out and "value" not in stats
+    np.testing.assert_allclose(stats["truncated"], 3 / 8)
+    np.testing.assert_allclose(stats["reward"], reward[scored > 0].mean(), rtol=1e-6)
+    assert ("zero_spread" in stats) == (algorithm != "reinforce_pp")
+
+
+def np_reinforce_pp_baseline_kl(reward, kl_rewards, mask, valid, gamma):
+    """reinforce_pp_baseline with the KL in the reward: the group-centred reward (groups of 4, valid answers only) at
+    the last token plus the per-token KL rewards, discounted returns, divided by their std over valid tokens."""
+    centred = np.zeros(len(reward))
+    for start in range(0, len(reward), 4):
+        v = valid[start : start + 4] > 0
+        g = reward[start : start + 4]
+        centred[start : start + 4] = np.where(v, g - g[v].mean(), 0)
+    rewards = kl_rewards.copy()
+    lengths = mask.sum(1).astype(int)
+    rewards[np.arange(len(reward)), lengths - 1] += centred
+    returns = np.zeros_like(rewards)
+    for b in range(len(rewards)):
+        running = 0.0
+        for t in reversed(range(lengths[b])):
+            running = rewards[b, t] + gamma * running
+            returns[b, t] = running
+    m = mask * valid[:, None]
+    return returns * m / np.sqrt(returns[m > 0].var() + 1e-8)
 
 
 @pytest.mark.slow

@@ -13,8 +13,12 @@ from jaxrlhf.config import ConfigError, check_fields
 from jaxrlhf.data import DataConfig
 from jaxrlhf.lora import LoRAConfig
 from jaxrlhf.metrics import check_trackers
+from jaxrlhf.models import LOGITS_CHUNK
 from jaxrlhf.rewards import RewardConfig
 from jaxrlhf.trainer import OptimConfig
+
+#: the algorithms whose baseline is the group's (n answers per prompt, n >= 2)
+GROUPED = ("grpo", "gspo", "rloo", "reinforce_pp_baseline")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,28 +36,47 @@ class ModelSide:
     #: keep the optimizer state in host memory (pinned_host), on the device only during this model's step
     #: (DeepSpeed-Chat's --offload)
     offload: bool = False
+    #: the actor's log-probs and LM loss run the LM head's log-softmax on this many tokens at a time (over the whole
+    #: micro-batch), never holding [B, T, V] float32 logits; 0: in one piece (models.head_logprobs)
+    logits_chunk: int = LOGITS_CHUNK
 
     def __post_init__(self):
-        check_fields(self, dropout="[0, 1)")
+        check_fields(self, dropout="[0, 1)", logits_chunk=">= 0")
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """What the hybrid engine needs: the trainable models and the algorithm's settings.
 
-    algorithm=ppo trains the actor and a critic (GAE on its values); grpo, rloo and reinforce_pp train the actor alone:
-    no critic is created, trained or exported (critic.model is then the reward model only, and the critic's other
-    settings, clip_value, lam and whiten_advantages are unused)."""
+    algorithm=ppo trains the actor and a critic (GAE on its values); the others train the actor alone: no critic is
+    created, trained or exported (critic.model is then the reward model only, and the critic's other settings,
+    clip_value, lam and whiten_advantages are unused). Settings left at "auto" (kl_loss, loss_agg) and the clip
+    range take each algorithm's published defaults: the properties kl_estimator, aggregation and clip_range."""
 
-    #: ppo (actor + critic, GAE) | grpo (group-mean baseline) | rloo (leave-one-out baseline) | reinforce_pp
-    #: (REINFORCE++: returns normalised over the batch); the last three are critic-free (see jaxrlhf.rl.losses)
-    algorithm: Literal["ppo", "grpo", "rloo", "reinforce_pp"] = "ppo"
+    #: ppo (actor + critic, GAE) | grpo (group-mean baseline, / group std) | gspo (GRPO's advantages, GSPO's
+    #: sequence-level ratio and clip) | rloo (leave-one-out baseline) | reinforce_pp (REINFORCE++: returns normalised
+    #: over the batch) | reinforce_pp_baseline (group mean subtracted, / the batch's std); all but ppo are critic-free
+    #: (see jaxrlhf.rl.losses)
+    algorithm: Literal["ppo", "grpo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "ppo"
     #: answers sampled per prompt, n: each prompt repeated n times side by side, one group kept together through
     #: generation, scoring and the advantages; a generation batch holds batch_size prompts x n answers (as veRL's
-    #: rollout.n; grpo and rloo need n >= 2)
+    #: rollout.n; the group algorithms, all critic-free ones but reinforce_pp, need n >= 2)
     num_samples_per_prompt: int = 1
-    #: grpo: divide each group's advantages by its reward std + 1e-6 (false: Dr. GRPO's unscaled group mean baseline)
+    #: grpo, gspo: divide each group's advantages by its reward std + 1e-6 (false: Dr. GRPO's unscaled group mean)
     scale_rewards: bool = True
+    #: DAPO's dynamic sampling (group algorithms): groups whose rewards are all equal (no learning signal) are dropped
+    #: and more prompts drawn until batch_size prompts' groups are kept (jaxrlhf.ppo)
+    dynamic_sampling: bool = False
+    #: dynamic sampling's cap: generation batches drawn at most per trained batch; at the cap the batch is filled
+    #: with dropped groups left out of the loss (so the batch keeps its shape)
+    max_draws: int = 4
+    #: DAPO's over-long filtering: answers cut at max_answer_len without an EOS are left out of the loss
+    overlong_filter: bool = False
+    #: DAPO's soft over-long punishment, its buffer L_cache in tokens (0: off): with L = max_answer_len, an answer of
+    #: n tokens gets overlong_penalty x min(0, max(-1, ((L - L_cache) - n) / L_cache)) added to its reward
+    overlong_buffer: int = 0
+    #: the soft over-long punishment's largest penalty (DAPO: 1)
+    overlong_penalty: float = 1.0
 
     actor: ModelSide = ModelSide(optim=OptimConfig(learning_rate=9.65e-6, warmup_steps=100))
     critic: ModelSide = ModelSide(optim=OptimConfig(learning_rate=5e-6, warmup_steps=100))
@@ -99,19 +122,24 @@ class EngineConfig:
     reward: RewardConfig = RewardConfig()
     #: the reward (model and functions) is clipped to [-clip_score, clip_score]
     clip_score: float = 5.0
-    #: PPO ratio clip (DeepSpeed-Chat's cliprange)
+    #: PPO ratio clip (DeepSpeed-Chat's cliprange; gspo does not use it, see clip_ratio_low)
     clip_ratio: float = 0.2
-    #: the ratio's lower clip, 1 - clip_ratio_low (null: clip_ratio)
+    #: the ratio's lower clip, 1 - clip_ratio_low (null: clip_ratio; gspo: 3e-4, its paper's and veRL's)
     clip_ratio_low: float | None = None
-    #: the ratio's upper clip, 1 + clip_ratio_high (null: clip_ratio; DAPO's clip-higher: e.g. 0.28 with low 0.2)
+    #: the ratio's upper clip, 1 + clip_ratio_high (null: clip_ratio, gspo 4e-4; DAPO's clip-higher: e.g. 0.28 with
+    #: low 0.2)
     clip_ratio_high: float | None = None
     #: how the policy loss (and a KL loss) is averaged: token_mean (every answer token alike: PPO's, DAPO's) |
-    #: seq_mean_token_mean (each answer's mean, then the answers' mean: GRPO's paper) | seq_mean_token_sum
-    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    #: seq_mean_token_mean (each answer's mean, then the answers' mean: GRPO's and GSPO's papers) |
+    #: seq_mean_token_sum | auto (seq_mean_token_mean for gspo, whose ratio is per answer; else token_mean)
+    loss_agg: Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "auto"
     #: where the KL to the reference goes: none (in the reward, kl_coef per token, as PPO) | k1 | k3 (a loss term of
-    #: weight kl_loss_coef, k1 = log p - log p_ref or k3 = exp(-k1) + k1 - 1 per token, and no KL in the reward)
-    kl_loss: Literal["none", "k1", "k3"] = "none"
-    #: the KL loss term's weight (kl_loss k1 or k3)
+    #: weight kl_loss_coef, k1 = log p - log p_ref or k3 = exp(-k1) + k1 - 1 per token, and no KL in the reward) |
+    #: auto (k3 in the loss for grpo, gspo and reinforce_pp_baseline, as DeepSeekMath, veRL and OpenRLHF; in the
+    #: reward for ppo, rloo and reinforce_pp, as their papers). A KL in the reward of a group algorithm becomes part
+    #: of the advantages: divided by the group's std, its noise is amplified (docs/differences.md)
+    kl_loss: Literal["auto", "none", "k1", "k3"] = "auto"
+    #: the KL loss term's weight (veRL's GRPO examples' 0.001; DeepSeekMath 0.04; docs/differences.md)
     kl_loss_coef: float = 0.001
     #: value clip of the critic loss (DeepSpeed-Chat's cliprange_value)
     clip_value: float = 0.2
@@ -132,8 +160,9 @@ class EngineConfig:
 
     def __post_init__(self):
         rules = {  # besides every float finite and the seed in range (check_fields)
-            ">= 1": ("max_answer_len", "packed_width_multiple", "inference_tp_size", "kl_horizon"),
-            ">= 0": ("temperature", "top_k", "decode_slots", "refill_size", "kl_coef", "kl_loss_coef", "unsup_coef"),
+            ">= 1": ("max_answer_len", "packed_width_multiple", "inference_tp_size", "kl_horizon", "max_draws"),
+            ">= 0": ("temperature", "top_k", "decode_slots", "refill_size", "kl_coef", "kl_loss_coef", "unsup_coef")
+            + ("overlong_buffer", "overlong_penalty"),
             "> 0": ("kl_target", "clip_score", "clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_value"),
             "(0, 1]": ("top_p", "gamma"),
             "[0, 1]": ("lam",),
@@ -150,21 +179,56 @@ class EngineConfig:
                 "max_tokens_per_micro_batch: expected >= 1 (tokens per device in a packed micro-batch; the padded "
                 f"path of 0 is gone), got {self.max_tokens_per_micro_batch}"
             )
-        if self.num_samples_per_prompt < (2 if self.algorithm in ("grpo", "rloo") else 1):
+        if self.num_samples_per_prompt < (2 if self.grouped else 1):
             raise ConfigError(
-                "num_samples_per_prompt: expected >= 1, and >= 2 for grpo and rloo (their baseline is the other "
-                f"answers to the same prompt); got {self.num_samples_per_prompt} with algorithm {self.algorithm}"
+                f"num_samples_per_prompt: expected >= 1, and >= 2 for {', '.join(GROUPED)} (their baseline is the "
+                f"other answers to the same prompt); got {self.num_samples_per_prompt} with algorithm {self.algorithm}"
             )
-        if self.kl_loss != "none" and self.kl_target is not None:
+        if self.dynamic_sampling and not self.grouped:
             raise ConfigError(
-                "kl_target: the adaptive KL controller steers the KL in the reward; with kl_loss set there is none "
-                "(kl_target=null)"
+                f"dynamic_sampling: drops groups of equal rewards; algorithm {self.algorithm} has no groups (use one "
+                f"of {', '.join(GROUPED)})"
+            )
+        if self.overlong_buffer > self.max_answer_len:
+            raise ConfigError(
+                f"overlong_buffer: expected at most max_answer_len ({self.max_answer_len}), got {self.overlong_buffer}"
+            )
+        if self.kl_estimator != "none" and self.kl_target is not None:
+            raise ConfigError(
+                "kl_target: the adaptive KL controller steers the KL in the reward; with a KL loss term (kl_loss "
+                f"{self.kl_loss}, algorithm {self.algorithm}) there is none (kl_target=null, or kl_loss=none)"
             )
 
     @property
     def critic_free(self) -> bool:
-        """True when no critic is trained (grpo, rloo, reinforce_pp)."""
+        """True when no critic is trained (every algorithm but ppo)."""
         return self.algorithm != "ppo"
+
+    @property
+    def grouped(self) -> bool:
+        """True where the baseline is the group's: n answers to each prompt (GROUPED)."""
+        return self.algorithm in GROUPED
+
+    @property
+    def kl_estimator(self) -> str:
+        """kl_loss resolved: "none" (the KL in the reward), "k1" or "k3" (a loss term)."""
+        if self.kl_loss != "auto":
+            return self.kl_loss
+        return "k3" if self.algorithm in ("grpo", "gspo", "reinforce_pp_baseline") else "none"
+
+    @property
+    def aggregation(self) -> str:
+        """loss_agg resolved (losses.aggregate's mode)."""
+        if self.loss_agg != "auto":
+            return self.loss_agg
+        return "seq_mean_token_mean" if self.algorithm == "gspo" else "token_mean"
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """(low, high): the ratio is clipped to [1 - low, 1 + high] (gspo's defaults: its paper's 3e-4, 4e-4)."""
+        default = (3e-4, 4e-4) if self.algorithm == "gspo" else (self.clip_ratio, self.clip_ratio)
+        low = default[0] if self.clip_ratio_low is None else self.clip_ratio_low
+        return low, default[1] if self.clip_ratio_high is None else self.clip_ratio_high
 
 
 @dataclasses.dataclass(frozen=True)

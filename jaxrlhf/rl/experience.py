@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrlhf.losses import masked_mean
-from jaxrlhf.models import logits, values
+from jaxrlhf.models import logprobs, values
 from jaxrlhf.rl import losses, packing
 from jaxrlhf.sharding import batch_sharding, shardings_for
 from jaxrlhf.trainer import effective_params, make_optimizer
@@ -60,6 +60,12 @@ class Static:
     def tx(self, name: str):
         return make_optimizer(self.side(name).optim, self.total_steps, self.side(name).lora)
 
+    @property
+    def scoring(self) -> dict:
+        """answer_logprobs' settings, the same for the old, reference and training log-probs: the temperature the
+        answers were sampled at (greedy answers, temperature 0, are scored at 1) and the actor's logits_chunk."""
+        return {"temperature": self.cfg.temperature or 1.0, "chunk": self.cfg.actor.logits_chunk}
+
 
 def fsdp_layout(tree, mesh):
     return jax.lax.with_sharding_constraint(tree, shardings_for(tree, "fsdp", mesh))
@@ -69,11 +75,12 @@ def row_layout(tree, mesh):
     return jax.lax.with_sharding_constraint(tree, batch_sharding(mesh, "fsdp"))
 
 
-def answer_logprobs(config, params, exp, key=None):
-    """[B, G]: log p of each answer token of packed rows, from the logits one position earlier (the LM head runs on
-    each row's head_at positions only, jaxrlhf.rl.packing)."""
-    out = logits(config, params, exp["seq"], exp["seq_mask"], dropout_rng=key, at=exp["head_at"])
-    return packing.answer_logprobs(out, exp["answer"])
+def answer_logprobs(config, params, exp, key=None, *, temperature: float, chunk: int):
+    """[n, A]: log p of each answer token of packed rows under softmax(logits / temperature), the distribution it was
+    sampled from, with the logits one position earlier (the LM head runs on each row's head_at positions only,
+    jaxrlhf.rl.packing, `chunk` tokens at a time: models.logprobs). Static.scoring gives the two settings."""
+    kw = dict(temperature=temperature, chunk=chunk, dropout_rng=key, at=exp["head_at"])
+    return logprobs(config, params, exp["seq"], exp["seq_mask"], exp["answer"], **kw)
 
 
 def answer_values(config, params, exp, key=None):
@@ -97,8 +104,9 @@ def _score_rows(s: Static, state, ref_own, reward_own, e):
     actor, critic = state["actor"], state.get("critic")
     out = {}
     if not cfg.old_logprobs_from_generation:
-        out["logprobs"] = answer_logprobs(s.actor, effective_params(actor, cfg.actor.lora, fused=False), e) * m
-    out["ref_logprobs"] = answer_logprobs(s.actor, with_shared(ref_own, actor), e) * m
+        own = effective_params(actor, cfg.actor.lora, fused=False)
+        out["logprobs"] = answer_logprobs(s.actor, own, e, **s.scoring) * m
+    out["ref_logprobs"] = answer_logprobs(s.actor, with_shared(ref_own, actor), e, **s.scoring) * m
     if critic is not None:
         out["values"] = answer_values(s.critic, effective_params(critic, cfg.critic.lora, fused=False), e) * m
     weight = cfg.reward.model_scale  # 0: no reward model; the host's reward functions give the whole score
@@ -127,45 +135,103 @@ def next_kl_coef(s: Static, kl_coef, exp):
 
 
 @functools.partial(jax.jit, static_argnums=0)
+def truncated_rows(s: Static, tokens, mask, eos_id):
+    """[B] float32: 1 where an answer holds no EOS (cut at its length limit), from answers and their masks [B, G]."""
+    return row_layout(1.0 - jnp.any((tokens == eos_id) & (mask > 0), axis=1).astype(jnp.float32), s.mesh)
+
+
+def answer_rewards(cfg, exp):
+    """Each answer's reward [B] before any KL penalty, clip(scores, -clip_score, clip_score) + function_scores + the
+    over-long penalty (overlong_buffer; losses.overlong_penalty), and valid [B]: 0 where a reward function left the
+    answer unscored (out of the loss and of its group's statistics). Absent keys: no reward functions' scores, all
+    answers scored."""
+    B = exp["mask"].shape[0]
+    reward = jnp.clip(exp["scores"], -cfg.clip_score, cfg.clip_score) + exp.get("function_scores", jnp.zeros(B))
+    if cfg.overlong_buffer:
+        lengths = jnp.sum(exp["mask"].astype(jnp.float32), axis=1)
+        reward = reward + losses.overlong_penalty(
+            lengths, cfg.max_answer_len, cfg.overlong_buffer, cfg.overlong_penalty
+        )
+    return reward, exp.get("scored", jnp.ones(B, jnp.float32)).astype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def group_spread(s: Static, exp):
+    """[B / n] bool: whether each group's valid rewards differ (answer_rewards; losses.groups): dynamic sampling keeps
+    these."""
+    reward, valid = answer_rewards(s.cfg, exp)
+    return losses.groups(reward, s.cfg.num_samples_per_prompt, valid)[4][:, 0]
+
+
+@functools.partial(jax.jit, static_argnums=0)
 def advantages(s: Static, exp, kl_coef):
     """The experience plus per-token rewards (with the KL coefficient the batch was scored under; none with a KL loss
     term), advantages [B, G] (and returns for the critic), and the batch's figures; over the whole generation batch,
-    whose rows are groups of num_samples_per_prompt answers to one prompt, side by side.
+    whose rows are groups of num_samples_per_prompt answers to one prompt, side by side. The answer's reward is
+    answer_rewards'; "mask" becomes the loss's: unscored answers (and truncated ones with overlong_filter) out.
 
-        ppo           GAE on the critic's values (whitened if whiten_advantages)
-        grpo / rloo   one advantage per answer from its sequence reward sum_t r_t (the clipped score minus the
-                      KL penalty), on each of its tokens (losses.grpo_advantages, losses.rloo_advantages)
-        reinforce_pp  the per-token returns normalised over the batch (losses.reinforce_pp_advantages)"""
+        ppo                    GAE on the critic's values (whitened if whiten_advantages)
+        grpo, gspo / rloo      one advantage per answer from its sequence reward sum_t r_t (the reward minus the KL
+                               penalty), on each of its tokens (losses.grpo_advantages, losses.rloo_advantages)
+        reinforce_pp           the per-token returns normalised over the batch (losses.reinforce_pp_advantages)
+        reinforce_pp_baseline  the group-centred reward's per-token returns / their batch std
+                               (losses.reinforce_pp_baseline_advantages)"""
     cfg, mask = s.cfg, exp["mask"]
-    kl_coef = kl_coef if cfg.kl_loss == "none" else 0.0
-    rewards = losses.compute_rewards(exp["logprobs"], exp["ref_logprobs"], exp["scores"], mask, kl_coef, cfg.clip_score)
+    reward, valid = answer_rewards(cfg, exp)
+    kl_coef = kl_coef if cfg.kl_estimator == "none" else 0.0
     m = mask.astype(jnp.float32)
+    loss_mask = m * valid[:, None]
+    truncated = exp.get("truncated", jnp.zeros_like(valid))
+    if cfg.overlong_filter:
+        loss_mask = loss_mask * (1.0 - truncated)[:, None]
     stats = {
-        "reward": jnp.mean(exp["scores"]),
+        "reward": jnp.sum(reward * valid) / jnp.maximum(jnp.sum(valid), 1),
         "kl": losses.sequence_kl(exp["logprobs"], exp["ref_logprobs"], m),
         "answer_len": jnp.mean(m.sum(1)),
+        "truncated": jnp.mean(truncated),
     }
+    out = {**exp, "mask": loss_mask}
+    lp, ref, n = exp["logprobs"], exp["ref_logprobs"], cfg.num_samples_per_prompt
+    if cfg.grouped:
+        stats["zero_spread"] = 1.0 - jnp.mean(losses.groups(reward, n, valid)[4].astype(jnp.float32))
     if cfg.algorithm == "ppo":
-        adv, ret = losses.gae(exp["values"], rewards, mask, cfg.gamma, cfg.lam)
+        adv, ret = losses.gae(
+            exp["values"], losses.compute_rewards(lp, ref, reward, mask, kl_coef, None), mask, cfg.gamma, cfg.lam
+        )
         if cfg.whiten_advantages:
-            adv = losses.whiten(adv, mask)
+            adv = losses.whiten(adv, loss_mask)
         stats.update(
             {"advantage": masked_mean(adv, m), "return": masked_mean(ret, m), "value": masked_mean(exp["values"], m)}
         )
-        return {**exp, "advantages": adv, "returns": ret}, stats
+        return {**out, "advantages": adv, "returns": ret}, stats
     if cfg.algorithm == "reinforce_pp":
-        adv = losses.reinforce_pp_advantages(rewards, mask, cfg.gamma)
+        rewards = losses.compute_rewards(lp, ref, reward, mask, kl_coef, None)
+        adv = losses.reinforce_pp_advantages(rewards, loss_mask, cfg.gamma)
+    elif cfg.algorithm == "reinforce_pp_baseline":
+        rewards = losses.compute_rewards(lp, ref, reward, mask, kl_coef, None)
+        adv = losses.reinforce_pp_baseline_advantages(reward, mask, n, valid, kl_coef * (lp - ref), cfg.gamma)
     else:
-        n, sequence = cfg.num_samples_per_prompt, jnp.sum(rewards, axis=1)
+        rewards = losses.compute_rewards(lp, ref, reward, mask, kl_coef, None)
+        sequence = jnp.sum(rewards, axis=1)
         per_answer = (
-            losses.grpo_advantages(sequence, n, cfg.scale_rewards)
-            if cfg.algorithm == "grpo"
-            else losses.rloo_advantages(sequence, n)
+            losses.rloo_advantages(sequence, n, valid)
+            if cfg.algorithm == "rloo"
+            else losses.grpo_advantages(sequence, n, cfg.scale_rewards, valid=valid)
         )
         adv = per_answer[:, None] * m
     # the return: the sequence reward
-    stats.update({"advantage": masked_mean(adv, m), "return": jnp.mean(jnp.sum(rewards, axis=1))})
-    return {**exp, "advantages": adv}, stats
+    stats.update({"advantage": masked_mean(adv, loss_mask), "return": jnp.mean(jnp.sum(rewards, axis=1))})
+    return {**out, "advantages": adv * loss_mask}, stats
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def take_rows(s: Static, experiences, rows, keep):
+    """Rows `rows` [B] of experiences alike (their rows one after another) as one, rows over all devices; `keep` [B]
+    multiplies "scored" (0: the row is left out of the loss)."""
+    whole = {k: jnp.concatenate([e[k] for e in experiences]) for k in experiences[0]}
+    out = {k: v[rows] for k, v in whole.items()}
+    out["scored"] = out.get("scored", jnp.ones(rows.shape, jnp.float32)) * keep
+    return row_layout(out, s.mesh)
 
 
 def packed_rows(s: Static, exp, rows, W: int):

@@ -9,8 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxrlhf.losses import lm_loss, lm_targets
-from jaxrlhf.models import logits
+from jaxrlhf.losses import lm_loss, lm_targets, next_token_logprobs
 from jaxrlhf.rl import losses
 from jaxrlhf.rl.experience import Static, answer_logprobs, answer_values, fsdp_layout, packed_rows, row_layout
 from jaxrlhf.trainer import (
@@ -30,33 +29,44 @@ def fused_actor(s: Static, actor):
     return fsdp_layout(jax.tree.map(lambda x: x.astype(jnp.float32), effective_params(actor, s.cfg.actor.lora)), s.mesh)
 
 
+#: the ratio's diagnostics (losses.ratio_figures) of a micro-batch without answers; min and max start from these
+NO_RATIO = {"clip_frac": 0, "approx_kl": 0, "ratio": 0, "ratio_tokens": 0, "ratio_min": jnp.inf, "ratio_max": -jnp.inf}
+
+
 def _actor_loss(s: Static, lm_weight=None):
-    """The actor's loss on a micro-batch: its policy-loss total over the answers (packed rows; clip-higher, plus
-    kl_loss_coef times the KL estimator with a KL loss term, aggregated by loss_agg: losses.aggregate), or with an
-    "unsup" batch unsup_coef times its LM sum weighted by `lm_weight` (_lm_weight); count: the answer tokens
-    (token_mean) or answers (the seq_mean modes)."""
+    """The actor's loss on a micro-batch: its policy-loss total over the answers (packed rows; clip-higher, GSPO's
+    sequence-level ratio for gspo, plus kl_loss_coef times the KL estimator with a KL loss term, aggregated by
+    loss_agg: losses.aggregate), or with an "unsup" batch unsup_coef times its LM sum weighted by `lm_weight`
+    (_lm_weight); count: the answer tokens (token_mean) or answers (the seq_mean modes). Metrics: the loss terms and
+    the ratio's diagnostics (losses.ratio_figures)."""
     cfg = s.cfg
-    clip_low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
+    (clip_low, clip_high), kl_kind, agg = cfg.clip_range, cfg.kl_estimator, cfg.aggregation
+    sequence = cfg.algorithm == "gspo"
 
     def loss_fn(params, mb, key):
-        loss, tokens, metrics = 0.0, jnp.zeros((), jnp.float32), {}
-        if cfg.kl_loss != "none":  # in every micro-batch, the mixture's too: the accumulated sums have one structure
+        loss, tokens = 0.0, jnp.zeros((), jnp.float32)
+        # in every micro-batch, the mixture's too: the accumulated sums have one structure
+        metrics = {k: jnp.asarray(v, jnp.float32) for k, v in NO_RATIO.items()}
+        if kl_kind != "none":
             metrics["kl_loss"] = jnp.zeros((), jnp.float32)
         if "seq" in mb:
-            lp = answer_logprobs(s.actor, params, mb, key)
-            per_token = losses.policy_loss(lp, mb["logprobs"], mb["advantages"], clip_low, cfg.clip_ratio_high)
-            if cfg.kl_loss != "none":
-                kl = losses.kl_penalty(lp, mb["ref_logprobs"], cfg.kl_loss)
-                metrics["kl_loss"] = losses.aggregate(kl, mb["mask"], cfg.loss_agg)[0]
+            lp = answer_logprobs(s.actor, params, mb, key, **s.scoring)
+            old, adv, mask = mb["logprobs"], mb["advantages"], mb["mask"]
+            per_token = losses.policy_loss(lp, old, adv, clip_low, clip_high, mask, sequence)
+            metrics.update(losses.ratio_figures(lp, old, adv, mask, clip_low, clip_high, sequence))
+            if kl_kind != "none":
+                kl = losses.kl_penalty(lp, mb["ref_logprobs"], kl_kind)
+                metrics["kl_loss"] = losses.aggregate(kl, mask, agg)[0]
                 per_token = per_token + cfg.kl_loss_coef * kl
-            loss, tokens = losses.aggregate(per_token, mb["mask"], cfg.loss_agg)  # a total and its count
+            loss, tokens = losses.aggregate(per_token, mask, agg)  # a total and its count
         metrics["actor_loss"] = jnp.asarray(loss, jnp.float32)
         if lm_weight is not None:  # DeepSpeed-Chat's mixture training, here in the same step (README: where we differ)
             lm = jnp.zeros((), jnp.float32)
             if "unsup" in mb:
                 u = mb["unsup"]
-                out = logits(s.actor, params, u["input_ids"], u["attention_mask"], dropout_rng=key)
-                lm = lm_loss(out, u["input_ids"], u["loss_mask"])[0] * lm_weight
+                kw = dict(chunk=s.cfg.actor.logits_chunk, dropout_rng=key)
+                lp = next_token_logprobs(s.actor, params, u["input_ids"], u["attention_mask"], **kw)
+                lm = lm_loss(lp, u["loss_mask"])[0] * lm_weight
             metrics["unsup_loss"] = lm
             loss = loss + cfg.unsup_coef * lm
         return loss, tokens, metrics
@@ -83,7 +93,7 @@ def _lm_weight(s: Static, exp):
     micro-batch's LM sum enters weighted by the whole batch's answer tokens / LM targets."""
     if "unsup" not in exp:
         return None
-    count = losses.aggregate(exp["mask"].astype(jnp.float32), exp["mask"], s.cfg.loss_agg)[1]
+    count = losses.aggregate(exp["mask"].astype(jnp.float32), exp["mask"], s.cfg.aggregation)[1]
     return count / jnp.maximum(jnp.sum(lm_targets(exp["unsup"]["loss_mask"])), 1)
 
 
@@ -100,8 +110,11 @@ def accumulate(s: Static, name: str, W: int, state, acc, exp, rows, index):
     else:
         mb = {"unsup": row_layout(jax.tree.map(lambda x: x[rows], exp["unsup"]), s.mesh)}
     key = jax.random.fold_in(step_keys(state), index)
-    grads = micro_gradients(_loss(s, name, exp), s.side(name).lora, state, mb, key)
-    acc = jax.tree.map(jnp.add, acc, grads)
+    grads, total, count, sums = micro_gradients(_loss(s, name, exp), s.side(name).lora, state, mb, key)
+    # sums add up, but the ratio's extremes combine by min and max
+    combine = lambda k: jnp.minimum if k.endswith("_min") else jnp.maximum if k.endswith("_max") else jnp.add  # noqa: E731
+    sums = {k: combine(k)(acc[3][k], v) for k, v in sums.items()}
+    acc = (jax.tree.map(jnp.add, acc[0], grads), acc[1] + total, acc[2] + count, sums)
     return (fsdp_layout(acc[0], s.mesh), *acc[1:])
 
 
@@ -110,7 +123,8 @@ def zero_accumulator(s: Static, name: str, W: int, state, exp, rows):
     """The accumulator accumulate adds micro-batches into, zeros, gradients in the FSDP layout."""
     mb = packed_rows(s, exp, rows, W)
     acc = zero_gradients(_loss(s, name, exp), s.side(name).lora, state, mb, step_keys(state))
-    return (fsdp_layout(acc[0], s.mesh), *acc[1:])
+    sums = {k: jnp.full_like(v, NO_RATIO[k]) if k in ("ratio_min", "ratio_max") else v for k, v in acc[3].items()}
+    return (fsdp_layout(acc[0], s.mesh), *acc[1:3], sums)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
