@@ -30,10 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrlhf import rewards
 from jaxrlhf.alarms import AlarmConfig, answer_figures, answer_rows, check, training_records
 from jaxrlhf.checkpoint import load_hf
 from jaxrlhf.config import check_fields, run_cli
-from jaxrlhf.data import DataConfig, DataError, make_batch, prepare, step_records, stories, synthetic
+from jaxrlhf.data import DataConfig, DataError, arithmetic, make_batch, prepare, step_records, stories, synthetic
 from jaxrlhf.generate import generate
 from jaxrlhf.losses import end_scores, token_logprobs
 from jaxrlhf.models import logits, values
@@ -128,16 +129,21 @@ def final_number(text: str) -> float | None:
 
 def gold_rewards(prompts: list[str], references: list[str | None], answers: list[str]) -> list[float] | None:
     """The gold reward of each answer where the task has one, else None: the built-in sorting task's
-    (jaxrlhf.data.synthetic.gold_reward) or the story task's (jaxrlhf.data.stories.gold_reward) when every
-    prompt is one of theirs, or 1.0 / 0.0 for a right / wrong final number where every reference answer ends
-    GSM8K-style with "#### N"."""
-    for task, parse in ((synthetic, synthetic.prompt_items), (stories, stories.prompt_word)):
+    (jaxrlhf.data.synthetic.gold_reward), the story task's (jaxrlhf.data.stories.gold_reward) or the arithmetic
+    task's (the math verifier's accuracy, jaxrlhf.rewards.arithmetic_gold) when every prompt is one of theirs, or
+    1.0 / 0.0 for a right / wrong final number where every reference answer ends GSM8K-style with "#### N"."""
+    tasks = (
+        (synthetic.prompt_items, synthetic.gold_reward),
+        (stories.prompt_word, stories.gold_reward),
+        (arithmetic.gold_answer, rewards.arithmetic_gold),
+    )
+    for parse, gold in tasks:
         try:
             for p in prompts:
                 parse(p)
         except ValueError:
             continue
-        return [task.gold_reward(p, a) for p, a in zip(prompts, answers)]
+        return [gold(p, a) for p, a in zip(prompts, answers)]
     if references and all(r and _FINAL.search(r) for r in references):
         return [float(final_number(a) == final_number(r)) for r, a in zip(references, answers)]
     return None

@@ -32,6 +32,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 
 from jaxrlhf.config import ConfigError, InputError, check_fields, one_line
+from jaxrlhf.data import arithmetic as arithmetic_task
 from jaxrlhf.data import stories as story_task
 from jaxrlhf.data import synthetic as synthetic_task
 
@@ -321,4 +322,10 @@ def boxed_format(prompts, answers, metadata) -> list[float]:
     return out
 
 
-math_verify.requires = MATH_EXTRA
+def arithmetic_gold(prompt: str, answer: str) -> float:
+    """The arithmetic task's gold reward (jaxrlhf.data.arithmetic): the math verifier against the value its question
+    asks for, which is also the rows' metadata {"reference": ...}."""
+    return float(equivalent(answer, str(arithmetic_task.gold_answer(prompt))))
+
+
+math_verify.requires = arithmetic_gold.requires = MATH_EXTRA

@@ -32,10 +32,10 @@ from tokenizers import Tokenizer, decoders, pre_tokenizers
 from tokenizers import models as token_models
 from transformers import PreTrainedTokenizerFast
 
-from jaxrlhf import ppo, reward, sft
+from jaxrlhf import ppo, reward, rewards, sft
 from jaxrlhf.checkpoint import export_manifest, load_hf, save_hf
 from jaxrlhf.config import ConfigError, build, parse_cli, run_cli, set_dotted
-from jaxrlhf.data import DataConfig, make_batch, prepare
+from jaxrlhf.data import DataConfig, arithmetic, make_batch, prepare
 from jaxrlhf.data.synthetic import gold_reward, make_prompt, make_response
 from jaxrlhf.eval import gold_and_kl, pipeline_report
 from jaxrlhf.loop import settings
@@ -140,14 +140,33 @@ DEPLOYMENTS = {
 # ------------------------------------------------------------------------------------ the built-in model
 
 
-def builtin_tokenizer():
-    """A word-level tokenizer for the built-in task: the byte-level pieces of its prompts and answers (OPT's
+# The built-in tasks (data sources "synthetic:N", "arithmetic:N"): every text each can write, for its tokenizer,
+# and its gold reward (prompt, answer) -> float on held-out prompts.
+TASKS = {
+    "synthetic": (
+        lambda: [make_prompt(list(string.ascii_lowercase)) + make_response(list(string.ascii_lowercase))],
+        gold_reward,
+    ),
+    "arithmetic": (lambda: arithmetic.ArithmeticTask().texts(), rewards.arithmetic_gold),
+}
+# What an arithmetic run sets unless the command line says otherwise: the math verifier is the reward.
+ARITHMETIC = {"ppo.reward": {"functions": ["jaxrlhf.rewards:math_verify"]}}
+
+
+def builtin_task(data: DataConfig) -> str | None:
+    """The built-in task that every source of `data` is (a name in TASKS), else None."""
+    tasks = {spec.partition(":")[0] for spec in data.data_path}
+    return next(iter(tasks)) if len(tasks) == 1 and tasks <= TASKS.keys() else None
+
+
+def builtin_tokenizer(task: str = "synthetic"):
+    """A word-level tokenizer for a built-in task: the byte-level pieces of its prompts and answers (OPT's
     pre-tokenizer, so text decodes exactly), with OPT's special ids <s>=0, <pad>=1, </s>=2 (BOS and EOS), <unk>=3."""
-    letters = list(string.ascii_lowercase)
     pre = pre_tokenizers.ByteLevel(add_prefix_space=False)
     vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
-    for piece, _ in pre.pre_tokenize_str(make_prompt(letters) + make_response(letters)):
-        vocab.setdefault(piece, len(vocab))
+    for text in TASKS[task][0]():
+        for piece, _ in pre.pre_tokenize_str(text):
+            vocab.setdefault(piece, len(vocab))
     tok = Tokenizer(token_models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer, tok.decoder = pre, decoders.ByteLevel()
     return PreTrainedTokenizerFast(
@@ -155,15 +174,17 @@ def builtin_tokenizer():
     )
 
 
-def builtin_model(folder: Path, seed: int, value_head: bool = False) -> Path:
-    """A tiny random OPT (BUILTIN_MODEL) with the built-in tokenizer, written as an HF folder (kept if written
-    already: a new copy's manifest id would make the Step 1 run that started from it look changed). `value_head`
-    adds a random one: a stand-in for a Step 2 output where its training does not matter (tests)."""
+def builtin_model(folder: Path, seed: int, value_head: bool = False, task: str = "synthetic") -> Path:
+    """A tiny random OPT (BUILTIN_MODEL, its vocabulary a multiple of 64 that holds the task's) with the built-in
+    tokenizer of `task`, written as an HF folder (kept if written already: a new copy's manifest id would make the
+    Step 1 run that started from it look changed). `value_head` adds a random one: a stand-in for a Step 2 output
+    where its training does not matter (tests)."""
     if export_manifest(folder) is not None:
         return folder
-    config = OPTConfig(**BUILTIN_MODEL)
+    tok = builtin_tokenizer(task)
+    config = OPTConfig(**{**BUILTIN_MODEL, "vocab_size": max(BUILTIN_MODEL["vocab_size"], -(-len(tok) // 64) * 64)})
     params = init_params(config, jax.random.key(seed), value_head=value_head)
-    return save_hf(folder, config, jax.device_get(params), builtin_tokenizer())
+    return save_hf(folder, config, jax.device_get(params), tok)
 
 
 # ------------------------------------------------------------------------------------------- evaluation
@@ -179,7 +200,7 @@ def compare(cfg: TrainConfig, sft_model: Path, actor_model: Path, log=print) -> 
     ids, mask, ppo_cfg = batch["prompt_ids"], batch["prompt_mask"], cfg.ppo
     prompts = decode_rows(tok, ids, mask, skip_first=True)
     models = {"step1": load_hf(sft_model), "actor": load_hf(actor_model)}
-    gold = lambda i, answer: gold_reward(prompts[i], answer)
+    gold = lambda i, answer: TASKS[builtin_task(cfg.data)][1](prompts[i], answer)
     sampling = dict(temperature=ppo_cfg.temperature, top_k=ppo_cfg.top_k, top_p=ppo_cfg.top_p)
     out, texts = gold_and_kl(
         models, tok, ids, mask, gold, samples=cfg.eval_samples, max_new_tokens=ppo_cfg.max_answer_len, **sampling
@@ -202,6 +223,7 @@ def run(cfg: TrainConfig, log=print, mesh=None) -> dict:
     dirs = {1: out / "actor-models", 2: out / "reward-models", 3: out / "step3-models"}
     sft_model, rm_model = dirs[1] / "model", dirs[2] / "model"
     result, clock = {}, time.perf_counter()
+    task = builtin_task(cfg.data) or "synthetic"  # the built-in models' tokenizer
 
     first_steps = {
         1: ("supervised fine-tuning", sft, cfg.sft, cfg.actor_model),
@@ -211,7 +233,8 @@ def run(cfg: TrainConfig, log=print, mesh=None) -> dict:
         if n in cfg.steps:
             log(f"=== Step {n}: {what} -> {dirs[n]}")
             if model == BUILTIN:  # seed 0 for the actor, 1 for the reward model
-                model = str(builtin_model(out / f"builtin-{n - 1}", n - 1))
+                name = f"builtin-{n - 1}" if task == "synthetic" else f"builtin-{task}-{n - 1}"
+                model = str(builtin_model(out / name, n - 1, task=task))
             step = dataclasses.replace(step_cfg, model=model, output_dir=str(dirs[n]), data=cfg.data)
             result[f"step{n}"] = str(module.run(step, log=log, mesh=mesh)["model_dir"])
     if 3 in cfg.steps:
@@ -238,7 +261,7 @@ def run(cfg: TrainConfig, log=print, mesh=None) -> dict:
             log(f"evaluation: these models were evaluated already with these settings ({out / 'summary.json'})")
             result.update({k: before[k] for k in ("comparison", "report") if k in before})
         else:
-            if all(p.startswith("synthetic") for p in cfg.data.data_path):
+            if builtin_task(cfg.data):
                 result["comparison"] = compare(cfg, sft_model, dirs[3] / "actor", log=log)
             result["report"] = pipeline_report(
                 sft_model,
@@ -298,6 +321,8 @@ def flags(parser):
 def _preset(cfg: TrainConfig) -> TrainConfig | None:
     """The deployment preset's settings, which the file and the command line then override."""
     dotted, tree = copy.deepcopy(DEPLOYMENTS[cfg.deployment_type]), {}  # deep: set_dotted fills nested sections
+    if builtin_task(cfg.data) == "arithmetic":
+        dotted |= copy.deepcopy(ARITHMETIC)
     if cfg.algorithm != "ppo":  # Step 3's algorithm; GROUP answers to each of a batch's prompts
         n = GROUP.get(cfg.algorithm, 1)
         dotted["ppo.batch_size"] = dotted.get("ppo.batch_size", TrainConfig.ppo.batch_size) // n

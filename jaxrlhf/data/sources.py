@@ -2,6 +2,7 @@
 
     source spec                             adapter
     "synthetic"                             the built-in task (jaxrlhf.data.synthetic)
+    "arithmetic"                            the built-in verifiable task (jaxrlhf.data.arithmetic)
     "Dahoas/rm-static", ... (HUB_ADAPTERS)  DeepSpeed-Chat's hub datasets, through `datasets` (needs a hub)
     path/to/file.{json,jsonl,jsonl.gz,parquet}   rows in one of the formats below
     path/to/folder                          a folder written by `datasets` (save_to_disk)
@@ -38,10 +39,12 @@ from pathlib import Path
 from typing import Any
 
 from jaxrlhf.config import InputError, decode_utf8, one_line, parse_json
-from jaxrlhf.data import synthetic
+from jaxrlhf.data import arithmetic, synthetic
 from jaxrlhf.data.messages import Messages, MessagesError, common_prefix, parse_messages
 
 ASSISTANT = "\n\nAssistant:"
+# The built-in tasks, "name" or "name:N" (N pairs): each one's preference_splits(n, seed, eval_fraction)
+BUILTIN_TASKS = {"synthetic": synthetic.preference_splits, "arithmetic": arithmetic.preference_splits}
 
 
 class DataError(InputError):
@@ -308,11 +311,12 @@ def read_source(
     """The records of one source by split: {"train": ...} and, where the source has one, {"eval": ...}.
 
     The synthetic task has its own eval split (`eval_fraction` of its pairs), labelled without noise."""
-    if spec == "synthetic" or spec.startswith("synthetic:"):
-        n = spec.partition(":")[2] or "4000"
+    task, _, n = spec.partition(":")
+    if task in BUILTIN_TASKS:
+        n = n or "4000"
         if not n.isdecimal():
-            raise DataError(f"{spec}: expected 'synthetic' or 'synthetic:N', N the number of pairs")
-        splits = synthetic.preference_splits(int(n), seed, eval_fraction)
+            raise DataError(f"{spec}: expected '{task}' or '{task}:N', N the number of pairs")
+        splits = BUILTIN_TASKS[task](int(n), seed, eval_fraction)
         return {
             part: ([Record(**r) for r in rows], Report(f"{spec} [{part}]", kept=len(rows)))
             for part, rows in splits.items()
@@ -321,7 +325,7 @@ def read_source(
     if path.is_file():
         return {"train": _collect(spec, _rows(path), local_record, on_bad_row)}
     if not path.is_dir() and spec not in HUB_ADAPTERS:
-        known = ", ".join(["synthetic", *HUB_ADAPTERS])
+        known = ", ".join([*BUILTIN_TASKS, *HUB_ADAPTERS])
         raise DataError(f"{spec}: not a file, a folder, or a known dataset name (known: {known})")
     splits = _load_datasets(spec)
     if path.is_dir():

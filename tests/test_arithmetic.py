@@ -1,0 +1,74 @@
+"""The built-in verifiable task (jaxrlhf.data.arithmetic): questions, references and the verifier, noisy
+demonstrations and labels, the data source, the tokenizer, train's wiring, and (slow) GRPO learning it."""
+
+import numpy as np
+import pytest
+
+from jaxrlhf import rewards
+from jaxrlhf.config import ConfigError
+from jaxrlhf.data import DataError, arithmetic, read_source
+from jaxrlhf.data.arithmetic import ArithmeticTask, gold_answer, make_prompt, make_response, preference_splits
+
+
+def test_the_reference_is_the_value_the_question_asks_for_and_the_verifier_agrees():
+    assert make_prompt(7, "-", 9) == "\n\nHuman: What is 7 - 9?\n\nAssistant:"
+    assert [gold_answer(make_prompt(7, op, 9)) for op in "+-*"] == [16, -2, 63]
+    records = ArithmeticTask(max_operand=12, ops="+-*", seed=3).pairs(60)
+    assert {r["prompt"].split()[4] for r in records} == {"+", "-", "*"}
+    for r in records:
+        value = gold_answer(r["prompt"])
+        assert r["metadata"] == {"reference": str(value)}
+        # the verifier on the rows' own metadata: the right value, boxed, is right; one off is wrong
+        answers = [make_response(value), make_response(value + 1), f" so #### {value}", f" {value}.0"]
+        assert rewards.math_verify(None, answers, [r["metadata"]] * 4) == [1.0, 0.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match=r"not an arithmetic prompt: expected .*What is <a> <op> <b>"):
+        gold_answer("\n\nHuman: Sort these letters: b a\n\nAssistant:")
+
+
+def test_demonstrations_slip_and_labels_are_noisy_at_the_set_rates_and_the_eval_split_is_ruled():
+    task = ArithmeticTask(error_rate=0.3, flip_rate=0.1, seed=1)
+    pairs = task.pairs(4000)
+    right = lambda r, f: float(int(r[f][len(" \\boxed{") : -1]) == int(r["metadata"]["reference"]))
+    chosen_right = np.mean([right(r, "chosen") for r in pairs])
+    assert chosen_right == pytest.approx(0.7 * 0.9, abs=0.03)  # slips, then flips to the always-wrong rejected
+    assert not any(right(r, "rejected") and right(r, "chosen") for r in pairs)
+    assert pairs == ArithmeticTask(error_rate=0.3, flip_rate=0.1, seed=1).pairs(4000)  # the seed alone decides
+    splits = preference_splits(1000, seed=2, eval_fraction=0.1)
+    assert len(splits["train"]) == 900 and len(splits["eval"]) == 100
+    assert all(arithmetic._distance(r, "chosen") < arithmetic._distance(r, "rejected") for r in splits["eval"])
+    with pytest.raises(ValueError, match=r"ArithmeticTask\.ops: expected distinct operators among '\+-\*', got '/'"):
+        ArithmeticTask(ops="/")
+
+
+def test_the_source_reads_arithmetic_n_with_each_rows_reference():
+    out = read_source("arithmetic:200", seed=4, eval_fraction=0.1)
+    train, evaluation = out["train"][0], out["eval"][0]
+    assert len(train) == 180 and len(evaluation) == 20
+    assert all(r.metadata == {"reference": str(gold_answer(r.prompt))} for r in train + evaluation)
+    with pytest.raises(DataError, match=r"^arithmetic:ten: expected 'arithmetic' or 'arithmetic:N'"):
+        read_source("arithmetic:ten")
+
+
+def test_the_builtin_tokenizer_covers_the_task_and_the_evaluation_scores_by_the_verifier():
+    from jaxrlhf.eval import gold_rewards
+    from jaxrlhf.train import builtin_tokenizer
+
+    tok = builtin_tokenizer("arithmetic")
+    for text in ArithmeticTask().texts():
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert tok.unk_token_id not in ids and tok.decode(ids) == text
+    prompts = [make_prompt(3, "+", 4), make_prompt(3, "-", 4), make_prompt(9, "+", 9)]
+    answers = [" \\boxed{7}", " \\boxed{1}", " #### 18"]
+    assert gold_rewards(prompts, [None] * 3, answers) == [1.0, 0.0, 1.0]
+
+
+def test_train_makes_the_verifier_the_reward_of_an_arithmetic_run():
+    from jaxrlhf.train import parse
+
+    cfg = parse(["algorithm=grpo", "data.data_path=[arithmetic:6000]"])
+    assert cfg.ppo.reward.functions == ("jaxrlhf.rewards:math_verify",) and cfg.ppo.reward.model_scale == 0
+    assert parse(["algorithm=grpo"]).ppo.reward.functions == ()  # the sorting task keeps its reward model
+    mixed = parse(["data.data_path=[arithmetic:600]", "ppo.reward.functions=[jaxrlhf.rewards:boxed_format]"])
+    assert mixed.ppo.reward.functions == ("jaxrlhf.rewards:boxed_format",)  # the command line wins
+    with pytest.raises(ConfigError, match=r"functions: cannot import 'nope_x'"):
+        parse(["data.data_path=[arithmetic:600]", "ppo.reward.functions=[nope_x:f]"])
