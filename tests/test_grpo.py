@@ -474,31 +474,60 @@ GRPO = dict(
     kl_coef=0.3,
     ema_decay=0.9,
 )
+# The new algorithms at their defaults (kl_loss, loss_agg auto; gspo's clip range 3e-4 / 4e-4)
+DEFAULTS = dict(num_samples_per_prompt=2, kl_loss_coef=0.5, clip_score=1.0, kl_coef=0.3, ema_decay=0.9)
+SETTINGS = {
+    "grpo": GRPO,
+    "gspo": dict(algorithm="gspo", **DEFAULTS),
+    "reinforce_pp_baseline": dict(algorithm="reinforce_pp_baseline", **DEFAULTS),
+}
 EPOCHS, MICRO = 2, 2
 
 
-def grpo_objective(params, seq, seq_mask, mask, old, ref, adv):
-    """The clipped surrogate (clip-higher) + 0.5 x k3, each answer's token mean, then the mean over the answers."""
+def np_ratio(lp, old, mask, algorithm):
+    """The importance ratio [B, G]: per token, or GSPO's exp(mean_t (lp - old)) of the answer on each of its tokens."""
+    if algorithm != "gspo":
+        return np.exp(lp - old)
+    return np.exp(((lp - old) * mask).sum(1, keepdims=True) / mask.sum(1, keepdims=True)) * np.ones_like(lp)
+
+
+def objective(params, seq, seq_mask, mask, old, ref, adv, algorithm):
+    """The clipped surrogate + 0.5 x k3: grpo (clip-higher) and gspo each answer's token mean, then the answers' mean
+    (gspo on the sequence: exp(mean_t log-ratio), clipped to [1 - 3e-4, 1 + 4e-4], one term per answer, no
+    stop-gradient); reinforce_pp_baseline PPO's per-token clip (0.2), the mean over all answer tokens."""
     lp = answer_logprobs(params, seq, seq_mask)
-    ratio = jnp.exp(lp - old)
-    per_token = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1 - 0.2, 1 + 0.3))
     k3 = jnp.exp(ref - lp) - (ref - lp) - 1
-    per_answer = jnp.sum((per_token + GRPO["kl_loss_coef"] * k3) * mask, 1) / jnp.sum(mask, 1)
-    return jnp.mean(per_answer)
+    per_answer = lambda x: jnp.sum(x * mask, 1) / jnp.sum(mask, 1)  # noqa: E731
+    if algorithm == "gspo":
+        s = jnp.exp(per_answer(lp - old))
+        a = adv[:, 0]
+        surrogate = jnp.maximum(-a * s, -a * jnp.clip(s, 1 - 3e-4, 1 + 4e-4))
+        return jnp.mean(surrogate + 0.5 * per_answer(k3))
+    ratio = jnp.exp(lp - old)
+    low, high = (0.2, 0.3) if algorithm == "grpo" else (0.2, 0.2)
+    per_token = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1 - low, 1 + high)) + 0.5 * k3
+    if algorithm == "grpo":
+        return jnp.mean(per_answer(per_token))
+    return jnp.sum(per_token * mask) / jnp.sum(mask)
 
 
-grpo_grad = jax.jit(jax.value_and_grad(grpo_objective))
+grad_of = jax.jit(jax.value_and_grad(objective), static_argnums=7)
 
 
-@pytest.mark.parametrize("budget", [11, 64], ids=["a row each", "rows by length"])
+@pytest.mark.parametrize(
+    "algorithm,budget",
+    [("grpo", 11), ("grpo", 64), ("gspo", 11), ("reinforce_pp_baseline", 64)],
+    ids=["grpo a row each", "grpo rows by length", "gspo a row each", "reinforce_pp_baseline rows by length"],
+)
 @pytest.mark.slow
-def test_one_grpo_iteration_equals_an_independent_computation(models, prompts, budget):
+def test_one_iteration_equals_an_independent_computation(models, prompts, algorithm, budget):
     """Two PPO epochs over one generation batch, in accumulated micro-batches (a row each, which splits every group;
     or rows by length, two micro-batches), against one step on the whole batch in plain JAX + NumPy; the advantages
-    of a group never see the other groups, however the steps cut the batch."""
+    of a group never see the other groups, however the steps cut the batch. The ratio's diagnostics (clip fraction,
+    approximate KL, ratio mean, min and max) against NumPy's in both epochs."""
     batch, eos = prompts
     side = ModelSide(optim=OptimConfig(**OPTIM, gradient_accumulation_steps=MICRO))
-    e = engine(models, ONE, eos, actor=side, max_tokens_per_micro_batch=budget, **GRPO)
+    e = engine(models, ONE, eos, actor=side, max_tokens_per_micro_batch=budget, **SETTINGS[algorithm])
     f64 = lambda tree: jax.tree.map(lambda x: np.asarray(x, np.float64), tree)  # noqa: E731
     f32 = lambda tree: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)  # noqa: E731
     actor, ref_model, ema, adam = f64(models[0]), f32(models[0]), f64(models[0]), Adam(jax.tree.leaves(models[0]))
@@ -510,12 +539,16 @@ def test_one_grpo_iteration_equals_an_independent_computation(models, prompts, b
     reward = np.asarray(jit_values(CRITIC, models[1], seq, seq_mask), np.float64)
     scores = reward[np.arange(len(mask)), P + mask.sum(1).astype(int) - 1]
     np.testing.assert_allclose(got["scores"], scores, atol=2e-5)
-    # kl_loss k3: no KL in the reward, so the sequence reward is the clipped score alone
-    adv = np_group_advantages(np.clip(scores, -1, 1), 2, "grpo")[:, None] * mask
+    # a KL loss term (k3): no KL in the reward, so the sequence reward is the clipped score alone
+    if algorithm == "reinforce_pp_baseline":
+        adv = np_reinforce_pp_baseline(np.clip(scores, -1, 1), mask, 2)
+    else:
+        adv = np_group_advantages(np.clip(scores, -1, 1), 2, "grpo")[:, None] * mask
     for epoch in range(EPOCHS):
+        lp_before = np.asarray(answer_logprobs(f32(actor), seq, seq_mask), np.float64)
         stats = e.train_rlhf(exp)
-        loss, grads = grpo_grad(
-            f32(actor), seq, seq_mask, *(jnp.asarray(x, jnp.float32) for x in (mask, old, ref, adv))
+        loss, grads = grad_of(
+            f32(actor), seq, seq_mask, *(jnp.asarray(x, jnp.float32) for x in (mask, old, ref, adv)), algorithm
         )
         leaves, norm = adam.step(jax.tree.leaves(actor), [np.asarray(g, np.float64) for g in jax.tree.leaves(grads)])
         actor = jax.tree.unflatten(jax.tree.structure(actor), leaves)
@@ -524,12 +557,25 @@ def test_one_grpo_iteration_equals_an_independent_computation(models, prompts, b
         np.testing.assert_allclose(stats["actor_grad_norm"], norm, rtol=2e-4, err_msg=f"epoch {epoch}")
         np.testing.assert_allclose(stats["advantage"], adv[mask > 0].mean(), atol=1e-5)
         assert "critic_loss" not in stats
+        ratio = np_ratio(lp_before, old, mask, algorithm)[mask > 0]
+        low, high = e.cfg.clip_range
+        a = adv[mask > 0]
+        want = {
+            "clip_frac": np.mean(-a * np.clip(ratio, 1 - low, 1 + high) > -a * ratio),
+            "approx_kl": np.mean(0.5 * np.log(ratio) ** 2),
+            "ratio_mean": ratio.mean(),
+            "ratio_min": ratio.min(),
+            "ratio_max": ratio.max(),
+        }
+        for k, v in want.items():
+            np.testing.assert_allclose(stats[k], v, rtol=1e-4, atol=1e-6, err_msg=f"{k}, epoch {epoch}")
     for name, have, want in (("actor", e.actor_params(), actor), ("ema", e.state["ema"], ema)):
         for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(host(have))[0], jax.tree.leaves(want)):
             np.testing.assert_allclose(a, b, atol=2e-5, err_msg=f"{name} {jax.tree_util.keystr(path)}")
     # the case is one where the terms matter: advantages of both signs, a ratio past the clip in epoch 2, a KL
     lp_now = np.asarray(answer_logprobs(f32(actor), seq, seq_mask)) * mask
     assert adv.min() < -0.5 and adv.max() > 0.5 and np.abs(lp_now - ref).max() > 0.05
+    assert stats["clip_frac"] > 0 and stats["ratio_max"] > 1 + high
 
 
 # ------------------------------------------------------------------------------------ the built-in pipeline
