@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxrlhf.models import LOGITS_CHUNK, head_logprobs, hidden
+
 
 def masked_mean(x, mask):
     """sum(x * mask) / sum(mask) (0 when the mask is empty)."""
@@ -24,17 +26,26 @@ def token_logprobs(logits, input_ids):
     return jnp.take_along_axis(logp, input_ids[:, 1:, None], axis=-1)[..., 0]
 
 
+def next_token_logprobs(config, params, input_ids, attention_mask, *, chunk: int = LOGITS_CHUNK, dropout_rng=None):
+    """token_logprobs of the model's logits, [B, T - 1] float32, without them: the LM head runs on the hidden states
+    of positions 0 .. T - 2, `chunk` tokens at a time (models.head_logprobs; 0: in one piece). Dropout with
+    `dropout_rng`."""
+    h = hidden(config, params, input_ids, attention_mask, dropout_rng=dropout_rng)[:, :-1]
+    return head_logprobs(config, params, h, input_ids[:, 1:], chunk=chunk)
+
+
 def lm_targets(loss_mask):
     """[B, T - 1] float32: 1 where token t + 1 is a target. `loss_mask[b, t] = 1` marks token t as a target
     (see jaxrlhf.data.batches); it is predicted from the logits at t - 1, so the first token never is."""
     return loss_mask[:, 1:].astype(jnp.float32)
 
 
-def lm_loss(logits, input_ids, loss_mask):
-    """Next-token cross-entropy: (sum over targets of -log p(target), number of targets, metrics); the targets
-    are `lm_targets(loss_mask)`."""
+def lm_loss(logprobs, loss_mask):
+    """Next-token cross-entropy from the next-token log-probs [B, T - 1] (next_token_logprobs, or token_logprobs of
+    logits): (sum over targets of -log p(target), number of targets, metrics); the targets are
+    `lm_targets(loss_mask)`."""
     mask = lm_targets(loss_mask)
-    nll = -token_logprobs(logits, input_ids) * mask
+    nll = -logprobs * mask
     total, count = jnp.sum(nll), jnp.sum(mask)
     return total, count, {"loss": total, "tokens": count}
 
@@ -91,10 +102,11 @@ def answer_mask(attention_mask, prompt_len):
     return (attention_mask * (t >= prompt_len[:, None])).astype(jnp.int32)
 
 
-def sequence_logprobs(logits, input_ids, loss_mask):
-    """log π(answer | prompt) = sum over targets t of log p(ids[b, t] | ids[b, :t]): [B] float32, the targets being
-    `lm_targets(loss_mask)` (with `answer_mask`: the answer's tokens only)."""
-    return jnp.sum(token_logprobs(logits, input_ids) * lm_targets(loss_mask), axis=1)
+def sequence_logprobs(logprobs, loss_mask):
+    """log π(answer | prompt) = sum over targets t of log p(ids[b, t] | ids[b, :t]): [B] float32 from the next-token
+    log-probs [B, T - 1] (next_token_logprobs), the targets being `lm_targets(loss_mask)` (with `answer_mask`: the
+    answer's tokens only)."""
+    return jnp.sum(logprobs * lm_targets(loss_mask), axis=1)
 
 
 def dpo_loss(
@@ -106,15 +118,23 @@ def dpo_loss(
     beta: float,
     label_smoothing: float = 0.0,
     kind: str = "sigmoid",
+    lengths=None,
 ):
     """DPO's loss over B pairs from answer log-probs [B] (sequence_logprobs): (sum of per-pair losses, pairs, metrics).
 
     With h = (π_c - ref_c) - (π_r - ref_r), the policy's log-ratio of chosen over rejected minus the reference's:
         kind="sigmoid" (DPO; conservative DPO with ε = label_smoothing): -(1 - ε) log σ(β h) - ε log σ(-β h)
-        kind="ipo" (IPO): (h - 1 / (2 β))²
+        kind="ipo" (IPO): (h - 1 / (2 β))², every log-prob divided by its answer's token count first (IPO's authors
+                   and TRL average the log-ratios per token): `lengths` = (chosen tokens [B], rejected tokens [B])
     Implicit rewards r = β (π - ref) of each answer; metrics (sums over pairs): chosen_reward, rejected_reward,
     margin (r_c - r_r) and accuracy (r_c > r_r, a tie counting 1/2: the reference itself scores exactly 1/2).
     """
+    if kind == "ipo":
+        if lengths is None:
+            raise ValueError("IPO averages the log-ratios per answer token: pass lengths=(chosen, rejected tokens)")
+        n_c, n_r = (jnp.maximum(n, 1).astype(jnp.float32) for n in lengths)
+        policy_chosen, ref_chosen = policy_chosen / n_c, ref_chosen / n_c
+        policy_rejected, ref_rejected = policy_rejected / n_r, ref_rejected / n_r
     r_c, r_r = beta * (policy_chosen - ref_chosen), beta * (policy_rejected - ref_rejected)
     h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
     if kind == "sigmoid":

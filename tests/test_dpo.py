@@ -13,7 +13,7 @@ from jaxrlhf.data import make_batch, prepare
 from jaxrlhf.distributed import to_host
 from jaxrlhf.dpo import DPOConfig, main, run
 from jaxrlhf.lora import LoRAConfig
-from jaxrlhf.losses import answer_mask, dpo_loss, sequence_logprobs
+from jaxrlhf.losses import answer_mask, dpo_loss, sequence_logprobs, token_logprobs
 from jaxrlhf.trainer import OptimConfig, effective_params
 
 TINY = dict(
@@ -35,10 +35,13 @@ def log_sigmoid(x):
     return -np.logaddexp(0.0, -x)
 
 
-def reference_dpo(pc, pr, rc, rr, beta, eps, kind):
-    """Per-pair DPO / IPO loss and the accuracy of the implicit rewards, written out pair by pair."""
+def reference_dpo(pc, pr, rc, rr, beta, eps, kind, nc=None, nr=None):
+    """Per-pair DPO / IPO loss and the accuracy of the implicit rewards, written out pair by pair (IPO: each
+    log-prob over its answer's nc or nr tokens)."""
     losses, hits = [], []
-    for a, b, c, d in zip(pc, pr, rc, rr):
+    for i, (a, b, c, d) in enumerate(zip(pc, pr, rc, rr)):
+        if kind == "ipo":
+            a, c, b, d = a / nc[i], c / nc[i], b / nr[i], d / nr[i]
         h = (a - c) - (b - d)
         if kind == "ipo":
             losses.append((h - 1.0 / (2.0 * beta)) ** 2)
@@ -57,14 +60,19 @@ def test_dpo_loss_matches_numpy(kind, beta, eps):
     rng = np.random.default_rng(0)
     pc, pr, rc, rr = (rng.normal(-20, 6, 12).astype(np.float32) for _ in range(4))
     pc[3], pr[3] = rc[3], rr[3]  # a pair where the policy is the reference: a tie, counted 1/2
-    total, count, m = dpo_loss(*map(jnp.asarray, (pc, pr, rc, rr)), beta=beta, label_smoothing=eps, kind=kind)
-    want, hits = reference_dpo(pc.astype(np.float64), pr, rc, rr, beta, eps, kind)
+    nc, nr = rng.integers(1, 30, 12), rng.integers(1, 30, 12)  # answer lengths (IPO's per-token means)
+    lengths = (jnp.asarray(nc), jnp.asarray(nr)) if kind == "ipo" else None
+    args = map(jnp.asarray, (pc, pr, rc, rr))
+    total, count, m = dpo_loss(*args, beta=beta, label_smoothing=eps, kind=kind, lengths=lengths)
+    want, hits = reference_dpo(pc.astype(np.float64), pr, rc, rr, beta, eps, kind, nc, nr)
     np.testing.assert_allclose(float(total), want.sum(), rtol=1e-5)
     assert float(count) == float(m["pairs"]) == 12
     assert float(m["accuracy"]) == hits.sum() and 0 < hits.sum() < 12
-    np.testing.assert_allclose(float(m["chosen_reward"]), beta * (pc - rc).sum(), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(float(m["rejected_reward"]), beta * (pr - rr).sum(), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(float(m["margin"]), beta * ((pc - rc) - (pr - rr)).sum(), rtol=1e-5, atol=1e-5)
+    nc, nr = (nc, nr) if kind == "ipo" else (1, 1)
+    np.testing.assert_allclose(float(m["chosen_reward"]), beta * ((pc - rc) / nc).sum(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(float(m["rejected_reward"]), beta * ((pr - rr) / nr).sum(), rtol=1e-5, atol=1e-5)
+    margin = beta * ((pc - rc) / nc - (pr - rr) / nr).sum()
+    np.testing.assert_allclose(float(m["margin"]), margin, rtol=1e-5, atol=1e-5)
 
 
 def test_dpo_loss_hand_computed():
@@ -75,8 +83,9 @@ def test_dpo_loss_hand_computed():
     total, _, _ = dpo_loss(*args, beta=0.5, label_smoothing=0.25)  # 0.75 (-log σ(1.5)) + 0.25 (-log σ(-1.5))
     smoothed = 0.75 * math.log1p(math.exp(-1.5)) + 0.25 * math.log1p(math.exp(1.5))
     assert math.isclose(float(total), smoothed, rel_tol=1e-6)
-    total, _, _ = dpo_loss(*args, beta=0.5, kind="ipo")
-    assert math.isclose(float(total), (3.0 - 1.0) ** 2, rel_tol=1e-6)
+    # IPO on per-token means: chosen 2 tokens (+2 nats: +1 a token), rejected 4 (-1 nat: -0.25 a token): h = 1.25
+    total, _, _ = dpo_loss(*args, beta=0.5, kind="ipo", lengths=(jnp.array([2]), jnp.array([4])))
+    assert math.isclose(float(total), (1.25 - 1.0) ** 2, rel_tol=1e-6)
     assert (
         float(m["accuracy"]) == 1.0
         and math.isclose(float(m["chosen_reward"]), 1.0)
@@ -94,7 +103,7 @@ def test_answer_logprobs_match_numpy():
     lengths, prompt_len = np.array([7, 5, 3]), np.array([3, 2, 3])  # the last row: no answer at all
     mask = (np.arange(T)[None] < lengths[:, None]).astype(np.int32)
     targets = answer_mask(jnp.asarray(mask), jnp.asarray(prompt_len))
-    got = sequence_logprobs(jnp.asarray(logits), jnp.asarray(ids), targets)
+    got = sequence_logprobs(token_logprobs(jnp.asarray(logits), jnp.asarray(ids)), targets)
     want = np.zeros(B)
     for b in range(B):
         for t in range(prompt_len[b], lengths[b]):  # token t, predicted by the logits at t - 1
@@ -104,11 +113,48 @@ def test_answer_logprobs_match_numpy():
     assert want[2] == 0.0
 
 
+def test_ipo_averages_the_log_ratios_per_token():
+    """dpo.dpo_loss_fn with loss_type ipo on a tiny model: the loss from each answer's per-token mean log-ratio,
+    against log-probs summed in NumPy over the answer tokens (EOS included, prompt and padding out), then divided."""
+    from jaxrlhf.dpo import dpo_loss_fn
+
+    config = OPTConfig(**{**TINY, "vocab_size": 64})
+    params = init_params(config, jax.random.key(1), std=0.3)
+    rng = np.random.default_rng(2)
+    T, prompt_len = 12, np.array([3, 4, 2], np.int32)
+    ids = {h: rng.integers(3, 64, (3, T)).astype(np.int32) for h in ("chosen", "rejected")}
+    lengths = {"chosen": np.array([12, 6, 9]), "rejected": np.array([5, 11, 3])}  # answers of 1 to 9 tokens
+    batch = {"prompt_len": prompt_len}
+    for h in ids:
+        batch[f"{h}_ids"] = ids[h]
+        batch[f"{h}_mask"] = (np.arange(T)[None] < lengths[h][:, None]).astype(np.int32)
+    logp, count = {}, {}
+    for h in ids:
+        z = np.asarray(jit_logits(config, params, ids[h], batch[f"{h}_mask"]), np.float64)[:, :-1]
+        lp = np.take_along_axis(z, ids[h][:, 1:, None], -1)[..., 0] - np.log(np.exp(z).sum(-1))
+        t = np.arange(1, T)[None]  # the token each logit predicts
+        on = (t < lengths[h][:, None]) & (t >= prompt_len[:, None])
+        logp[h], count[h] = (lp * on).sum(1), on.sum(1)
+    ref_c, ref_r = logp["chosen"] - rng.normal(size=3), logp["rejected"] + rng.normal(size=3)
+    batch |= {"ref_chosen": ref_c.astype(np.float32), "ref_rejected": ref_r.astype(np.float32)}
+    cfg = DPOConfig(loss_type="ipo", beta=0.5)
+    total, pairs, _ = dpo_loss_fn(config, cfg)(params, jax.tree.map(jnp.asarray, batch), None)
+    h = (logp["chosen"] - ref_c) / count["chosen"] - (logp["rejected"] - ref_r) / count["rejected"]
+    np.testing.assert_allclose(float(total), np.sum((h - 1 / (2 * 0.5)) ** 2), rtol=1e-4)
+    assert float(pairs) == 3
+
+
 def test_settings_are_checked():
     with pytest.raises(ValueError, match="beta"):
         DPOConfig(beta=0.0)
     with pytest.raises(ValueError, match="label_smoothing"):
         DPOConfig(label_smoothing=0.1, loss_type="ipo")
+    for eps in (0.5, 0.7):  # ε above 0.5 trains toward the rejected answers; 0.5 learns nothing
+        with pytest.raises(ValueError, match=rf"label_smoothing: expected \[0, 0.5\) .* got {eps}"):
+            DPOConfig(label_smoothing=eps)
+    DPOConfig(label_smoothing=0.49)
+    with pytest.raises(ValueError, match="IPO averages the log-ratios per answer token"):
+        dpo_loss(*[jnp.zeros(2)] * 4, beta=0.1, kind="ipo")
     with pytest.raises(ValueError, match="loss kind"):
         dpo_loss(*[jnp.zeros(2)] * 4, beta=0.1, kind="hinge")
 
