@@ -72,3 +72,25 @@ def test_train_makes_the_verifier_the_reward_of_an_arithmetic_run():
     assert mixed.ppo.reward.functions == ("jaxrlhf.rewards:boxed_format",)  # the command line wins
     with pytest.raises(ConfigError, match=r"functions: cannot import 'nope_x'"):
         parse(["data.data_path=[arithmetic:600]", "ppo.reward.functions=[nope_x:f]"])
+
+
+@pytest.mark.slow
+def test_grpo_with_the_verifier_raises_held_out_accuracy_over_step1(tmp_path):
+    """`python -m jaxrlhf.train algorithm=grpo 'data.data_path=[arithmetic:6000]'` (the reward model's Step 2 cut
+    short: the verifier is Step 3's reward, the model only judges the evaluation report): the final actor answers
+    held-out questions right clearly more often than the Step 1 model, sampled and greedy."""
+    import jax
+
+    from jaxrlhf.sharding import make_mesh
+    from jaxrlhf.train import parse
+    from jaxrlhf.train import run as run_train
+
+    args = ["algorithm=grpo", "data.data_path=[arithmetic:6000]", "--output-dir", str(tmp_path / "run")]
+    args += [f"data.cache_dir={tmp_path / 'cache'}", "reward.max_steps=20", "eval_prompts=128", "eval_samples=2"]
+    result = run_train(parse(args), mesh=make_mesh(1, jax.devices()[:1]))
+    c = result["comparison"]
+    print({k: v for k, v in c.items() if k != "examples"}, f"{result['seconds']:.0f} s")
+    assert c["actor_gold_reward_sampled"] > c["step1_gold_reward_sampled"] + 0.1
+    assert c["actor_gold_reward_greedy"] > c["step1_gold_reward_greedy"] + 0.05
+    assert 0 < c["kl_actor_to_step1"] < 5
+    assert result["step3"].keys() == {"actor", "actor_ema"}  # GRPO: no critic
