@@ -11,12 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_engine import ACTOR, CRITIC, engine, host, models, prompts  # noqa: F401  (fixtures)
+from test_engine import ACTOR, CRITIC, config, engine, host, models, prompts  # noqa: F401  (fixtures)
 from test_ppo_reference import OPTIM, Adam, P, answer_logprobs, jit_values
 
 from jaxrlhf import make_mesh
 from jaxrlhf import plan as memory_plan
-from jaxrlhf.rl import EngineConfig, ModelSide
+from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide
 from jaxrlhf.rl.losses import (
     aggregate,
     grpo_advantages,
@@ -458,6 +458,58 @@ def test_groups_stay_together_and_no_critic_exists(models, prompts):
     want = np.asarray(jit_values(CRITIC, models[1], exp["seq"], exp["seq_mask"]))
     last = P_ + exp["mask"].sum(1).astype(int) - 1
     np.testing.assert_allclose(exp["scores"], want[np.arange(2 * B), last], atol=2e-5)
+
+
+#: dynamic sampling's case: the groups (of 8 a draw) whose rewards differ, draw by draw
+KEPT = ([0, 2, 6], [1, 5], [], [3, 4, 5, 6, 7, 0])
+
+
+class Patterned(HybridEngine):
+    """The engine with reward functions' scores set by KEPT: group g of draw d gets rewards (0, 1) where KEPT[d] holds
+    g, else (1, 1); the reward model's score set to 0."""
+
+    def generate_experience(self, prompt_batch, start_rewards=None, draw=0):
+        exp = super().generate_experience(prompt_batch, start_rewards, draw)
+        spread = np.isin(np.arange(8), KEPT[draw])
+        functions = np.stack([np.where(spread, 0.0, 1.0), np.ones(8)], 1).reshape(-1).astype(np.float32)
+        exp["scores"] = exp["scores"] * 0
+        exp["function_scores"] = jax.device_put(functions, exp["scores"].sharding)
+        return exp
+
+
+@pytest.mark.parametrize("max_draws", [5, 2], ids=["filled at draw 4", "cap of 2 draws"])
+def test_dynamic_sampling_drops_groups_without_spread(models, prompts, max_draws):
+    """DAPO's dynamic sampling (jaxrlhf.ppo.sampled_batch) on 8 prompts x 2 answers over 8 devices: draws until 8
+    groups with spread are kept or max_draws is reached, then the batch is the kept groups' rows in order, and at the
+    cap dropped groups fill it, unscored (out of the loss); each draw samples anew; the dropped share is reported;
+    the batch trains (its filler groups with zero advantages and no loss)."""
+    from dataclasses import fields
+
+    from jaxrlhf.ppo import PPOConfig, sampled_batch
+
+    batch, eos = prompts
+    kw = dict(algorithm="grpo", num_samples_per_prompt=2, dynamic_sampling=True, max_draws=max_draws)
+    e = Patterned(config(**kw), make_mesh(1), (ACTOR, models[0]), (CRITIC, models[1]), total_steps=10, eos_id=eos)
+    cfg = PPOConfig(**{f.name: getattr(e.cfg, f.name) for f in fields(EngineConfig)}, batch_size=8)
+    draws = []
+    record = e.generate_experience
+    e.generate_experience = lambda *a, **k: draws.append(host(record(*a, **k))) or draws[-1]  # noqa: E731
+    exp, figures = sampled_batch(cfg, e, iter([batch] * 4), None)
+    got = host(exp)
+    n_draws = min(max_draws, 4)  # 11 groups kept by draw 4
+    assert len(draws) == n_draws and int(e.state["iteration"]) == 1  # extra draws leave the counter alone
+    assert (draws[1]["seq"] != draws[0]["seq"]).any()  # a fresh sampling key each draw
+    kept = [(d, g) for d in range(n_draws) for g in sorted(KEPT[d])]
+    dropped = [(d, g) for d in range(n_draws) for g in range(8) if g not in KEPT[d]]
+    chosen = (kept + dropped)[:8]
+    for i, (d, g) in enumerate(chosen):
+        for k in ("seq", "mask", "logprobs", "function_scores", "truncated"):
+            np.testing.assert_array_equal(got[k][2 * i : 2 * i + 2], draws[d][k][2 * g : 2 * g + 2], err_msg=k)
+    np.testing.assert_array_equal(got["scored"], np.repeat(np.arange(8) < len(kept), 2).astype(np.float32))
+    assert (len(kept) >= 8) == (max_draws == 5)  # both cases: filled, and cut short by the cap
+    assert figures == {"dropped_groups": len(dropped) / (8 * n_draws), "draws": float(n_draws)}
+    stats = e.train_rlhf(exp)
+    assert stats["zero_spread"] == 1 - min(len(kept), 8) / 8 and np.isfinite(stats["actor_loss"])
 
 
 # ----------------------------------------------------------- one GRPO iteration against an independent reference
