@@ -1,7 +1,8 @@
 """`python -m jaxrlhf.train`: the three steps in one command, as DeepSpeed-Chat's train.py runs them.
 
     python -m jaxrlhf.train                                   the built-in task end to end on a tiny model
-    python -m jaxrlhf.train algorithm=grpo                    the same with GRPO (rloo, reinforce_pp) in Step 3
+    python -m jaxrlhf.train algorithm=grpo                    the same with GRPO (gspo, rloo, reinforce_pp,
+                                                              reinforce_pp_baseline) in Step 3
     python -m jaxrlhf.train --actor-model /data/opt-1.3b --reward-model /data/opt-350m \\
         --deployment-type single_gpu --output-dir runs/opt-1.3b
     python -m jaxrlhf.train --step 3 --output-dir runs/opt-1.3b ppo.kl_coef=0.05      Step 3 again
@@ -74,10 +75,10 @@ class TrainConfig:
     deployment_type: Literal["demo", "single_gpu", "single_node", "multi_node"] = "demo"
     #: which steps to run (a later step reads the earlier ones' outputs from output_dir)
     steps: tuple[int, ...] = (1, 2, 3)
-    #: Step 3's algorithm, ppo | grpo | rloo | reinforce_pp: sets ppo.algorithm and, for grpo and rloo, 4 answers to
-    #: each of ppo.batch_size / 4 prompts (GROUP; ppo.KEY=VALUE overrides). The Step 2 reward model scores the
-    #: answers; only PPO also trains it as its critic
-    algorithm: Literal["ppo", "grpo", "rloo", "reinforce_pp"] = "ppo"
+    #: Step 3's algorithm, ppo | grpo | gspo | rloo | reinforce_pp | reinforce_pp_baseline: sets ppo.algorithm and,
+    #: for the group ones (all but ppo and reinforce_pp), 4 answers to each of ppo.batch_size / 4 prompts (GROUP;
+    #: ppo.KEY=VALUE overrides). The Step 2 reward model scores the answers; only PPO also trains it as its critic
+    algorithm: Literal["ppo", "grpo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "ppo"
     #: everything goes under here (actor-models/, reward-models/, step3-models/)
     output_dir: str = "runs/train"
     #: held-out prompts on which the Step 1 model and the final actor are compared (built-in task)
@@ -122,7 +123,9 @@ _REAL = {
     "ppo.enable_ema": True,
 }
 # Answers per prompt of the group-baseline algorithms: a batch of batch_size / GROUP prompts, as many answers as PPO's.
-GROUP = {"grpo": 4, "rloo": 4}
+# Their KL (ppo.kl_loss auto) is each one's published default: k3 in the loss of weight ppo.kl_loss_coef for grpo, gspo
+# and reinforce_pp_baseline, in the reward for rloo (jaxrlhf.rl.config).
+GROUP = {"grpo": 4, "gspo": 4, "rloo": 4, "reinforce_pp_baseline": 4}
 _batch = lambda n: {f"{step}.batch_size": n for step in ("sft", "reward", "ppo")}
 DEPLOYMENTS = {
     "demo": {},
@@ -149,6 +152,7 @@ TASKS = {
     ),
     "arithmetic": (lambda: arithmetic.ArithmeticTask().texts(), rewards.arithmetic_gold),
 }
+GOLD_NAME = {"arithmetic": " (the math verifier's accuracy)"}  # what the summary line calls a task's gold reward
 # What an arithmetic run sets unless the command line says otherwise: the math verifier is the reward.
 ARITHMETIC = {"ppo.reward": {"functions": ["jaxrlhf.rewards:math_verify"]}}
 
@@ -239,21 +243,25 @@ def run(cfg: TrainConfig, log=print, mesh=None) -> dict:
             result[f"step{n}"] = str(module.run(step, log=log, mesh=mesh)["model_dir"])
     if 3 in cfg.steps:
         log(f"=== Step 3: {cfg.ppo.algorithm.upper()} -> {dirs[3]}")
-        for path in (sft_model, rm_model):
+        # A critic-free run rewarded by functions alone (arithmetic's verifier) needs no Step 2 model (--step 1 3);
+        # without one, the evaluation report, whose judge it is, is left out
+        needed = (sft_model, rm_model) if ppo.needs_critic_model(cfg.ppo) else (sft_model,)
+        for path in needed:
             if not path.is_dir():
                 raise ConfigError(
                     f"{path}: not found; Step 3 needs the outputs of Steps 1 and 2 (run them, e.g. --step 1 2 3)"
                 )
+        judged = rm_model.is_dir()
         step = dataclasses.replace(
             cfg.ppo,
             actor=dataclasses.replace(cfg.ppo.actor, model=str(sft_model)),
-            critic=dataclasses.replace(cfg.ppo.critic, model=str(rm_model)),
+            critic=dataclasses.replace(cfg.ppo.critic, model=str(rm_model) if judged else ""),
             output_dir=str(dirs[3]),
             data=cfg.data,
         )
         result["step3"] = {k: str(v) for k, v in ppo.run(step, log=log, mesh=mesh)["folders"].items()}
         # What the evaluation depends on: these settings and these exact exports (their manifests' ids).
-        folders = (sft_model, rm_model, *map(Path, result["step3"].values()))
+        folders = (sft_model, *[rm_model] * judged, *map(Path, result["step3"].values()))
         ids = {str(p): (export_manifest(p) or {}).get("id") for p in folders}
         result["evaluated"] = {"settings": settings(cfg, ()), "models": ids}
         before = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else {}
@@ -263,7 +271,9 @@ def run(cfg: TrainConfig, log=print, mesh=None) -> dict:
         else:
             if builtin_task(cfg.data):
                 result["comparison"] = compare(cfg, sft_model, dirs[3] / "actor", log=log)
-            result["report"] = pipeline_report(
+            if not judged:
+                log(f"evaluation: no report ({rm_model} not found: the report's reward model is Step 2's)")
+            result["report"] = judged and pipeline_report(
                 sft_model,
                 rm_model,
                 result["step3"],
@@ -278,7 +288,8 @@ def run(cfg: TrainConfig, log=print, mesh=None) -> dict:
     if "comparison" in result:
         c = result["comparison"]
         log(
-            f"gold reward on {c['eval_answers']} answers to held-out prompts (sampled / greedy): Step 1 model "
+            f"gold reward{GOLD_NAME.get(task, '')} on {c['eval_answers']} answers to held-out prompts "
+            "(sampled / greedy): Step 1 model "
             f"{c['step1_gold_reward_sampled']:.3f} / {c['step1_gold_reward_greedy']:.3f}, final actor "
             f"{c['actor_gold_reward_sampled']:.3f} / {c['actor_gold_reward_greedy']:.3f}; "
             f"KL(actor || Step 1) {c['kl_actor_to_step1']:.3f} nats per answer"
