@@ -36,8 +36,8 @@ from jaxrlhf.checkpoint import load_hf
 from jaxrlhf.config import check_fields, run_cli
 from jaxrlhf.data import DataConfig, DataError, arithmetic, make_batch, prepare, step_records, stories, synthetic
 from jaxrlhf.generate import generate
-from jaxrlhf.losses import end_scores, token_logprobs
-from jaxrlhf.models import logits, values
+from jaxrlhf.losses import end_scores, next_token_logprobs
+from jaxrlhf.models import head_logprobs, hidden, values
 from jaxrlhf.tokenizer import decode_rows, load_tokenizer
 
 Z95 = 1.959963984540054
@@ -166,9 +166,11 @@ def _in_batches(fn, arrays: list[np.ndarray], size: int) -> list[np.ndarray]:
 
 @partial(jax.jit, static_argnums=0)
 def _answer_logprobs(config, params, ids, mask, tokens, answer_mask):
-    """[B, G]: log p of each answer token given the prompt and the answer before it (0 past the answer)."""
+    """[B, G]: log p of each answer token given the prompt and the answer before it (0 past the answer), the LM head
+    on the answer's positions only, in chunks (models.head_logprobs)."""
     seq, seq_mask = jnp.concatenate([ids, tokens], 1), jnp.concatenate([mask, answer_mask], 1)
-    return token_logprobs(logits(config, params, seq, seq_mask), seq)[:, -tokens.shape[1] :] * answer_mask
+    h = hidden(config, params, seq, seq_mask)[:, -tokens.shape[1] - 1 : -1]  # the positions that predict the answer
+    return head_logprobs(config, params, h, tokens) * answer_mask
 
 
 @partial(jax.jit, static_argnums=0)
@@ -183,7 +185,7 @@ def _scores(config, params, ids, mask, tokens, answer_mask):
 def _row_nll(config, params, input_ids, attention_mask, loss_mask):
     """[B] each row's summed next-token loss over its targets, and [B] the number of targets."""
     m = loss_mask[:, 1:].astype(jnp.float32)
-    return -jnp.sum(token_logprobs(logits(config, params, input_ids, attention_mask), input_ids) * m, axis=1), m.sum(1)
+    return -jnp.sum(next_token_logprobs(config, params, input_ids, attention_mask) * m, axis=1), m.sum(1)
 
 
 @partial(jax.jit, static_argnums=0)
@@ -392,16 +394,45 @@ def _figure(panels: int):
     return fig, list(np.atleast_1d(fig.subplots(1, panels)))
 
 
+#: Step 3's diagnostics in metrics.jsonl (jaxrlhf.rl.losses.ratio_figures, rl.experience.advantages,
+#: ppo.sampled_batch) and how the report names them; the shares among them are plotted beside reward and KL
+DIAGNOSTICS = {
+    "clip_frac": "clip fraction",
+    "approx_kl": "approx. KL to the old policy",
+    "ratio_min": "ratio min",
+    "ratio_max": "ratio max",
+    "zero_spread": "groups of zero reward spread",
+    "truncated": "truncated answers",
+    "dropped_groups": "groups dropped (dynamic sampling)",
+}
+SHARES = ("clip_frac", "zero_spread", "truncated", "dropped_groups")
+
+
+def training_diagnostics(records: list[dict]) -> dict:
+    """Each Step 3 diagnostic (DIAGNOSTICS) over the logged iterations that have it: the mean, ratio_min's min and
+    ratio_max's max."""
+    reduce = {"ratio_min": min, "ratio_max": max}
+    return {
+        k: float(reduce.get(k, np.mean)([r[k] for r in records if k in r]))
+        for k in DIAGNOSTICS
+        if any(k in r for r in records)
+    }
+
+
 def plot_training(report: dict):
-    """Reward (and gold reward) and KL over the Step 3 iterations."""
-    fig, (left, right) = _figure(2)
+    """Reward (and gold reward) and KL over the Step 3 iterations, and the diagnostics' shares where logged."""
     records = report["training"]
+    shares = [k for k in SHARES if any(k in r for r in records)]
+    fig, (left, right, *rest) = _figure(3 if shares else 2)
     steps = [r["step"] for r in records]
     for key, label in (("reward", "reward model score"), ("gold_reward", "gold reward")):
         if all(key in r for r in records):
             left.plot(steps, [r[key] for r in records], label=label)
     right.plot(steps, [r["kl"] for r in records], color="tab:red", label="KL to reference")
-    for ax, title in ((left, "reward"), (right, "KL per answer (nats)")):
+    for key in shares:
+        logged = [r for r in records if key in r]
+        rest[0].plot([r["step"] for r in logged], [r[key] for r in logged], label=DIAGNOSTICS[key])
+    for ax, title in zip((left, right, *rest), ("reward", "KL per answer (nats)", "diagnostics (shares)")):
         ax.set(xlabel="Step 3 iteration", title=title)
         ax.legend()
     return fig
@@ -499,6 +530,13 @@ def markdown(report: dict, plots: dict) -> str:
         lines.append(
             f"\nReward model `{r['path']}`: accuracy {r['accuracy']:.3f} on {r['pairs']} held-out pairs "
             f"(mean chosen score {r['chosen_score']:.3f}, rejected {r['rejected_score']:.3f})."
+        )
+    diagnostics = training_diagnostics(report["training"])
+    if diagnostics:
+        lines.append(
+            f"\nStep 3 diagnostics ({report['metrics_log']}; means over the logged iterations, the ratio's extremes): "
+            + ", ".join(f"{DIAGNOSTICS[k]} {v:.3g}" for k, v in diagnostics.items())
+            + "."
         )
     flagged = [(m["name"], a) for m in report["models"] for a in m["alarms"]]
     if flagged:

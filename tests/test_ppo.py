@@ -126,10 +126,49 @@ def test_outputs_are_hf_folders_and_metrics(whole):
         "actor_loss",
         "critic_loss",
         "unsup_loss",
+        # the diagnostics: PPO's ratio to the old policy (generation's own log-probs: 1 before the step, up to
+        # float noise), the truncated share
+        "clip_frac",
+        "approx_kl",
+        "ratio_mean",
+        "ratio_min",
+        "ratio_max",
+        "truncated",
     }
     assert phases <= lines[0].keys()
+    assert lines[0]["clip_frac"] == 0 and 1 - 1e-4 < lines[0]["ratio_min"] <= lines[0]["ratio_max"] < 1 + 1e-4
+    assert 0 <= lines[0]["truncated"] <= 1
     assert abs(lines[0]["kl"]) < 1e-4 and 0 < lines[0]["answer_len"] <= 6 and lines[0]["reshard_bytes"] > 0
     assert list((folder / "tb").glob("events.out.tfevents.*"))
+
+
+def test_the_eval_report_shows_the_step3_diagnostics():
+    """jaxrlhf.eval reads the diagnostics from metrics.jsonl: their means over the logged iterations (the ratio's min
+    and max), a line of the report, and their shares as a third panel of the training plot (none without them)."""
+    from jaxrlhf.eval import markdown, plot_training, training_diagnostics
+
+    records = [
+        {"step": 1, "kl": 0.1, "reward": 0.2, "clip_frac": 0.1, "ratio_min": 0.9, "ratio_max": 1.2, "zero_spread": 0.5},
+        {"step": 2, "kl": 0.2, "reward": 0.3, "clip_frac": 0.3, "ratio_min": 0.7, "ratio_max": 1.1, "zero_spread": 0.3},
+        {"step": 3, "kl": 0.3, "reward": 0.4, "truncated": 0.5},
+    ]
+    got = training_diagnostics(records)
+    assert got == pytest.approx(
+        {"clip_frac": 0.2, "ratio_min": 0.7, "ratio_max": 1.2, "zero_spread": 0.4, "truncated": 0.5}
+    )
+    fig = plot_training({"training": records})
+    assert len(fig.axes) == 3 and [x.get_label() for x in fig.axes[2].lines] == [
+        "clip fraction",
+        "groups of zero reward spread",
+        "truncated answers",
+    ]
+    assert len(plot_training({"training": [{"step": 1, "kl": 0.1, "reward": 0.2}]}).axes) == 2
+    settings = dict(prompts=4, data=["synthetic"], temperature=1.0, max_answer_len=8, seed=0, ngram=3, samples=0)
+    report = dict(
+        settings=settings, models=[], reward_model={}, training=records, metrics_log="m.jsonl", baseline="sft"
+    )
+    md = markdown({**report, "per_prompt": {"prompts": []}}, {})
+    assert "Step 3 diagnostics (m.jsonl; " in md and "clip fraction 0.2, ratio min 0.7, ratio max 1.2" in md
 
 
 def test_bad_configs_are_refused_before_compiling(folders, tmp_path, capsys):
