@@ -245,3 +245,49 @@ def test_sliding_window_and_qwen2_options_it_lacks_are_refused(tmp_path):
         QwenConfig(**TINY, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, attention_bias=True)
     with pytest.raises(ValueError, match="model_type"):
         QwenConfig(model_type="qwen4")
+
+
+def test_step1_runs_on_a_qwen3_folder_and_exports_what_transformers_loads(assets, tmp_path):
+    """Step 1 for 2 steps on a tiny Qwen3 with the OPT tokenizer (ids 1 pad, 2 BOS/EOS): the exported folder is a
+    Qwen3ForCausalLM whose logits are ours. (Steps 2 and 3, eval and chat run on such folders too: docs/usage.md.)"""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxrlhf import init_params, logits, opt_tokenizer
+    from jaxrlhf.data import DataConfig
+    from jaxrlhf.sft import SFTConfig
+    from jaxrlhf.sft import run as run_sft
+    from jaxrlhf.trainer import OptimConfig
+
+    config = QwenConfig(
+        **{**TINY, "vocab_size": 50272, "pad_token_id": 1, "bos_token_id": 2},
+        model_type="qwen3",
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        head_dim=16,
+    )
+    params = jax.device_get(init_params(config, jax.random.key(0), std=0.1))
+    folder = save_hf(tmp_path / "qwen3", config, params, opt_tokenizer(assets / "opt-tokenizer"))
+    data = DataConfig(data_path=("synthetic:200",), data_split="1,1,1", max_seq_len=32, cache_dir=str(tmp_path / "c"))
+    cfg = SFTConfig(
+        model=str(folder),
+        output_dir=str(tmp_path / "out"),
+        batch_size=8,
+        max_steps=2,
+        precision="fp32",
+        sample_prompts=0,
+        optim=OptimConfig(learning_rate=1e-3, warmup_steps=0),
+        data=data,
+    )
+    out = run_sft(cfg, log=lambda _: None)
+    trained_config, trained = load_hf(out["model_dir"])
+    assert trained_config == config
+    q_norm = trained["model"]["layers"]["self_attn"]["q_norm"]["scale"]
+    assert not np.array_equal(q_norm, params["model"]["layers"]["self_attn"]["q_norm"]["scale"])  # trained too
+    ids = np.array([[2, 100, 200, 300, 400, 500]], np.int32)
+    ours = np.asarray(logits(config, trained, ids, np.ones_like(ids)))
+    hf = AutoModelForCausalLM.from_pretrained(out["model_dir"], dtype=torch.float32)
+    assert type(hf).__name__ == "Qwen3ForCausalLM"
+    np.testing.assert_allclose(ours, hf(torch.tensor(ids, dtype=torch.long)).logits.detach().numpy(), atol=1e-4)
