@@ -30,8 +30,9 @@ from jaxrlhf.tokenizer import load_tokenizer
 
 @dataclasses.dataclass(frozen=True)
 class InspectConfig:
-    #: a Hugging Face OPT or Llama checkpoint folder, or random:NAME for random weights of a released shape
-    #: (NAME: opt-125m, opt-350m, opt-1.3b, ..., opt-66b, llama-2-7b, llama-7b-gqa, tinyllama-1.1b)
+    #: a Hugging Face OPT, Llama, Qwen2 or Qwen3 checkpoint folder, or random:NAME for random weights of a released
+    #: shape (NAME: opt-125m, ..., opt-66b, llama-2-7b, llama-7b-gqa, tinyllama-1.1b, qwen2.5-0.5b, qwen2.5-1.5b,
+    #: qwen2.5-7b, qwen3-0.6b, qwen3-1.7b, qwen3-8b)
     model: str = "random:opt-125m"
     #: tokenizer folder (default: the model's own folder; without one, token ids are shown)
     tokenizer: str | None = None
