@@ -132,7 +132,7 @@ def sample(logits, key, s: Sampling):
 class Generation:
     tokens: jax.Array  # [B, G] int32, pad after each row's end
     mask: jax.Array  # [B, G] int32: 1 for generated tokens up to and including the first EOS (or the row's limit)
-    logprobs: jax.Array  # [B, G] float32: log p(token) under the model (temperature 1, no filtering)
+    logprobs: jax.Array  # [B, G] float32: log p(token) under softmax(logits / temperature) (greedy: 1), no filtering
     steps: jax.Array  # int32: decode steps run (each advances every slot by one token)
 
 
@@ -187,7 +187,9 @@ def _generate(config, loop: _Loop, params, input_ids, attention_mask, key, limit
         if force_length and eos_id is not None:
             token = jnp.where(g == lim - 1, eos_id, token)
         token = token.astype(jnp.int32)
-        logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], axis=-1)[:, 0]
+        # the distribution sampled from (before top-k / top-p), as Step 3 scores the answers (greedy: temperature 1)
+        logp = jax.nn.log_softmax(logits / (loop.sampling.temperature or 1.0))
+        logprob = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
         ends = g + 1 >= lim
         if eos_id is not None:
             ends = ends | (token == eos_id)

@@ -20,8 +20,8 @@ import numpy as np
 from jaxrlhf.config import run_cli
 from jaxrlhf.data.batches import pad_rows
 from jaxrlhf.generate import generate
-from jaxrlhf.losses import lm_loss
-from jaxrlhf.models import logits
+from jaxrlhf.losses import lm_loss, next_token_logprobs
+from jaxrlhf.models import LOGITS_CHUNK
 from jaxrlhf.tokenizer import decode_rows
 from jaxrlhf.trainer import RunConfig, effective_params, train
 
@@ -35,10 +35,13 @@ class SFTConfig(RunConfig):
     sample_tokens: int = 32
 
 
-def sft_loss(config):
+def sft_loss(config, chunk: int = LOGITS_CHUNK):
+    """Step 1's loss function: lm_loss, its log-probs computed `chunk` tokens at a time (RunConfig.logits_chunk)."""
+
     def loss_fn(params, batch, key):
-        out = logits(config, params, batch["input_ids"], batch["attention_mask"], dropout_rng=key)
-        return lm_loss(out, batch["input_ids"], batch["loss_mask"])
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        lp = next_token_logprobs(config, params, ids, mask, chunk=chunk, dropout_rng=key)
+        return lm_loss(lp, batch["loss_mask"])
 
     return loss_fn
 
@@ -77,7 +80,8 @@ def prompt_eval(cfg: SFTConfig, config, tokenizer, data, state):
 
 def run(cfg: SFTConfig, log=print, mesh=None) -> dict:
     """Step 1 (see trainer.train); returns the final state, the logged records and the model folder."""
-    return train(cfg, 1, sft_loss, summarise, log=log, mesh=mesh, make_on_eval=partial(prompt_eval, cfg))
+    loss = partial(sft_loss, chunk=cfg.logits_chunk)
+    return train(cfg, 1, loss, summarise, log=log, mesh=mesh, make_on_eval=partial(prompt_eval, cfg))
 
 
 def main(argv=None):

@@ -41,7 +41,7 @@ from jaxrlhf.distributed import to_host
 from jaxrlhf.loop import settings, start_run
 from jaxrlhf.lora import LoRAConfig, adapted_mask, attach, fuse, init_lora
 from jaxrlhf.metrics import MetricsLog, check_trackers
-from jaxrlhf.models import Backend, init_params, preset
+from jaxrlhf.models import LOGITS_CHUNK, Backend, init_params, preset
 from jaxrlhf.sharding import FSDP_AXES, batch_sharding, make_mesh, path_str, reshard, shardings_for
 from jaxrlhf.tokenizer import load_tokenizer
 
@@ -106,6 +106,9 @@ class RunConfig:
     precision: Literal["bf16", "fp32", "pure_bf16"] = "bf16"
     #: recompute each layer in the backward pass (DeepSpeed-Chat's --gradient_checkpointing)
     remat: bool = False
+    #: the LM loss and log-probs run the LM head's log-softmax on this many tokens at a time (over the whole
+    #: micro-batch), never holding [B, T, V] float32 logits; 0: in one piece (models.head_logprobs)
+    logits_chunk: int = LOGITS_CHUNK
     #: dropout probability (null: the checkpoint's own; 0 disables it, DeepSpeed-Chat's --disable_dropout)
     dropout: float | None = None
     #: tensor-parallel size of the mesh's "model" axis (training is FSDP over all devices either way)
@@ -128,7 +131,7 @@ class RunConfig:
             **dict.fromkeys(
                 ("batch_size", "epochs", "keep_checkpoints", "tp", "log_every", "max_skipped_steps"), ">= 1"
             ),
-            **dict.fromkeys(("max_steps", "eval_every", "eval_batches", "save_every"), ">= 0"),
+            **dict.fromkeys(("max_steps", "eval_every", "eval_batches", "save_every", "logits_chunk"), ">= 0"),
             dropout="[0, 1)",
         )
         check_trackers(self.report_to)

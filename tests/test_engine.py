@@ -14,7 +14,7 @@ from helpers import POST_LN_PROJ, PRE_LN, jit_logits, jit_values, left_padded_ba
 from jaxrlhf import OPTConfig, init_params, make_mesh
 from jaxrlhf.generate import decode_params, generate
 from jaxrlhf.lora import LoRAConfig
-from jaxrlhf.losses import lm_loss
+from jaxrlhf.losses import lm_loss, token_logprobs
 from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide
 from jaxrlhf.rl.engine import tree_bytes
 from jaxrlhf.sharding import path_str
@@ -163,7 +163,7 @@ def test_lora_shares_the_base_weights_ema_mixture_and_adaptive_kl(models, prompt
     assert e.reshard_bytes == sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(copy))
     assert live_bytes() - before == tree_bytes(e.state) + tree_bytes(e.ref_own) + tree_bytes(exp)  # ... and is gone
     total, count, _ = lm_loss(
-        jit_logits(ACTOR, models[0], unsup_ids, unsup["attention_mask"]), unsup_ids, unsup["loss_mask"]
+        token_logprobs(jit_logits(ACTOR, models[0], unsup_ids, unsup["attention_mask"]), unsup_ids), unsup["loss_mask"]
     )
     stats = e.train_rlhf(exp, unsup)
     np.testing.assert_allclose(stats["unsup_loss"], float(total / count), rtol=1e-5)  # LM loss before the step

@@ -24,9 +24,9 @@ def test_lm_loss_by_hand():
     lse0 = math.log(1 + math.e + math.e**2)
     lse1 = math.log(math.e**2 + 2)
     np.testing.assert_allclose(token_logprobs(logits, ids), [[2 - lse0, 2 - lse1]], rtol=1e-6)
-    total, count, _ = lm_loss(logits, ids, jnp.array([[0, 1, 1]]))
+    total, count, _ = lm_loss(token_logprobs(logits, ids), jnp.array([[0, 1, 1]]))
     np.testing.assert_allclose([total, count], [(lse0 - 2) + (lse1 - 2), 2], rtol=1e-6)
-    total, count, _ = lm_loss(logits, ids, jnp.array([[0, 0, 1]]))  # e.g. the prompt masked
+    total, count, _ = lm_loss(token_logprobs(logits, ids), jnp.array([[0, 0, 1]]))  # e.g. the prompt masked
     np.testing.assert_allclose([total, count], [lse1 - 2, 1], rtol=1e-6)
 
 

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxrlhf.losses import lm_loss  # noqa: E402
+from jaxrlhf.losses import lm_loss, token_logprobs  # noqa: E402
 from jaxrlhf.models import Backend, OPTConfig, init_params, logits  # noqa: E402
 from jaxrlhf.models.opt import PRESETS, OPTLayer  # noqa: E402
 from tools import common  # noqa: E402
@@ -36,7 +36,7 @@ def main():
     params = jax.jit(lambda k: init_params(config, k, dtype=jnp.bfloat16))(jax.random.key(0))
     ids = jax.random.randint(jax.random.key(1), (B, T), 3, config.vocab_size)
     mask = jnp.ones_like(ids)
-    sft = lambda p, cfg=config: lm_loss(logits(cfg, p, ids, mask), ids, mask)[0] / (B * (T - 1))
+    sft = lambda p, cfg=config: lm_loss(token_logprobs(logits(cfg, p, ids, mask), ids), mask)[0] / (B * (T - 1))
 
     def decoder_only(p):
         from jaxrlhf.models.opt import OPTDecoder
@@ -50,7 +50,7 @@ def main():
         emb = p["decoder"]["embed_tokens"]["embedding"]
         h = emb[ids]  # [B, T, E]
         out = jnp.einsum("bte,ve->btv", h, emb, preferred_element_type=jnp.float32)
-        return lm_loss(out, ids, mask)[0] / (B * (T - 1))
+        return lm_loss(token_logprobs(out, ids), mask)[0] / (B * (T - 1))
 
     layer = OPTLayer(config)
     layer_params = jax.tree.map(lambda x: x[0], params["decoder"]["layers"])

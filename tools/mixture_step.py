@@ -52,9 +52,8 @@ B, PROMPT, G, LM_LEN = 8, 6, 8, 16
 
 
 def lm_mean(params, u):
-    total, count, _ = losses.lm_loss(
-        logits(ACTOR, params, u["input_ids"], u["attention_mask"]), u["input_ids"], u["loss_mask"]
-    )
+    lp = losses.token_logprobs(logits(ACTOR, params, u["input_ids"], u["attention_mask"]), u["input_ids"])
+    total, count, _ = losses.lm_loss(lp, u["loss_mask"])
     return total / count
 
 
@@ -78,7 +77,9 @@ def run(scheme: str, args) -> dict:
     lm_step = jax.jit(
         make_train_step(
             lambda p, u, k: (lambda t, c, m: (args.unsup_coef * t, c, m))(
-                *losses.lm_loss(logits(ACTOR, p, u["input_ids"], u["attention_mask"]), u["input_ids"], u["loss_mask"])
+                *losses.lm_loss(
+                    losses.next_token_logprobs(ACTOR, p, u["input_ids"], u["attention_mask"]), u["loss_mask"]
+                )
             ),
             engine.static.tx("actor"),
             cfg.actor.lora,

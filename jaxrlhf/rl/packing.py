@@ -18,7 +18,6 @@ over answer tokens divided once by the whole batch's count, the same losses and 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -90,9 +89,3 @@ def unpack(full: dict, part: dict, rows) -> dict:
             full[k].at[rows, : x.shape[1]].set(x, mode="drop") if x.ndim > 1 else full[k].at[rows].set(x, mode="drop")
         )
     return out
-
-
-def answer_logprobs(logits, answer):
-    """[n, A]: log p of each answer token from the logits at its head_at position [n, A, V] (float32)."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return jnp.take_along_axis(logp, answer[..., None], axis=-1)[..., 0]
