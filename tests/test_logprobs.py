@@ -1,0 +1,55 @@
+"""Log-probs without [B, T, V] logits (models.hidden + head_logprobs, chunked) against the plain computation, and
+generation's log-probs at the sampling temperature."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import PRE_LN, left_padded_batch
+from jaxrlhf import LlamaConfig, OPTConfig, init_params
+from jaxrlhf.generate import generate
+from jaxrlhf.models import head_logprobs, hidden, logits
+
+LLAMA = LlamaConfig(
+    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=64,
+)  # fmt: skip
+
+
+def numpy_logprobs(z, targets, temperature=1.0):
+    z = np.asarray(z, np.float64) / temperature
+    logp = z - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)) - z.max(-1, keepdims=True)
+    return np.take_along_axis(logp, targets[..., None], -1)[..., 0], -(np.exp(logp) * logp).sum(-1)
+
+
+@pytest.mark.parametrize("config", [OPTConfig(**PRE_LN, dropout=0.0), LLAMA], ids=["opt-tied", "llama-untied"])
+def test_chunked_equals_plain_values_and_gradients(config):
+    params = init_params(config, jax.random.key(0), std=0.3)
+    ids, mask = left_padded_batch(config.vocab_size, [9, 4, 11], T=11, seed=1)
+    targets = jnp.roll(jnp.asarray(ids), -1, axis=1)
+    w = jnp.asarray(mask, jnp.float32)  # the padding masked out, as the losses do
+    want_lp, want_ent = numpy_logprobs(logits(config, params, ids, mask), np.asarray(targets), 0.7)
+
+    def loss(p, chunk):
+        h = hidden(config, p, ids, mask)
+        lp, ent = head_logprobs(config, p, h, targets, temperature=0.7, chunk=chunk, entropy=True)
+        return jnp.sum((lp + 0.3 * ent) * w), (lp, ent)
+
+    plain, chunked = (jax.jit(jax.grad(loss, has_aux=True), static_argnums=1)(params, c) for c in (0, 7))
+    for g, (lp, ent) in (plain, chunked):  # chunk 7 over 3 rows: 2 positions per chunk, 11 not a multiple
+        np.testing.assert_allclose(lp * w, want_lp * w, atol=2e-5)
+        np.testing.assert_allclose(ent * w, want_ent * w, atol=2e-5)
+    for a, b in zip(jax.tree.leaves(plain[0]), jax.tree.leaves(chunked[0])):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
+
+
+def test_generation_logprobs_are_at_the_sampling_temperature():
+    config = OPTConfig(**PRE_LN, dropout=0.0)
+    params = init_params(config, jax.random.key(0), std=0.3)
+    ids, mask = left_padded_batch(config.vocab_size, [5, 3], T=5, seed=2)
+    gen = generate(config, params, ids, mask, jax.random.key(1), max_new_tokens=4, temperature=0.7)
+    seq = np.concatenate([ids, np.asarray(gen.tokens)], 1)
+    z = np.asarray(logits(config, params, seq, np.concatenate([mask, np.asarray(gen.mask)], 1)))[:, 4:-1]
+    want = numpy_logprobs(z, np.asarray(gen.tokens), 0.7)[0] * np.asarray(gen.mask)
+    np.testing.assert_allclose(np.asarray(gen.logprobs), want, atol=2e-5)
