@@ -37,7 +37,7 @@ def test_chunked_equals_plain_values_and_gradients(config):
         return jnp.sum((lp + 0.3 * ent) * w), (lp, ent)
 
     plain, chunked = (jax.jit(jax.grad(loss, has_aux=True), static_argnums=1)(params, c) for c in (0, 7))
-    for g, (lp, ent) in (plain, chunked):  # chunk 7 over 3 rows: 2 positions per chunk, 11 not a multiple
+    for _, (lp, ent) in (plain, chunked):  # chunk 7 over 3 rows: 2 positions per chunk, 11 not a multiple
         np.testing.assert_allclose(lp * w, want_lp * w, atol=2e-5)
         np.testing.assert_allclose(ent * w, want_ent * w, atol=2e-5)
     for a, b in zip(jax.tree.leaves(plain[0]), jax.tree.leaves(chunked[0])):
