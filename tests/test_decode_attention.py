@@ -35,6 +35,7 @@ CASES = [  # (L, B, H, Hkv, S, K, dtype): multi-head and grouped-query, head dim
     (2, 5, 4, 1, 80, 64, jnp.float32),
     (4, 2, 16, 4, 32, 64, jnp.bfloat16),
     (2, 3, 32, 2, 48, 64, jnp.float32),  # 16 queries per KV head: no repeats for the products
+    (2, 3, 12, 2, 48, 128, jnp.bfloat16),  # Qwen2.5-1.5B's 6 queries per KV head, padded to 8 for Triton
 ]
 
 
@@ -63,6 +64,7 @@ def test_kernel_and_xla_match_the_reference(case, implementation, use_dot):
 SPLIT_CASES = [  # (B, H, Hkv, S, K, dtype, num_splits): chunks of S=64 in 16-slot blocks
     (4, 2, 2, 64, 64, jnp.float32, 4),  # multi-head, 4 chunks of 16
     (4, 8, 2, 64, 128, jnp.bfloat16, 3),  # grouped-query; 3 splits round to chunks of 32, so 2 programs
+    (4, 14, 2, 64, 64, jnp.float32, 2),  # Qwen2.5-0.5B's 7 queries per KV head (padded to 8), split
 ]
 
 
@@ -152,8 +154,8 @@ def test_kernel_lowers_to_triton_for_an_h200(mask_loads):
     h200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", 132, "gpu"))
     bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     rows = jax.ShapeDtypeStruct((4,), jnp.int32)
-    for H, Hkv, K, splits in [(32, 32, 64, 1), (32, 8, 128, 4)]:
-        config = DecodeAttentionConfig("pallas", interpret=False, mask_loads=mask_loads, num_splits=splits)
+    for H, Hkv, K, splits in [(32, 32, 64, 1), (32, 8, 128, 4), (12, 2, 128, 1)]:
+        config = DecodeAttentionConfig("auto", interpret=False, mask_loads=mask_loads, num_splits=splits)
         fn = jax.jit(lambda q, k, v, s, e: decode_attention(q, k, v, s, e, 1, config=config))
         with jax.sharding.use_abstract_mesh(h200):
             exported = export.export(
@@ -162,6 +164,9 @@ def test_kernel_lowers_to_triton_for_an_h200(mask_loads):
         module = exported.mlir_module()
         assert module.count('name = "jaxrlhf_decode_attention"') == 1
         assert ("masked_load" in module) == mask_loads  # the Triton IR's debug names
+        if H // Hkv == 6:  # Qwen2.5-1.5B's 6 groups: the unfused kernel, padded to 8; the fused step is not used
+            assert not fuses_step(config, 4, Hkv, 512, K, H // Hkv)
+            continue
         # the fused step, its caches aliased to its outputs: grouped-query heads with rotary and RMSNorm (Llama),
         # (and Qwen3's per-head q/k norm), multi-head with a LayerNorm, its float32 product and a bias (OPT)
         f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
@@ -344,3 +349,6 @@ def test_the_fused_step_per_shard_and_when_it_applies():
     assert not fuses_step(dataclasses.replace(KERNEL, implementation="xla"), 64, 8, 512, 128, 4)
     assert not fuses_step(dataclasses.replace(KERNEL, use_dot=False), 64, 8, 512, 128, 4)
     assert not fuses_step(dataclasses.replace(KERNEL, num_splits=2), 64, 8, 512, 128, 4)
+    # "auto": the unfused kernel pads 6 query heads per KV head to 8 (Qwen2.5-1.5B); the fused step takes powers of 2
+    auto = dataclasses.replace(KERNEL, implementation="auto")
+    assert auto.use_kernel(128, 6) and not fuses_step(auto, 64, 2, 512, 128, 6) and fuses_step(auto, 64, 8, 512, 128, 4)

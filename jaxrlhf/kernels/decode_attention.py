@@ -77,10 +77,12 @@ class DecodeAttentionConfig:
         if not isinstance(self.num_splits, int) or self.num_splits < 0:
             raise ValueError(f"num_splits: expected an int >= 0 (0: auto), got {self.num_splits!r}")
 
-    def use_kernel(self, head_dim: int, groups: int) -> bool:
-        if self.implementation == "auto":  # Triton needs power-of-two block shapes
-            pow2 = lambda n: n & (n - 1) == 0
-            return pow2(head_dim) and head_dim >= 16 and pow2(groups)
+    def use_kernel(self, head_dim: int, groups: int, fused: bool = False) -> bool:
+        """Whether the kernel runs for this head dim and `groups` query heads per KV head. Triton needs power-of-two
+        block shapes: decode_attention pads the groups to one (Qwen2.5's 6 or 7 query heads per KV head run as 8);
+        the fused step (`fused`) reads them in place, so "auto" fuses only power-of-two groups."""
+        if self.implementation == "auto":
+            return _pow2(head_dim) and head_dim >= 16 and (_pow2(groups) or not fused)
         return self.implementation == "pallas"
 
     def slots_per_block(self, head_dim: int, slots: int, groups: int = 1) -> int:
@@ -103,6 +105,10 @@ class DecodeAttentionConfig:
             while cores and programs * splits <= cores and slots // (2 * splits) >= 512:
                 splits *= 2
         return pl.cdiv(slots, _chunk(slots, splits, block_s))
+
+
+def _pow2(n: int) -> bool:
+    return n & (n - 1) == 0
 
 
 def _chunk(slots: int, splits: int, block_s: int) -> int:
@@ -364,8 +370,11 @@ def _pallas(q, k, v, layer, start, end, *, config):
     B, H, K = q.shape
     Hkv, S = k.shape[2], k.shape[3]
     G = H // Hkv
-    interpret, params, cores, block_s = _launch(config, K, S, G)
     qg = q.reshape(B, Hkv, G, K)
+    if not _pow2(G):  # Triton's blocks: the groups padded with zero queries to a power of two, their outputs dropped
+        pad = 1 << (G - 1).bit_length()
+        qg, G = jnp.pad(qg, ((0, 0), (0, 0), (0, pad - G), (0, 0))), pad
+    interpret, params, cores, block_s = _launch(config, K, S, G)
     splits = config.splits(B * Hkv, S, cores, K, G)
     chunk = _chunk(S, splits, block_s)
     scalar, row = pl.BlockSpec((1,), lambda b, h, j: (0,)), pl.BlockSpec((1,), lambda b, h, j: (b,))
@@ -387,7 +396,7 @@ def _pallas(q, k, v, layer, start, end, *, config):
         name="jaxrlhf_decode_attention",
     )(layer.reshape(1), start, end, qg, k, v)
     out = out[:, :, 0] if splits == 1 else _combine(*out).astype(q.dtype)
-    return out.reshape(B, H, K)
+    return out[:, :, : H // Hkv].reshape(B, H, K)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "rope", "eps", "width", "bias", "qk_eps"))
@@ -453,7 +462,7 @@ def fuses_step(
 ) -> bool:
     """Whether `decode_step` runs as one kernel for these shapes (per shard under `mesh`): the kernel is in use
     (`use_kernel`), with tensor-core products, and one program per (row, KV head) covers all slots (no splits)."""
-    if not (config.use_kernel(head_dim, groups) and config.use_dot):
+    if not (config.use_kernel(head_dim, groups, fused=True) and config.use_dot):
         return False
     if mesh is not None and mesh.size > 1:
         batch = rows_per_shard(mesh, batch)
