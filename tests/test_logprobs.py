@@ -53,3 +53,19 @@ def test_generation_logprobs_are_at_the_sampling_temperature():
     z = np.asarray(logits(config, params, seq, np.concatenate([mask, np.asarray(gen.mask)], 1)))[:, 4:-1]
     want = numpy_logprobs(z, np.asarray(gen.tokens), 0.7)[0] * np.asarray(gen.mask)
     np.testing.assert_allclose(np.asarray(gen.logprobs), want, atol=2e-5)
+
+
+def test_chunked_backward_holds_one_chunk_of_logits():
+    """XLA's own temp bytes of the gradient program: the plain one holds [B, T, V] float32 logits (and their
+    log-softmax), the chunked one a chunk's (jax.checkpoint: the backward recomputes each chunk's logits)."""
+    from jaxrlhf.models.common import head_logprobs as head
+
+    B, T, E, V = 4, 256, 16, 2048
+    h = jax.random.normal(jax.random.key(0), (B, T, E))
+    kernel = jax.random.normal(jax.random.key(1), (V, E))
+    targets = jax.random.randint(jax.random.key(2), (B, T), 0, V)
+    grad = lambda chunk: jax.grad(lambda h, k: jnp.sum(head(h, k, targets, tied=True, chunk=chunk)[0]), (0, 1))
+    temp = lambda chunk: jax.jit(grad(chunk)).lower(h, kernel).compile().memory_analysis().temp_size_in_bytes
+    full, chunk = B * T * V * 4, 128 * V * 4  # 128 tokens a chunk: 1 / 8 of them
+    assert temp(0) >= 2 * full  # the logits, their log-softmax and its gradient: measured 3 x full
+    assert temp(128) <= 5 * chunk < full, (temp(128), chunk)  # measured 4.1 x chunk
