@@ -51,7 +51,8 @@ from jaxrlhf.models.common import fused_kernel
 from jaxrlhf.sharding import path_str
 
 # The default module filter per model family, keyed by the root module of its parameter tree (HF's names:
-# OPTForCausalLM's model.decoder.layers, LlamaForCausalLM's model.layers): every Linear of the layers.
+# OPTForCausalLM's model.decoder.layers; LlamaForCausalLM's, Qwen2's and Qwen3's model.layers): every Linear of the
+# layers (q_norm / k_norm are norms, not adapted).
 FAMILY_LAYERS = {"decoder": "decoder.layers.", "model": "model.layers."}
 
 

@@ -15,7 +15,7 @@
                                        read. The prompt batch splits over "data".
 
 Which dimension of a parameter is which is data: each model family's `PARAM_AXES` (models/opt.py,
-models/llama.py; all of them: models.PARAM_AXES) maps parameter paths to a logical axis per dimension;
+models/llama.py, models/qwen.py; all of them: models.PARAM_AXES) maps parameter paths to a logical axis per dimension;
 `TP_RULES` here maps logical axes to mesh axes. A leaf that no entry covers is an error, never
 a silent replica. Optimizer-state trees shard like the parameters they mirror (paths end the same way);
 LoRA factors (`.../lora_a`, `.../lora_b`) take the axes of their kernel, with none on the rank dimension.

@@ -75,18 +75,18 @@ class LlamaConfig:
         common.check_config(self, (*sizes, "num_key_value_heads", "max_position_embeddings"), **rules)
         if not self.head_dim and self.hidden_size % self.num_attention_heads:
             raise ValueError(
-                f"LlamaConfig: hidden_size {self.hidden_size} is not divisible by "
+                f"{type(self).__name__}: hidden_size {self.hidden_size} is not divisible by "
                 f"num_attention_heads {self.num_attention_heads} (set head_dim)"
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
-                f"LlamaConfig: num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"{type(self).__name__}: num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if self.head_dim % 2:
-            raise ValueError(f"LlamaConfig: rotary embeddings need an even head dim, got {self.head_dim}")
+            raise ValueError(f"{type(self).__name__}: rotary embeddings need an even head dim, got {self.head_dim}")
 
     @property
     def qkv_bias(self) -> bool:
