@@ -76,7 +76,16 @@ def _cast(tree, dtype):
 
 
 def activations(
-    config, rows: int, T: int, *, train: bool, remat: bool, value_head: bool, backend: str, head_len: int | None = None
+    config,
+    rows: int,
+    T: int,
+    *,
+    train: bool,
+    remat: bool,
+    value_head: bool,
+    backend: str,
+    head_len: int | None = None,
+    chunk: int = 0,
 ) -> int:
     """Bytes per device of one forward (and backward with `train`) over `rows` sequences of T tokens.
 
@@ -87,7 +96,9 @@ def activations(
     input and recomputes one layer at a time. The head's fp32 output ([T, V] logits, [head_len, V] when the
     LM head runs on the last head_len positions only, or [T] values) exists
     with its log-softmax and, training, their gradient; a forward alone holds a few [T, D] hidden states and
-    either one layer's tensors or the head's. Calibrated against XLA's own figures on the CPU
+    either one layer's tensors or the head's. With `chunk` > 0 tokens per device (the log-probs in chunks,
+    models.head_logprobs) the head holds one chunk's [chunk, V] logits (at least one position per row), not the
+    whole [T, V] per row. Calibrated against XLA's own figures on the CPU
     (tests/test_plan.py); the GPU figures are tools/bench_memory.py's.
     """
     c = np.dtype(config.compute_dtype).itemsize
@@ -100,6 +111,8 @@ def activations(
         T * (7 * D + gated * F) * c + 3.5 * scores
     )  # one layer's saved tensors per sequence: scores, probs (2 dtypes)
     head = T * 4 if value_head else (head_len or T) * config.vocab_size * 4
+    if chunk and not value_head:  # one chunk of all the rows' tokens: spread over the rows below
+        head = min(head, max(chunk // rows, 1) * config.vocab_size * 4)
     if not train:  # one layer at a time (fewer of its tensors live at once than a backward keeps), then the head;
         a = 4 if backend == "cpu" else c  # XLA's CPU backend computes bf16 in fp32
         return int(rows * (4 * T * D * a + max(T * (5 * D + (gated - 1) * F) * a + scores, 2 * head)))
@@ -231,7 +244,8 @@ def plan(
     # the actor's log-probs take the LM head on the answer's positions only (experience.answer_logprobs)
     def act(config, side, value_head, train, n=batch, length=T, head_len=G + 1):
         rows = min(max(budget // T, 1), 2 ** math.ceil(math.log2(-(-n // N))))
-        kw = dict(train=train, remat=side.remat, value_head=value_head, backend=backend, head_len=head_len)
+        chunk = -(-side.logits_chunk // N)  # the chunk's tokens per device (rows split over all devices)
+        kw = dict(train=train, remat=side.remat, value_head=value_head, backend=backend, head_len=head_len, chunk=chunk)
         return activations(config, rows, length, **kw)
 
     items = {

@@ -269,3 +269,17 @@ def test_a_token_budget_below_one_sequence_is_refused_and_a_smaller_one_is_an_op
     assert "in actor_step" in str(e.value)
     line = next(row for row in str(e.value).splitlines() if row.startswith("  max_tokens_per_micro_batch="))
     assert line.endswith("-- fits"), line
+
+
+def test_chunked_head_saving_at_qwen_vocabulary():
+    """At V = 151,936 (Qwen2.5-1.5B's shape) the plan counts one 1,024-token chunk of float32 logits, not [T, V] per
+    row: 16 rows of 1,024 tokens, the actor's step, bf16 on a GPU."""
+    from jaxrlhf.models import preset
+    from jaxrlhf.plan import activations
+
+    config = preset("qwen2.5-1.5b", dtype="bfloat16")
+    kw = dict(train=True, remat=True, value_head=False, backend="gpu")
+    plain, chunked = (activations(config, 16, 1024, **kw, chunk=c) for c in (0, 1024))
+    V = 151936
+    assert plain - chunked == 16 * 2 * (1024 * V * 4 - 64 * V * 4)  # [T, V] per row -> 64 positions per row
+    assert plain > 20 * 2**30 and chunked < 3.5 * 2**30  # 20.8 and 3.4 GiB, (plain / 2**30, chunked / 2**30)
