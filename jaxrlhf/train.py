@@ -154,7 +154,9 @@ TASKS = {
 }
 GOLD_NAME = {"arithmetic": " (the math verifier's accuracy)"}  # what the summary line calls a task's gold reward
 # What an arithmetic run sets unless the command line says otherwise: the math verifier is the reward.
-ARITHMETIC = {"ppo.reward": {"functions": ["jaxrlhf.rewards:math_verify"]}}
+# Answers cut at the length limit without EOS stay out of the loss (DAPO's over-long filter): the verifier reads the
+# last \boxed{} and does not punish writing on past it, and without the filter GRPO's actor learned to drop its EOS.
+ARITHMETIC = {"ppo.reward": {"functions": ["jaxrlhf.rewards:math_verify"]}, "ppo.overlong_filter": True}
 
 
 def builtin_task(data: DataConfig) -> str | None:
@@ -273,17 +275,18 @@ def run(cfg: TrainConfig, log=print, mesh=None) -> dict:
                 result["comparison"] = compare(cfg, sft_model, dirs[3] / "actor", log=log)
             if not judged:
                 log(f"evaluation: no report ({rm_model} not found: the report's reward model is Step 2's)")
-            result["report"] = judged and pipeline_report(
-                sft_model,
-                rm_model,
-                result["step3"],
-                dirs[3] / "metrics.jsonl",
-                out / "eval",
-                cfg.data,
-                cfg.ppo,
-                cfg.eval_prompts,
-                log=log,
-            )
+            else:
+                result["report"] = pipeline_report(
+                    sft_model,
+                    rm_model,
+                    result["step3"],
+                    dirs[3] / "metrics.jsonl",
+                    out / "eval",
+                    cfg.data,
+                    cfg.ppo,
+                    cfg.eval_prompts,
+                    log=log,
+                )
     result["seconds"] = time.perf_counter() - clock
     if "comparison" in result:
         c = result["comparison"]

@@ -1,6 +1,8 @@
 """The built-in verifiable task (jaxrlhf.data.arithmetic): questions, references and the verifier, noisy
 demonstrations and labels, the data source, the tokenizer, train's wiring, and (slow) GRPO learning it."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -67,6 +69,7 @@ def test_train_makes_the_verifier_the_reward_of_an_arithmetic_run():
 
     cfg = parse(["algorithm=grpo", "data.data_path=[arithmetic:6000]"])
     assert cfg.ppo.reward.functions == ("jaxrlhf.rewards:math_verify",) and cfg.ppo.reward.model_scale == 0
+    assert cfg.ppo.overlong_filter  # the verifier does not punish writing on past the answer: no EOS, no loss
     assert parse(["algorithm=grpo"]).ppo.reward.functions == ()  # the sorting task keeps its reward model
     mixed = parse(["data.data_path=[arithmetic:600]", "ppo.reward.functions=[jaxrlhf.rewards:boxed_format]"])
     assert mixed.ppo.reward.functions == ("jaxrlhf.rewards:boxed_format",)  # the command line wins
@@ -76,21 +79,24 @@ def test_train_makes_the_verifier_the_reward_of_an_arithmetic_run():
 
 @pytest.mark.slow
 def test_grpo_with_the_verifier_raises_held_out_accuracy_over_step1(tmp_path):
-    """`python -m jaxrlhf.train algorithm=grpo 'data.data_path=[arithmetic:6000]'` (the reward model's Step 2 cut
-    short: the verifier is Step 3's reward, the model only judges the evaluation report): the final actor answers
-    held-out questions right clearly more often than the Step 1 model, sampled and greedy."""
+    """`python -m jaxrlhf.train algorithm=grpo 'data.data_path=[arithmetic:6000]' --step 1 3` (no Step 2: the
+    verifier is Step 3's reward; the reward model would only judge the evaluation report): the final actor answers
+    held-out questions right clearly more often than the Step 1 model, sampled and greedy, and still ends them."""
     import jax
 
     from jaxrlhf.sharding import make_mesh
     from jaxrlhf.train import parse
     from jaxrlhf.train import run as run_train
 
-    args = ["algorithm=grpo", "data.data_path=[arithmetic:6000]", "--output-dir", str(tmp_path / "run")]
-    args += [f"data.cache_dir={tmp_path / 'cache'}", "reward.max_steps=20", "eval_prompts=128", "eval_samples=2"]
+    args = ["algorithm=grpo", "data.data_path=[arithmetic:6000]", "--step", "1", "3", "--output-dir", str(tmp_path)]
+    args += [f"data.cache_dir={tmp_path / 'cache'}", "eval_prompts=128", "eval_samples=2"]
     result = run_train(parse(args), mesh=make_mesh(1, jax.devices()[:1]))
     c = result["comparison"]
+    assert "report" not in result and not (tmp_path / "reward-models").exists()
     print({k: v for k, v in c.items() if k != "examples"}, f"{result['seconds']:.0f} s")
     assert c["actor_gold_reward_sampled"] > c["step1_gold_reward_sampled"] + 0.1
     assert c["actor_gold_reward_greedy"] > c["step1_gold_reward_greedy"] + 0.05
     assert 0 < c["kl_actor_to_step1"] < 5
     assert result["step3"].keys() == {"actor", "actor_ema"}  # GRPO: no critic
+    truncated = [r["truncated"] for r in map(json.loads, (tmp_path / "step3-models" / "metrics.jsonl").open())]
+    assert max(truncated[-5:]) < 0.2  # the answers still end with EOS

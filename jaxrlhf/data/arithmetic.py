@@ -51,7 +51,7 @@ class ArithmeticTask:
 
     max_operand: int = 9
     ops: str = "+-"
-    error_rate: float = 0.4  # share of demonstrations (the pairs' chosen answers) that slip by 1 or 2
+    error_rate: float = 0.3  # share of demonstrations (the pairs' chosen answers) that slip by 1 or 2
     flip_rate: float = 0.1  # share of preference labels flipped
     seed: int = 0
 
