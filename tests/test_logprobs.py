@@ -69,3 +69,27 @@ def test_chunked_backward_holds_one_chunk_of_logits():
     full, chunk = B * T * V * 4, 128 * V * 4  # 128 tokens a chunk: 1 / 8 of them
     assert temp(0) >= 2 * full  # the logits, their log-softmax and its gradient: measured 3 x full
     assert temp(128) <= 5 * chunk < full, (temp(128), chunk)  # measured 4.1 x chunk
+
+
+def test_step3_scores_and_trains_at_the_sampling_temperature():
+    """Answers sampled at temperature 0.7: the old, reference and generation's log-probs equal NumPy's
+    log_softmax(logits / 0.7) of the same tokens, and the first epoch's ratio (the training step's log-probs over the
+    old ones) is exactly 1."""
+    from test_engine import ACTOR, CRITIC, LENGTHS, G, engine, host
+
+    from jaxrlhf import make_mesh
+
+    actor = jax.device_get(init_params(ACTOR, jax.random.key(0), std=0.3))
+    critic = jax.device_get(init_params(CRITIC, jax.random.key(1), value_head=True, std=0.3))
+    ids, mask = left_padded_batch(64, LENGTHS, T=6, seed=5)
+    e = engine((actor, critic), make_mesh(1, jax.devices()[:1]), 2, temperature=0.7)
+    exp = e.generate_experience({"prompt_ids": ids, "prompt_mask": mask})
+    got = host(exp)
+    seq, m = got["seq"], got["mask"]
+    z = np.asarray(logits(ACTOR, actor, seq, got["seq_mask"]))[:, 5:-1]
+    want = numpy_logprobs(z, seq[:, 6:], 0.7)[0] * m
+    for k in ("logprobs", "ref_logprobs", "generation_logprobs"):
+        np.testing.assert_allclose(got[k] * m, want, atol=2e-5, err_msg=k)
+    stats = e.train_rlhf(exp)
+    np.testing.assert_allclose([stats["ratio_min"], stats["ratio_max"]], [1.0, 1.0], atol=1e-6)
+    assert m.shape[1] == G
