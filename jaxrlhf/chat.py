@@ -2,9 +2,12 @@
 
     python -m jaxrlhf.chat --path runs/train/step3-models/actor [max_new_tokens=128 temperature=0.7 ...]
 
-The conversation is kept as one HH-style text, "\\n\\nHuman: ...\\n\\nAssistant: ..." turn after turn, and the
-model continues it after each "Assistant:"; its answer ends at its EOS or where it starts a new "Human:"
-turn. Type `clear` to start a new conversation and `quit` to leave.
+The conversation is kept as a list of messages and rendered each turn the way the data of the training steps is
+(jaxrlhf.data.messages): through the model's chat template when its tokenizer has one (the generation prompt opening
+the assistant's turn, the answer ending at the template's end-of-turn token, e.g. <|im_end|>), else as HH text,
+"\\n\\nHuman: ...\\n\\nAssistant: ..." turn after turn, which the model continues after each "Assistant:"; an HH
+answer ends at its EOS or where it starts a new "Human:" turn. chat_template=none uses HH text whatever the tokenizer
+has. Type `clear` to start a new conversation and `quit` to leave.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import numpy as np
 from jaxrlhf.checkpoint import load_hf
 from jaxrlhf.config import check_fields, run_cli
 from jaxrlhf.data.batches import pad_rows
+from jaxrlhf.data.messages import ChatFormat, Messages
 from jaxrlhf.generate import decode_params, generate
 from jaxrlhf.tokenizer import load_tokenizer
 
@@ -37,13 +41,15 @@ class ChatConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     #: seed of the sampling
     seed: int = 0
+    #: "auto": the tokenizer's chat template renders the conversation (HH text without one); "none": HH text
+    chat_template: Literal["auto", "none"] = "auto"
 
     def __post_init__(self):
         check_fields(self, max_new_tokens=">= 1")
 
 
 class Chatbot:
-    """A model and its tokenizer, answering a conversation held as text."""
+    """A model and its tokenizer, answering a conversation held as messages."""
 
     def __init__(self, cfg: ChatConfig):
         if not cfg.path:
@@ -53,15 +59,16 @@ class Chatbot:
         # the decode layout, built once: every answer's decode steps read each layer's own arrays
         self.params = decode_params(self.config, {k: v for k, v in params.items() if k != "value_head"})
         self.tokenizer = load_tokenizer(cfg.path)
+        self.format = ChatFormat(self.tokenizer, cfg.chat_template)
         self.sampling = {k: getattr(cfg, k) for k in ("temperature", "top_k", "top_p")}
-        self.sampling.update(eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id)
+        self.sampling.update(eos_id=self.format.stop_id, pad_id=self.tokenizer.pad_token_id)
         self.max_new = min(cfg.max_new_tokens, self.config.max_position_embeddings // 2)
         self.turns = 0
 
-    def answer(self, conversation: str) -> str:
-        """The model's next answer to `conversation` (which ends with "Assistant:"), as text."""
+    def answer(self, conversation: Messages) -> str:
+        """The model's next answer to `conversation` (which ends with the user's turn), as text."""
         tok = self.tokenizer
-        ids = [tok.bos_token_id] + tok(conversation, add_special_tokens=False)["input_ids"]
+        ids = self.format.prompt_ids(conversation)
         room = self.config.max_position_embeddings - self.max_new
         ids = ids[-room:]  # a long conversation keeps its latest part
         width = min(room, 1 << (len(ids) - 1).bit_length())  # a few prompt shapes, so few compilations
@@ -69,9 +76,11 @@ class Chatbot:
         key = jax.random.key(self.cfg.seed + self.turns)
         out = generate(self.config, self.params, prompt, mask, key, max_new_tokens=self.max_new, **self.sampling)
         self.turns += 1
-        tokens = [
-            int(t) for t, m in zip(np.asarray(out.tokens)[0], np.asarray(out.mask)[0]) if m and t != tok.eos_token_id
-        ]
+        ends = {self.format.stop_id, tok.eos_token_id}  # a chat model may end with its EOS instead of end-of-turn
+        tokens = [int(t) for t, m in zip(np.asarray(out.tokens)[0], np.asarray(out.mask)[0]) if m]
+        tokens = tokens[: next((i for i, t in enumerate(tokens) if t in ends), len(tokens))]
+        if self.format.template:
+            return tok.decode(tokens, skip_special_tokens=True).strip()
         return tok.decode(tokens).split("\n\nHuman:")[0].rstrip()
 
 
@@ -79,14 +88,14 @@ def chat(
     cfg: ChatConfig, read: Callable[[str], str] | None = None, write: Callable[[str], None] = print
 ) -> list[tuple[str, str]]:
     """The conversation loop (reading with `input` unless given `read`); returns every (conversation sent to
-    the model, answer) pair."""
+    the model as text, answer) pair."""
     read = read or input
     bot = Chatbot(cfg)
     write(
         f"model: {cfg.path} ({sum(x.size for x in jax.tree.leaves(bot.params)) / 1e6:.1f}M parameters). "
         "Type 'clear' for a new conversation, 'quit' to leave."
     )
-    conversation, log = "", []
+    conversation, log = (), []
     while True:
         try:
             text = read("Human: ").strip()
@@ -95,16 +104,16 @@ def chat(
         if text == "quit":
             break
         if text == "clear":
-            conversation = ""
+            conversation = ()
             write("(a new conversation)")
             continue
         if not text:
             continue
-        conversation += f"\n\nHuman: {text}\n\nAssistant:"
+        conversation += (("user", text),)
         reply = bot.answer(conversation)
-        log.append((conversation, reply))
-        conversation += reply
-        write(f"Assistant:{reply}")
+        log.append((bot.format.render(conversation, True), reply))
+        conversation += (("assistant", reply),)
+        write(f"Assistant:{reply if reply[:1].isspace() else ' ' + reply}")
     return log
 
 

@@ -3,9 +3,12 @@
 import jax
 import numpy as np
 import pytest
+from test_data_chat import EOT, VOCAB, chatml_tokenizer, ids
 
-from jaxrlhf.chat import ChatConfig, chat, main
+from helpers import PRE_LN, make_hf_opt
+from jaxrlhf.chat import Chatbot, ChatConfig, chat, main
 from jaxrlhf.checkpoint import load_hf
+from jaxrlhf.data.messages import ChatFormat
 from jaxrlhf.generate import generate
 from jaxrlhf.train import builtin_model, builtin_tokenizer
 
@@ -26,10 +29,10 @@ class StandIn:
     """A chatbot whose answer names the turns it was sent, so the test can see the history the loop keeps."""
 
     def __init__(self, cfg):
-        self.cfg, self.params = cfg, {}
+        self.cfg, self.params, self.format = cfg, {}, ChatFormat(builtin_tokenizer(), "none")
 
     def answer(self, conversation):
-        return f" {conversation.count('Human:')} turns, {self.cfg.max_new_tokens} tokens"
+        return f" {sum(role == 'user' for role, _ in conversation)} turns, {self.cfg.max_new_tokens} tokens"
 
 
 def test_the_conversation_protocol_with_a_stand_in_model(monkeypatch, capsys):
@@ -89,3 +92,32 @@ def test_multi_turn_clear_and_quit(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("builtins.input", lambda _: next(lines))
     main(["--path", str(folder), "max_new_tokens=6"])
     assert f"Assistant:{log[0][1]}\n" in capsys.readouterr().out
+
+
+def test_a_chat_template_renders_every_turn_and_answers_stop_at_its_end_of_turn(tmp_path):
+    """A tiny random OPT with the ChatML tokenizer: each turn sends the template's rendering of the whole
+    conversation (earlier answers included) with the generation prompt; generation stops at <|im_end|>."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = make_hf_opt(tmp_path / "m", **{**PRE_LN, "vocab_size": len(VOCAB), "max_position_embeddings": 128})
+    tok = chatml_tokenizer(folder)
+    question = "What colour is the sky?" + " Hi" * 8  # both turns' prompts pad to 64 tokens: one compilation
+    lines = iter([question, "Hi", "quit"])
+    printed = []
+    log = chat(ChatConfig(path=str(folder), max_new_tokens=4), read=lambda _: next(lines), write=printed.append)
+    first = f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+    second = f"{first}{log[0][1]}<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert [c for c, _ in log] == [first, second]
+    assert tok(first, add_special_tokens=False)["input_ids"] == ids(first)  # no BOS: the template writes none
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for text, reply in log:  # the reference: transformers' greedy answer to the rendered text, cut at <|im_end|>
+        prompt = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+        out = hf.generate(prompt, max_new_tokens=4, do_sample=False, eos_token_id=EOT, pad_token_id=0)
+        tokens = out[0, prompt.shape[1] :].tolist()
+        tokens = tokens[: next((i for i, t in enumerate(tokens) if t in (EOT, tok.eos_token_id)), len(tokens))]
+        assert reply == tok.decode(tokens, skip_special_tokens=True).strip()
+    assert printed[1:] == [f"Assistant: {reply}" for _, reply in log]
+    # Generation stops at the template's end of turn, not at the tokenizer's EOS (<|endoftext|>); HH text stops at EOS.
+    assert Chatbot(ChatConfig(path=str(folder))).sampling["eos_id"] == EOT != tok.eos_token_id
+    assert Chatbot(ChatConfig(path=str(folder), chat_template="none")).sampling["eos_id"] == tok.eos_token_id

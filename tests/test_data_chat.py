@@ -20,7 +20,9 @@ CHATML = (
     " + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<unk>"]
-WORDS = "system user assistant Human Assistant System You are kind What colour is the sky It blue green Hi Hello again"
+# 32 tokens in all: a tiny model's vocabulary
+WORDS = "system user assistant Human Assistant System You are kind What colour is the sky It blue green Hi Hello"
+WORDS += " again yes no"
 VOCAB = {t: i for i, t in enumerate(SPECIAL + WORDS.split() + ["\n", " ", "?", ".", ":"])}
 EOT, START, BOS = VOCAB["<|im_end|>"], VOCAB["<|im_start|>"], VOCAB["<|begin_of_text|>"]
 
