@@ -61,7 +61,7 @@ from jaxrlhf.checkpoint import config_to_hf  # noqa: E402
 from jaxrlhf.lora import LoRAConfig  # noqa: E402
 from jaxrlhf.models import FAMILIES, Backend, init_params, llama, opt, param_shapes, preset  # noqa: E402
 from jaxrlhf.plan import capacity, plan  # noqa: E402
-from jaxrlhf.rewards import RewardConfig  # noqa: E402
+from jaxrlhf.rewards import HostScores, RewardConfig  # noqa: E402
 from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide  # noqa: E402
 from jaxrlhf.rl import engine as rl_engine  # noqa: E402
 from jaxrlhf.sharding import make_mesh, shardings_for  # noqa: E402
@@ -121,6 +121,12 @@ def rule_scores(tokens, mask) -> np.ndarray:
     """The host rule that stands for a verifier (--critic none): 1 where an answer's token ids sum to an even number,
     else 0 (random weights answer at random, so groups have spread). tokens, mask [B, G] (host arrays)."""
     return (np.sum(np.asarray(tokens) * np.asarray(mask), axis=1) % 2 == 0).astype(np.float32)
+
+
+def rule_host_scores(tokens, mask) -> HostScores:
+    """rule_scores as the engine waits for reward functions' scores: every answer scored."""
+    scores = rule_scores(tokens, mask)
+    return HostScores(scores, np.ones_like(scores))
 
 
 def real_tokens(batch: dict) -> int:
@@ -214,7 +220,7 @@ def ours(args, actor: str, critic: str, B: int, precision: str, lora: int, algor
     pool = ThreadPoolExecutor(1)
     start_rewards = None
     if rule:  # the rule runs on the host while the device scores, as reward functions do (jaxrlhf.ppo)
-        start_rewards = lambda _, tokens, mask: pool.submit(rule_scores, *jax.device_get((tokens, mask)))
+        start_rewards = lambda _, tokens, mask: pool.submit(rule_host_scores, *jax.device_get((tokens, mask)))
     times, phases = [], []
     with per_answer_limits():
         for i in range(args.repeats + 1):  # the first iteration compiles
