@@ -28,8 +28,8 @@ from typing import Literal
 import jax.numpy as jnp
 
 from jaxrlhf.config import ConfigError, check_fields, run_cli
-from jaxrlhf.losses import answer_mask, dpo_loss, lm_targets, next_token_logprobs, sequence_logprobs
-from jaxrlhf.models import LOGITS_CHUNK
+from jaxrlhf.losses import answer_mask, dpo_loss, lm_targets, sequence_logprobs
+from jaxrlhf.models import LOGITS_CHUNK, next_token_logprobs
 from jaxrlhf.trainer import RunConfig, train
 
 

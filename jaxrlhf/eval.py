@@ -36,8 +36,8 @@ from jaxrlhf.checkpoint import load_hf
 from jaxrlhf.config import check_fields, run_cli
 from jaxrlhf.data import DataConfig, DataError, arithmetic, make_batch, prepare, step_records, stories, synthetic
 from jaxrlhf.generate import generate
-from jaxrlhf.losses import end_scores, next_token_logprobs
-from jaxrlhf.models import head_logprobs, hidden, values
+from jaxrlhf.losses import end_scores
+from jaxrlhf.models import head_logprobs, hidden, next_token_logprobs, values
 from jaxrlhf.tokenizer import decode_rows, load_tokenizer
 
 Z95 = 1.959963984540054

@@ -11,8 +11,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrlhf.models import LOGITS_CHUNK, head_logprobs, hidden
-
 
 def masked_mean(x, mask):
     """sum(x * mask) / sum(mask) (0 when the mask is empty)."""
@@ -24,14 +22,6 @@ def token_logprobs(logits, input_ids):
     """log p(ids[:, t + 1] | ids[:, : t + 1]) for t = 0 .. T - 2: [B, T - 1] float32, from logits [B, T, V]."""
     logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
     return jnp.take_along_axis(logp, input_ids[:, 1:, None], axis=-1)[..., 0]
-
-
-def next_token_logprobs(config, params, input_ids, attention_mask, *, chunk: int = LOGITS_CHUNK, dropout_rng=None):
-    """token_logprobs of the model's logits, [B, T - 1] float32, without them: the LM head runs on the hidden states
-    of positions 0 .. T - 2, `chunk` tokens at a time (models.head_logprobs; 0: in one piece). Dropout with
-    `dropout_rng`."""
-    h = hidden(config, params, input_ids, attention_mask, dropout_rng=dropout_rng)[:, :-1]
-    return head_logprobs(config, params, h, input_ids[:, 1:], chunk=chunk)
 
 
 def lm_targets(loss_mask):

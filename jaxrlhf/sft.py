@@ -20,8 +20,8 @@ import numpy as np
 from jaxrlhf.config import run_cli
 from jaxrlhf.data.batches import pad_rows
 from jaxrlhf.generate import generate
-from jaxrlhf.losses import lm_loss, next_token_logprobs
-from jaxrlhf.models import LOGITS_CHUNK
+from jaxrlhf.losses import lm_loss
+from jaxrlhf.models import LOGITS_CHUNK, next_token_logprobs
 from jaxrlhf.tokenizer import decode_rows
 from jaxrlhf.trainer import RunConfig, effective_params, train
 

@@ -59,6 +59,10 @@ def test_the_conversation_protocol_with_a_stand_in_model(monkeypatch, capsys):
 
 
 @pytest.mark.slow
+def hh_reply(reply: str) -> str:
+    return reply if reply[:1].isspace() else " " + reply
+
+
 def test_multi_turn_clear_and_quit(tmp_path, monkeypatch, capsys):
     folder = builtin_model(tmp_path / "m", seed=3)
     lines = iter(
@@ -77,21 +81,22 @@ def test_multi_turn_clear_and_quit(tmp_path, monkeypatch, capsys):
     first = "\n\nHuman: Sort these letters: c a b\n\nAssistant:"
     assert [c for c, _ in log] == [
         first,
-        first + log[0][1] + "\n\nHuman: Sort these letters: d e\n\nAssistant:",  # the history carries over
+        # the history carries over, as HH text: a reply not starting with whitespace gets the separating space
+        first + hh_reply(log[0][1]) + "\n\nHuman: Sort these letters: d e\n\nAssistant:",
         "\n\nHuman: Sort these letters: x y\n\nAssistant:",  # ... until `clear`
     ]
     assert log[1][1] == greedy(folder, log[1][0], 6)  # the answer is the model's greedy continuation
     assert printed[1:] == [
-        f"Assistant:{log[0][1]}",
-        f"Assistant:{log[1][1]}",
+        f"Assistant:{hh_reply(log[0][1])}",
+        f"Assistant:{hh_reply(log[1][1])}",
         "(a new conversation)",
-        f"Assistant:{log[2][1]}",
+        f"Assistant:{hh_reply(log[2][1])}",
     ]
     # The entry point, with DeepSpeed-Chat's --path flag and input() from the terminal.
     lines = iter(["Sort these letters: c a b", "quit"])
     monkeypatch.setattr("builtins.input", lambda _: next(lines))
     main(["--path", str(folder), "max_new_tokens=6"])
-    assert f"Assistant:{log[0][1]}\n" in capsys.readouterr().out
+    assert f"Assistant:{hh_reply(log[0][1])}\n" in capsys.readouterr().out
 
 
 def test_a_chat_template_renders_every_turn_and_answers_stop_at_its_end_of_turn(tmp_path):

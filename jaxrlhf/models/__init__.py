@@ -117,10 +117,17 @@ def logprobs(
     """log p(targets[b, t]) [B, T] float32 from the head at position t (`at` [B, A]: at position at[b, a], targets
     [B, A]) under softmax(logits / temperature), without the [B, T, V] logits (`hidden` then `head_logprobs`); with
     `entropy`, (log-probs, entropy). The next token's: targets = input_ids[:, 1:] of the positions before the last
-    (losses.next_token_logprobs). Other arguments as `logits`'."""
+    (next_token_logprobs). Other arguments as `logits`'."""
     kw = dict(dropout_rng=dropout_rng, at=at, positions=positions, segment_ids=segment_ids)
     h = hidden(config, params, input_ids, attention_mask, **kw)
     return head_logprobs(config, params, h, targets, temperature=temperature, chunk=chunk, entropy=entropy)
+
+
+def next_token_logprobs(config, params, input_ids, attention_mask, *, chunk: int = LOGITS_CHUNK, dropout_rng=None):
+    """log p(ids[:, t + 1] | ids[:, : t + 1]) for t = 0 .. T - 2, [B, T - 1] float32 (losses.token_logprobs of the
+    logits), without the logits: the head runs on positions 0 .. T - 2, `chunk` tokens at a time (head_logprobs)."""
+    h = hidden(config, params, input_ids, attention_mask, dropout_rng=dropout_rng)[:, :-1]
+    return head_logprobs(config, params, h, input_ids[:, 1:], chunk=chunk)
 
 
 init_cache = common.init_cache  # an empty KV cache [L, B, Hkv, S, K] for generation (see models/common.py)

@@ -9,7 +9,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxrlhf.losses import lm_loss, lm_targets, next_token_logprobs
+from jaxrlhf.losses import lm_loss, lm_targets
+from jaxrlhf.models import next_token_logprobs
 from jaxrlhf.rl import losses
 from jaxrlhf.rl.experience import Static, answer_logprobs, answer_values, fsdp_layout, packed_rows, row_layout
 from jaxrlhf.trainer import (
