@@ -94,7 +94,7 @@ def config_from_hf(hf: dict, source: str = "config.json", **overrides):
     fields = {ours: hf[theirs] for theirs, ours in fmt.config_keys.items() if hf.get(theirs) is not None}
     if isinstance(fields.get("pad_token_id"), int) and fields["pad_token_id"] < 0:
         del fields["pad_token_id"]  # older Llama conversions wrote -1 for "no padding token"
-    if isinstance(fields.get("eos_token_id"), list):  # Llama 3 lists several; generation stops at the first
+    if isinstance(fields.get("eos_token_id"), list):  # Llama 3 lists several; we keep the first
         if not fields["eos_token_id"]:
             raise CheckpointError(f"{source}: eos_token_id is an empty list; expected a token id (or a list of them)")
         fields["eos_token_id"] = fields["eos_token_id"][0]

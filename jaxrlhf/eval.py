@@ -35,10 +35,11 @@ from jaxrlhf.alarms import AlarmConfig, answer_figures, answer_rows, check, trai
 from jaxrlhf.checkpoint import load_hf
 from jaxrlhf.config import check_fields, run_cli
 from jaxrlhf.data import DataConfig, DataError, arithmetic, make_batch, prepare, step_records, stories, synthetic
+from jaxrlhf.data.messages import content
 from jaxrlhf.generate import generate
 from jaxrlhf.losses import end_scores
 from jaxrlhf.models import head_logprobs, hidden, next_token_logprobs, values
-from jaxrlhf.tokenizer import decode_rows, load_tokenizer
+from jaxrlhf.tokenizer import decode_rows, load_tokenizer, stop_id
 
 Z95 = 1.959963984540054
 
@@ -207,19 +208,29 @@ def answer(cfg: EvalConfig, model, ids, mask, max_new: int, eos_id: int, pad_id:
 
 
 def gold_and_kl(
-    models: dict, tok, ids, mask, gold, *, samples: int, max_new_tokens: int, seed: int = 0, **sampling
+    models: dict,
+    tok,
+    ids,
+    mask,
+    gold,
+    *,
+    samples: int,
+    max_new_tokens: int,
+    seed: int = 0,
+    chat_template: str = "auto",
+    **sampling,
 ) -> tuple[dict, dict]:
     """The Step 1 model against the final actor (`models`: {"step1": (config, params), "actor": ...}) on left-padded
     prompts ids, mask [N, P]: the mean gold reward (`gold(prompt index, answer text)`) of each one's answers, sampled
     `samples` times per prompt (`sampling`: generate's temperature, top_k, top_p) and greedy once; and the KL from the
     actor to the Step 1 model on the actor's sampled answers (nats per answer). Returns (figures, {(model, "sampled" or
-    "greedy"): answer texts})."""
+    "greedy"): answer texts}). Answers stop at stop_id(tok, chat_template) (data.chat_template)."""
     rows = {
         "sampled": (np.tile(ids, (samples, 1)), np.tile(mask, (samples, 1)), sampling),
         "greedy": (ids, mask, {**sampling, "temperature": 0.0}),
     }
     out, texts, sampled = {}, {}, None
-    kw = dict(max_new_tokens=max_new_tokens, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    kw = dict(max_new_tokens=max_new_tokens, eos_id=stop_id(tok, chat_template), pad_id=tok.pad_token_id)
     for name, model in models.items():
         for mode, (ids_m, mask_m, s) in rows.items():
             gen = generate(*model, ids_m, mask_m, jax.random.key(seed), **kw, **s)
@@ -237,8 +248,8 @@ def gold_and_kl(
 
 
 def perplexity(cfg: EvalConfig, model, arrays, pad_id: int) -> float | None:
-    """exp(mean next-token loss) over the first `ppl_rows` held-out Step 1 sequences."""
-    n = min(cfg.ppl_rows, len(arrays["offsets"]) - 1)
+    """exp(mean next-token loss) over the first `ppl_rows` held-out Step 1 sequences (None without any)."""
+    n = 0 if arrays is None else min(cfg.ppl_rows, len(arrays["offsets"]) - 1)
     if n == 0:
         return None
     b = make_batch(arrays, range(n), 1, cfg.data, pad_id)
@@ -290,6 +301,29 @@ def find_metrics(cfg: EvalConfig) -> Path | None:
     return None
 
 
+def held_out(data: DataConfig, tok, log) -> dict:
+    """{step: its eval split} for Steps 1, 2 and 3; None for Step 1 or 2 where the data cannot feed it: prompt +
+    response data (e.g. GSM8K) has no pairs (no reward-model accuracy), prompt-only data (a GRPO prompt set) no
+    answers either (no perplexity). Every number that needs only prompts is still reported."""
+    held = {3: prepare(data, 3, tok, log=lambda _: None)["eval"]}
+    for step, what in ((1, "sequences (no perplexity)"), (2, "pairs (no reward-model accuracy)")):
+        try:
+            held[step] = prepare(data, step, tok, log=lambda _: None)["eval"]
+        except DataError as e:
+            log(f"eval: no held-out Step {step} {what}: {e}")
+            held[step] = None
+    return held
+
+
+def reference_text(record) -> str | None:
+    """A Step 3 record's reference answer, for the gold reward: its chosen answer (a conversational one's content),
+    else its metadata's "reference" (GSM8K's answer; a prompt-only row may carry one)."""
+    if record.chosen is not None:
+        return content(record.chosen)
+    reference = (record.metadata or {}).get("reference")
+    return None if reference is None else str(reference)
+
+
 def evaluate(cfg: EvalConfig, log=print) -> dict:
     """Every number of the report (see the module docstring), as a JSON-ready dict."""
     if not cfg.models or not cfg.reward_model:
@@ -299,17 +333,11 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
     if len(set(names)) < len(names):  # e.g. .../actor-models/model and .../reward-models/model
         names = [f"{Path(m).parent.name}/{Path(m).name}" for m in cfg.models]
     tok = load_tokenizer(cfg.tokenizer or cfg.models[0])
-    eos, pad = tok.eos_token_id, tok.pad_token_id
+    eos, pad = stop_id(tok, cfg.data.chat_template), tok.pad_token_id  # a chat model's answers end at its end-of-turn
     rm = load_hf(cfg.reward_model, dtype=dtype)
     if "value_head" not in rm[1]:
         raise ValueError(f"{cfg.reward_model}: no value head; expected a reward model (the Step 2 output)")
-    quiet = lambda _: None
-    held = {step: prepare(cfg.data, step, tok, log=quiet)["eval"] for step in (1, 3)}
-    try:
-        held[2] = prepare(cfg.data, 2, tok, log=quiet)["eval"]
-    except DataError as e:  # prompt + response data (e.g. GSM8K) has no pairs: no reward-model accuracy
-        log(f"eval: no held-out pairs ({e})")
-        held[2] = None
+    held = held_out(cfg.data, tok, log)
     n = min(cfg.num_prompts, len(held[3]["offsets"]) - 1)
     if n == 0:
         raise ValueError(
@@ -319,7 +347,7 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
     ids, mask = batch["prompt_ids"], batch["prompt_mask"]
     prompts = decode_rows(tok, ids, mask, skip_first=True)
     records = step_records(cfg.data, 3)[0]["eval"]  # the reference answers, for a gold reward (GSM8K's "#### N")
-    references = [records[i].chosen for i in held[3]["record_index"][:n]]
+    references = [reference_text(records[i]) for i in held[3]["record_index"][:n]]
     reference = load_hf(cfg.reference or cfg.models[0], dtype=dtype)  # a value head in a model folder goes unused
     G = min(cfg.max_answer_len, reference[0].max_position_embeddings - ids.shape[1])
     if G < 1:

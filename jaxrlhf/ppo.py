@@ -45,7 +45,7 @@ from jaxrlhf.rewards import HostRewards
 from jaxrlhf.rl import HybridEngine, ModelSide, PPOConfig
 from jaxrlhf.rl.experience import base_params
 from jaxrlhf.sharding import make_mesh
-from jaxrlhf.tokenizer import decode_rows
+from jaxrlhf.tokenizer import decode_rows, stop_id
 from jaxrlhf.trainer import RunConfig, check_microbatches, load_model, precision_warning
 
 INPUTS = ("actor.model", "critic.model")  # the model folders a run starts from (loop.settings)
@@ -114,11 +114,13 @@ def needs_critic_model(cfg: PPOConfig) -> bool:
     return not cfg.critic_free or bool(cfg.reward.model_scale)
 
 
-def reward_starter(rewards: HostRewards, tokenizer):
+def reward_starter(rewards: HostRewards, tokenizer, chat_template: str = "auto"):
     """engine.generate_experience's start_rewards: a batch's answers decoded as soon as they exist, then the reward
     functions started on the host with this process's prompts and their metadata (prompt_batch["metadata"]), each
-    answer's token ids (EOS included where it ended) and whether it was truncated (no EOS: it hit its length limit,
-    max_answer_len or its row's answer_limits)."""
+    answer's token ids (its stop token included where it ended: EOS, or the chat template's end-of-turn, see
+    tokenizer.stop_id) and whether it was truncated (no stop token: it hit its length limit, max_answer_len or its
+    row's answer_limits)."""
+    stop = stop_id(tokenizer, chat_template)
 
     def start(prompt_batch, tokens, mask):
         rows = len(prompt_batch["prompt_ids"])  # this process's: the global batch holds each process's rows in turn
@@ -126,7 +128,7 @@ def reward_starter(rewards: HostRewards, tokenizer):
         tokens, mask = (np.asarray(to_host(x))[local] for x in (tokens, mask))
         prompts = decode_rows(tokenizer, prompt_batch["prompt_ids"], prompt_batch["prompt_mask"], skip_first=True)
         token_ids = [row[m != 0].tolist() for row, m in zip(tokens, mask)]
-        truncated = [tokenizer.eos_token_id not in ids for ids in token_ids]
+        truncated = [stop not in ids for ids in token_ids]
         answers = decode_rows(tokenizer, tokens, mask)
         return rewards.start(prompts, answers, prompt_batch["metadata"], token_ids=token_ids, truncated=truncated)
 
@@ -225,7 +227,7 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
         (actor_config, actor_params),
         (critic_config, critic_params),
         total_steps=iterations * cfg.generation_batches * cfg.ppo_epochs,
-        eos_id=tokenizer.eos_token_id,
+        eos_id=stop_id(tokenizer, cfg.data.chat_template),  # a chat model's answers end at its end-of-turn
         pad_id=pad,
     )
     del actor_params, critic_params
@@ -281,7 +283,9 @@ def ppo_iteration(cfg: PPOConfig, engine: HybridEngine, tokenizer, prompts, unsu
     over the steps, skip counts, phase seconds, throughput, gold reward, alarms) are host floats."""
     synthetic = all(p.startswith("synthetic") for p in cfg.data.data_path)
     prompt_iter, unsup_iter = iter(prompts), iter(unsup) if unsup else None
-    starter = reward_starter(HostRewards(cfg.reward, log), tokenizer) if cfg.reward.functions else None
+    starter = None
+    if cfg.reward.functions:
+        starter = reward_starter(HostRewards(cfg.reward, log), tokenizer, cfg.data.chat_template)
     tracker = None
 
     def step(state, it):
@@ -328,7 +332,7 @@ def ppo_iteration(cfg: PPOConfig, engine: HybridEngine, tokenizer, prompts, unsu
         if synthetic:
             figures["gold_reward"] = float(np.mean([g for e in host for g in gold_rewards(tokenizer, e)]))
         if cfg.alarms.enabled:  # signs of reward hacking: logged when they start, on the bar while they last
-            figures.update(experience_figures(host, tokenizer.eos_token_id, cfg.alarms.ngram))
+            figures.update(experience_figures(host, engine.eos_id, cfg.alarms.ngram))
             alarms = tracker.update(figures)
             for a in alarms:
                 if a.new:

@@ -22,7 +22,7 @@ from jaxrlhf.data.batches import pad_rows
 from jaxrlhf.generate import generate
 from jaxrlhf.losses import lm_loss
 from jaxrlhf.models import LOGITS_CHUNK, next_token_logprobs
-from jaxrlhf.tokenizer import decode_rows
+from jaxrlhf.tokenizer import decode_rows, stop_id
 from jaxrlhf.trainer import RunConfig, effective_params, train
 
 
@@ -51,10 +51,13 @@ def summarise(sums) -> dict:
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
 
 
-def sample_answers(config, params, tokenizer, prompts: list[np.ndarray], n_tokens: int) -> list[str]:
-    """Greedy answers (KV-cached generation, stopping at EOS) to tokenized prompts, as text."""
+def sample_answers(
+    config, params, tokenizer, prompts: list[np.ndarray], n_tokens: int, chat_template: str = "auto"
+) -> list[str]:
+    """Greedy answers (KV-cached generation, stopping at stop_id: EOS, or the chat template's end-of-turn) to
+    tokenized prompts, as text."""
     ids, mask = pad_rows(prompts, max(len(p) for p in prompts), tokenizer.pad_token_id, left=True)
-    greedy = dict(max_new_tokens=n_tokens, temperature=0.0, eos_id=tokenizer.eos_token_id)
+    greedy = dict(max_new_tokens=n_tokens, temperature=0.0, eos_id=stop_id(tokenizer, chat_template))
     out = generate(config, params, ids, mask, jax.random.key(0), **greedy)
     return decode_rows(tokenizer, out.tokens, out.mask)
 
@@ -68,13 +71,13 @@ def prompt_eval(cfg: SFTConfig, config, tokenizer, data, state):
         return None
     starts = arrays["offsets"][:n]
     prompts = [arrays["tokens"][a : a + length] for a, length in zip(starts, arrays["prompt_len"][:n])]
-    answers = lambda st: sample_answers(config, effective_params(st, cfg.lora), tokenizer, prompts, cfg.sample_tokens)
+    answers = lambda st: sample_answers(
+        config, effective_params(st, cfg.lora), tokenizer, prompts, cfg.sample_tokens, cfg.data.chat_template
+    )
     before = answers(state)
+    texts = [decode_rows(tokenizer, p[None], np.ones((1, len(p))), skip_first=True)[0] for p in prompts]  # no BOS
     return lambda st: {
-        "samples": [
-            {"prompt": tokenizer.decode(p[1:]), "before": b, "after": a}
-            for p, b, a in zip(prompts, before, answers(st))
-        ]
+        "samples": [{"prompt": t, "before": b, "after": a} for t, b, a in zip(texts, before, answers(st))]
     }
 
 

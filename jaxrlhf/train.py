@@ -209,7 +209,15 @@ def compare(cfg: TrainConfig, sft_model: Path, actor_model: Path, log=print) -> 
     gold = lambda i, answer: TASKS[builtin_task(cfg.data)][1](prompts[i], answer)
     sampling = dict(temperature=ppo_cfg.temperature, top_k=ppo_cfg.top_k, top_p=ppo_cfg.top_p)
     out, texts = gold_and_kl(
-        models, tok, ids, mask, gold, samples=cfg.eval_samples, max_new_tokens=ppo_cfg.max_answer_len, **sampling
+        models,
+        tok,
+        ids,
+        mask,
+        gold,
+        samples=cfg.eval_samples,
+        max_new_tokens=ppo_cfg.max_answer_len,
+        chat_template=cfg.data.chat_template,
+        **sampling,
     )
     out["examples"] = [
         {"prompt": p, "step1": texts["step1", "greedy"][i], "actor": texts["actor", "greedy"][i]}

@@ -65,6 +65,11 @@ def common_prefix(a: Messages, b: Messages) -> int:
     return n
 
 
+def content(value: str | Messages) -> str:
+    """A field's text without any format: a string as it is, a conversation's contents one per line."""
+    return value if isinstance(value, str) else "\n".join(c for _, c in value)
+
+
 def hh_text(messages: Messages, generation_prompt: bool) -> str:
     """HH text: "\\n\\nHuman: content" per turn (System, Assistant, Tool likewise), then "\\n\\nAssistant:" when
     `generation_prompt`. A content that starts with whitespace keeps it in place of the separating space."""
