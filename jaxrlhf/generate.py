@@ -5,6 +5,8 @@
           then refills (a slot whose row ended takes the next `refill` waiting prompts: prefilled apart, their
           K/V copied into those slots' cache rows) ── until every prompt's row has ended ──► tokens [N, G]
 
+A prompt's n answers (GRPO's groups, `group`) prefill it once: its K/V and first logits are copied into the n slots.
+
 Every model family runs through it (models/__init__.py picks the family from the config's type). The
 cache [L, slots, Hkv, P + G, K] (Hkv < H for grouped-query models such as Llama) is allocated once and carried
 through the loop (written with one dynamic_update_slice or scatter per layer and step, so XLA updates it in
@@ -155,13 +157,14 @@ class _Loop:
     refill: int
     check_every: int
     mesh: Any
+    group: int
 
 
 @partial(jax.jit, static_argnames=("config", "loop"))
 def _generate(config, loop: _Loop, params, input_ids, attention_mask, key, limits):
     eos_id, pad_id, force_length, mesh = loop.eos_id, loop.pad_id, loop.force_length, loop.mesh
     N, Pn = input_ids.shape
-    G, B, R = loop.max_new_tokens, loop.slots, loop.refill
+    G, B, R, n = loop.max_new_tokens, loop.slots, loop.refill, loop.group
     order = jnp.argsort(attention_mask.astype(bool), axis=1, stable=True)  # padding first, real tokens in order
     input_ids, attention_mask = (jnp.take_along_axis(x, order, 1) for x in (input_ids, attention_mask))
     real = jnp.sum(attention_mask, axis=1).astype(jnp.int32)  # [N] prompt lengths
@@ -175,7 +178,7 @@ def _generate(config, loop: _Loop, params, input_ids, attention_mask, key, limit
         if mesh is None:
             return cache
         spec = NamedSharding(mesh, P(None, rows_axis(mesh, cache["k"].shape[1]), "model", None, None))
-        return {**cache, **{n: jax.lax.with_sharding_constraint(cache[n], spec) for n in ("k", "v")}}
+        return {**cache, **{c: jax.lax.with_sharding_constraint(cache[c], spec) for c in ("k", "v")}}
 
     def pick(logits, rows, g):
         """Answer token g of prompts `rows` from logits [R, V]: (token, its log-prob, whether the row ends there)."""
@@ -201,14 +204,23 @@ def _generate(config, loop: _Loop, params, input_ids, attention_mask, key, limit
         return tokens.at[at].set(token), logprobs.at[at].set(logprob), mask.at[at].set(1)
 
     def prefill(prompts, S):
-        """Prompts `prompts` [R] (index N: none) prefilled into a new cache of S slots: (logits [R, V], cache)."""
-        ids, mask = input_ids[jnp.minimum(prompts, N - 1)], attention_mask[jnp.minimum(prompts, N - 1)]
-        valid = jnp.concatenate([mask.astype(bool), jnp.ones((len(prompts), S - Pn), bool)], axis=1)
-        cache = laid_out(init_cache(config, valid, multiple=64 if Pn < S else 1))
+        """Prompts `prompts` [R] (index N: none) prefilled into a new cache of S slots: (logits [R, V], cache). With
+        groups (n > 1; `prompts` whole groups), each group's prompt is prefilled once, at its own width, and its
+        logits and cache rows repeated n times (one gather, padded to S: a refill's scatter takes it as it is)."""
+        once = jnp.minimum(prompts[::n], N - 1)  # the first row of each group
+        ids, mask = input_ids[once], attention_mask[once]
+        width = S if n == 1 else Pn
+        valid = jnp.concatenate([mask.astype(bool), jnp.ones((len(once), width - Pn), bool)], axis=1)
+        cache = laid_out(init_cache(config, valid, multiple=64 if Pn < width else 1))
         positions = jnp.maximum(positions_from_mask(mask), 0)
         # the LM head on the last position only
         logits, cache = logits_with_cache(config, params, ids, positions, cache, prefilling, last=1)
-        return logits[:, -1], {n: cache[n] for n in ("k", "v", "start")}  # decode steps bring their own slots
+        if n == 1:
+            return logits[:, -1], {k: cache[k] for k in ("k", "v", "start")}  # decode steps bring their own slots
+        pad = (S + (-S % 64 if Pn < S else 0)) - Pn  # the slots after the prompt, as init_cache allocates them
+        copy = lambda x: jnp.pad(jnp.repeat(x, n, axis=1), ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0)))
+        out = {"k": copy(cache["k"]), "v": copy(cache["v"]), "start": jnp.repeat(cache["start"], n)}
+        return jnp.repeat(logits[:, -1], n, axis=0), laid_out(out)
 
     def start_rows(state, slots_at, prompts, logits):
         """Slots `slots_at` take prompts `prompts` ([R]; slot index B: no slot): their first answer token from the
@@ -252,7 +264,7 @@ def _generate(config, loop: _Loop, params, input_ids, attention_mask, key, limit
         logits, cache = logits_with_cache(
             config, params, state["token"][:, None], (real[row] + g - 1)[:, None], cache, decoding
         )
-        cache = {n: cache[n] for n in ("k", "v", "start")}
+        cache = {c: cache[c] for c in ("k", "v", "start")}
         token, logprob, ends = pick(logits[:, 0], row, g)
         out = record(state["out"], jnp.where(done, N, row), g, token, logprob)
         live = ~done
@@ -280,7 +292,7 @@ def _generate(config, loop: _Loop, params, input_ids, attention_mask, key, limit
         big = state["cache"]
         cache = {
             **big,
-            **{n: big[n].at[:, slots_at, :, :Pn].set(small[n], mode="drop") for n in ("k", "v")},
+            **{c: big[c].at[:, slots_at, :, :Pn].set(small[c], mode="drop") for c in ("k", "v")},
             "start": big["start"].at[slots_at].set(small["start"], mode="drop"),
         }
         state = start_rows({**state, "cache": laid_out(cache)}, slots_at, prompts, logits)
@@ -315,6 +327,7 @@ def generate(
     refill: int = 0,
     check_every: int = 8,
     mesh=None,
+    group: int = 1,
 ) -> Generation:
     """Continue left-padded prompts [B, P] by up to `max_new_tokens` tokens (see the module docstring).
 
@@ -327,8 +340,14 @@ def generate(
     slots' cache rows. A prompt's answer does not depend on the slot it gets: its random stream is keyed by its
     index in the batch. With `mesh`, the KV cache is laid out for the generation ("tp") layout; pass params
     resharded to it. Compiled once per shape and set of options.
+    group: rows come in groups of `group` answers to one prompt (GRPO's samples per prompt: rows i n .. i n + n - 1
+    hold the same prompt, as rl.engine.repeat_rows lays them out): each prompt is prefilled once and its cache
+    copied into its answers' slots. Slots are then rounded down, and refills up, to whole groups. Each answer still
+    draws with its own row's key.
     """
     B = input_ids.shape[0]
+    if group < 1 or B % group:
+        raise ValueError(f"group: expected a divisor of the batch ({B} rows), got {group}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
     if input_ids.shape[1] + max_new_tokens > config.max_position_embeddings:
@@ -338,8 +357,8 @@ def generate(
         )
     if slots < 0 or refill < 0 or check_every < 1:
         raise ValueError(f"expected slots >= 0, refill >= 0, check_every >= 1; got {slots}, {refill}, {check_every}")
-    slots = min(slots or B, B)
-    refill = min(refill or max(slots // 8, 1), slots)
+    slots = max(min(slots or B, B) // group, 1) * group  # whole groups
+    refill = min(-(-(refill or max(slots // 8, 1)) // group) * group, slots)
     if limits is None:
         limits = jnp.full((B,), max_new_tokens, jnp.int32)
     else:
@@ -351,6 +370,6 @@ def generate(
             )
         limits = jnp.asarray(limits, jnp.int32)
     pad_id, sampling = config.pad_token_id if pad_id is None else pad_id, Sampling(temperature, top_k, top_p)
-    loop = _Loop(max_new_tokens, sampling, eos_id, pad_id, force_length, slots, refill, check_every, mesh)
+    loop = _Loop(max_new_tokens, sampling, eos_id, pad_id, force_length, slots, refill, check_every, mesh, group)
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):  # the program's arrays live on this mesh
         return Generation(*_generate(config, loop, params, input_ids, attention_mask, key, limits))

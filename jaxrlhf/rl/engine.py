@@ -282,6 +282,7 @@ class HybridEngine:
                 slots=cfg.decode_slots or DECODE_SLOTS,
                 refill=cfg.refill_size,
                 mesh=mesh,
+                group=cfg.num_samples_per_prompt,  # repeat_rows' groups: each prompt prefilled once
             )
             return gen.tokens, gen.mask, gen.logprobs
 
