@@ -154,7 +154,7 @@ def test_kernel_lowers_to_triton_for_an_h200(mask_loads):
     h200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", 132, "gpu"))
     bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     rows = jax.ShapeDtypeStruct((4,), jnp.int32)
-    for H, Hkv, K, splits in [(32, 32, 64, 1), (32, 8, 128, 4), (12, 2, 128, 1)]:
+    for H, Hkv, K, splits in [(32, 32, 64, 1), (32, 8, 128, 4), (12, 2, 128, 1), (14, 2, 64, 1)]:
         config = DecodeAttentionConfig("auto", interpret=False, mask_loads=mask_loads, num_splits=splits)
         fn = jax.jit(lambda q, k, v, s, e: decode_attention(q, k, v, s, e, 1, config=config))
         with jax.sharding.use_abstract_mesh(h200):
@@ -164,9 +164,7 @@ def test_kernel_lowers_to_triton_for_an_h200(mask_loads):
         module = exported.mlir_module()
         assert module.count('name = "jaxrlhf_decode_attention"') == 1
         assert ("masked_load" in module) == mask_loads  # the Triton IR's debug names
-        if H // Hkv == 6:  # Qwen2.5-1.5B's 6 groups: the unfused kernel, padded to 8; the fused step is not used
-            assert not fuses_step(config, 4, Hkv, 512, K, H // Hkv)
-            continue
+        assert fuses_step(config, 4, Hkv, 512, K, H // Hkv) == (splits == 1)  # Qwen2.5's 6 groups padded to 8
         # the fused step, its caches aliased to its outputs: grouped-query heads with rotary and RMSNorm (Llama),
         # (and Qwen3's per-head q/k norm), multi-head with a LayerNorm, its float32 product and a bias (OPT)
         f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
@@ -268,6 +266,10 @@ STEP_CASES = [  # (L, B, Hkv, G, S, K, dtype, rope, the folded norm: None, "rms"
     (3, 2, 2, 4, 32, 128, jnp.bfloat16, True, "rms", 256, True, False),  # Qwen2: q/k/v biases, in bf16
     (2, 3, 2, 4, 48, 64, jnp.float32, True, "rms", 96, False, True),  # Qwen3: q/k norm before the rotation
     (2, 3, 2, 2, 48, 64, jnp.bfloat16, False, "rms", 64, True, True),  # q/k norm with a bias, no rotation, bf16
+    # query groups that are no power of two, padded to one in the kernel (masked loads and stores)
+    (2, 3, 2, 6, 48, 128, jnp.bfloat16, True, "rms", 96, True, False),  # Qwen2.5-1.5B: 6 queries per KV head
+    (2, 3, 2, 7, 48, 64, jnp.float32, True, "rms", 96, True, False),  # Qwen2.5-0.5B and 7B: 7
+    (2, 2, 2, 3, 32, 64, jnp.float32, False, "layer", 0, True, True),  # 3, with a LayerNorm's column sums, q/k norm
 ]
 
 
@@ -349,6 +351,11 @@ def test_the_fused_step_per_shard_and_when_it_applies():
     assert not fuses_step(dataclasses.replace(KERNEL, implementation="xla"), 64, 8, 512, 128, 4)
     assert not fuses_step(dataclasses.replace(KERNEL, use_dot=False), 64, 8, 512, 128, 4)
     assert not fuses_step(dataclasses.replace(KERNEL, num_splits=2), 64, 8, 512, 128, 4)
-    # "auto": the unfused kernel pads 6 query heads per KV head to 8 (Qwen2.5-1.5B); the fused step takes powers of 2
+    # "auto": both kernels pad 6 or 7 query heads per KV head to 8 (Qwen2.5), unless the head dim is no power of two
     auto = dataclasses.replace(KERNEL, implementation="auto")
-    assert auto.use_kernel(128, 6) and not fuses_step(auto, 64, 2, 512, 128, 6) and fuses_step(auto, 64, 8, 512, 128, 4)
+    assert (
+        fuses_step(auto, 64, 2, 512, 128, 6)
+        and fuses_step(auto, 64, 2, 512, 64, 7)
+        and fuses_step(auto, 64, 8, 512, 128, 4)
+    )
+    assert not auto.use_kernel(96, 6) and not fuses_step(auto, 64, 2, 512, 96, 6)

@@ -29,6 +29,10 @@ without the kernel (the switch `DecodeAttentionConfig(implementation="xla")`).
 (the decode layout's), finishes the norm folded into it (RMSNorm's 1 / rms, or LayerNorm's centring and scale),
 adds the bias, applies the rotary embedding, writes the new key and value into the cache in place and attends,
 in one kernel. Unfused, those are three or four small XLA kernels per layer around this one.
+
+Query groups that are no power of two (Qwen2.5: 6 or 7 query heads per KV head) run as the next power of two, as
+Triton's blocks need: `decode_attention` pads the queries with zeros in memory (its outputs sliced off); the fused
+step, whose queries come inside the stacked product, loads the padded rows masked (as 0) and stores only the real ones.
 """
 
 from __future__ import annotations
@@ -77,12 +81,11 @@ class DecodeAttentionConfig:
         if not isinstance(self.num_splits, int) or self.num_splits < 0:
             raise ValueError(f"num_splits: expected an int >= 0 (0: auto), got {self.num_splits!r}")
 
-    def use_kernel(self, head_dim: int, groups: int, fused: bool = False) -> bool:
-        """Whether the kernel runs for this head dim and `groups` query heads per KV head. Triton needs power-of-two
-        block shapes: decode_attention pads the groups to one (Qwen2.5's 6 or 7 query heads per KV head run as 8);
-        the fused step (`fused`) reads them in place, so "auto" fuses only power-of-two groups."""
+    def use_kernel(self, head_dim: int, groups: int) -> bool:
+        """Whether the kernel runs for this head dim and `groups` query heads per KV head (any number: Triton's
+        power-of-two blocks take Qwen2.5's 6 or 7 query heads per KV head as 8, the kernels pad them)."""
         if self.implementation == "auto":
-            return _pow2(head_dim) and head_dim >= 16 and (_pow2(groups) or not fused)
+            return _pow2(head_dim) and head_dim >= 16
         return self.implementation == "pallas"
 
     def slots_per_block(self, head_dim: int, slots: int, groups: int = 1) -> int:
@@ -109,6 +112,11 @@ class DecodeAttentionConfig:
 
 def _pow2(n: int) -> bool:
     return n & (n - 1) == 0
+
+
+def _padded(groups: int) -> int:
+    """The power of two at or above `groups` (Triton's block shapes)."""
+    return 1 << (groups - 1).bit_length()
 
 
 def _chunk(slots: int, splits: int, block_s: int) -> int:
@@ -261,6 +269,7 @@ def _step_kernel(
     ko_ref,
     vo_ref,
     *,
+    groups: int,
     block_s: int,
     mask_loads: bool,
     rope: bool,
@@ -273,11 +282,19 @@ def _step_kernel(
     # [B, D] (a folded RMSNorm's input); sum_ref, sq_ref [1] (a folded LayerNorm's input row: its sum and sum of
     # squares over `width` values), colsum_ref [Hkv, G + 2, K] (its kernel's column sums); bias_ref [Hkv, G + 2, K];
     # norm_ref [2, K] (the per-head q and k norms' scales, Qwen3's q_norm / k_norm, read where qk_eps is set);
-    # k_ref, v_ref / ko_ref, vo_ref: the cache [L, B, Hkv, S, K], read / written (one buffer); o_ref [G, K].
+    # k_ref, v_ref / ko_ref, vo_ref: the cache [L, B, Hkv, S, K], read / written (one buffer); o_ref [G, K], or the
+    # whole [B, Hkv, groups, K] where `groups` is no power of two.
+    # G = `groups` queries per KV head, as Triton's blocks take them: a power of two, the rows past `groups` (when
+    # padded: the key, the value, the next head's queries) loaded as 0 and their outputs not written.
     b, h = pl.program_id(0), pl.program_id(1)
     layer, slot = layer_ref[0], slot_ref[0]  # this row's slot
-    G, K = o_ref.shape
+    G, K = _padded(groups), qkv_ref.shape[-1]
     copies = max(16 // G, 1)
+    real = lambda at: at[-2].start + jax.lax.broadcasted_iota(jnp.int32, (at[-2].size, at[-1].size), 0) < groups
+
+    def rows_of(ref, at):  # rows and columns `at` of a [..., groups + 2, K] ref, padded query rows (masked) 0
+        return pltriton.load(ref.at[at], mask=real(at), other=0) if groups < G and at[-2].size > 1 else ref[at]
+
     half = K // 2
     centred = width is not None
     if centred:  # the variance as flax computes it: mean(x^2) - mean(x)^2, clipped at 0
@@ -288,11 +305,11 @@ def _step_kernel(
 
     def part(row, n, col, cols):  # rows row .. row + n - 1, columns col .. col + cols - 1 of this head's q/k/v
         at = (pl.ds(row, n), pl.ds(col, cols))
-        y = qkv_ref[(b, h) + at].astype(jnp.float32)
+        y = rows_of(qkv_ref, (b, h) + at).astype(jnp.float32)
         if centred:
-            y = y - mean * colsum_ref[(h,) + at]
+            y = y - mean * rows_of(colsum_ref, (h,) + at)
         y = y * r
-        return y + bias_ref[(h,) + at].astype(jnp.float32) if bias else y
+        return y + rows_of(bias_ref, (h,) + at).astype(jnp.float32) if bias else y
 
     def head_norm(pieces, which):  # RMSNorm of each row over K, pieces [n, K / len(pieces)] side by side; 0: q, 1: k
         if qk_eps is None:
@@ -302,12 +319,12 @@ def _step_kernel(
         scale = lambda i: norm_ref[which, pl.ds(i * width, width)].astype(jnp.float32)[None, :]
         return [x * r * scale(i) for i, x in enumerate(pieces)]
 
-    v_new = part(G + 1, 1, 0, K)  # [1, K]
+    v_new = part(groups + 1, 1, 0, K)  # [1, K]
     if rope:  # rotate-half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) for each pair (i, i + K / 2)
         cos, sin = cos_ref[...][None, :], sin_ref[...][None, :]
         turn = lambda x1, x2: (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
         q1, q2 = turn(*head_norm([part(0, G, 0, half), part(0, G, half, half)], 0))  # [G, K / 2]
-        k1, k2 = turn(*head_norm([part(G, 1, 0, half), part(G, 1, half, half)], 1))  # [1, K / 2]
+        k1, k2 = turn(*head_norm([part(groups, 1, 0, half), part(groups, 1, half, half)], 1))  # [1, K / 2]
         ko_ref[layer, b, h, pl.ds(slot, 1), pl.ds(0, half)] = k1.astype(ko_ref.dtype)
         ko_ref[layer, b, h, pl.ds(slot, 1), pl.ds(half, half)] = k2.astype(ko_ref.dtype)
         k1, k2 = (x.astype(ko_ref.dtype).astype(jnp.float32) for x in (k1, k2))  # as the cache holds it
@@ -325,7 +342,7 @@ def _step_kernel(
         )
         q = (place(q1, 0) + place(q2, half)).astype(o_ref.dtype)  # [rows, K]
     else:
-        (k_new,) = head_norm([part(G, 1, 0, K)], 1)
+        (k_new,) = head_norm([part(groups, 1, 0, K)], 1)
         ko_ref[layer, b, h, pl.ds(slot, 1), :] = k_new.astype(ko_ref.dtype)
         q = head_norm([part(0, G, 0, K)], 0)[0].astype(o_ref.dtype)
         s_new = jnp.sum(q.astype(jnp.float32) * k_new.astype(ko_ref.dtype).astype(jnp.float32), axis=-1)
@@ -339,7 +356,12 @@ def _step_kernel(
         q, k_ref, v_ref, layer, b, h, start_ref[0], slot, init, block_s=block_s, use_dot=True, mask_loads=mask_loads
     )
     den, acc = _one_copy(den, copies), _one_copy(acc, copies)
-    o_ref[...] = (acc / den[:, None]).astype(o_ref.dtype)
+    out = (acc / den[:, None]).astype(o_ref.dtype)
+    if groups < G:
+        at = (b, h, pl.ds(0, G), pl.ds(0, K))
+        pltriton.store(o_ref.at[at], out, mask=real(at))
+    else:
+        o_ref[...] = out
 
 
 def _combine(acc, m, den):
@@ -372,8 +394,7 @@ def _pallas(q, k, v, layer, start, end, *, config):
     G = H // Hkv
     qg = q.reshape(B, Hkv, G, K)
     if not _pow2(G):  # Triton's blocks: the groups padded with zero queries to a power of two, their outputs dropped
-        pad = 1 << (G - 1).bit_length()
-        qg, G = jnp.pad(qg, ((0, 0), (0, 0), (0, pad - G), (0, 0))), pad
+        qg, G = jnp.pad(qg, ((0, 0), (0, 0), (0, _padded(G) - G), (0, 0))), _padded(G)
     interpret, params, cores, block_s = _launch(config, K, S, G)
     splits = config.splits(B * Hkv, S, cores, K, G)
     chunk = _chunk(S, splits, block_s)
@@ -425,7 +446,9 @@ def _pallas_step(
 ):
     B, Hkv, G2, K = qkv.shape
     G, S = G2 - 2, k.shape[3]
-    interpret, params, _, block_s = _launch(config, K, S, G)
+    interpret, params, _, block_s = _launch(config, K, S, _padded(G))
+    # the output in blocks of the G queries of a head, or (G no power of two: Triton's blocks) written by masked stores
+    out_spec = pl.BlockSpec((None, None, G, K), lambda b, h: (b, h, 0, 0)) if _pow2(G) else pl.no_block_spec
     row = pl.BlockSpec((1,), lambda b, h: (b,))
     table = pl.BlockSpec((None, K // 2), lambda b, h: (b, 0))
     scalar = pl.BlockSpec((1,), lambda b, h: (0,))
@@ -433,6 +456,7 @@ def _pallas_step(
     out, k, v = pl.pallas_call(
         functools.partial(
             _step_kernel,
+            groups=G,
             block_s=block_s,
             mask_loads=config.mask_loads,
             rope=rope,
@@ -443,7 +467,7 @@ def _pallas_step(
         ),
         grid=(B, Hkv),
         in_specs=[scalar, row, row, whole, table, table, whole, row, row, whole, whole, whole, whole, whole],
-        out_specs=[pl.BlockSpec((None, None, G, K), lambda b, h: (b, h, 0, 0)), whole, whole],
+        out_specs=[out_spec, whole, whole],
         out_shape=[
             jax.ShapeDtypeStruct((B, Hkv, G, K), k.dtype),
             jax.ShapeDtypeStruct(k.shape, k.dtype),
@@ -462,11 +486,12 @@ def fuses_step(
 ) -> bool:
     """Whether `decode_step` runs as one kernel for these shapes (per shard under `mesh`): the kernel is in use
     (`use_kernel`), with tensor-core products, and one program per (row, KV head) covers all slots (no splits)."""
-    if not (config.use_kernel(head_dim, groups, fused=True) and config.use_dot):
+    if not (config.use_kernel(head_dim, groups) and config.use_dot):
         return False
     if mesh is not None and mesh.size > 1:
         batch = rows_per_shard(mesh, batch)
         kv_heads //= mesh.shape["model"]
+    groups = _padded(groups)  # as the kernel runs them
     return config.splits(batch * kv_heads, slots, _launch(config, head_dim, slots, groups)[2], head_dim, groups) == 1
 
 
