@@ -423,9 +423,11 @@ def export_manifest(path: str | os.PathLike) -> dict | None:
 
 
 def check_replaceable(path: str | os.PathLike):
-    """Refuse to write over `path` unless absent or a folder that save_hf wrote: a user's files are never deleted."""
+    """Refuse to write over `path` unless absent, an empty folder (tempfile.mkdtemp's) or a folder that save_hf
+    wrote: a user's files are never deleted."""
     path = Path(path)
-    if path.exists() and export_manifest(path) is None:
+    empty = path.is_dir() and not any(path.iterdir())
+    if path.exists() and not empty and export_manifest(path) is None:
         what = "a file" if not path.is_dir() else f"a folder without {EXPORT_MANIFEST}"
         raise CheckpointError(
             f"{path}: exists and is {what}, so jaxrlhf did not write it and will not replace it; "

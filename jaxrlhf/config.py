@@ -17,10 +17,12 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import textwrap
 import types
 import typing
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -322,16 +324,21 @@ def settings_help(cls, full: bool = False) -> str:
         depth[main(key)] = min(depth.get(main(key), 99), key.count("."))
     shown = rows if full else [r for r in rows if main(r[1]) and r[1].count(".") == depth[main(r[1])]]
     scope = ", by section:" if full else "; the main ones:"
-    out = [f"settings (in CONFIG.yaml or as key=value; values are YAML){scope}"]
+    # argparse's width (the terminal's, or COLUMNS, less 2), lines broken between words only
+    wrap = partial(textwrap.fill, width=max(shutil.get_terminal_size().columns - 2, 40), break_long_words=False)
+    out = [wrap(f"settings (in CONFIG.yaml or as key=value; values are YAML){scope}")]
     for i, (section, key, default, doc) in enumerate(shown):
         if i == 0 or section != shown[i - 1][0]:
             out.append(f" {section or root}:")
         line = f"  {key} = {default!r}"
-        out.append(f"{line}\n      {doc}" if full else (f"{line:34} {doc}" if doc else line)[:118])
+        if full:
+            out.append(line + ("\n" + wrap(doc, initial_indent=" " * 6, subsequent_indent=" " * 6) if doc else ""))
+        else:
+            out.append(wrap(f"{line:34} {doc}", subsequent_indent=" " * 35) if doc else line)
     if not full:
         count = collections.Counter(section or root for section, *_ in rows)
         more = "every setting (--help-all): " + ", ".join(f"{s} ({n})" for s, n in count.items())
-        out.append(textwrap.fill(more, 118, subsequent_indent="  "))
+        out.append(wrap(more, subsequent_indent="  "))
     return "\n".join(out)
 
 
@@ -399,12 +406,30 @@ def default_xla_flags():
         os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
 
 
+def remove_unused(folder: Path):
+    """Remove `folder` if a refused run left nothing in it but run settings and empty folders (loop.start_run's
+    run_config.json, Orbax's state/): a run refused before its first step leaves no output folder behind."""
+    files = [f for f in folder.rglob("*") if not f.is_dir()]
+    if folder.is_dir() and all(f.name == "run_config.json" for f in files):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def run_cli(cls, doc: str, prog: str, fn, argv: list[str] | None = None, **options):
     """An entry point: parse the settings (`options`: parse_cli's flags, preset, processes), run `fn(settings)`, and
     turn a bad input into one line and exit 2."""
     default_xla_flags()
+    made = None  # the output folder this run creates, if it is absent now
     try:
-        return fn(parse_cli(cls, doc.split("\n\n")[0], argv, prog=prog, **options)[0])
+        cfg = parse_cli(cls, doc.split("\n\n")[0], argv, prog=prog, **options)[0]
+        out = Path(getattr(cfg, "output_dir", None) or ".").absolute()
+        made = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)  # the top one to create
+        return fn(cfg)
     except ValueError as e:  # ConfigError, DataError, CheckpointError and LayoutError are ValueErrors
+        if made is not None:
+            remove_unused(made)
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt as e:  # loop.Interrupted has said where the state is (its code: 130 or 143)
+        if not hasattr(e, "code"):  # Ctrl-C outside the training loop (loading, compiling, exporting)
+            print("interrupted (SIGINT): the same command starts again from the last saved state", file=sys.stderr)
+        raise SystemExit(getattr(e, "code", 130)) from None

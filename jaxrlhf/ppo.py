@@ -37,6 +37,7 @@ from jaxrlhf.alarms import AlarmTracker, experience_figures, training_records
 from jaxrlhf.checkpoint import save_hf
 from jaxrlhf.config import ConfigError, run_cli
 from jaxrlhf.data import Batches, prepare
+from jaxrlhf.data.pipeline import check_positions, check_rows
 from jaxrlhf.data.synthetic import gold_reward
 from jaxrlhf.distributed import to_host
 from jaxrlhf.loop import settings, start_run
@@ -203,18 +204,22 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
     )
     actor_config, actor_params, tokenizer = load_model(side_run(cfg, cfg.actor), value_head=False)
     positions = actor_config.max_position_embeddings
-    if cfg.data.max_prompt_len + cfg.max_answer_len > positions:
-        raise ConfigError(
-            f"data.max_prompt_len ({cfg.data.max_prompt_len}) + max_answer_len ({cfg.max_answer_len}) "
-            f"exceeds the actor's {positions} positions"
-        )
+    check_positions(
+        positions,
+        cfg.data.max_prompt_len + cfg.max_answer_len,
+        f"data.max_prompt_len ({cfg.data.max_prompt_len}) + max_answer_len ({cfg.max_answer_len})",
+        "lower either",
+        "actor",
+    )
     pad = tokenizer.pad_token_id
     data = prepare(cfg.data, 3, tokenizer, log=log)
     proc = dict(process_index=jax.process_index(), process_count=jax.process_count())
     prompts = Batches(data["train"], 3, cfg.batch_size, cfg.data, pad, **proc)
     unsup = None
     if cfg.data.unsupervised_data_path and cfg.unsup_coef > 0:
-        blocks = prepare(cfg.data, "unsupervised", tokenizer, log=log)["train"]
+        blocks = prepare(cfg.data, "unsupervised", tokenizer, log=log)
+        check_rows(blocks, "unsupervised", cfg.data, positions, "actor")
+        blocks = blocks["train"]
         unsup = Batches(blocks, "unsupervised", cfg.unsup_batch_size or cfg.batch_size, cfg.data, pad, **proc)
     iterations = cfg.max_steps or cfg.epochs * (len(prompts) // cfg.generation_batches)
     if iterations <= 0:

@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxrlhf.config import run_cli
 from jaxrlhf.data.batches import pad_rows
+from jaxrlhf.data.pipeline import check_positions
 from jaxrlhf.generate import generate
 from jaxrlhf.losses import lm_loss
 from jaxrlhf.models import LOGITS_CHUNK, next_token_logprobs
@@ -71,6 +72,8 @@ def prompt_eval(cfg: SFTConfig, config, tokenizer, data, state):
         return None
     starts = arrays["offsets"][:n]
     prompts = [arrays["tokens"][a : a + length] for a, length in zip(starts, arrays["prompt_len"][:n])]
+    need, what = max(len(p) for p in prompts) + cfg.sample_tokens, f"sample_tokens ({cfg.sample_tokens}) after a prompt"
+    check_positions(config.max_position_embeddings, need, what, "lower sample_tokens, or sample_prompts=0 for none")
     answers = lambda st: sample_answers(
         config, effective_params(st, cfg.lora), tokenizer, prompts, cfg.sample_tokens, cfg.data.chat_template
     )

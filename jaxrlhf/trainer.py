@@ -37,6 +37,7 @@ from jaxrlhf.checkpoint import VALUE_HEAD_FILE, load_hf, save_hf
 from jaxrlhf.config import ConfigError, check_fields
 from jaxrlhf.data import Batches, DataConfig, prepare
 from jaxrlhf.data.batches import make_batch, num_rows
+from jaxrlhf.data.pipeline import check_rows
 from jaxrlhf.distributed import to_host
 from jaxrlhf.loop import settings, start_run
 from jaxrlhf.lora import LoRAConfig, adapted_mask, attach, fuse, init_lora
@@ -97,6 +98,9 @@ class RunConfig:
     eval_batches: int = 0
     #: save the training state every this many steps (0: only at the end)
     save_every: int = 0
+    #: also save it when this many minutes have passed since the last save (0: never by the clock); SIGINT/SIGTERM
+    #: save it too, after the step under way
+    save_minutes: float = 30.0
     #: training states kept on disk (the newest)
     keep_checkpoints: int = 2
     #: continue the run saved in output_dir (its newest state), or skip it if it is finished; false: start from
@@ -133,6 +137,7 @@ class RunConfig:
             ),
             **dict.fromkeys(("max_steps", "eval_every", "eval_batches", "save_every", "logits_chunk"), ">= 0"),
             dropout="[0, 1)",
+            save_minutes=">= 0",
         )
         check_trackers(self.report_to)
 
@@ -449,6 +454,7 @@ def train(
         log(warning)
     config, params, tokenizer = load_model(run, value_head=value_head, fresh_head=True)
     data = prepare(run.data, step, tokenizer, log=log)
+    check_rows(data, step, run.data, config.max_position_embeddings)  # before anything compiles
     proc = dict(process_index=jax.process_index(), process_count=jax.process_count())
     batches = Batches(data["train"], step, run.batch_size, run.data, tokenizer.pad_token_id, **proc)
     total = run.max_steps or run.epochs * len(batches)

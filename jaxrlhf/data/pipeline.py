@@ -199,6 +199,36 @@ def tokenize(records: list[Record], tokenizer, step: int, config: DataConfig) ->
     return arrays, stats
 
 
+# --------------------------------------------------------------------------------- lengths vs the model
+
+#: the DataConfig field that bounds each step's rows
+LENGTH_SETTING = {1: "max_seq_len", 2: "max_seq_len", 3: "max_prompt_len", "unsupervised": "unsupervised_block_size"}
+
+
+def longest_row(arrays: dict[str, np.ndarray]) -> int:
+    """Tokens in the longest sequence of a tokenized set (both halves of pairs; 0 when empty)."""
+    return max((int(np.diff(v).max(initial=0)) for k, v in arrays.items() if k.endswith("offsets")), default=0)
+
+
+def check_positions(positions: int, need: int, setting: str, fix: str, who: str = "model") -> None:
+    """Refuse sequences of `need` tokens on a model with `positions` positions, before anything compiles: past its
+    table OPT's learned position embedding reads NaN, so every step would be skipped as non-finite (and RoPE models
+    would run at positions they never saw). `setting` names what to change, `fix` says how."""
+    if need > positions:
+        raise ConfigError(f"{setting} exceeds the {who}'s {positions} positions (sequences of {need} tokens); {fix}")
+
+
+def check_rows(data: dict, step: int | str, config: DataConfig, positions: int, who: str = "model") -> None:
+    """Every train and eval row of `step` (prepare's output) within the model's positions, else the ConfigError
+    naming the setting that bounds them (LENGTH_SETTING)."""
+    name = LENGTH_SETTING[step]
+    longest = max(longest_row(data[part]) for part in ("train", "eval"))
+    how = {"max_prompt_len": "longer prompts are dropped", "unsupervised_block_size": "the texts are cut in blocks"}
+    fix = how.get(name, "a longer row loses its prompt's start, then its answer's end")
+    setting, fix = f"data.{name} ({getattr(config, name)})", f"set data.{name}={positions} or lower ({fix})"
+    check_positions(positions, longest, setting, fix, who)
+
+
 # -------------------------------------------------------------------------------------------- cache
 
 
