@@ -8,10 +8,13 @@ An algorithm plugs in as a step function and a few hooks (Steps 1 and 2: trainer
                                                  written (the one host sync of a log step)
     evaluate(state) -> figures | None            optional, every eval_every iterations and at the end
 
-`fit` resumes from the newest Orbax state in output_dir/state (with the data positions of every source), raises
-where the saved run is past this one's end, logs every cfg.log_every iterations (metrics.jsonl, trackers, the bar),
-stops after cfg.max_skipped_steps skipped steps of one model in a row (NonFiniteError), saves every
-cfg.save_every iterations and at the end. The state's own counter `counter` = (key, per iteration) keys the
+`fit` resumes from the newest Orbax state in output_dir/state (with the data positions of every source; the metrics
+logged past it are dropped, so each iteration is logged once), raises where the saved run is past this one's end, logs
+every cfg.log_every iterations (metrics.jsonl, trackers, the bar), stops after cfg.max_skipped_steps skipped steps of
+one model in a row (NonFiniteError), saves every cfg.save_every iterations, every cfg.save_minutes minutes and at the
+end. SIGINT (Ctrl-C) or SIGTERM: the iteration under way finishes, its state is saved, one line says where and how to
+resume, and `Interrupted` (exit status 130 or 143 from the entry points) ends the run; a second signal ends the
+process at once. The state's own counter `counter` = (key, per iteration) keys the
 checkpoints: Steps 1 and 2 count optimizer steps ("step", 1), Step 3 generation batches ("iteration", batches).
 Before anything is loaded, `start_run` checks the run folder: a finished run is skipped, a changed one refused.
 """
@@ -21,9 +24,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
+import signal
+import sys
+import threading
+import time
 from pathlib import Path
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
@@ -53,6 +62,7 @@ BOOKKEEPING = (
     "output_dir",
     "log_every",
     "save_every",
+    "save_minutes",
     "keep_checkpoints",
     "max_skipped_steps",
     "eval_every",
@@ -124,10 +134,7 @@ def start_run(
             )
         if diff := changed(before, now, BOOKKEEPING + LENGTH):
             what = "; ".join(f"'{k}' was {json.dumps(before.get(k))}, now {json.dumps(now.get(k))}" for k in diff)
-            raise ConfigError(
-                f"{out / RUN_SETTINGS}: the run saved here has other settings ({what}); set them back to "
-                f"continue it, or choose another output_dir (or delete {out}) to start over"
-            )
+            raise ChangedRunError(out, what)
     if saved and all(m is not None and not changed(m.get("settings", {}), now, BOOKKEEPING) for m in manifests):
         log(
             f"{out}: finished already with these settings ({', '.join(p.name for p in exports)} complete); "
@@ -142,8 +149,114 @@ def start_run(
     return False
 
 
+class ChangedRunError(ConfigError):
+    """output_dir holds a run saved with other settings (`what`: which, before and now); never continued."""
+
+    def __init__(self, out: Path, what: str, elsewhere: str = ""):
+        self.out, self.what = out, what
+        elsewhere = elsewhere or f"choose another output_dir (or delete {out}) to start over"
+        super().__init__(
+            f"{out / RUN_SETTINGS}: the run saved here has other settings ({what}); set them back to continue it, "
+            f"or {elsewhere}"
+        )
+
+
 class NonFiniteError(ConfigError):
     """Too many training steps in a row had a non-finite loss or gradient norm: the run stops, nothing exported."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM ended the run after the iteration under way, whose state was saved. The entry points exit
+    with `code`, 128 + the signal's number (130 for SIGINT, 143 for SIGTERM), as a shell reports a process that the
+    signal ended."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.code = 128 + signum
+
+
+class Signals:
+    """A context in which the first SIGINT or SIGTERM is only noted (`received`, its number) for the loop to stop
+    after the iteration under way; both signals then get their default action back, so a second one ends the process
+    at once, even inside a long computation. A signal the process ignores (SIGINT in a background job) stays ignored;
+    off the main thread, where Python handles no signal, nothing changes."""
+
+    def __enter__(self):
+        self.received, self.before = 0, {}
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                if signal.getsignal(s) is not signal.SIG_IGN:
+                    self.before[s] = signal.signal(s, self.note)
+        return self
+
+    def note(self, signum, frame):
+        self.received = self.received or signum
+        for s in self.before:
+            signal.signal(s, signal.SIG_DFL)
+
+    def __exit__(self, *exc):
+        for s, handler in self.before.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)  # None: a handler set outside Python
+
+
+def agreed(*flags: int) -> tuple[int, ...]:
+    """Each flag's largest value over all processes (one all-gather; one process: the flags as they are). Saving is
+    collective: the processes stop or save at the same iteration, whichever of them the signal or the clock reached."""
+    if jax.process_count() == 1:
+        return flags
+    from jax.experimental import multihost_utils
+
+    gathered = np.asarray(multihost_utils.process_allgather(np.asarray(flags, np.int32)))
+    return tuple(int(x) for x in gathered.reshape(-1, len(flags)).max(axis=0))
+
+
+def restore(cfg, manager, state, shardings, named: dict, counter: tuple[str, int], total: int, log):
+    """(state, its iteration): with cfg.resume, the newest saved state, restored straight into `shardings`, and every
+    source's data position set back; a ConfigError where the saved run is past `total`."""
+    key, per = counter
+    unit = "step" if key == "step" else "iteration"
+    if cfg.resume and manager.latest_step() is not None:
+        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
+        restored = manager.restore(manager.latest_step(), args=args)
+        state = restored["state"]
+        for name, batches in named.items():
+            saved = restored["meta"][name] if name else restored["meta"]
+            batches.epoch, batches.position = saved["epoch"], saved["position"]
+        where = "; ".join(f"{n + ': ' if n else ''}epoch {b.epoch}, batch {b.position}" for n, b in named.items())
+        log(f"resumed from {unit} {int(state[key]) // per} ({where})")
+    start = int(state[key]) // per
+    if start > total:
+        raise ConfigError(
+            f"{Path(cfg.output_dir) / 'state'}: the saved run is at {unit} {start}, past this run's "
+            f"{total} {unit}s (max_steps, epochs); give at least as many, or another output_dir"
+        )
+    return state, start
+
+
+def guard(skipped: list, in_a_row: dict, limit: int, log):
+    """The non-finite guard at a log step: each skipped step of `skipped` ((model, skipped flag, where) per step) is
+    logged; `limit` skipped steps in a row of one model (counted in `in_a_row` across logs) stop the run."""
+    for model, flag, where in skipped:
+        in_a_row[model] = in_a_row.get(model, 0) + 1 if float(flag) else 0
+        if in_a_row[model]:
+            log(f"{where}: step skipped, its loss or gradient norm is not finite (weights and optimizer unchanged)")
+        if in_a_row[model] >= limit:
+            raise NonFiniteError(
+                f"{where}: {in_a_row[model]} steps in a row had a non-finite loss or gradient norm, so the run stops "
+                "and exports nothing; lower the learning rate (optim.learning_rate), check the data, or raise "
+                "max_skipped_steps"
+            )
+
+
+def interrupted(signum: int, output_dir: str, unit: str, i: int, total: int) -> Interrupted:
+    """The one line of a run stopped by a signal after its iteration `i`: where its state is, how to go on."""
+    then = f"continues it from {unit} {i + 1}" if i < total else "finishes it"
+    return Interrupted(
+        f"{signal.Signals(signum).name}: stopped after {unit} {i} of {total}, its state saved in "
+        f"{Path(output_dir) / 'state'}; the same command {then}: {shlex.join(sys.orig_argv)}",
+        signum,
+    )
 
 
 def fit(
@@ -165,40 +278,41 @@ def fit(
 ):
     """Run iterations up to `total` (see the module docstring); returns the final state and the logged records.
 
-    `cfg` holds resume, log_every, save_every, max_skipped_steps and optionally eval_every; `sources` is a
-    jaxrlhf.data.Batches or a dict of them by name (their positions ride along in each checkpoint); `shown`: the
-    figures on the progress bar. `metrics_log` (jaxrlhf.metrics.MetricsLog) is closed at the end.
+    `cfg` holds output_dir, resume, log_every, save_every, save_minutes, max_skipped_steps and optionally eval_every;
+    `sources` is a jaxrlhf.data.Batches or a dict of them by name (their positions ride along in each checkpoint);
+    `shown`: the figures on the progress bar. `metrics_log` (jaxrlhf.metrics.MetricsLog) is closed at the end.
     """
-    key, per = counter
+    key = counter[0]
     named = sources if isinstance(sources, dict) else {"": sources}
     unit = "step" if key == "step" else "iteration"
-    if cfg.resume and manager.latest_step() is not None:  # the newest state, restored straight into `shardings`
-        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
-        restored = manager.restore(manager.latest_step(), args=args)
-        state, meta = restored["state"], restored["meta"]
-        for name, batches in named.items():
-            saved = meta[name] if name else meta
-            batches.epoch, batches.position = saved["epoch"], saved["position"]
-        where = "; ".join(f"{n + ': ' if n else ''}epoch {b.epoch}, batch {b.position}" for n, b in named.items())
-        log(f"resumed from {unit} {int(state[key]) // per} ({where})")
-    start = int(state[key]) // per
-    if start > total:
+    try:
+        state, start = restore(cfg, manager, state, shardings, named, counter, total, log)
+    except ConfigError:
         metrics_log.close()
-        raise ConfigError(
-            f"{Path(cfg.output_dir) / 'state'}: the saved run is at {unit} {start}, past this run's "
-            f"{total} {unit}s (max_steps, epochs); give at least as many, or another output_dir"
-        )
+        raise
+    metrics_log.resume(start)  # what was logged past the saved state goes: those iterations run again
+    saved_at = time.monotonic()
 
     def save():
+        nonlocal saved_at
         meta = {name: b.state() for name, b in named.items()} if isinstance(sources, dict) else sources.state()
         save_state(manager, state, meta, int(state[key]))
+        saved_at = time.monotonic()
 
     records, window, skipped, in_a_row = [], [], [], {}  # in_a_row: each model's steps skipped in a row so far
 
     def write(i, split, figures):
         metrics_log.write(i, split, figures)
         records.append({"step": i, "split": split, **figures})
+
+    def log_window(i):  # the figures of the iterations since the last log; the non-finite guard
+        figures = summarise(window)
+        write(i, "train", figures)
+        postfix = {k: f"{figures[k]:.4g}" for k in shown if k in figures}
+        bar.set_postfix(postfix | ({"ALARM": figures["alarms"]} if "alarms" in figures else {}))
+        guard(skipped, in_a_row, cfg.max_skipped_steps, log)  # after the write: a stopped run's log shows its skips
+        window.clear()
+        skipped.clear()
 
     def run_eval(i):
         if evaluate is not None and (figures := evaluate(state)) is not None:
@@ -208,40 +322,42 @@ def fit(
                 + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items())
             )
 
+    def stop_or_save(i, logged: bool, signum: int):  # after iteration i < total
+        due = bool(cfg.save_minutes) and time.monotonic() - saved_at >= 60 * cfg.save_minutes
+        if jax.process_count() > 1:  # decided together where the processes meet anyway: at the log steps
+            signum, due = agreed(signum, due) if logged else (0, False)
+        if signum and window:  # the figures of the iterations since the last log are kept too
+            log_window(i)
+        if signum or due or (cfg.save_every and i % cfg.save_every == 0):
+            save()
+        if signum:
+            raise interrupted(signum, cfg.output_dir, unit, i, total)
+
     eval_every = getattr(cfg, "eval_every", 0)
     bar = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True, disable=jax.process_index() != 0)
-    try:  # a crash or Ctrl-C still finishes the checkpoint being written
-        for i in range(start + 1, total + 1):
-            state, metrics, skips = step(state, i)
-            window.append(metrics)
-            skipped.extend(skips)
-            if i % cfg.log_every == 0 or i == total:
-                figures = summarise(window)
-                write(i, "train", figures)
-                postfix = {k: f"{figures[k]:.4g}" for k in shown if k in figures}
-                bar.set_postfix(postfix | ({"ALARM": figures["alarms"]} if "alarms" in figures else {}))
-                for model, flag, where in skipped:  # after the write: a stopped run's log shows its skips
-                    in_a_row[model] = in_a_row.get(model, 0) + 1 if float(flag) else 0
-                    if in_a_row[model]:
-                        log(
-                            f"{where}: step skipped, its loss or gradient norm is not finite (weights and optimizer "
-                            "unchanged)"
-                        )
-                    if in_a_row[model] >= cfg.max_skipped_steps:
-                        raise NonFiniteError(
-                            f"{where}: {in_a_row[model]} steps in a row had a non-finite loss or "
-                            "gradient norm, so the run stops and exports nothing; lower the learning "
-                            "rate (optim.learning_rate), check the data, or raise max_skipped_steps"
-                        )
-                window, skipped = [], []
-            bar.update(1)
-            if eval_every and i % eval_every == 0 and i != total:
-                run_eval(i)
-            if cfg.save_every and i % cfg.save_every == 0 and i != total:
-                save()
-        if start < total:  # else a finished run started again: evaluated and saved already
-            run_eval(total)
-        save()
+    try:  # a crash or a second signal still finishes the checkpoint being written
+        with Signals() as signals:
+            for i in range(start + 1, total + 1):
+                state, metrics, skips = step(state, i)
+                window.append(metrics)
+                skipped.extend(skips)
+                if logged := i % cfg.log_every == 0 or i == total:
+                    log_window(i)
+                bar.update(1)
+                if eval_every and i % eval_every == 0 and i != total:
+                    run_eval(i)
+                if i != total:
+                    stop_or_save(i, logged, signals.received)
+            if start < total:  # else a finished run started again: evaluated and saved already
+                run_eval(total)
+            save()
+            if (signum := agreed(signals.received)[0]) and start < total:
+                raise interrupted(signum, cfg.output_dir, unit, total, total)
+    except Interrupted as e:  # said once the bar has ended its line and the state is on disk
+        bar.close()
+        manager.wait_until_finished()
+        log(e.args[0])
+        raise
     finally:  # the bar ends its line first, so an error message starts on its own
         bar.close()
         manager.wait_until_finished()

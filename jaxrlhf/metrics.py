@@ -28,23 +28,28 @@ def check_trackers(report_to: tuple[str, ...]):
             raise ConfigError(f"report_to: {name} is not installed; pip install 'jaxrlhf[{name}]' (or leave it out)")
 
 
+def _logged_step(line: str) -> float:
+    """The step of a metrics.jsonl line; infinite for a line a crash cut short (it goes with those past a state)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
+
+
 class MetricsLog:
     """Writes each step's scalar metrics to metrics.jsonl and to the trackers in `report_to`; `config` (the run's
     settings, flat) goes to the trackers as the run's parameters."""
 
     def __init__(self, out_dir: Path, report_to: tuple[str, ...] = ("tensorboard",), config: dict | None = None):
         self.file, self.tb, self.wandb, self.mlflow = None, None, None, None
+        # TensorBoard's writer starts at the first write, once `resume` has said where the run continues
+        self.tb_dir, self.purge_step = None, None
         if jax.process_index() != 0:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
         self.file = open(out_dir / "metrics.jsonl", "a")  # noqa: SIM115 (open for the whole run: close() closes it)
         if "tensorboard" in report_to:
-            try:
-                from tensorboardX import SummaryWriter
-
-                self.tb = SummaryWriter(str(out_dir / "tb"))
-            except ImportError:  # a dependency, but an image without it still writes the JSON lines
-                pass
+            self.tb_dir = out_dir / "tb"
         if "wandb" in report_to:
             import wandb
 
@@ -62,13 +67,40 @@ class MetricsLog:
             if config:
                 mlflow.log_params(config)
 
+    def resume(self, step: int):
+        """The run continues from its state at `step`: the lines metrics.jsonl holds past it go (a crash after the
+        last save logged them; those iterations run again and are logged once), and TensorBoard drops its events
+        past it (the writer's purge_step: TensorBoard reads the new event file as the same run going on)."""
+        if self.file is None:
+            return
+        path = Path(self.file.name)
+        lines = path.read_text().splitlines()
+        kept = [line for line in lines if _logged_step(line) <= step]
+        if kept != lines:  # written aside and renamed: a crash now loses nothing
+            self.file.close()
+            (path.parent / ".metrics.jsonl.tmp").write_text("".join(line + "\n" for line in kept))
+            os.replace(path.parent / ".metrics.jsonl.tmp", path)
+            self.file = open(path, "a")  # noqa: SIM115
+        if self.tb_dir is not None and any(self.tb_dir.glob("events.out.tfevents.*")):
+            self.purge_step = step + 1
+
+    def _tensorboard(self):
+        if self.tb is None and self.tb_dir is not None:
+            try:
+                from tensorboardX import SummaryWriter
+
+                self.tb = SummaryWriter(str(self.tb_dir), purge_step=self.purge_step)
+            except ImportError:  # a dependency, but an image without it still writes the JSON lines
+                self.tb_dir = None
+        return self.tb
+
     def write(self, step: int, split: str, metrics: dict):
         if self.file is None:
             return
         self.file.write(json.dumps({"step": step, "split": split, **metrics}) + "\n")
         self.file.flush()
         scalars = {f"{split}/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}
-        if self.tb is not None:
+        if self._tensorboard() is not None:
             for k, v in scalars.items():
                 self.tb.add_scalar(k, v, step)
         if self.wandb is not None:

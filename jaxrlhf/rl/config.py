@@ -256,6 +256,9 @@ class PPOConfig(EngineConfig):
     report_to: tuple[str, ...] = ("tensorboard",)
     #: save the training state every this many iterations (0: only at the end)
     save_every: int = 0
+    #: also save it when this many minutes have passed since the last save (0: never by the clock); SIGINT/SIGTERM
+    #: save it too, after the iteration under way
+    save_minutes: float = 30.0
     #: training states kept on disk (the newest)
     keep_checkpoints: int = 2
     #: continue the run saved in output_dir (its newest state), or skip it if it is finished; false: start from
@@ -276,7 +279,7 @@ class PPOConfig(EngineConfig):
         super().__post_init__()
         rules = {
             ">= 1": ("batch_size", "generation_batches", "ppo_epochs", "epochs", "log_every", "keep_checkpoints"),
-            ">= 0": ("max_steps", "save_every", "unsup_batch_size", "device_memory_gib"),
+            ">= 0": ("max_steps", "save_every", "save_minutes", "unsup_batch_size", "device_memory_gib"),
         }
         check_fields(self, max_skipped_steps=">= 1", **{n: rule for rule, names in rules.items() for n in names})
         check_trackers(self.report_to)
