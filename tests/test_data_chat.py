@@ -219,3 +219,23 @@ def test_every_step_reads_conversational_jsonl(tok, tmp_path):
             assert b["metadata"][0] == {"n": q.count("Hi")}
     with pytest.raises(DataError, match="has prompts without a response, which only Step 3 can use"):
         step_records(dataclasses.replace(config, data_split="1,1,1"), 1)
+
+
+def test_step3_reward_functions_see_answers_ended_by_the_end_of_turn(tok):
+    """reward_starter (Step 3's hook to the reward functions): an answer that reached <|im_end|> is not truncated, one
+    that ends with the tokenizer's EOS (<|endoftext|>) or nothing is; chat_template none goes back to EOS."""
+    from jaxrlhf.ppo import reward_starter
+
+    seen = []
+
+    class Spy:
+        def start(self, prompts, answers, metadata, **extras):
+            seen.append((prompts, answers, extras["truncated"]))
+
+    prompt = np.array([ids(PROMPT_TEXT)] * 3, np.int32)
+    batch = {"prompt_ids": prompt, "prompt_mask": np.ones_like(prompt), "metadata": [{}] * 3}
+    blue = ids("It is blue.")
+    answers = np.array([blue + [EOT], blue + [tok.eos_token_id], blue + ids("?")], np.int32)
+    for setting, truncated in (("auto", [False, True, True]), ("none", [True, False, True])):
+        reward_starter(Spy(), tok, setting)(batch, answers, np.ones_like(answers))
+        assert seen[-1] == ([PROMPT_TEXT] * 3, ["It is blue.", "It is blue.", "It is blue.?"], truncated)
