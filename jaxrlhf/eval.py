@@ -117,15 +117,15 @@ def paired_t(a, b) -> float:
     return 0.0 if se == 0 else float(d.mean() / se)
 
 
-_FINAL = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
-_NUMBER = re.compile(r"-?[\d,]*\.?\d+")
+_FINAL = re.compile(r"####\s*(-?[\d,]*\.?\d+)")  # a GSM8K-style reference's final answer
 
 
 def final_number(text: str) -> float | None:
-    """GSM8K's final answer: the number after "####", else the text's last number (commas dropped)."""
-    found = _FINAL.search(text)
-    numbers = [found.group(1)] if found else _NUMBER.findall(text)
-    return float(numbers[-1].replace(",", "")) if numbers else None  # both patterns match valid floats only
+    """GSM8K's final answer: the first number after the last "####", else the text's last number, each read as the
+    reward functions read numbers (rewards.parse_number: "1,018" -> 1018, "1e3" -> 1000, "1.2.3" none)."""
+    _, mark, tail = text.rpartition("####")
+    found = rewards.parse_number(tail, last=False) if mark else None
+    return rewards.parse_number(text) if found is None else found
 
 
 def gold_rewards(prompts: list[str], references: list[str | None], answers: list[str]) -> list[float] | None:

@@ -182,6 +182,14 @@ def test_gold_reward_of_the_tasks_and_gsm8k_style_references():
     assert gold_rewards([story[0], sort], [None, None], [" dogs", " a b c"]) is None  # one task per report
 
 
+def test_final_number_reads_whole_numbers_as_the_reward_functions_do():
+    """eval's gold reward and rewards.gsm8k read a number alike (rewards.parse_number): "1e3" is 1000, not 3, and
+    "1.2.3" (a version, a date) is no number, not 0.3."""
+    texts = ["So it is 1e3.", "#### 2.5e2", "version 1.2.3", "#### -$1,234.50", "9 * 2 = 18.\n#### 18 apples"]
+    assert [final_number(t) for t in texts] == [1000.0, 250.0, None, -1234.5, 18.0]
+    assert gold_rewards(["Q1", "Q2"], ["#### 1000", "#### 3"], ["That is 1e3", "See 1.2.3"]) == [1.0, 0.0]
+
+
 @pytest.mark.slow
 def test_perplexity_and_reward_model_accuracy(report):
     cfg, out = report

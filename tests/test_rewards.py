@@ -483,3 +483,22 @@ def test_a_step3_run_with_the_gold_rule_as_its_reward(builtin, tmp_path, algorit
         assert r["reward"] == pytest.approx(r["gold_reward"], rel=1e-6) and r["rewards_s"] >= 0
     assert out["engine"].reward_own is None
     assert memory_plan.ppo_plan(cfg, mesh).items["reward (own leaves)"] == 0
+
+
+def test_clip_score_clips_the_reward_models_score_alone_as_its_help_says():
+    """answer_rewards: clip(score, -clip_score, clip_score) + the functions' scores, unclipped; the setting's help
+    (python -m jaxrlhf.ppo --help) says so."""
+    from jaxrlhf.config import field_help
+    from jaxrlhf.rl import EngineConfig
+    from jaxrlhf.rl.experience import answer_rewards
+
+    exp = {
+        "mask": np.ones((3, 2), np.int32),
+        "scores": np.array([3.0, -2.0, 0.5], np.float32),
+        "function_scores": np.array([4.0, -3.0, 0.25], np.float32),
+    }
+    reward, valid = answer_rewards(EngineConfig(clip_score=1.0), exp)
+    np.testing.assert_array_equal(reward, [1.0 + 4.0, -1.0 - 3.0, 0.5 + 0.25])
+    np.testing.assert_array_equal(valid, np.ones(3))
+    text = field_help(EngineConfig)["clip_score"]
+    assert "reward model" in text and "unclipped" in text and "model and functions" not in text, text

@@ -120,7 +120,8 @@ class EngineConfig:
     kl_horizon: int = 10000
     #: the reward: the reward model's score (critic.model's), Python functions' or a weighted sum (jaxrlhf.rewards)
     reward: RewardConfig = RewardConfig()
-    #: the reward (model and functions) is clipped to [-clip_score, clip_score]
+    #: the reward model's score (times reward.model_weight) is clipped to [-clip_score, clip_score]; the reward
+    #: functions' scores are added unclipped (jaxrlhf.rewards)
     clip_score: float = 5.0
     #: PPO ratio clip (DeepSpeed-Chat's cliprange; gspo does not use it, see clip_ratio_low)
     clip_ratio: float = 0.2
