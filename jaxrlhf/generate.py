@@ -99,6 +99,12 @@ def decode_params(config, params: Any, mesh=None) -> Any:
 DECODE_SLOTS = 256
 
 
+def decode_slots(slots: int, rows: int, group: int = 1) -> int:
+    """The slots `generate` decodes `rows` rows in, given `slots` (0: one per row): at most one per row, in whole
+    groups of `group` rows (a prompt's answers; the memory plan counts the same)."""
+    return max(min(slots or rows, rows) // group, 1) * group
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """How the next token is drawn. temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off."""
@@ -357,7 +363,7 @@ def generate(
         )
     if slots < 0 or refill < 0 or check_every < 1:
         raise ValueError(f"expected slots >= 0, refill >= 0, check_every >= 1; got {slots}, {refill}, {check_every}")
-    slots = max(min(slots or B, B) // group, 1) * group  # whole groups
+    slots = decode_slots(slots, B, group)
     refill = min(-(-(refill or max(slots // 8, 1)) // group) * group, slots)
     if limits is None:
         limits = jnp.full((B,), max_new_tokens, jnp.int32)

@@ -38,7 +38,7 @@ from jax.sharding import AbstractMesh
 from jaxrlhf import sharding as sharding_mod
 from jaxrlhf.checkpoint import read_config
 from jaxrlhf.config import ConfigError, parse_cli
-from jaxrlhf.generate import DECODE_SLOTS
+from jaxrlhf.generate import DECODE_SLOTS, decode_slots
 from jaxrlhf.lora import adapted_mask
 from jaxrlhf.models import param_shapes, preset
 from jaxrlhf.rl import engine as rl_engine
@@ -228,10 +228,20 @@ def plan(
     a = _model(actor_config, cfg.actor, cfg.precision, mesh, value_head=False)
     # critic-free: the reward model alone, every leaf its own (a side without LoRA shares nothing)
     c = _model(critic_config, ModelSide() if critic_free else cfg.critic, cfg.precision, mesh, value_head=True)
-    # generation holds a cache row per decode slot (continuous batching: decode_slots < batch)
-    rows, gen_rows = -(-batch // N), -(-min(cfg.decode_slots or DECODE_SLOTS, batch) // (N // tp))
+    # generation holds a cache row per decode slot (continuous batching: decode_slots < batch; whole groups of a
+    # prompt's answers, as generate.decode_slots rounds them), the slots split over the "data" groups of devices
+    group = cfg.num_samples_per_prompt
+    rows, gen_rows = -(-batch // N), -(-decode_slots(cfg.decode_slots or DECODE_SLOTS, batch, group) // (N // tp))
     cache = init_cache_bytes(actor_config, gen_rows, T, tp)
-    head = gen_rows * -(-actor_config.vocab_size // tp) * 4  # the prefill's fp32 logits (the last position only)
+    # Generation's transients, the larger of: the prefill over the prompt's tokens alone (one row per prompt: a group's
+    # answers copy its cache), its LM head on the last position; a decode step's float32 logits [slots, V / tp], their
+    # log-softmax and the sampling's draw. Plus the tokens, log-probs and mask [batch, G] it returns (all rows: an
+    # upper bound). The answer's length counts in the KV cache only.
+    prefill = activations(
+        actor_config, -(-gen_rows // group), prompt_len, train=False, remat=False, value_head=False, backend=backend,
+        head_len=1,
+    )  # fmt: skip
+    decoding = max(prefill, 3 * gen_rows * -(-actor_config.vocab_size // tp) * 4) + batch * G * 12
     # FSDP gathers each layer's weights as the scan reaches it: two layers in flight (none on one device)
     gather_a = 0 if N == 1 else 2 * a["master"] // actor_config.num_hidden_layers
     gather_c = 0 if N == 1 else 2 * c["master"] // critic_config.num_hidden_layers
@@ -260,7 +270,7 @@ def plan(
         "TP generation copy": a["tp_compute"],
         "switch: fp32 LoRA delta": a["delta"],
         "KV cache": cache,
-        "generation activations": head + gen_rows * T * actor_config.hidden_size * 4 * 4,
+        "generation activations": decoding,
         "fused LoRA kernels": a["fused"] + c["fused"],
         "scoring activations": max(
             act(actor_config, cfg.actor, False, False), act(critic_config, cfg.critic, True, False)
@@ -371,8 +381,8 @@ def ppo_plan(cfg, mesh, actor_config=None, critic_config=None, backend=None) -> 
 
 
 def alternatives(cfg, mesh, actor_config, critic_config, backend=None) -> list[tuple[str, str, Plan]]:
-    """The options that change the memory, each alone: LoRA, remat, offload, a smaller batch, more devices, a
-    larger inference_tp_size; as (kind, what to set, its plan)."""
+    """The options that change the memory, each alone: LoRA, remat, offload, fewer decode slots, a smaller batch,
+    more devices, a larger inference_tp_size; as (kind, what to set, its plan)."""
     replace = dataclasses.replace
     names = ("actor",) if cfg.critic_free else ("actor", "critic")  # the trained sides
     keys = lambda key: " ".join(f"{n}.{key}" for n in names)  # noqa: E731
@@ -401,6 +411,12 @@ def alternatives(cfg, mesh, actor_config, critic_config, backend=None) -> list[t
     while budget // 2 >= T:
         budget //= 2
         options.append((f"max_tokens_per_micro_batch={budget}", replace(cfg, max_tokens_per_micro_batch=budget), mesh))
+    # fewer decode slots: a smaller KV cache (long answers: the largest item), the same batch
+    group = cfg.num_samples_per_prompt
+    slots = decode_slots(cfg.decode_slots or DECODE_SLOTS, cfg.batch_size * group, group)
+    while slots // 2 >= max(group, N // tp):
+        slots //= 2
+        options.append((f"decode_slots={slots}", replace(cfg, decode_slots=slots), mesh))
     batch = cfg.batch_size // 2
     while batch >= N and batch % N == 0:
         options.append((f"batch_size={batch}", replace(cfg, batch_size=batch), mesh))

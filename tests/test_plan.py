@@ -8,6 +8,7 @@ backward ("involuntary full rematerialization"), which a GPU run does not do.
 """
 
 import math
+import re
 
 import jax
 import numpy as np
@@ -283,3 +284,52 @@ def test_chunked_head_saving_at_qwen_vocabulary():
     V = 151936
     assert plain - chunked == 16 * 2 * (1024 * V * 4 - 64 * V * 4)  # [T, V] per row -> 64 positions per row
     assert plain > 20 * 2**30 and chunked < 3.5 * 2**30  # 20.8 and 3.4 GiB, (plain / 2**30, chunked / 2**30)
+
+
+@pytest.mark.parametrize("name, layers, kv_heads, V", [("qwen2.5-1.5b", 28, 2, 151936), ("qwen3-1.7b", 28, 8, 151936)])
+def test_long_answers_kv_cache_decode_slots_and_log_prob_chunks_by_hand(name, layers, kv_heads, V):
+    """GRPO at 256 + 4,096 tokens, 32 prompts x 8 answers: the KV cache is L x 2 x slots x Hkv x S x K x 2 bytes,
+    slots in whole groups (100 asked: 96), S = 4,352. Generation's transients do not grow with the answer (only its
+    [batch, G] outputs do), and the actor's step holds one 1,024-token chunk of float32 logits, not 4,097 positions.
+    Too little memory is met with fewer decode slots."""
+    from jaxrlhf import ppo
+
+    def config(tp=1, slots="decode_slots=100", *extra):
+        return load(
+            ppo.PPOConfig,
+            None,
+            [
+                f"actor.model=random:{name}",
+                f"critic.model=random:{name}",  # the reward model
+                "algorithm=grpo",
+                "num_samples_per_prompt=8",
+                "batch_size=32",
+                "data.max_prompt_len=256",
+                "max_answer_len=4096",
+                "max_tokens_per_micro_batch=8192",
+                f"inference_tp_size={tp}",
+                slots,
+                *extra,
+            ],
+        )
+
+    plan = lambda devices=1, tp=1, *extra: memory_plan.ppo_plan(  # noqa: E731
+        config(tp, *extra), memory_plan.abstract_mesh(devices, tp), backend="gpu"
+    )
+    full_mesh = memory_plan.abstract_mesh(1, 1)
+    p = plan()
+    assert p.items["KV cache"] == layers * 2 * 96 * kv_heads * 4352 * 128 * 2
+    # 8 devices, tp 2: 4 "data" groups of 24 slots, half the KV heads each
+    assert plan(8, 2).items["KV cache"] == layers * 2 * 24 * (kv_heads // 2) * 4352 * 128 * 2
+    short = plan(1, 1, "decode_slots=100", "max_answer_len=1024")
+    assert p.items["generation activations"] - short.items["generation activations"] == 256 * (4096 - 1024) * 12
+    # one row of 4,352 tokens per micro-batch: [4097, V] logits, twice (forward and backward)
+    whole = plan(1, 1, "decode_slots=100", "actor.logits_chunk=0")
+    assert whole.items["actor step activations"] - p.items["actor step activations"] == 2 * (4097 - 1024) * V * 4
+    # at 256 slots (the default), a device too small for generation by less than half the cache: 128 slots fit
+    full = plan(1, 1, "decode_slots=256")
+    rest = max(full.phase_bytes(phase) for phase in full.phases if phase != "generate")
+    gib = max(rest, full.phase_bytes("generate") - full.items["KV cache"] / 2) / 2**30 + 0.01
+    with pytest.raises(ConfigError, match=r"in generate, .* the largest item there is KV cache") as e:
+        memory_plan.check(config(1, "decode_slots=256", f"device_memory_gib={gib}"), full_mesh, backend="gpu")
+    assert re.search(r"\n  decode_slots=128: [\d.]+ GiB in \w+ -- fits", str(e.value)), str(e.value)
