@@ -324,8 +324,11 @@ def settings_help(cls, full: bool = False) -> str:
         depth[main(key)] = min(depth.get(main(key), 99), key.count("."))
     shown = rows if full else [r for r in rows if main(r[1]) and r[1].count(".") == depth[main(r[1])]]
     scope = ", by section:" if full else "; the main ones:"
-    # argparse's width (the terminal's, or COLUMNS, less 2), lines broken between words only
-    wrap = partial(textwrap.fill, width=max(shutil.get_terminal_size().columns - 2, 40), break_long_words=False)
+    # argparse's width (the terminal's, or COLUMNS, less 2); lines are broken (--help-all) or shortened (--help, one
+    # line a setting) between words only
+    width = max(shutil.get_terminal_size().columns - 2, 40)
+    whole = dict(break_long_words=False, break_on_hyphens=False)
+    wrap = partial(textwrap.fill, width=width, **whole)
     out = [wrap(f"settings (in CONFIG.yaml or as key=value; values are YAML){scope}")]
     for i, (section, key, default, doc) in enumerate(shown):
         if i == 0 or section != shown[i - 1][0]:
@@ -334,7 +337,8 @@ def settings_help(cls, full: bool = False) -> str:
         if full:
             out.append(line + ("\n" + wrap(doc, initial_indent=" " * 6, subsequent_indent=" " * 6) if doc else ""))
         else:
-            out.append(wrap(f"{line:34} {doc}", subsequent_indent=" " * 35) if doc else line)
+            short = textwrap.shorten(doc, max(width - max(len(line), 34) - 1, 20), placeholder=" ...", **whole)
+            out.append(f"{line:34} {short}" if doc else line)
     if not full:
         count = collections.Counter(section or root for section, *_ in rows)
         more = "every setting (--help-all): " + ", ".join(f"{s} ({n})" for s, n in count.items())

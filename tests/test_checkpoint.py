@@ -437,3 +437,22 @@ def test_a_hub_name_downloads_through_huggingface_hub(tiny, tmp_path, monkeypatc
     jax.tree.map(np.testing.assert_array_equal, params, want)
     assert load_tokenizer("facebook/opt-tiny")("a b")["input_ids"] == load_tokenizer(folder)("a b")["input_ids"]
     assert calls[0] == ("facebook/opt-tiny", ["*.json", "*.txt", "tokenizer*", "*.safetensors"])
+
+
+def test_save_hf_into_an_empty_folder(tmp_path):
+    """tempfile.mkdtemp() then save_hf: an empty folder holds nothing to lose, so it is written into; a folder with a
+    file of the user's is still refused."""
+    import tempfile
+
+    from jaxrlhf import OPTConfig, init_params
+
+    config = OPTConfig(**{k: v for k, v in PRE_LN.items() if k != "do_layer_norm_before"})
+    params = jax.device_get(init_params(config, jax.random.key(0)))
+    folder = save_hf(tempfile.mkdtemp(dir=tmp_path), config, params)
+    assert load_hf(folder)[0] == config and (folder / "model.safetensors").is_file()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my own notes")
+    with pytest.raises(CheckpointError, match="exists and is a folder without"):
+        save_hf(mine, config, params)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]

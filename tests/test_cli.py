@@ -65,3 +65,67 @@ def test_ci_runs_the_readme_test_command():
     readme = (root / "README.md").read_text().split("### Tests", 1)[1]
     command = readme.split("```bash\n", 1)[1].split("\n", 1)[0]
     assert command in (root / ".ci" / "run").read_text().splitlines()
+
+
+@pytest.mark.parametrize("columns", [80, 250])
+@pytest.mark.parametrize("name", ["sft", "ppo", "train"])
+def test_help_breaks_lines_between_words_at_any_width(name, columns, capsys, monkeypatch):
+    """--help-all wraps every setting's help whole at the terminal's width; --help shortens it to one line, at a
+    word's end (today's help was cut at 118 characters, mid-word, at any width)."""
+    module = importlib.import_module(f"jaxrlhf.{name}")
+    cls = getattr(module, ENTRY_POINTS[name][0], None)
+    rows = [(f"  {key} = {default!r}", " ".join(doc.split())) for _, key, default, doc in _settings(cls()) if doc]
+    docs = [doc for _, doc in rows]
+    monkeypatch.setenv("COLUMNS", str(columns))
+    for flag in ("--help-all", "--help"):
+        with pytest.raises(SystemExit):
+            module.main([flag])
+        text = capsys.readouterr().out
+        settings = text.split("\nsettings (", 1)[1]
+        assert all(len(line) <= columns - 2 or " " not in line.strip() for line in settings.splitlines()[1:-3]), text
+        if flag == "--help-all":
+            flat = " ".join(settings.split())
+            assert all(doc in flat for doc in docs), [doc for doc in docs if doc not in flat]
+            continue
+        lines = {line.split(" = ")[0]: line for line in settings.splitlines() if " = " in line}
+        for start, doc in [(start, doc) for start, doc in rows if start.split(" = ")[0] in lines]:
+            line = lines[start.split(" = ")[0]]  # the setting, then its help whole or its first words and " ..."
+            heads = [" ".join(doc.split()[:k]) + " ..." for k in range(1, len(doc.split()))]
+            assert line.startswith(start) and line.endswith(tuple(" " + h for h in [doc, *heads])), line
+
+
+NO_TORCH = """
+import importlib.abc, importlib.util, sys
+_find = importlib.util.find_spec
+importlib.util.find_spec = lambda name, package=None: None if name.split(".")[0] == "torch" else _find(name, package)
+class NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "torch":
+            raise ModuleNotFoundError(name)
+sys.meta_path.insert(0, NoTorch())
+"""
+
+
+def test_no_pytorch_advice_on_a_default_install(tmp_path):
+    """A default install has no torch (it is a test extra): transformers' "PyTorch was not found" advice at import is
+    dropped where jaxrlhf imports it, and only that message (torch hidden here by a sitecustomize)."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "sitecustomize.py").write_text(NO_TORCH)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    run = lambda code: subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stderr
+    assert "PyTorch was not found" in run("import transformers")  # torch is hidden: transformers says so
+    other = "import logging; logging.getLogger('transformers').warning('another warning')"
+    err = run(f"import jaxrlhf.train, transformers; {other}")
+    assert "PyTorch was not found" not in err and "another warning" in err, err
+
+
+def test_tensorboard_is_an_extra():
+    """Every run writes TensorBoard events (tb/); `pip install -e '.[tensorboard]'` brings the viewer."""
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert [r.split(">=")[0] for r in project["optional-dependencies"]["tensorboard"]] == ["tensorboard"]
