@@ -170,3 +170,19 @@ def test_opt_tokenizer_sees_one_token_per_letter(assets):
             # Tokenizing prompt + response splits exactly at the boundary, so response masks line up.
             assert tok(record["prompt"] + response, add_special_tokens=False)["input_ids"] == prompt_ids + ids
             assert tok.decode(ids) == response
+
+
+@pytest.mark.parametrize("task", ["synthetic", "arithmetic"])
+def test_a_builtin_tasks_cache_key_follows_the_rows_it_generates(task, monkeypatch):
+    """The data cache's key for "synthetic:N" / "arithmetic:N" changes when what generates the rows changes (a
+    task default such as the demonstrations' error rate), not only with the name: else a stale cache is served."""
+    import functools
+
+    from jaxrlhf.data import sources
+
+    spec = f"{task}:300"
+    key = sources.fingerprint(spec)
+    assert sources.fingerprint(spec) == key != sources.fingerprint(f"{task}:301")
+    generate = sources.BUILTIN_TASKS[task]
+    monkeypatch.setitem(sources.BUILTIN_TASKS, task, functools.partial(generate, flip_rate=0.3))  # a new default
+    assert sources.fingerprint(spec) != key

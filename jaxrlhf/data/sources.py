@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import hashlib
+import json
 import re
 import zlib
 from collections.abc import Callable, Iterable
@@ -311,12 +312,9 @@ def read_source(
     """The records of one source by split: {"train": ...} and, where the source has one, {"eval": ...}.
 
     The synthetic task has its own eval split (`eval_fraction` of its pairs), labelled without noise."""
-    task, _, n = spec.partition(":")
-    if task in BUILTIN_TASKS:
-        n = n or "4000"
-        if not n.isdecimal():
-            raise DataError(f"{spec}: expected '{task}' or '{task}:N', N the number of pairs")
-        splits = BUILTIN_TASKS[task](int(n), seed, eval_fraction)
+    task, n = _builtin(spec)
+    if task:
+        splits = BUILTIN_TASKS[task](n, seed, eval_fraction)
         return {
             part: ([Record(**r) for r in rows], Report(f"{spec} [{part}]", kept=len(rows)))
             for part, rows in splits.items()
@@ -371,10 +369,29 @@ def _load_datasets(spec: str) -> dict:
     return splits
 
 
+def _builtin(spec: str) -> tuple[str | None, int]:
+    """(task, N) of a built-in task's spec "task" or "task:N" (N pairs, 4000 by default), else (None, 0)."""
+    task, _, n = spec.partition(":")
+    if task not in BUILTIN_TASKS:
+        return None, 0
+    if not (n or "4000").isdecimal():
+        raise DataError(f"{spec}: expected '{task}' or '{task}:N', N the number of pairs")
+    return task, int(n or "4000")
+
+
+# Rows of a built-in task generated for its cache key: a changed default or generator changes them.
+BUILTIN_PROBE = 256
+
+
 def fingerprint(spec: str) -> str:
-    """A hash of a source's identity and content (file bytes; for hub names, the name), for the cache key."""
+    """A hash of a source's identity and content (file bytes; a built-in task's first BUILTIN_PROBE rows, generated
+    with seed 0, so a changed task default serves no stale cache; for hub names, the name), for the cache key."""
     path = Path(spec)
     h = hashlib.sha256(spec.encode())
+    task, n = _builtin(spec)
+    if task:
+        probe = BUILTIN_TASKS[task](min(n, BUILTIN_PROBE), 0, 0.1)
+        return hashlib.sha256(h.digest() + json.dumps(probe, sort_keys=True, default=str).encode()).hexdigest()
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path] if path.is_file() else []
     for f in files:
         h.update(str(f.relative_to(path) if path.is_dir() else f.name).encode())
