@@ -230,12 +230,17 @@ def test_readme_commands_run(scratch):
 
 
 @pytest.mark.slow
-def test_readme_python_example_runs(scratch):
+@pytest.mark.parametrize("devices", [1, 8])
+def test_readme_python_example_runs(scratch, devices):
+    """As a user runs it on one CPU device (no tensor parallelism), and on 8 (the generation layout split over 2)."""
     (block,) = fenced(README.read_text(), "python")
     script = scratch / "readme_example.py"
     script.write_text(block)
-    done = run([sys.executable, str(script)], scratch, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"} if devices > 1 else {}
+    done = run([sys.executable, str(script)], scratch, env=env)
     assert "(4, 4, 50272) (4, 8)" in done.stdout
+    q_proj = next(line for line in done.stdout.splitlines() if line.startswith("decoder/layers/self_attn/q_proj/"))
+    assert ("'model'" in q_proj) == (devices > 1), q_proj  # the generation layout: q's columns over "model"
 
 
 NOTEBOOK = ROOT / "docs" / "sharding.ipynb"
