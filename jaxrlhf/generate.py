@@ -222,7 +222,7 @@ def _generate(config, loop: _Loop, params, input_ids, attention_mask, key, limit
         # the LM head on the last position only
         logits, cache = logits_with_cache(config, params, ids, positions, cache, prefilling, last=1)
         if n == 1:
-            return logits[:, -1], {k: cache[k] for k in ("k", "v", "start")}  # decode steps bring their own slots
+            return logits[:, -1], {c: cache[c] for c in ("k", "v", "start")}  # decode steps bring their own slots
         pad = (S + (-S % 64 if Pn < S else 0)) - Pn  # the slots after the prompt, as init_cache allocates them
         copy = lambda x: jnp.pad(jnp.repeat(x, n, axis=1), ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0)))
         out = {"k": copy(cache["k"]), "v": copy(cache["v"]), "start": jnp.repeat(cache["start"], n)}
