@@ -5,14 +5,17 @@
                                                               reinforce_pp_baseline) in Step 3
     python -m jaxrlhf.train --actor-model /data/opt-1.3b --reward-model /data/opt-350m \\
         --deployment-type single_gpu --output-dir runs/opt-1.3b
-    python -m jaxrlhf.train --step 3 --output-dir runs/opt-1.3b ppo.kl_coef=0.05      Step 3 again
+    python -m jaxrlhf.train --step 3 --output-dir runs/opt-1.3b ppo.kl_coef=0.05 step3_dir=step3-kl0.05
+                                                              another Step 3 on the same Steps 1 and 2
     python -m jaxrlhf.train [CONFIG.yaml] [sft.key=value reward.key=value ppo.key=value data.key=value ...]
 
 Outputs: OUTPUT_DIR/actor-models (Step 1: model/, state/, metrics), OUTPUT_DIR/reward-models (Step 2), and
-OUTPUT_DIR/step3-models (actor/, critic/ (PPO only), actor_ema/, state/, metrics). Step 2 starts from --reward-model,
-Step 3 from the two earlier outputs. Started again with the same settings, the command skips the finished steps
-and continues an interrupted one (loop.start_run). `data` is shared by the three steps (their own data sections are
-replaced by it). With no arguments the actor and reward model are tiny random OPTs with the built-in
+OUTPUT_DIR/step3-models (actor/, critic/ (PPO only), actor_ema/, state/, metrics; `step3_dir` names another
+folder, for another Step 3 on the same Steps 1 and 2). Step 2 starts from --reward-model, Step 3 from the two earlier
+outputs. Started again with the same settings, the command skips the finished steps and continues an interrupted one
+(loop.start_run). `data` is shared by the three steps; the settings that train sets itself (each step's model,
+output_dir and data section: SET_BY_TRAIN) are refused in the steps' own sections, never silently replaced. With no
+arguments the actor and reward model are tiny random OPTs with the built-in
 task's word-level tokenizer (letters sorting, jaxrlhf.data.synthetic), and the run ends by comparing the
 gold reward of the Step 1 model and of the final actor on held-out prompts, with the KL between them.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import os
 import string
@@ -39,7 +43,7 @@ from jaxrlhf.config import ConfigError, build, parse_cli, run_cli, set_dotted
 from jaxrlhf.data import DataConfig, arithmetic, make_batch, prepare
 from jaxrlhf.data.synthetic import gold_reward, make_prompt, make_response
 from jaxrlhf.eval import gold_and_kl, pipeline_report
-from jaxrlhf.loop import settings
+from jaxrlhf.loop import ChangedRunError, settings
 from jaxrlhf.models import OPTConfig, init_params
 from jaxrlhf.reward import RewardConfig
 from jaxrlhf.rl import ModelSide, PPOConfig
@@ -48,6 +52,8 @@ from jaxrlhf.tokenizer import decode_rows, load_tokenizer
 from jaxrlhf.trainer import OptimConfig
 
 BUILTIN = "builtin"
+FIRST_DIRS = ("actor-models", "reward-models")  # Steps 1 and 2's folders under output_dir
+STEP3_DIR = "step3-models"  # Step 3's (the default of step3_dir)
 # The built-in model: small enough to train all three steps on two CPU cores in minutes.
 BUILTIN_MODEL = dict(
     vocab_size=64,
@@ -81,6 +87,9 @@ class TrainConfig:
     algorithm: Literal["ppo", "grpo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "ppo"
     #: everything goes under here (actor-models/, reward-models/, step3-models/)
     output_dir: str = "runs/train"
+    #: Step 3's folder under output_dir; another name runs another Step 3 (another algorithm or settings) on the same
+    #: finished Steps 1 and 2, its evaluation (eval/, summary.json) inside it
+    step3_dir: str = STEP3_DIR
     #: held-out prompts on which the Step 1 model and the final actor are compared (built-in task)
     eval_prompts: int = 256
     #: sampled answers per held-out prompt in that comparison
@@ -106,6 +115,45 @@ class TrainConfig:
     def __post_init__(self):
         if not self.steps or any(s not in (1, 2, 3) for s in self.steps) or list(self.steps) != sorted(set(self.steps)):
             raise ValueError(f"steps: expected increasing numbers among 1, 2, 3, got {list(self.steps)}")
+        if Path(self.step3_dir).name != self.step3_dir or self.step3_dir in ("", ".", "..", *FIRST_DIRS, "eval"):
+            raise ConfigError(
+                f"step3_dir: expected a folder name for OUTPUT_DIR/NAME other than {', '.join(FIRST_DIRS)} and eval, "
+                f"got {self.step3_dir!r}"
+            )
+        refuse_set_by_train(self)
+
+
+# The steps' own settings that train sets itself (or does not use), and what to do instead: refused, never ignored.
+SET_BY_TRAIN = {
+    "sft.model": "give actor_model (--actor-model), which Step 1 starts from",
+    "sft.output_dir": "give output_dir (--output-dir): Step 1 writes OUTPUT_DIR/actor-models",
+    "reward.model": "give reward_model (--reward-model), which Step 2 starts from",
+    "reward.output_dir": "give output_dir (--output-dir): Step 2 writes OUTPUT_DIR/reward-models",
+    "reward.score_file": "train only trains; score with python -m jaxrlhf.reward model=OUTPUT_DIR/reward-models/model "
+    "score_file=FILE",
+    "ppo.output_dir": "give output_dir (--output-dir) and step3_dir: Step 3 writes OUTPUT_DIR/STEP3_DIR",
+    "ppo.actor.model": "Step 3's actor is Step 1's output (OUTPUT_DIR/actor-models/model); give actor_model for Step 1",
+    "ppo.critic.model": "Step 3's critic is Step 2's output (OUTPUT_DIR/reward-models/model); give reward_model for "
+    "Step 2",
+}
+
+
+def refuse_set_by_train(cfg: TrainConfig):
+    """A ConfigError for a setting of SET_BY_TRAIN, or of a step's own data section, that differs from its default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    get = lambda obj, dotted: functools.reduce(getattr, dotted.split("."), obj)
+    for key, instead in SET_BY_TRAIN.items():
+        section, rest = key.split(".", 1)
+        if (value := get(cfg, key)) != get(defaults[section], rest):
+            raise ConfigError(f"{key}: jaxrlhf.train would ignore {value!r}; {instead}")
+    for section in ("sft", "reward", "ppo"):
+        ours, default = getattr(cfg, section).data, defaults[section].data
+        for f in dataclasses.fields(ours):
+            if getattr(ours, f.name) != getattr(default, f.name):
+                raise ConfigError(
+                    f"{section}.data.{f.name}: jaxrlhf.train gives its three steps one data section, so this would "
+                    f"be ignored; set data.{f.name}"
+                )
 
 
 # DeepSpeed-Chat's training scripts per deployment (OPT-1.3B / 13B / 66B actor with an OPT-350M reward model):
@@ -234,7 +282,8 @@ def run(cfg: TrainConfig, log=print, mesh=None) -> dict:
     """Steps `cfg.steps` in order (on `mesh`, default all devices); returns each step's model folder and, on
     the built-in task, the comparison."""
     out = Path(cfg.output_dir)
-    dirs = {1: out / "actor-models", 2: out / "reward-models", 3: out / "step3-models"}
+    dirs = {1: out / FIRST_DIRS[0], 2: out / FIRST_DIRS[1], 3: out / cfg.step3_dir}
+    report_dir = out if cfg.step3_dir == STEP3_DIR else dirs[3]  # summary.json and eval/ of this Step 3
     sft_model, rm_model = dirs[1] / "model", dirs[2] / "model"
     result, clock = {}, time.perf_counter()
     task = builtin_task(cfg.data) or "synthetic"  # the built-in models' tokenizer
@@ -269,14 +318,19 @@ def run(cfg: TrainConfig, log=print, mesh=None) -> dict:
             output_dir=str(dirs[3]),
             data=cfg.data,
         )
-        result["step3"] = {k: str(v) for k, v in ppo.run(step, log=log, mesh=mesh)["folders"].items()}
+        try:
+            result["step3"] = {k: str(v) for k, v in ppo.run(step, log=log, mesh=mesh)["folders"].items()}
+        except ChangedRunError as e:  # e.g. algorithm=grpo where a PPO run is saved
+            beside = f"give step3_dir=NAME to run this Step 3 into {out}/NAME beside it (on the same Steps 1 and 2)"
+            raise ChangedRunError(e.out, e.what, beside) from None
         # What the evaluation depends on: these settings and these exact exports (their manifests' ids).
         folders = (sft_model, *[rm_model] * judged, *map(Path, result["step3"].values()))
         ids = {str(p): (export_manifest(p) or {}).get("id") for p in folders}
         result["evaluated"] = {"settings": settings(cfg, ()), "models": ids}
-        before = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else {}
+        summary = report_dir / "summary.json"
+        before = json.loads(summary.read_text()) if summary.is_file() else {}
         if None not in ids.values() and before.get("evaluated") == result["evaluated"]:  # its evaluation stands
-            log(f"evaluation: these models were evaluated already with these settings ({out / 'summary.json'})")
+            log(f"evaluation: these models were evaluated already with these settings ({summary})")
             result.update({k: before[k] for k in ("comparison", "report") if k in before})
         else:
             if builtin_task(cfg.data):
@@ -289,7 +343,7 @@ def run(cfg: TrainConfig, log=print, mesh=None) -> dict:
                     rm_model,
                     result["step3"],
                     dirs[3] / "metrics.jsonl",
-                    out / "eval",
+                    report_dir / "eval",
                     cfg.data,
                     cfg.ppo,
                     cfg.eval_prompts,
@@ -311,8 +365,9 @@ def run(cfg: TrainConfig, log=print, mesh=None) -> dict:
         f"done in {result['seconds']:.0f} s"
         + (f"; evaluation report: {result['report']}" if "report" in result else "")
     )
-    (out / ".summary.json.tmp").write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(out / ".summary.json.tmp", out / "summary.json")  # whole or not at all: the next start reads it
+    report_dir.mkdir(parents=True, exist_ok=True)
+    (report_dir / ".summary.json.tmp").write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(report_dir / ".summary.json.tmp", report_dir / "summary.json")  # whole or not at all: read next start
     return result
 
 

@@ -292,6 +292,39 @@ def test_the_pipeline_started_again_skips_its_finished_steps(pipeline, monkeypat
 
 
 @pytest.mark.slow
+def test_another_step3_on_the_same_steps_1_and_2_goes_to_a_folder_of_its_own(pipeline):
+    from pathlib import Path
+
+    from jaxrlhf.train import parse
+    from jaxrlhf.train import run as run_train
+
+    args, first = pipeline
+    out = Path(args[args.index("--output-dir") + 1])
+    ppo_ids = {name: export_manifest(folder)["id"] for name, folder in first["step3"].items()}
+    with pytest.raises(
+        ConfigError,
+        match=r"step3-models/run_config.json: the run saved here has other settings \('algorithm' was \"ppo\", now "
+        r"\"grpo\".*; set them back to continue it, or give step3_dir=NAME to run this Step 3 into .*/NAME beside it",
+    ):
+        run_train(parse([*args, "--step", "3", "algorithm=grpo"]), mesh=ONE, log=lambda _: None)
+    lines = []
+    grpo = run_train(
+        parse([*args, "--step", "3", "algorithm=grpo", "step3_dir=step3-grpo"]), mesh=ONE, log=lines.append
+    )
+    assert lines[0] == f"=== Step 3: GRPO -> {out / 'step3-grpo'}"  # Steps 1 and 2 are the PPO run's
+    assert {name: Path(p) for name, p in grpo["step3"].items()} == {
+        "actor": out / "step3-grpo" / "actor",
+        "actor_ema": out / "step3-grpo" / "actor_ema",
+    }
+    assert export_manifest(out / "step3-grpo" / "actor")["settings"]["algorithm"] == "grpo"
+    assert {name: export_manifest(folder)["id"] for name, folder in first["step3"].items()} == ppo_ids  # untouched
+    # Its evaluation beside it; the PPO run's summary stays.
+    assert json.loads((out / "step3-grpo" / "summary.json").read_text())["step3"] == grpo["step3"]
+    assert json.loads((out / "summary.json").read_text())["step3"] == first["step3"]
+    assert (out / "step3-grpo" / "eval" / "report.json").is_file()
+
+
+@pytest.mark.slow
 def test_a_ppo_run_driven_to_nan_stops_and_exports_nothing(pipeline, tmp_path):
     from jaxrlhf.loop import NonFiniteError
     from jaxrlhf.ppo import run as run_ppo
