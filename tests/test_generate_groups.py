@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import left_padded_batch
+from helpers import all_eqns, left_padded_batch
 from jaxrlhf import QwenConfig, init_params, make_mesh, reshard
 from jaxrlhf.generate import decode_params, generate
 
@@ -64,6 +64,26 @@ def test_prefilling_each_prompt_once_gives_every_copys_answers(model, temperatur
         for group, gm in zip(tokens, m):
             both = gm[0] & gm[1]
             np.testing.assert_array_equal(group[0][both == 1], group[1][both == 1])
+
+
+def test_each_prompt_is_prefilled_once(model):
+    """The prefills run one row per prompt: the first fill's 2 prompts (8 slots, 4 answers each) and a refill's 1,
+    where prefilling every copy runs 8 and 4 rows (the prefill's hidden states [rows, P, D] in the program)."""
+    config, params = model
+    ids, mask, _ = _grouped_batch(config)
+
+    def prefill_rows(group):
+        run = lambda: (
+            generate(
+                config, params, ids, mask, jax.random.key(0), max_new_tokens=G, slots=8, refill=4, group=group
+            ).tokens
+        )
+        shapes = {
+            v.aval.shape for eqn in all_eqns(jax.make_jaxpr(run)()) for v in eqn.outvars if hasattr(v.aval, "shape")
+        }
+        return {s[0] for s in shapes if s[1:] == (ids.shape[1], config.hidden_size)}
+
+    assert prefill_rows(N_ANSWERS) == {2, 1} and prefill_rows(1) == {8, 4}
 
 
 def test_groups_under_tensor_parallelism(model):
