@@ -77,3 +77,28 @@ class _LongestFirst:
 
 def pytest_configure(config):
     config.pluginmanager.register(_LongestFirst(), "jaxrlhf-longest-first")
+
+
+# Tests write under tmp_path, never into the checkout: the entry points' default output folders are relative
+# (runs/sft, runs/ppo), so a test that leaves output_dir out, or a refused run that leaves its folder behind, would
+# fill the checkout's runs/. The session (xdist's controller, or a plain run) fails if runs/ gained files.
+RUNS = Path(__file__).resolve().parents[1] / "runs"
+_RUNS_KEY = pytest.StashKey[set]()
+
+
+def _runs_files() -> set[Path]:
+    return {p for p in RUNS.rglob("*") if not p.is_dir()} if RUNS.is_dir() else set()
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):
+        session.config.stash[_RUNS_KEY] = _runs_files()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    before = session.config.stash.get(_RUNS_KEY, None)
+    if before is None or hasattr(session.config, "workerinput"):
+        return
+    if new := sorted(str(p.relative_to(RUNS.parent)) for p in _runs_files() - before):
+        print(f"\nthe tests wrote into the checkout (give them an output_dir under tmp_path): {', '.join(new)}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
