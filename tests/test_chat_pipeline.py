@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from test_data_chat import CHATML
 
-from jaxrlhf.checkpoint import load_hf
+from jaxrlhf.checkpoint import load_hf, save_hf
 from jaxrlhf.data import DataConfig, step_records
-from jaxrlhf.models import logits
+from jaxrlhf.models import init_params, logits
 from jaxrlhf.reward import RewardConfig
 from jaxrlhf.rl import ModelSide, PPOConfig
 from jaxrlhf.sft import SFTConfig
@@ -28,6 +28,7 @@ QUESTIONS = [f"What colour is the sky? {a} {b}" for a in EXTRA for b in EXTRA]  
 user = lambda text: {"role": "user", "content": text}
 assistant = lambda text: {"role": "assistant", "content": text}
 SYSTEM = {"role": "system", "content": "You are kind."}
+NO = assistant("no.")
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ENDOFTEXT, EOT = 0, 2
 V = 384  # the model's vocabulary: the 256 bytes, the special tokens and the merges the texts give
@@ -101,7 +102,7 @@ def conversational_files(tmp_path):
         sft.append({"messages": head + [assistant("It is blue.")]})
         sft.append({"messages": [user("Hi"), assistant("Hello."), user(q), assistant("It is blue.")]})
         if i % 3:
-            pairs.append({"prompt": head, "chosen": [assistant("It is blue.")], "rejected": [assistant("no.")]})
+            pairs.append({"prompt": head, "chosen": [assistant("It is blue.")], "rejected": [NO]})
         else:
             pairs.append({"chosen": head + [assistant("It is blue.")], "rejected": head + [assistant("It is green.")]})
     files = {}
@@ -143,6 +144,49 @@ def check_tokenized(data: DataConfig, tok, cache):
                 assert row == prompt + answer, (step, field, i)
                 if field is not None:
                     assert arrays["prompt_len"][i] == len(prompt) and row[-1] == EOT
+
+
+def test_eval_reads_prompt_only_and_conversational_rows(tmp_path):
+    """eval on TRL's prompt-only rows (a GRPO prompt set) reports what needs no answer, says what it leaves out
+    (perplexity, the reward model's accuracy) and takes a gold reward from metadata's reference; on conversational
+    pairs the reference is the chosen message's content. Every prompt is the template's rendering."""
+    from jaxrlhf.eval import EvalConfig, evaluate, final_number
+
+    folder, tok = qwen2_chat_folder(tmp_path / "m", seed=0)
+    config = load_hf(folder)[0]
+    rm = save_hf(tmp_path / "rm", config, jax.device_get(init_params(config, jax.random.key(1), value_head=True)), tok)
+    rows = {
+        "prompt_only": [{"prompt": [user(q)], "metadata": {"reference": "It is #### 4"}} for q in QUESTIONS],
+        "pairs": [{"prompt": [user(q)], "chosen": [assistant("It is #### 4")], "rejected": [NO]} for q in QUESTIONS],
+    }
+    for name, lines in rows.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        data = DataConfig(
+            data_path=(str(tmp_path / f"{name}.jsonl"),),
+            eval_fraction=0.5,  # 7 held-out Step 3 prompts
+            max_seq_len=48,
+            max_prompt_len=40,
+            cache_dir=str(tmp_path),
+        )
+        cfg = EvalConfig(
+            models=(str(folder),), reward_model=str(rm), num_prompts=4, batch_size=4, max_answer_len=8, data=data
+        )
+        logs = []
+        report = evaluate(cfg, log=logs.append)
+        (row,), answers = report["models"], report["per_prompt"]["m"]["answers"]
+        assert row["gold_reward"] == np.mean([final_number(a) == 4.0 for a in answers])  # the reference was read
+        prompts = report["per_prompt"]["prompts"]
+        want = [f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n" for q in QUESTIONS]
+        assert len(prompts) == 4 and set(prompts) <= set(want)
+        left_out = [line for line in logs if line.startswith("eval: no held-out Step")]
+        if name == "prompt_only":
+            assert row["perplexity"] is None and report["reward_model"] == {"path": str(rm)}
+            assert [line[: line.index(":", 6)] for line in left_out] == [
+                "eval: no held-out Step 1 sequences (no perplexity)",
+                "eval: no held-out Step 2 pairs (no reward-model accuracy)",
+            ]
+        else:
+            assert row["perplexity"] > 1 and report["reward_model"]["pairs"] > 0 and not left_out
 
 
 def metrics(folder) -> list[dict]:
