@@ -70,7 +70,7 @@ def test_each_step_refuses_rows_longer_than_the_model_before_compiling(
         )
     err = capsys.readouterr().err
     assert e.value.code == 2 and TOO_LONG in err and "set data.max_seq_len=64 or lower" in err, err
-    assert "train_step" not in compiles, compiles
+    assert not [name for name in compiles if "train_step" in name], compiles  # jit(train_step) never compiled
     assert not (tmp_path / "runs").exists()  # the refused run left no output folder (nor its parent)
 
 
@@ -87,7 +87,7 @@ def test_the_samples_must_fit_after_their_prompts(model, long_rows, tmp_path, ca
         sft_main(args)
     err = capsys.readouterr().err
     assert "sample_tokens (40) after a prompt exceeds the model's 64 positions" in err, err
-    assert "lower sample_tokens, or sample_prompts=0" in err and "train_step" not in compiles
+    assert "lower sample_tokens, or sample_prompts=0" in err and not [name for name in compiles if "train_step" in name]
 
 
 def test_data_command_reports_rows_longer_than_the_model(model, long_rows, tmp_path, capsys):
