@@ -29,7 +29,7 @@ from jaxrlhf.tokenizer import load_tokenizer
 
 @dataclasses.dataclass(frozen=True)
 class ChatConfig:
-    #: the model: a Hugging Face OPT folder with its tokenizer (e.g. OUT/step3-models/actor)
+    #: the model: a Hugging Face folder (OPT, Llama, Qwen2, Qwen3) with its tokenizer (e.g. OUT/step3-models/actor)
     path: str = ""
     #: tokens per answer at most
     max_new_tokens: int = 128
@@ -53,7 +53,7 @@ class Chatbot:
 
     def __init__(self, cfg: ChatConfig):
         if not cfg.path:
-            raise ValueError("path: required, a Hugging Face OPT folder (e.g. --path runs/train/step3-models/actor)")
+            raise ValueError("path: required, a Hugging Face model folder (e.g. --path runs/train/step3-models/actor)")
         self.cfg = cfg
         self.config, params = load_hf(cfg.path, dtype=jax.numpy.dtype(cfg.dtype))
         # the decode layout, built once: every answer's decode steps read each layer's own arrays

@@ -69,9 +69,10 @@ def qwen_tokenizer(folder):
     return loaded
 
 
-def qwen2_chat_folder(folder, seed: int):
+def qwen2_chat_folder(folder, seed: int, std: float | None = None):
     """A random tiny Qwen2ForCausalLM with `qwen_tokenizer`; config.json lists two EOS ids, <|im_end|> first (as
-    Qwen2.5-Instruct's generation config lists [<|im_end|>, <|endoftext|>])."""
+    Qwen2.5-Instruct's generation config lists [<|im_end|>, <|endoftext|>]). `std`: every weight normal(0, std), norms
+    1 + noise (0.2: logits of O(1), so greedy choices are far from ties), else transformers' initialisation."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -89,7 +90,15 @@ def qwen2_chat_folder(folder, seed: int):
         bos_token_id=ENDOFTEXT,
         eos_token_id=[EOT, ENDOFTEXT],
     )
-    Qwen2ForCausalLM(config).save_pretrained(folder)
+    model = Qwen2ForCausalLM(config)
+    if std is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():  # biases included
+                if "norm" in name:
+                    p.copy_(1.0 + 0.3 * torch.randn_like(p))
+                else:
+                    p.normal_(0.0, std)
+    model.save_pretrained(folder)
     return folder, qwen_tokenizer(folder)
 
 
@@ -187,6 +196,30 @@ def test_eval_reads_prompt_only_and_conversational_rows(tmp_path):
             ]
         else:
             assert row["perplexity"] > 1 and report["reward_model"]["pairs"] > 0 and not left_out
+
+
+def test_chat_renders_each_turn_with_the_template_and_answers_as_transformers(tmp_path):
+    """python -m jaxrlhf.chat on the Qwen2 chat folder: each turn sends apply_chat_template(conversation so far,
+    add_generation_prompt=True), and each answer is transformers' greedy answer to it, cut at <|im_end|>."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxrlhf.chat import ChatConfig, chat
+
+    folder, tok = qwen2_chat_folder(tmp_path / "m", seed=0, std=0.2)
+    lines = iter([QUESTIONS[0], "Hi", "quit"])
+    log = chat(ChatConfig(path=str(folder), max_new_tokens=6), read=lambda _: next(lines), write=lambda _: None)
+    conversation = [user(QUESTIONS[0])]
+    render = lambda c: tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
+    assert log[0][0] == render(conversation)
+    assert log[1][0] == render(conversation + [assistant(log[0][1]), user("Hi")])
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for text, reply in log:
+        prompt = torch.tensor([tok(text)["input_ids"]])
+        out = hf.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=EOT, pad_token_id=ENDOFTEXT)
+        tokens = out[0, prompt.shape[1] :].tolist()
+        tokens = tokens[: next((i for i, t in enumerate(tokens) if t in (EOT, ENDOFTEXT)), len(tokens))]
+        assert reply == tok.decode(tokens, skip_special_tokens=True).strip()
 
 
 def metrics(folder) -> list[dict]:
