@@ -230,6 +230,27 @@ def test_step_records_blend_sources_and_keep_sft_only_data_in_step_1(tmp_path, h
         step_records(dataclasses.replace(config, data_path=(str(sft),), sft_only_data_path=()), 2)
 
 
+def test_the_splits_do_not_depend_on_where_the_files_are(tmp_path):
+    """The same files in another folder (a pytest tmp_path, another machine's checkout) give the same held-out rows,
+    step shares and blend: the seeded shuffles are keyed on the file's name, not its path. Keyed on the path, the
+    stories slow test drew another Step 2 / Step 3 split in every run (its gold reward 0.36 to 0.94)."""
+    rows = [
+        json.dumps({"prompt": f" Human: {i} Assistant:", "chosen": f" c{i}", "rejected": f" r{i}"}) for i in range(60)
+    ]
+    demos = [json.dumps({"prompt": f" Human: {i} Assistant:", "response": f" d{i}"}) for i in range(40)]
+    configs = []
+    for where in ("a", "b/deeper", "c"):
+        (tmp_path / where).mkdir(parents=True)
+    for where in ("a", "b/deeper"):
+        pairs, sft = _write(tmp_path / where / "pairs.jsonl", rows), _write(tmp_path / where / "demos.jsonl", demos)
+        configs.append(DataConfig(data_path=(str(pairs),), sft_only_data_path=(str(sft),), data_split="1,1,1"))
+    for step in (1, 2, 3):
+        assert step_records(configs[0], step)[0] == step_records(configs[1], step)[0], step
+    renamed = _write(tmp_path / "c" / "other.jsonl", rows)  # another name: another (seeded) split
+    other = step_records(dataclasses.replace(configs[0], data_path=(str(renamed),)), 2)[0]
+    assert other != step_records(configs[0], 2)[0]
+
+
 def test_tokenized_batches_for_each_step(hh, tok):
     records = read_source(str(hh), on_bad_row="skip")["train"][0][:64]
     config = DataConfig(max_seq_len=128, max_prompt_len=96)

@@ -35,7 +35,7 @@ from jaxrlhf.config import ConfigError, check_fields
 from jaxrlhf.data.messages import CHAT_TEMPLATE_SETTINGS, ChatFormat, MessagesError
 from jaxrlhf.data.sources import DataError, Record, Report, fingerprint, read_source, read_texts
 
-CACHE_VERSION = 7  # bump when the tokenized format or any adapter's output changes
+CACHE_VERSION = 8  # bump when the tokenized format or any adapter's output changes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,10 +116,12 @@ def step_records(config: DataConfig, step: int) -> tuple[dict[str, list[Record]]
         raise DataError("no datasets given: set data_path (e.g. data_path: [synthetic])")
     for spec, sft_only in sources:
         split = read_source(spec, on_bad_row=config.on_bad_row, seed=config.seed, eval_fraction=config.eval_fraction)
+        # the shuffles are keyed on the source's name, not where it is: the same files give the same splits anywhere
+        name = Path(spec).name if Path(spec).exists() else spec
         reports += [report for _, report in split.values()]
         train, evaluation = split["train"][0], split["eval"][0] if "eval" in split else None
         if evaluation is None:  # no eval split of its own: hold out eval_fraction of the rows
-            order = _rng(config.seed, "eval", spec).permutation(len(train))
+            order = _rng(config.seed, "eval", name).permutation(len(train))
             held = set(order[: round(config.eval_fraction * len(train))].tolist())
             train, evaluation = [r for i, r in enumerate(train) if i not in held], [train[i] for i in sorted(held)]
         if step == 2 and any(r.rejected is None and r.chosen is not None for r in train + evaluation):
@@ -128,7 +130,7 @@ def step_records(config: DataConfig, step: int) -> tuple[dict[str, list[Record]]
                 "list it under sft_only_data_path"
             )
         for part, rows in (("train", train), ("eval", evaluation)):
-            share = step_indices(len(rows), config.data_split, step, config.seed, f"{spec}/{part}")
+            share = step_indices(len(rows), config.data_split, step, config.seed, f"{name}/{part}")
             used = rows if sft_only else [rows[i] for i in share]
             if step < 3 and any(r.chosen is None for r in used):
                 raise DataError(
