@@ -43,6 +43,14 @@ def data(tmp_path) -> DataConfig:
     )
 
 
+@pytest.fixture(autouse=True)
+def python_ctrl_c():
+    """Ctrl-C as a terminal's Python has it: pytest-xdist's workers ignore SIGINT (SIG_IGN), which the loop keeps."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 def when_logged(monkeypatch, step: int, then):
     """Call `then()` right after metrics.jsonl gets iteration `step`'s train line (in the middle of the loop)."""
     real = MetricsLog.write
@@ -176,6 +184,11 @@ def test_step3_stopped_by_sigint_saves_its_iteration_and_the_same_run_finishes(m
 
 
 @pytest.mark.slow
+def default_sigint():
+    """In the child: SIGINT's default action, whatever the test process had (xdist's workers ignore it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_on_the_command_line_exits_130_with_one_line_and_no_traceback(models, tmp_path):
     """A real process and a real signal from outside: what a user sees."""
     out = tmp_path / "sft"
@@ -184,7 +197,9 @@ def test_ctrl_c_on_the_command_line_exits_130_with_one_line_and_no_traceback(mod
     argv += ["data.data_path=[synthetic:300]", "data.data_split=1,1,1", "data.max_seq_len=32"]
     argv += [f"data.cache_dir={tmp_path / 'cache'}"]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint
+    )
     deadline = time.monotonic() + 300
     while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text()):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
