@@ -244,11 +244,6 @@ class HybridEngine:
         cfg, mesh = self.cfg, self.mesh
         prompt_batch = repeat_rows(prompt_batch, cfg.num_samples_per_prompt)
         ids, mask = prompt_batch["prompt_ids"], prompt_batch["prompt_mask"]
-        if ids.shape[1] + cfg.max_answer_len > self.actor_config.max_position_embeddings:
-            raise ValueError(
-                f"max_prompt_len ({ids.shape[1]}) + max_answer_len ({cfg.max_answer_len}) exceeds the "
-                f"actor's {self.actor_config.max_position_embeddings} positions"
-            )
         if isinstance(ids, np.ndarray):  # this process's rows, split over "data" as generation wants them
             ids, mask = place({"ids": ids, "mask": mask}, mesh, "tp").values()
         # One copy of the actor's weights in the generation layout. Arrays are freed by hand (`delete`) the moment
