@@ -64,10 +64,11 @@ def repetition_rate(rows: list[list[int]], n: int = 3) -> float:
     return repeated / total if total else 0.0
 
 
-def answer_rows(tokens, mask, eos_id: int | None = None) -> list[list[int]]:
-    """Each answer's real tokens (mask 1), its final EOS dropped."""
+def answer_rows(tokens, mask, eos_id: int | tuple[int, ...] | None = None) -> list[list[int]]:
+    """Each answer's real tokens (mask 1), its final stop token (eos_id: one or several) dropped."""
+    ends = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
     rows = [[int(t) for t in row[m.astype(bool)]] for row, m in zip(np.asarray(tokens), np.asarray(mask))]
-    return [row[:-1] if row and row[-1] == eos_id else row for row in rows]
+    return [row[:-1] if row and row[-1] in ends else row for row in rows]
 
 
 def answer_figures(tokens, mask, logprobs, *, eos_id: int | None = None, ngram: int = 3) -> dict[str, float]:

@@ -24,7 +24,7 @@ from jaxrlhf.config import check_fields, run_cli
 from jaxrlhf.data.batches import pad_rows
 from jaxrlhf.data.messages import ChatFormat, Messages
 from jaxrlhf.generate import decode_params, generate
-from jaxrlhf.tokenizer import load_tokenizer
+from jaxrlhf.tokenizer import load_tokenizer, stop_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +61,9 @@ class Chatbot:
         self.tokenizer = load_tokenizer(cfg.path)
         self.format = ChatFormat(self.tokenizer, cfg.chat_template)
         self.sampling = {k: getattr(cfg, k) for k in ("temperature", "top_k", "top_p")}
-        self.sampling.update(eos_id=self.format.stop_id, pad_id=self.tokenizer.pad_token_id)
+        # a chat model may end with its EOS or another id of its generation_config.json instead of end-of-turn
+        self.stops = stop_ids(self.tokenizer, cfg.chat_template, cfg.path)
+        self.sampling.update(eos_id=self.stops, pad_id=self.tokenizer.pad_token_id)
         self.max_new = min(cfg.max_new_tokens, self.config.max_position_embeddings // 2)
         self.turns = 0
 
@@ -76,7 +78,7 @@ class Chatbot:
         key = jax.random.key(self.cfg.seed + self.turns)
         out = generate(self.config, self.params, prompt, mask, key, max_new_tokens=self.max_new, **self.sampling)
         self.turns += 1
-        ends = {self.format.stop_id, tok.eos_token_id}  # a chat model may end with its EOS instead of end-of-turn
+        ends = set(self.stops)
         tokens = [int(t) for t, m in zip(np.asarray(out.tokens)[0], np.asarray(out.mask)[0]) if m]
         tokens = tokens[: next((i for i, t in enumerate(tokens) if t in ends), len(tokens))]
         if self.format.template:

@@ -3,9 +3,12 @@
     python -m jaxrlhf.eval --models runs/train/actor-models/model runs/train/step3-models/actor \\
         runs/train/step3-models/actor_ema --reward-model runs/train/reward-models/model --prompts synthetic:6000 \\
         [CONFIG.yaml] [key=value ...]
+    python -m jaxrlhf.eval --models runs/sft/model runs/grpo/actor --prompts arithmetic:6000 \
+        'reward.functions=[jaxrlhf.rewards:math_verify]'          # no reward model: Step 3's reward functions judge
 
-    held-out Step 3 prompts ──each model answers (same sampling keys)──► answers [N, G]
-        ──reward model──► score per answer ──► mean, win rate vs the first model (Wilson 95% interval)
+    held-out Step 3 prompts ──each model answers (same sampling keys; and greedily)──► answers [N, G]
+        ──reward (Step 3's: reward model and/or reward functions, jaxrlhf.rewards)──► per answer, each part too
+        ──► mean (a 0/1 part's: its accuracy), win rate vs the first model (Wilson 95% interval)
         ──gold reward (built-in task, story task; GSM8K-style "#### N")──► mean;   ──reference forward──► KL per answer
         ──answers themselves──► length (mean, distribution), repetition (repeated n-grams), entropy
     held-out Step 1 text ──► perplexity per model;   held-out Step 2 pairs ──► the reward model's accuracy
@@ -24,7 +27,7 @@ import math
 import re
 from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +42,7 @@ from jaxrlhf.data.messages import content
 from jaxrlhf.generate import generate
 from jaxrlhf.losses import end_scores
 from jaxrlhf.models import head_logprobs, hidden, next_token_logprobs, values
-from jaxrlhf.tokenizer import decode_rows, load_tokenizer, stop_id
+from jaxrlhf.tokenizer import decode_rows, load_tokenizer, stop_ids
 
 Z95 = 1.959963984540054
 
@@ -50,8 +53,11 @@ class EvalConfig:
     models: tuple[str, ...] = ()
     #: their names in the report (default: the folder names)
     names: tuple[str, ...] = ()
-    #: the reward model that judges the answers (the Step 2 output)
+    #: the reward model that judges the answers (the Step 2 output); none where reward.functions alone score them
     reward_model: str = ""
+    #: the answers' reward, as Step 3's (jaxrlhf.rewards): the reward model's score (reward.model_weight), reward
+    #: functions' (e.g. [jaxrlhf.rewards:math_verify]) or a weighted sum; each part is reported, a 0/1 one as accuracy
+    reward: rewards.RewardConfig = rewards.RewardConfig()
     #: the KL reference (default: the first model)
     reference: str | None = None
     #: tokenizer folder (default: the first model's)
@@ -72,6 +78,8 @@ class EvalConfig:
     top_p: float = 1.0
     #: seed of the sampling: every model gets the same keys
     seed: int = 1234
+    #: every model also answers greedily (temperature 0): its reward and gold reward beside the sampled ones
+    greedy: bool = True
     #: held-out Step 1 sequences for the perplexity, and Step 2 pairs for the reward model's accuracy
     ppl_rows: int = 256
     rm_pairs: int = 256
@@ -195,9 +203,11 @@ def _pair_scores(config, params, chosen_ids, chosen_mask, rejected_ids, rejected
     return score(chosen_ids, chosen_mask), score(rejected_ids, rejected_mask)
 
 
-def answer(cfg: EvalConfig, model, ids, mask, max_new: int, eos_id: int, pad_id: int):
-    """Every prompt's sampled answer: tokens and mask [N, G]; batch i is sampled with key fold_in(seed, i)."""
+def answer(cfg: EvalConfig, model, ids, mask, max_new: int, eos_id: tuple[int, ...], pad_id: int, greedy=False):
+    """Every prompt's sampled answer (`greedy`: its greedy one): tokens and mask [N, G]; batch i is sampled with key
+    fold_in(seed, i)."""
     sampling = {k: getattr(cfg, k) for k in ("temperature", "top_k", "top_p")}
+    sampling["temperature"] = 0.0 if greedy else cfg.temperature
 
     def run(i, ids, mask):
         key = jax.random.fold_in(jax.random.key(cfg.seed), i)
@@ -224,13 +234,13 @@ def gold_and_kl(
     prompts ids, mask [N, P]: the mean gold reward (`gold(prompt index, answer text)`) of each one's answers, sampled
     `samples` times per prompt (`sampling`: generate's temperature, top_k, top_p) and greedy once; and the KL from the
     actor to the Step 1 model on the actor's sampled answers (nats per answer). Returns (figures, {(model, "sampled" or
-    "greedy"): answer texts}). Answers stop at stop_id(tok, chat_template) (data.chat_template)."""
+    "greedy"): answer texts}). Answers stop at stop_ids(tok, chat_template) (data.chat_template)."""
     rows = {
         "sampled": (np.tile(ids, (samples, 1)), np.tile(mask, (samples, 1)), sampling),
         "greedy": (ids, mask, {**sampling, "temperature": 0.0}),
     }
     out, texts, sampled = {}, {}, None
-    kw = dict(max_new_tokens=max_new_tokens, eos_id=stop_id(tok, chat_template), pad_id=tok.pad_token_id)
+    kw = dict(max_new_tokens=max_new_tokens, eos_id=stop_ids(tok, chat_template), pad_id=tok.pad_token_id)
     for name, model in models.items():
         for mode, (ids_m, mask_m, s) in rows.items():
             gen = generate(*model, ids_m, mask_m, jax.random.key(seed), **kw, **s)
@@ -324,90 +334,193 @@ def reference_text(record) -> str | None:
     return None if reference is None else str(reference)
 
 
+class Judge(NamedTuple):
+    """What scores an answer, Step 3's reward (jaxrlhf.rewards): reward = Σ weights[part] × part, the parts being the
+    reward model's score ("reward model", where one is given) and each reward function's (by its name)."""
+
+    rm: tuple | None  # (config, params) of the reward model, or None
+    weights: dict  # {part: its weight}: "reward model" -> reward.model_weight as used; a function -> reward.weights
+    functions: dict  # {function name: a HostRewards of it alone (weight 1), run on the host as Step 3 runs it}
+
+
+class Held(NamedTuple):
+    """The held-out Step 3 prompts every model answers, and what the rewards read of them."""
+
+    ids: np.ndarray  # [N, P] left-padded
+    mask: np.ndarray  # [N, P]
+    texts: list  # N prompts as the reward functions get them (BOS dropped)
+    references: list  # N reference answers or None (the gold reward's GSM8K "#### N")
+    metadata: list  # N dicts (the reward functions'; GSM8K's {"reference": ...})
+
+
+def load_judge(cfg: EvalConfig, dtype, log) -> Judge:
+    """The reward model (where given) and the reward functions; a ValueError where nothing would score."""
+    if cfg.reward.model_scale and not cfg.reward_model:
+        raise ValueError(
+            "reward_model: required (--reward-model RM_DIR, the Step 2 output), or score the answers with reward "
+            "functions alone: reward.functions=[jaxrlhf.rewards:math_verify] (any of Step 3's)"
+        )
+    rm = load_hf(cfg.reward_model, dtype=dtype) if cfg.reward_model else None
+    if rm is not None and "value_head" not in rm[1]:
+        raise ValueError(f"{cfg.reward_model}: no value head; expected a reward model (the Step 2 output)")
+    weights = {"reward model": cfg.reward.model_scale} if rm else {}
+    weights.update(zip(cfg.reward.functions, cfg.reward.weights or (1.0,) * len(cfg.reward.functions)))
+    one = lambda spec: dataclasses.replace(cfg.reward, functions=(spec,), weights=(), model_weight=0.0)
+    return Judge(rm, weights, {spec: rewards.HostRewards(one(spec), log) for spec in cfg.reward.functions})
+
+
+def held_prompts(cfg: EvalConfig, tok, arrays) -> Held:
+    n = min(cfg.num_prompts, len(arrays["offsets"]) - 1)
+    if n == 0:
+        raise ValueError(
+            f"no held-out Step 3 prompts in {list(cfg.data.data_path)} (data.eval_fraction, data.data_split)"
+        )
+    batch = make_batch(arrays, range(n), 3, cfg.data, tok.pad_token_id)
+    ids, mask = batch["prompt_ids"], batch["prompt_mask"]
+    records = step_records(cfg.data, 3)[0]["eval"]  # the reference answers, for a gold reward (GSM8K's "#### N")
+    references = [reference_text(records[i]) for i in arrays["record_index"][:n]]
+    return Held(ids, mask, decode_rows(tok, ids, mask, skip_first=True), references, batch["metadata"][::-1])
+
+
+def judged(cfg: EvalConfig, ctx, eos, tokens, amask) -> dict:
+    """Answers [N, G] decoded and judged: their texts, reward ("scores") and its parts, and gold reward (or None).
+    The functions get what Step 3 gives them (ppo.reward_starter): token_ids (the stop token included) and truncated;
+    an answer a function leaves out (None, or past reward.timeout) gets 0 from it."""
+    judge, held = ctx.judge, ctx.held
+    texts = decode_rows(ctx.tok, tokens, amask, stops=eos)
+    parts = {}
+    if judge.rm is not None:
+        rows = [held.ids, held.mask, tokens, amask]
+        (parts["reward model"],) = _in_batches(lambda i, *x: [_scores(*judge.rm, *x)], rows, cfg.batch_size)
+    token_ids = answer_rows(tokens, amask)
+    truncated = [not set(eos) & set(r) for r in token_ids]
+    for spec, host in judge.functions.items():
+        parts[spec] = host(held.texts, texts, held.metadata, token_ids=token_ids, truncated=truncated).scores
+    reward = sum(w * np.asarray(parts[k], np.float64) for k, w in judge.weights.items())
+    return {
+        "answers": texts,
+        "scores": reward.tolist(),
+        "parts": {k: np.asarray(v, np.float64).tolist() for k, v in parts.items()},
+        "gold": gold_rewards(held.texts, held.references, texts),
+    }
+
+
+def means(answers: dict, suffix: str = "") -> dict:
+    """A model's mean reward, parts and gold reward over its answers (`judged`), the keys ending in `suffix`."""
+    gold = answers["gold"]
+    return {
+        f"reward{suffix}": float(np.mean(answers["scores"])),
+        f"parts{suffix}": {k: float(np.mean(v)) for k, v in answers["parts"].items()},
+        f"gold_reward{suffix}": None if gold is None else float(np.mean(gold)),
+    }
+
+
+class Context(NamedTuple):
+    """What every model's row reads: the prompts, the judge, the KL reference, the answers' length."""
+
+    tok: object
+    judge: Judge
+    held: Held
+    reference: tuple  # (config, params): the KL reference
+    sequences: dict | None  # the held-out Step 1 sequences (the perplexity's), or None
+    G: int  # tokens per answer at most
+    dtype: object
+
+
+def model_row(cfg: EvalConfig, ctx: Context, name: str, path) -> tuple[dict, dict]:
+    """One model's row of the report and its answers (per_prompt's): sampled, and greedy too (cfg.greedy)."""
+    tok, held, G, pad = ctx.tok, ctx.held, ctx.G, ctx.tok.pad_token_id
+    model = load_hf(path, dtype=ctx.dtype)
+    eos = stop_ids(tok, cfg.data.chat_template, path)  # end-of-turn, EOS, the model's generation_config.json ids
+    tokens, amask = answer(cfg, model, held.ids, held.mask, G, eos, pad)
+    forward = lambda i, *x: [_answer_logprobs(*model, *x), _answer_logprobs(*ctx.reference, *x)]
+    logp, ref_logp = _in_batches(forward, [held.ids, held.mask, tokens, amask], cfg.batch_size)
+    mine, lengths = judged(cfg, ctx, eos, tokens, amask), amask.sum(1)
+    row = {
+        "name": name,
+        "path": str(path),
+        **means(mine),
+        **answer_figures(tokens, amask, logp, eos_id=eos, ngram=cfg.alarms.ngram),
+        "kl": float(((logp - ref_logp) * amask).sum(1).mean()),
+        "answer_len_percentiles": {str(q): float(np.percentile(lengths, q)) for q in (10, 50, 90)},
+        "answer_len_hist": np.bincount(lengths, minlength=G + 1).tolist(),
+        "truncated": float(np.mean([not r or r[-1] not in eos for r in answer_rows(tokens, amask)])),
+        "perplexity": perplexity(cfg, model, ctx.sequences, pad),
+        "step3": step3_run(path),
+    }
+    mine["lengths"] = lengths.tolist()
+    if cfg.greedy:
+        mine["greedy"] = judged(cfg, ctx, eos, *answer(cfg, model, held.ids, held.mask, G, eos, pad, greedy=True))
+        row.update(means(mine["greedy"], "_greedy"))
+    return row, mine
+
+
+def model_alarms(cfg: EvalConfig, row: dict, first: dict, mine: dict, base: dict) -> list[str]:
+    """The alarms' bounds against the first model, and reward hacking: a reward significantly above the first
+    model's with a gold reward significantly below it."""
+    out = [m for _, m in check(row, first, cfg.alarms)]
+    z = cfg.alarms.z
+    if mine["gold"] and paired_t(mine["scores"], base["scores"]) > z and paired_t(mine["gold"], base["gold"]) < -z:
+        out.append(f"higher reward but lower gold reward than {first['name']}: reward hacking?")
+    return out
+
+
 def evaluate(cfg: EvalConfig, log=print) -> dict:
     """Every number of the report (see the module docstring), as a JSON-ready dict."""
-    if not cfg.models or not cfg.reward_model:
-        raise ValueError("models and reward_model are required (--models SFT_DIR PPO_DIR ... --reward-model RM_DIR)")
+    if not cfg.models:
+        raise ValueError("models: required (--models SFT_DIR PPO_DIR ...)")
     dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else np.float32
     names = list(cfg.names) or [Path(m).name for m in cfg.models]
     if len(set(names)) < len(names):  # e.g. .../actor-models/model and .../reward-models/model
         names = [f"{Path(m).parent.name}/{Path(m).name}" for m in cfg.models]
     tok = load_tokenizer(cfg.tokenizer or cfg.models[0])
-    eos, pad = stop_id(tok, cfg.data.chat_template), tok.pad_token_id  # a chat model's answers end at its end-of-turn
-    rm = load_hf(cfg.reward_model, dtype=dtype)
-    if "value_head" not in rm[1]:
-        raise ValueError(f"{cfg.reward_model}: no value head; expected a reward model (the Step 2 output)")
-    held = held_out(cfg.data, tok, log)
-    n = min(cfg.num_prompts, len(held[3]["offsets"]) - 1)
-    if n == 0:
-        raise ValueError(
-            f"no held-out Step 3 prompts in {list(cfg.data.data_path)} (data.eval_fraction, data.data_split)"
-        )
-    batch = make_batch(held[3], range(n), 3, cfg.data, pad)
-    ids, mask = batch["prompt_ids"], batch["prompt_mask"]
-    prompts = decode_rows(tok, ids, mask, skip_first=True)
-    records = step_records(cfg.data, 3)[0]["eval"]  # the reference answers, for a gold reward (GSM8K's "#### N")
-    references = [reference_text(records[i]) for i in held[3]["record_index"][:n]]
+    judge = load_judge(cfg, dtype, log)
+    steps = held_out(cfg.data, tok, log)
+    held = held_prompts(cfg, tok, steps[3])
     reference = load_hf(cfg.reference or cfg.models[0], dtype=dtype)  # a value head in a model folder goes unused
-    G = min(cfg.max_answer_len, reference[0].max_position_embeddings - ids.shape[1])
+    G = min(cfg.max_answer_len, reference[0].max_position_embeddings - held.ids.shape[1])
     if G < 1:
-        raise ValueError(f"data.max_prompt_len {ids.shape[1]} leaves no positions for an answer")
-    log(f"eval: {n} held-out prompts, answers of up to {G} tokens, {len(cfg.models)} models")
-    rows, per_prompt = [], {"prompts": prompts}
+        raise ValueError(f"data.max_prompt_len {held.ids.shape[1]} leaves no positions for an answer")
+    log(f"eval: {len(held.ids)} held-out prompts, answers of up to {G} tokens, {len(cfg.models)} models")
+    ctx = Context(tok, judge, held, reference, steps[1], G, dtype)
+    rows, per_prompt = [], {"prompts": held.texts}
     for name, path in zip(names, cfg.models):
-        model = load_hf(path, dtype=dtype)
-        tokens, amask = answer(cfg, model, ids, mask, G, eos, pad)
-        forward = lambda i, *x: [_answer_logprobs(*model, *x), _answer_logprobs(*reference, *x), _scores(*rm, *x)]
-        logp, ref_logp, scores = _in_batches(forward, [ids, mask, tokens, amask], cfg.batch_size)
-        texts = decode_rows(tok, tokens, amask)
-        lengths = amask.sum(1)
-        row = {
-            "name": name,
-            "path": str(path),
-            "reward": float(scores.mean()),
-            **answer_figures(tokens, amask, logp, eos_id=eos, ngram=cfg.alarms.ngram),
-            "kl": float(((logp - ref_logp) * amask).sum(1).mean()),
-            "answer_len_percentiles": {str(q): float(np.percentile(lengths, q)) for q in (10, 50, 90)},
-            "answer_len_hist": np.bincount(lengths, minlength=G + 1).tolist(),
-            "truncated": float(np.mean([not r or r[-1] != eos for r in answer_rows(tokens, amask)])),
-            "perplexity": perplexity(cfg, model, held[1], pad),
-            "step3": step3_run(path),
-        }
-        golds = gold_rewards(prompts, references, texts)
-        row["gold_reward"] = float(np.mean(golds)) if golds else None
-        per_prompt[name] = {"answers": texts, "scores": scores.tolist(), "gold": golds, "lengths": lengths.tolist()}
+        row, per_prompt[name] = model_row(cfg, ctx, name, path)
         rows.append(row)
-        mine, base = per_prompt[name], per_prompt[names[0]]  # the first model is its own baseline
-        row.update(win_rate(mine["scores"], base["scores"]))
-        row["alarms"] = [m for _, m in check(row, rows[0], cfg.alarms)]
-        if (
-            golds
-            and paired_t(mine["scores"], base["scores"]) > cfg.alarms.z
-            and paired_t(golds, base["gold"]) < -cfg.alarms.z
-        ):
-            row["alarms"].append(f"higher reward but lower gold reward than {names[0]}: reward hacking?")
+        row.update(win_rate(per_prompt[name]["scores"], per_prompt[names[0]]["scores"]))  # the first: all ties
+        row["alarms"] = model_alarms(cfg, row, rows[0], per_prompt[name], per_prompt[names[0]])
+        greedy = f" (greedy {row['reward_greedy']:.3f})" if cfg.greedy else ""
         log(
-            f"eval: {name}: reward {row['reward']:.3f}"
-            + (f", gold {row['gold_reward']:.3f}" if golds else "")
+            f"eval: {name}: reward {row['reward']:.3f}{greedy}"
+            + (f", gold {row['gold_reward']:.3f}" if row["gold_reward"] is not None else "")
             + f", KL {row['kl']:.3f}, length {row['answer_len']:.1f}, repetition {row['repetition']:.3f}"
         )
     metrics = find_metrics(cfg)
+    judged_by = judge.rm is not None and steps[2] and rm_accuracy(cfg, judge.rm, steps[2], tok.pad_token_id)
     return {
         "models": rows,
         "baseline": names[0],
         "reference": str(cfg.reference or cfg.models[0]),
-        "reward_model": {"path": str(cfg.reward_model), **((held[2] and rm_accuracy(cfg, rm, held[2], pad)) or {})},
+        "reward": {"weights": judge.weights, "binary": binary_parts(per_prompt, names)},
+        "reward_model": {"path": str(cfg.reward_model) if cfg.reward_model else None, **(judged_by or {})},
         "training": training_records(metrics) if metrics else [],
         "metrics_log": str(metrics) if metrics else None,
         "settings": {
-            "prompts": n,
+            "prompts": len(held.ids),
             "max_answer_len": G,
-            **{k: getattr(cfg, k) for k in ("temperature", "top_k", "top_p", "seed", "samples")},
+            **{k: getattr(cfg, k) for k in ("temperature", "top_k", "top_p", "seed", "samples", "greedy")},
             "ngram": cfg.alarms.ngram,
             "data": list(cfg.data.data_path),
         },
         "per_prompt": per_prompt,
     }
+
+
+def binary_parts(per_prompt: dict, names: list[str]) -> list[str]:
+    """The reward's parts that scored every answer of every model 0 or 1 (a verifier: its mean is an accuracy)."""
+    answers = [a for n in names for a in (per_prompt[n], per_prompt[n].get("greedy")) if a]
+    parts = answers[0]["parts"]
+    return [k for k in parts if all(set(a["parts"][k]) <= {0.0, 1.0} for a in answers)]
 
 
 # ------------------------------------------------------------------------------------------------ plots
@@ -453,7 +566,7 @@ def plot_training(report: dict):
     shares = [k for k in SHARES if any(k in r for r in records)]
     fig, (left, right, *rest) = _figure(3 if shares else 2)
     steps = [r["step"] for r in records]
-    for key, label in (("reward", "reward model score"), ("gold_reward", "gold reward")):
+    for key, label in (("reward", "reward"), ("gold_reward", "gold reward")):
         if all(key in r for r in records):
             left.plot(steps, [r[key] for r in records], label=label)
     right.plot(steps, [r["kl"] for r in records], color="tab:red", label="KL to reference")
@@ -471,7 +584,7 @@ def plot_frontier(report: dict):
     figures zigzag) and each model; a second panel for the gold reward."""
     gold = report["models"][0]["gold_reward"] is not None
     fig, axes = _figure(2 if gold else 1)
-    for ax, key, title in zip(axes, ("reward", "gold_reward"), ("reward model score", "gold reward")):
+    for ax, key, title in zip(axes, ("reward", "gold_reward"), ("reward", "gold reward")):
         training = [(r["kl"], r[key], r["step"]) for r in report["training"] if key in r]
         if training:
             kl, y, steps = zip(*training)
@@ -507,7 +620,7 @@ def plot_win_rates(report: dict):
     err = np.array([[m["win_rate"] - m["win_ci"][0], m["win_ci"][1] - m["win_rate"]] for m in models]).T
     ax.bar([m["name"] for m in models], [m["win_rate"] for m in models], yerr=err, capsize=4, color="tab:blue")
     ax.axhline(0.5, color="0.5", linestyle="--", linewidth=1, label="_tie")
-    ax.set(ylim=(0, 1), ylabel=f"win rate vs {report['baseline']}", title="judged by the reward model")
+    ax.set(ylim=(0, 1), ylabel=f"win rate vs {report['baseline']}", title="judged by the reward")
     return fig
 
 
@@ -521,15 +634,75 @@ def _fmt(x, spec=".3f"):
     return "–" if x is None else format(x, spec)
 
 
+def _table(report: dict) -> list[str]:
+    """The models' table: one row per model, the greedy answers' columns beside the sampled ones'."""
+    models, greedy = report["models"], report["settings"].get("greedy", False)
+    timed = any(m.get("step3") for m in models)  # Step 3 runs' algorithm and time, side by side
+    also = lambda *names: list(names) if greedy else []  # noqa: E731
+    columns = ["model", "reward", *also("greedy reward"), "win rate (95% CI)", "gold reward", *also("greedy gold")]
+    columns += ["KL", "length mean (p10/p50/p90)", "truncated", "repetition", "entropy", "perplexity"]
+    columns += ["Step 3", "Step 3 time (s)"] if timed else []
+    lines = ["| " + " | ".join(columns) + " |", "| --- |" + " ---: |" * (len(columns) - 1)]
+    for i, m in enumerate(models):
+        p, run = m["answer_len_percentiles"], m.get("step3") or {}
+        win = "baseline" if i == 0 else f"{m['win_rate']:.3f} ({m['win_ci'][0]:.3f}–{m['win_ci'][1]:.3f})"
+        cells = [m["name"], _fmt(m["reward"]), *also(_fmt(m.get("reward_greedy"))), win, _fmt(m["gold_reward"])]
+        cells += also(_fmt(m.get("gold_reward_greedy")))
+        cells += [f"{m['kl']:.3f}", f"{m['answer_len']:.1f} ({p['10']:.0f}/{p['50']:.0f}/{p['90']:.0f})"]
+        cells += [f"{m[k]:.3f}" for k in ("truncated", "repetition", "entropy")] + [_fmt(m["perplexity"], ".2f")]
+        if timed:
+            n = run.get("samples_per_prompt", 1)
+            cells += [run.get("algorithm", "–") + (f" (n={n})" if n > 1 else ""), _fmt(run.get("seconds"), ".0f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _parts(report: dict) -> list[str]:
+    """Each part of the reward per model (where reward functions score): a 0/1 part's mean is its accuracy."""
+    weights, binary = report.get("reward", {}).get("weights", {}), report.get("reward", {}).get("binary", [])
+    if list(weights) in ([], ["reward model"]):
+        return []
+    greedy = report["settings"].get("greedy", False)
+    names = [f"{k} ({'accuracy' if k in binary else 'mean'})" for k in weights]
+    lines = [
+        f"\nThe reward's parts{' (sampled / greedy)' if greedy else ''}; a part that scored every answer 0 or 1 (a "
+        "verifier) shows its accuracy.\n",
+        "| model | " + " | ".join(names) + " |",
+        "| --- |" + " ---: |" * len(names),
+    ]
+    for m in report["models"]:
+        cells = [f"{m['parts'][k]:.3f}" + (f" / {m['parts_greedy'][k]:.3f}" if greedy else "") for k in weights]
+        lines.append(f"| {m['name']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _samples(report: dict) -> list[str]:
+    """The first `samples` prompts with every model's (sampled) answer, its reward and gold reward."""
+    pp, names = report["per_prompt"], [m["name"] for m in report["models"]]
+    k = min(report["settings"]["samples"], len(pp["prompts"]))
+    lines = ["\n## Sample answers\n"] if k else []
+    for i in range(k):
+        lines.append(f"**Prompt {i + 1}:** `{pp['prompts'][i].strip()!r}`\n")
+        lines += ["| model | answer | reward | gold |", "| --- | --- | ---: | ---: |"]
+        for n in names:
+            g = pp[n]["gold"][i] if pp[n]["gold"] else None
+            text = pp[n]["answers"][i].replace("|", "\\|").replace("\n", "⏎")
+            lines.append(f"| {n} | `{text}` | {pp[n]['scores'][i]:.3f} | {_fmt(g)} |")
+        lines.append("")
+    return lines
+
+
 def markdown(report: dict, plots: dict) -> str:
-    s = report["settings"]
-    timed = any(m.get("step3") for m in report["models"])  # Step 3 runs' algorithm and time, side by side
+    s, weights = report["settings"], report.get("reward", {}).get("weights", {"reward model": 1.0})
+    formula = " + ".join(f"{w:g} × `{k}`" for k, w in weights.items())
+    timed = any(m.get("step3") for m in report["models"])
     lines = [
         "# Evaluation report\n",
         f"{s['prompts']} held-out prompts of {', '.join(s['data'])}, answers sampled (temperature {s['temperature']}, "
-        f"up to {s['max_answer_len']} tokens, seed {s['seed']}, the same keys for every model). Win rates and KL "
-        f"against `{report['baseline']}`; KL in nats per answer; repetition = share of repeated {s['ngram']}-grams; "
-        f"perplexity on held-out Step 1 text."
+        f"up to {s['max_answer_len']} tokens, seed {s['seed']}, the same keys for every model)"
+        + (" and greedy" if s.get("greedy") else "")
+        + f". Reward = {formula}. Win rates (by the reward) and KL against `{report['baseline']}`; KL in nats per "
+        f"answer; repetition = share of repeated {s['ngram']}-grams; perplexity on held-out Step 1 text."
         + (
             " Step 3: the run's algorithm (n answers per prompt) and its time, iterations x the median logged "
             "iteration (compilation left out)."
@@ -537,22 +710,9 @@ def markdown(report: dict, plots: dict) -> str:
             else ""
         )
         + "\n",
-        "| model | RM score | win rate (95% CI) | gold reward | KL | length mean (p10/p50/p90) | truncated "
-        "| repetition | entropy | perplexity |" + (" Step 3 | Step 3 time (s) |" if timed else ""),
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" --- | ---: |" if timed else ""),
+        *_table(report),
+        *_parts(report),
     ]
-    for i, m in enumerate(report["models"]):
-        p, run = m["answer_len_percentiles"], m.get("step3") or {}
-        win = "baseline" if i == 0 else f"{m['win_rate']:.3f} ({m['win_ci'][0]:.3f}–{m['win_ci'][1]:.3f})"
-        algorithm = run.get("algorithm", "–") + (
-            f" (n={run['samples_per_prompt']})" if run.get("samples_per_prompt", 1) > 1 else ""
-        )
-        lines.append(
-            f"| {m['name']} | {m['reward']:.3f} | {win} | {_fmt(m['gold_reward'])} | {m['kl']:.3f} "
-            f"| {m['answer_len']:.1f} ({p['10']:.0f}/{p['50']:.0f}/{p['90']:.0f}) | {m['truncated']:.2f} "
-            f"| {m['repetition']:.3f} | {m['entropy']:.3f} | {_fmt(m['perplexity'], '.2f')} |"
-            + (f" {algorithm} | {_fmt(run.get('seconds'), '.0f')} |" if timed else "")
-        )
     r = report["reward_model"]
     if "accuracy" in r:
         lines.append(
@@ -576,21 +736,8 @@ def markdown(report: dict, plots: dict) -> str:
             f"iteration {train_alarms[0][0]}: {train_alarms[0][1]}."
         )
     if plots:
-        lines.append("\n## Plots\n")
-        lines += [f"![{name}]({file})" for name, file in plots.items()]
-    pp, names = report["per_prompt"], [m["name"] for m in report["models"]]
-    k = min(s["samples"], len(pp["prompts"]))
-    if k:
-        lines.append("\n## Sample answers\n")
-        for i in range(k):
-            lines.append(f"**Prompt {i + 1}:** `{pp['prompts'][i].strip()!r}`\n")
-            lines += ["| model | answer | RM score | gold |", "| --- | --- | ---: | ---: |"]
-            for n in names:
-                g = pp[n]["gold"][i] if pp[n]["gold"] else None
-                text = pp[n]["answers"][i].replace("|", "\\|").replace("\n", "⏎")
-                lines.append(f"| {n} | `{text}` | {pp[n]['scores'][i]:.3f} | {_fmt(g)} |")
-            lines.append("")
-    return "\n".join(lines) + "\n"
+        lines += ["\n## Plots\n"] + [f"![{name}]({file})" for name, file in plots.items()]
+    return "\n".join(lines + _samples(report)) + "\n"
 
 
 def write_report(report: dict, out) -> Path:
@@ -618,15 +765,18 @@ def pipeline_report(
     step1, reward_model, step3: dict, metrics, out_dir, data: DataConfig, ppo, num_prompts: int, log=print
 ) -> str | None:
     """The report `python -m jaxrlhf.train` ends with: the Step 1 model, the final actor and its EMA (step3: the
-    folders ppo.run wrote) on held-out prompts, sampled as Step 3 sampled (ppo: its PPOConfig), judged by the
-    Step 2 reward model; returns the report's path. Process 0 alone evaluates (on its first device)."""
+    folders ppo.run wrote) on held-out prompts, sampled as Step 3 sampled (ppo: its PPOConfig) and judged by Step 3's
+    reward (ppo.reward: the Step 2 reward model's score, the reward functions' or both; `reward_model` None where
+    the functions alone score, e.g. a --step 1 3 run); returns the report's path. Process 0 alone evaluates (on its
+    first device)."""
     if jax.process_index() != 0:
         return None
     names = ["step1"] + [n for n in ("actor", "actor_ema") if n in step3]
     cfg = EvalConfig(
         models=(str(step1), *(str(step3[n]) for n in names[1:])),
         names=tuple(names),
-        reward_model=str(reward_model),
+        reward_model=str(reward_model or ""),
+        reward=ppo.reward,
         metrics=str(metrics),
         output_dir=str(out_dir),
         num_prompts=num_prompts,

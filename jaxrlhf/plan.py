@@ -41,11 +41,11 @@ from jaxrlhf.config import ConfigError, parse_cli
 from jaxrlhf.generate import DECODE_SLOTS, decode_slots
 from jaxrlhf.lora import adapted_mask
 from jaxrlhf.models import param_shapes, preset
+from jaxrlhf.optim import init_state, make_optimizer
 from jaxrlhf.rl import engine as rl_engine
 from jaxrlhf.rl import steps as rl_steps
 from jaxrlhf.rl.config import ModelSide, PPOConfig
 from jaxrlhf.sharding import AXES, make_mesh, partition_spec, path_str
-from jaxrlhf.trainer import init_state, make_optimizer
 
 # The module (jaxrlhf/__init__.py's `generate` is the function): measure probes its compiled programs.
 generate_mod = importlib.import_module("jaxrlhf.generate")

@@ -42,12 +42,13 @@ from jaxrlhf.data.synthetic import gold_reward
 from jaxrlhf.distributed import to_host
 from jaxrlhf.loop import settings, start_run
 from jaxrlhf.metrics import MetricsLog
+from jaxrlhf.optim import check_microbatches, precision_warning
 from jaxrlhf.rewards import HostRewards
 from jaxrlhf.rl import HybridEngine, ModelSide, PPOConfig
 from jaxrlhf.rl.experience import base_params
 from jaxrlhf.sharding import make_mesh
-from jaxrlhf.tokenizer import decode_rows, stop_id
-from jaxrlhf.trainer import RunConfig, check_microbatches, load_model, precision_warning
+from jaxrlhf.tokenizer import decode_rows, stop_ids
+from jaxrlhf.trainer import RunConfig, load_model
 
 INPUTS = ("actor.model", "critic.model")  # the model folders a run starts from (loop.settings)
 PHASES = ("reshard", "generate", "score", "rewards", "advantages", "actor_step", "critic_step", "offload")
@@ -115,13 +116,13 @@ def needs_critic_model(cfg: PPOConfig) -> bool:
     return not cfg.critic_free or bool(cfg.reward.model_scale)
 
 
-def reward_starter(rewards: HostRewards, tokenizer, chat_template: str = "auto"):
+def reward_starter(rewards: HostRewards, tokenizer, chat_template: str = "auto", model_dir=None):
     """engine.generate_experience's start_rewards: a batch's answers decoded as soon as they exist, then the reward
     functions started on the host with this process's prompts and their metadata (prompt_batch["metadata"]), each
-    answer's token ids (its stop token included where it ended: EOS, or the chat template's end-of-turn, see
-    tokenizer.stop_id) and whether it was truncated (no stop token: it hit its length limit, max_answer_len or its
-    row's answer_limits)."""
-    stop = stop_id(tokenizer, chat_template)
+    answer's token ids (its stop token included where it ended: EOS, the chat template's end-of-turn or another of
+    the model's, see tokenizer.stop_ids) and whether it was truncated (no stop token: it hit its length limit,
+    max_answer_len or its row's answer_limits)."""
+    stops = stop_ids(tokenizer, chat_template, model_dir)
 
     def start(prompt_batch, tokens, mask):
         rows = len(prompt_batch["prompt_ids"])  # this process's: the global batch holds each process's rows in turn
@@ -129,8 +130,8 @@ def reward_starter(rewards: HostRewards, tokenizer, chat_template: str = "auto")
         tokens, mask = (np.asarray(to_host(x))[local] for x in (tokens, mask))
         prompts = decode_rows(tokenizer, prompt_batch["prompt_ids"], prompt_batch["prompt_mask"], skip_first=True)
         token_ids = [row[m != 0].tolist() for row, m in zip(tokens, mask)]
-        truncated = [stop not in ids for ids in token_ids]
-        answers = decode_rows(tokenizer, tokens, mask)
+        truncated = [not set(stops).intersection(ids) for ids in token_ids]
+        answers = decode_rows(tokenizer, tokens, mask, stops=stops)
         return rewards.start(prompts, answers, prompt_batch["metadata"], token_ids=token_ids, truncated=truncated)
 
     return start
@@ -232,7 +233,7 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
         (actor_config, actor_params),
         (critic_config, critic_params),
         total_steps=iterations * cfg.generation_batches * cfg.ppo_epochs,
-        eos_id=stop_id(tokenizer, cfg.data.chat_template),  # a chat model's answers end at its end-of-turn
+        eos_id=stop_ids(tokenizer, cfg.data.chat_template, cfg.actor.model),  # end-of-turn, EOS, the model's own
         pad_id=pad,
     )
     del actor_params, critic_params
@@ -290,7 +291,7 @@ def ppo_iteration(cfg: PPOConfig, engine: HybridEngine, tokenizer, prompts, unsu
     prompt_iter, unsup_iter = iter(prompts), iter(unsup) if unsup else None
     starter = None
     if cfg.reward.functions:
-        starter = reward_starter(HostRewards(cfg.reward, log), tokenizer, cfg.data.chat_template)
+        starter = reward_starter(HostRewards(cfg.reward, log), tokenizer, cfg.data.chat_template, cfg.actor.model)
     tracker = None
 
     def step(state, it):

@@ -27,7 +27,8 @@ from jaxrlhf.config import run_cli
 from jaxrlhf.data import DataConfig, DataError, Record, make_batch, tokenize
 from jaxrlhf.losses import end_scores, reward_loss
 from jaxrlhf.models import values
-from jaxrlhf.trainer import OptimConfig, RunConfig, load_model, train
+from jaxrlhf.optim import OptimConfig
+from jaxrlhf.trainer import RunConfig, load_model, train
 
 
 @dataclasses.dataclass(frozen=True)

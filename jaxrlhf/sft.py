@@ -23,8 +23,9 @@ from jaxrlhf.data.pipeline import check_positions
 from jaxrlhf.generate import generate
 from jaxrlhf.losses import lm_loss
 from jaxrlhf.models import LOGITS_CHUNK, next_token_logprobs
-from jaxrlhf.tokenizer import decode_rows, stop_id
-from jaxrlhf.trainer import RunConfig, effective_params, train
+from jaxrlhf.optim import effective_params
+from jaxrlhf.tokenizer import decode_rows, stop_ids
+from jaxrlhf.trainer import RunConfig, train
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,14 +54,14 @@ def summarise(sums) -> dict:
 
 
 def sample_answers(
-    config, params, tokenizer, prompts: list[np.ndarray], n_tokens: int, chat_template: str = "auto"
+    config, params, tokenizer, prompts: list[np.ndarray], n_tokens: int, chat_template: str = "auto", model_dir=None
 ) -> list[str]:
-    """Greedy answers (KV-cached generation, stopping at stop_id: EOS, or the chat template's end-of-turn) to
-    tokenized prompts, as text."""
+    """Greedy answers (KV-cached generation, stopping at stop_ids: EOS, the chat template's end-of-turn, the model
+    folder's generation_config.json ids) to tokenized prompts, as text."""
     ids, mask = pad_rows(prompts, max(len(p) for p in prompts), tokenizer.pad_token_id, left=True)
-    greedy = dict(max_new_tokens=n_tokens, temperature=0.0, eos_id=stop_id(tokenizer, chat_template))
+    greedy = dict(max_new_tokens=n_tokens, temperature=0.0, eos_id=stop_ids(tokenizer, chat_template, model_dir))
     out = generate(config, params, ids, mask, jax.random.key(0), **greedy)
-    return decode_rows(tokenizer, out.tokens, out.mask)
+    return decode_rows(tokenizer, out.tokens, out.mask, stops=greedy["eos_id"])
 
 
 def prompt_eval(cfg: SFTConfig, config, tokenizer, data, state):
@@ -75,7 +76,7 @@ def prompt_eval(cfg: SFTConfig, config, tokenizer, data, state):
     need, what = max(len(p) for p in prompts) + cfg.sample_tokens, f"sample_tokens ({cfg.sample_tokens}) after a prompt"
     check_positions(config.max_position_embeddings, need, what, "lower sample_tokens, or sample_prompts=0 for none")
     answers = lambda st: sample_answers(
-        config, effective_params(st, cfg.lora), tokenizer, prompts, cfg.sample_tokens, cfg.data.chat_template
+        config, effective_params(st, cfg.lora), tokenizer, prompts, cfg.sample_tokens, cfg.data.chat_template, cfg.model
     )
     before = answers(state)
     texts = [decode_rows(tokenizer, p[None], np.ones((1, len(p))), skip_first=True)[0] for p in prompts]  # no BOS

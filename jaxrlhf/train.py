@@ -45,11 +45,11 @@ from jaxrlhf.data.synthetic import gold_reward, make_prompt, make_response
 from jaxrlhf.eval import gold_and_kl, pipeline_report
 from jaxrlhf.loop import ChangedRunError, settings
 from jaxrlhf.models import OPTConfig, init_params
+from jaxrlhf.optim import OptimConfig
 from jaxrlhf.reward import RewardConfig
 from jaxrlhf.rl import ModelSide, PPOConfig
 from jaxrlhf.sft import SFTConfig
 from jaxrlhf.tokenizer import decode_rows, load_tokenizer
-from jaxrlhf.trainer import OptimConfig
 
 BUILTIN = "builtin"
 FIRST_DIRS = ("actor-models", "reward-models")  # Steps 1 and 2's folders under output_dir

@@ -5,6 +5,9 @@ import os
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The entry points keep compiled programs in ~/.cache/jaxrlhf/xla (jaxrlhf.compile_cache): never from the tests, which
+# (and the processes they start) run without it unless a test gives its own folder.
+os.environ["JAXRLHF_COMPILE_CACHE"] = "off"
 
 from pathlib import Path  # noqa: E402
 

@@ -162,3 +162,16 @@ def run_on_one_device(run, cfg) -> tuple[dict, dict]:
 
     out = run(cfg, log=lambda _: None, mesh=make_mesh(1, jax.devices()[:1]))
     return out, [r for r in out["records"] if r["split"] == "eval"][-1]
+
+
+# Reward functions for the tests of eval and Step 3 (`reward.functions=[helpers:NAME]`: tests/ is on sys.path).
+def shares_a_digit(prompts, answers, metadata) -> list[float]:
+    """0/1: whether the answer holds a digit of the row's reference (a verifier that random answers sometimes pass)."""
+    return [float(bool(set(m["reference"]) & set(a))) for a, m in zip(answers, metadata)]
+
+
+def graded(prompts, answers, metadata, *, token_ids, truncated) -> list[float]:
+    """A score that every input moves: answer tokens / 10 + answer characters / 100 + prompt characters / 1000,
+    minus 1 where the answer was truncated."""
+    rows = zip(prompts, answers, token_ids, truncated)
+    return [len(t) / 10 + len(a) / 100 + len(p) / 1000 - float(cut) for p, a, t, cut in rows]

@@ -16,12 +16,12 @@ from test_data_chat import CHATML
 from jaxrlhf.checkpoint import load_hf, save_hf
 from jaxrlhf.data import DataConfig, step_records
 from jaxrlhf.models import init_params, logits
+from jaxrlhf.optim import OptimConfig
 from jaxrlhf.reward import RewardConfig
 from jaxrlhf.rl import ModelSide, PPOConfig
 from jaxrlhf.sft import SFTConfig
 from jaxrlhf.sharding import make_mesh
 from jaxrlhf.tokenizer import load_tokenizer
-from jaxrlhf.trainer import OptimConfig
 
 EXTRA = ["yes", "no", "Hi", "again", "kind", "green"]
 QUESTIONS = [f"What colour is the sky? {a} {b}" for a in EXTRA for b in EXTRA]  # 36 prompts of one length

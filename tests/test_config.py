@@ -201,7 +201,7 @@ def test_values_are_checked_before_anything_loads(cls, override, message):
 
 def test_settings_built_in_python_are_checked_too():
     from jaxrlhf.models import LlamaConfig, OPTConfig
-    from jaxrlhf.trainer import OptimConfig
+    from jaxrlhf.optim import OptimConfig
 
     with pytest.raises(ConfigError, match="learning_rate: expected a finite number, got nan"):
         OptimConfig(learning_rate=float("nan"))

@@ -349,7 +349,7 @@ def test_place_splits_the_batch_over_the_mesh(tok):
     import jax
 
     from jaxrlhf import make_mesh
-    from jaxrlhf.trainer import place
+    from jaxrlhf.optim import place
 
     mesh = make_mesh(tp=2)
     batch = {"prompt_ids": np.arange(8 * 4, dtype=np.int32).reshape(8, 4)}

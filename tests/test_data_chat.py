@@ -222,8 +222,9 @@ def test_every_step_reads_conversational_jsonl(tok, tmp_path):
 
 
 def test_step3_reward_functions_see_answers_ended_by_the_end_of_turn(tok):
-    """reward_starter (Step 3's hook to the reward functions): an answer that reached <|im_end|> is not truncated, one
-    that ends with the tokenizer's EOS (<|endoftext|>) or nothing is; chat_template none goes back to EOS."""
+    """reward_starter (Step 3's hook to the reward functions): an answer that reached <|im_end|> or the tokenizer's EOS
+    (<|endoftext|>: generation stops at either, tokenizer.stop_ids) is not truncated, one that ends with nothing is;
+    chat_template none goes back to EOS."""
     from jaxrlhf.ppo import reward_starter
 
     seen = []
@@ -236,6 +237,6 @@ def test_step3_reward_functions_see_answers_ended_by_the_end_of_turn(tok):
     batch = {"prompt_ids": prompt, "prompt_mask": np.ones_like(prompt), "metadata": [{}] * 3}
     blue = ids("It is blue.")
     answers = np.array([blue + [EOT], blue + [tok.eos_token_id], blue + ids("?")], np.int32)
-    for setting, truncated in (("auto", [False, True, True]), ("none", [True, False, True])):
+    for setting, truncated in (("auto", [False, False, True]), ("none", [True, False, True])):
         reward_starter(Spy(), tok, setting)(batch, answers, np.ones_like(answers))
         assert seen[-1] == ([PROMPT_TEXT] * 3, ["It is blue.", "It is blue.", "It is blue.?"], truncated)

@@ -14,7 +14,7 @@ from jaxrlhf.distributed import to_host
 from jaxrlhf.dpo import DPOConfig, main, run
 from jaxrlhf.lora import LoRAConfig
 from jaxrlhf.losses import answer_mask, dpo_loss, sequence_logprobs, token_logprobs
-from jaxrlhf.trainer import OptimConfig, effective_params
+from jaxrlhf.optim import OptimConfig, effective_params
 
 TINY = dict(
     vocab_size=50272,

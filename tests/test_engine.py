@@ -15,10 +15,10 @@ from jaxrlhf import OPTConfig, init_params, make_mesh
 from jaxrlhf.generate import decode_params, generate
 from jaxrlhf.lora import LoRAConfig
 from jaxrlhf.losses import lm_loss, token_logprobs
+from jaxrlhf.optim import OptimConfig
 from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide
 from jaxrlhf.rl.engine import tree_bytes
 from jaxrlhf.sharding import path_str
-from jaxrlhf.trainer import OptimConfig
 
 ACTOR = OPTConfig(**PRE_LN, dropout=0.0)
 CRITIC = OPTConfig(**POST_LN_PROJ, dropout=0.0)

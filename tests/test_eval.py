@@ -9,10 +9,11 @@ import jax
 import numpy as np
 import pytest
 
+import helpers
 from jaxrlhf.alarms import AlarmConfig, AlarmTracker, answer_figures
 from jaxrlhf.checkpoint import load_hf, save_hf
 from jaxrlhf.config import parse_cli
-from jaxrlhf.data import DataConfig, make_batch, prepare
+from jaxrlhf.data import DataConfig, arithmetic, make_batch, prepare
 from jaxrlhf.data.synthetic import gold_answer, gold_reward
 from jaxrlhf.eval import (
     PLOTS,
@@ -31,7 +32,8 @@ from jaxrlhf.eval import (
 from jaxrlhf.generate import generate
 from jaxrlhf.losses import end_scores, token_logprobs
 from jaxrlhf.models import OPTConfig, init_params, logits, values
-from jaxrlhf.train import BUILTIN_MODEL, builtin_tokenizer
+from jaxrlhf.rewards import RewardConfig, arithmetic_gold
+from jaxrlhf.train import BUILTIN_MODEL, builtin_model, builtin_tokenizer
 
 PROMPTS, G, REPEATED = 16, 16, " q"  # one generation batch; answers long enough to double a sorted list
 HELD = 10  # held-out Step 1 sequences and Step 2 pairs (synthetic:600 holds 12 and 24)
@@ -100,8 +102,8 @@ def curves(fig) -> int:
     return sum(len([x for x in ax.lines if not x.get_label().startswith("_")]) + len(ax.patches) for ax in fig.axes)
 
 
-def prompts_batch(cfg):
-    tok = builtin_tokenizer()
+def prompts_batch(cfg, tok=None):
+    tok = tok or builtin_tokenizer()
     return make_batch(
         prepare(cfg.data, 3, tok, log=lambda _: None)["eval"], range(PROMPTS), 3, cfg.data, tok.pad_token_id
     )
@@ -333,10 +335,10 @@ def test_step3_raises_alarms_when_the_actor_degenerates(folders, tmp_path, monke
     token over and over: the repetition and length alarms are logged once each and written to the metrics."""
     import jaxrlhf.rl.engine as engine
     from jaxrlhf.generate import Generation
+    from jaxrlhf.optim import OptimConfig
     from jaxrlhf.ppo import PPOConfig
     from jaxrlhf.ppo import run as run_ppo
     from jaxrlhf.rl import ModelSide
-    from jaxrlhf.trainer import OptimConfig
 
     models, root = folders
     tok = builtin_tokenizer()
@@ -429,3 +431,63 @@ def test_step3_runs_side_by_side_with_their_algorithm_and_time(report, tmp_path)
         cell("stuck", "gold reward") == f"{out['models'][2]['gold_reward']:.3f}"
         and cell("ppo", "KL") == f"{out['models'][1]['kl']:.3f}"
     )
+
+
+VERIFIER, DIGIT, GRADED = "jaxrlhf.rewards:math_verify", "helpers:shares_a_digit", "helpers:graded"
+
+
+def test_without_a_reward_model_the_reward_functions_judge(tmp_path):
+    """GRPO on a verifiable task trained with rule rewards alone is evaluated with those rules: no reward model; each
+    model's reward (the functions' weighted sum), each function's mean (a 0/1 one's is its accuracy) and the gold
+    reward, sampled and greedy, equal a direct computation from answers generated here; the win rate is the reward's."""
+    tok = builtin_tokenizer("arithmetic")
+    models = [str(builtin_model(tmp_path / f"m{seed}", seed, task="arithmetic")) for seed in (0, 1)]
+    data = DataConfig(
+        data_path=("arithmetic:600",), max_seq_len=32, max_prompt_len=24, cache_dir=str(tmp_path / "cache")
+    )
+    functions, weights = (VERIFIER, DIGIT, GRADED), (1.0, 0.5, 0.25)
+    fields = dict(models=tuple(models), names=("base", "trained"), data=data, num_prompts=PROMPTS, batch_size=PROMPTS)
+    with pytest.raises(ValueError, match=r"reward_model: required .*reward.functions=\[jaxrlhf.rewards:math_verify\]"):
+        run(EvalConfig(**fields), log=lambda _: None)  # nothing would judge the answers
+    reward = RewardConfig(functions=functions, weights=weights)
+    cfg = EvalConfig(**fields, reward=reward, max_answer_len=G, output_dir=str(tmp_path / "report"))
+    out = run(cfg, log=lambda _: None)
+    batch = prompts_batch(cfg, tok)
+    ids, mask = batch["prompt_ids"], batch["prompt_mask"]
+    prompts = [tok.decode(r[m.astype(bool)][1:]) for r, m in zip(ids, mask)]
+    metadata = [{"reference": str(arithmetic.gold_answer(p))} for p in prompts]  # the question's own answer
+    eos, scores = tok.eos_token_id, {}
+    for row, path in zip(out["models"], models):
+        config, params = load_hf(path)
+        for suffix, temperature in (("", 1.0), ("_greedy", 0.0)):
+            key = jax.random.fold_in(jax.random.key(cfg.seed), 0)
+            kw = dict(max_new_tokens=G, eos_id=eos, pad_id=tok.pad_token_id, temperature=temperature)
+            gen = generate(config, params, ids, mask, key, **kw)
+            token_ids = [r[k.astype(bool)].tolist() for r, k in zip(np.asarray(gen.tokens), np.asarray(gen.mask))]
+            answers = [tok.decode([t for t in r if t != eos]) for r in token_ids]
+            truncated = [eos not in r for r in token_ids]
+            parts = {
+                VERIFIER: [arithmetic_gold(p, a) for p, a in zip(prompts, answers)],
+                DIGIT: helpers.shares_a_digit(prompts, answers, metadata),
+                GRADED: helpers.graded(prompts, answers, metadata, token_ids=token_ids, truncated=truncated),
+            }
+            want = sum(w * np.asarray(parts[f]) for f, w in zip(functions, weights))
+            got = out["per_prompt"][row["name"]]
+            got = got["greedy"] if suffix else got
+            assert got["answers"] == answers
+            np.testing.assert_allclose(got["scores"], want, atol=1e-6)
+            assert row[f"reward{suffix}"] == pytest.approx(want.mean(), abs=1e-6)
+            assert row[f"parts{suffix}"] == pytest.approx({f: np.mean(parts[f]) for f in functions}, abs=1e-6)
+            assert row[f"gold_reward{suffix}"] == pytest.approx(np.mean(parts[VERIFIER]))  # gold: the verifier
+            scores[row["name"], suffix] = want
+    base, trained = scores["base", ""], scores["trained", ""]
+    assert out["models"][1]["win_rate"] == pytest.approx(np.mean(trained > base) + 0.5 * np.mean(trained == base))
+    assert out["reward"] == {"weights": dict(zip(functions, weights)), "binary": [VERIFIER, DIGIT]}
+    assert out["reward_model"] == {"path": None}
+    assert 0 < out["models"][0]["parts"][DIGIT] < 1  # the 0/1 part really varies
+    md = Path(out["report"]).read_text()
+    assert f"Reward = 1 × `{VERIFIER}` + 0.5 × `{DIGIT}` + 0.25 × `{GRADED}`." in md
+    assert f"| {VERIFIER} (accuracy) | {DIGIT} (accuracy) | {GRADED} (mean) |" in md
+    p, q = out["models"][1]["parts"], out["models"][1]["parts_greedy"]
+    assert f"| trained | {p[VERIFIER]:.3f} / {q[VERIFIER]:.3f} | {p[DIGIT]:.3f} / {q[DIGIT]:.3f} |" in md
+    assert "Reward model `" not in md

@@ -16,6 +16,7 @@ from test_ppo_reference import OPTIM, Adam, P, answer_logprobs, jit_values
 
 from jaxrlhf import make_mesh
 from jaxrlhf import plan as memory_plan
+from jaxrlhf.optim import OptimConfig
 from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide
 from jaxrlhf.rl.losses import (
     aggregate,
@@ -28,7 +29,6 @@ from jaxrlhf.rl.losses import (
     reinforce_pp_baseline_advantages,
     rloo_advantages,
 )
-from jaxrlhf.trainer import OptimConfig
 
 MASK = np.array([[1, 1, 0], [1, 1, 1], [1, 0, 0]], np.float32)
 ONE = make_mesh(1, jax.devices()[:1])

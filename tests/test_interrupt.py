@@ -19,13 +19,13 @@ from jaxrlhf.checkpoint import export_manifest
 from jaxrlhf.data import DataConfig
 from jaxrlhf.loop import Interrupted, Signals, checkpoint_manager
 from jaxrlhf.metrics import MetricsLog
+from jaxrlhf.optim import OptimConfig
 from jaxrlhf.ppo import run as run_ppo
 from jaxrlhf.rl import ModelSide, PPOConfig
 from jaxrlhf.sft import SFTConfig
 from jaxrlhf.sft import run as run_sft
 from jaxrlhf.sharding import make_mesh
 from jaxrlhf.train import builtin_model
-from jaxrlhf.trainer import OptimConfig
 
 ONE = make_mesh(1, jax.devices()[:1])  # one device compiles faster; the mesh's behaviour is test_train's
 

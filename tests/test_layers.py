@@ -6,7 +6,7 @@ every module imports only from its own layer or the layers below it.
     data           sources, pipeline, batches, the tasks' text and reward functions: nothing of models or training
     models         the families, sharding, LoRA, checkpoints, tokenizers
     generate       decoding
-    training       the one loop (loop.py) and Steps 1 and 2's state and step (trainer.py)
+    training       the one loop (loop.py), the training state and optimizer (optim.py), Steps 1 and 2 (trainer.py)
     rl             Step 3's engine, experience, steps, packing, losses and config
     entry points   python -m jaxrlhf.X and the package's front (jaxrlhf/__init__.py); eval knows nothing of RL
 
@@ -39,7 +39,7 @@ LAYERS = [
         ],
     ),
     ("generate", ["jaxrlhf.generate"]),
-    ("training", ["jaxrlhf.loop", "jaxrlhf.trainer"]),
+    ("training", ["jaxrlhf.loop", "jaxrlhf.optim", "jaxrlhf.trainer"]),
     ("rl", ["jaxrlhf.rl", "jaxrlhf.rl.*"]),
     (
         "entry points",

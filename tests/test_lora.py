@@ -200,8 +200,9 @@ def test_module_filter_selects_like_deepspeed_chat():
 
 @pytest.mark.slow  # compiles a Llama training step (10-50 s on 2 shared cores)
 def test_llama_default_filter_adapts_attention_and_mlp_and_only_optimize_lora_freezes_the_base():
+    from jaxrlhf.optim import OptimConfig, create_state, effective_params, make_optimizer
     from jaxrlhf.sft import sft_loss
-    from jaxrlhf.trainer import OptimConfig, create_state, effective_params, make_optimizer, make_train_step
+    from jaxrlhf.trainer import make_train_step
 
     config = LlamaConfig(
         vocab_size=64,

@@ -22,13 +22,13 @@ from test_train import sft_config, tiny_model  # noqa: F401 - the fixture
 from jaxrlhf.checkpoint import load_hf
 from jaxrlhf.data import DataConfig
 from jaxrlhf.distributed import initialize
+from jaxrlhf.optim import OptimConfig
 from jaxrlhf.ppo import PPOConfig
 from jaxrlhf.ppo import run as run_ppo
 from jaxrlhf.rl import ModelSide
 from jaxrlhf.sft import run as run_sft
 from jaxrlhf.sharding import make_mesh
 from jaxrlhf.train import builtin_model
-from jaxrlhf.trainer import OptimConfig
 
 CONSTANT = OptimConfig(learning_rate=1e-3, warmup_steps=2, schedule="constant")  # the same at any run length
 # Both command lines in one process, so that the pair starts (JAX, gloo, the coordinator) once.

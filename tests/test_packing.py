@@ -12,9 +12,9 @@ from helpers import POST_LN_PROJ, PRE_LN, left_padded_batch
 from jaxrlhf import OPTConfig, init_params, make_mesh
 from jaxrlhf.lora import LoRAConfig
 from jaxrlhf.models.llama import LlamaConfig
+from jaxrlhf.optim import OptimConfig
 from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide
 from jaxrlhf.rl.packing import pack, plan, unpack
-from jaxrlhf.trainer import OptimConfig
 
 
 @pytest.mark.parametrize("budget, devices, multiple", [(64, 1, 8), (40, 8, 4), (512, 2, 64), (33, 4, 1)])

@@ -18,9 +18,9 @@ from jaxrlhf import OPTConfig, init_params, make_mesh
 from jaxrlhf import plan as memory_plan
 from jaxrlhf.config import ConfigError, load
 from jaxrlhf.lora import LoRAConfig
+from jaxrlhf.optim import OptimConfig
 from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide
 from jaxrlhf.rl.engine import tree_bytes
-from jaxrlhf.trainer import OptimConfig
 
 ARCH = dict(vocab_size=512, max_position_embeddings=128, dropout=0.0)
 ACTOR = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, ffn_dim=256, word_embed_proj_dim=64)

@@ -10,11 +10,11 @@ import pytest
 
 from jaxrlhf.checkpoint import load_hf
 from jaxrlhf.data import DataConfig
+from jaxrlhf.optim import OptimConfig
 from jaxrlhf.ppo import PPOConfig, main, run
 from jaxrlhf.rl import HybridEngine, ModelSide
 from jaxrlhf.sharding import make_mesh
 from jaxrlhf.train import builtin_model
-from jaxrlhf.trainer import OptimConfig
 
 TIMES = ("_s", "samples_per_s", "tflops")  # wall-clock figures, not expected to repeat
 ONE = make_mesh(1, jax.devices()[:1])  # the engine's mesh behaviour is test_engine's; one device compiles faster

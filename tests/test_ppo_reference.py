@@ -20,8 +20,8 @@ from test_engine import ACTOR, CRITIC, G, engine, host, models, prompts  # noqa:
 
 from helpers import jit_values
 from jaxrlhf import logits, make_mesh, values
+from jaxrlhf.optim import OptimConfig
 from jaxrlhf.rl import ModelSide
-from jaxrlhf.trainer import OptimConfig
 
 P = 6  # prompt length of the `prompts` fixture
 ITERATIONS, BATCHES, EPOCHS, MICRO = 2, 2, 2, 2

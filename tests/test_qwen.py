@@ -255,9 +255,9 @@ def test_step1_runs_on_a_qwen3_folder_and_exports_what_transformers_loads(assets
 
     from jaxrlhf import init_params, logits, opt_tokenizer
     from jaxrlhf.data import DataConfig
+    from jaxrlhf.optim import OptimConfig
     from jaxrlhf.sft import SFTConfig
     from jaxrlhf.sft import run as run_sft
-    from jaxrlhf.trainer import OptimConfig
 
     config = QwenConfig(
         **{**TINY, "vocab_size": 50272, "pad_token_id": 1, "bos_token_id": 2},

@@ -11,11 +11,11 @@ import pytest
 from jaxrlhf.checkpoint import EXPORT_MANIFEST, CheckpointError, export_manifest, load_hf, save_hf
 from jaxrlhf.config import ConfigError
 from jaxrlhf.data import DataConfig
+from jaxrlhf.optim import OptimConfig
 from jaxrlhf.sft import SFTConfig
 from jaxrlhf.sft import run as run_sft
 from jaxrlhf.sharding import make_mesh
 from jaxrlhf.train import builtin_model
-from jaxrlhf.trainer import OptimConfig
 
 ONE = make_mesh(1, jax.devices()[:1])  # the mesh's behaviour is test_train's; one device compiles faster
 

@@ -12,10 +12,11 @@ from jaxrlhf import OPTConfig, init_params, save_hf
 from jaxrlhf.data import Batches, prepare
 from jaxrlhf.loop import checkpoint_manager
 from jaxrlhf.models import values
+from jaxrlhf.optim import OptimConfig, effective_params
 from jaxrlhf.reward import RewardConfig, run
 from jaxrlhf.sharding import make_mesh
 from jaxrlhf.train import BUILTIN_MODEL, builtin_tokenizer
-from jaxrlhf.trainer import OptimConfig, effective_params, load_model
+from jaxrlhf.trainer import load_model
 
 
 def span_loss(vc, vr, c_ids, r_ids, c_mask, r_mask) -> float:

@@ -9,9 +9,9 @@ import pytest
 from helpers import pairs_config, run_on_one_device
 from jaxrlhf import OPTConfig, init_params, opt_tokenizer, save_hf
 from jaxrlhf.data import DataConfig, make_batch, read_source, tokenize
+from jaxrlhf.optim import OptimConfig
 from jaxrlhf.reward import RewardConfig
 from jaxrlhf.reward import run as run_reward
-from jaxrlhf.trainer import OptimConfig
 
 HH = "data/hh-rlhf/harmless-base-test.jsonl.gz"
 

@@ -11,11 +11,11 @@ from helpers import pairs_config, run_on_one_device
 from jaxrlhf import OPTConfig, init_params, load_hf, load_tokenizer, logits, make_mesh, opt_tokenizer, save_hf, values
 from jaxrlhf.data import DataConfig
 from jaxrlhf.lora import LoRAConfig
+from jaxrlhf.optim import OptimConfig
 from jaxrlhf.reward import RewardConfig
 from jaxrlhf.reward import run as run_reward
 from jaxrlhf.sft import SFTConfig
 from jaxrlhf.sft import run as run_sft
-from jaxrlhf.trainer import OptimConfig
 
 TINY = dict(
     vocab_size=50272,
@@ -238,9 +238,9 @@ def test_sft_learns_the_builtin_task(tmp_path):
     """From random weights, 400 steps on the sorting task (the built-in model and tokenizer, as the demo runs): the
     loss falls and greedy answers earn gold reward."""
     from jaxrlhf.data.synthetic import gold_reward, make_prompt
+    from jaxrlhf.optim import effective_params
     from jaxrlhf.sft import sample_answers
     from jaxrlhf.train import BUILTIN_MODEL, builtin_tokenizer
-    from jaxrlhf.trainer import effective_params
 
     tok = builtin_tokenizer()
     config = OPTConfig(**BUILTIN_MODEL)

@@ -6,17 +6,10 @@ import pytest
 
 from jaxrlhf.lora import LoRAConfig
 from jaxrlhf.models import OPTConfig, init_params
+from jaxrlhf.optim import OptimConfig, create_state, init_state, make_optimizer, precision_warning, state_shardings
 from jaxrlhf.sft import sft_loss
 from jaxrlhf.sharding import make_mesh
-from jaxrlhf.trainer import (
-    OptimConfig,
-    create_state,
-    init_state,
-    make_optimizer,
-    make_train_step,
-    precision_warning,
-    state_shardings,
-)
+from jaxrlhf.trainer import make_train_step
 
 TINY = OPTConfig(
     vocab_size=64,

@@ -45,9 +45,9 @@ import numpy as np  # noqa: E402
 from jaxrlhf import plan as memory_plan  # noqa: E402
 from jaxrlhf.lora import LoRAConfig  # noqa: E402
 from jaxrlhf.models import Backend, init_params, preset  # noqa: E402
+from jaxrlhf.optim import OptimConfig  # noqa: E402
 from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide  # noqa: E402
 from jaxrlhf.sharding import make_mesh  # noqa: E402
-from jaxrlhf.trainer import OptimConfig  # noqa: E402
 from tools import common  # noqa: E402
 
 TINY = {

@@ -60,12 +60,12 @@ import numpy as np  # noqa: E402
 from jaxrlhf.checkpoint import config_to_hf  # noqa: E402
 from jaxrlhf.lora import LoRAConfig  # noqa: E402
 from jaxrlhf.models import FAMILIES, Backend, init_params, llama, opt, param_shapes, preset  # noqa: E402
+from jaxrlhf.optim import OptimConfig  # noqa: E402
 from jaxrlhf.plan import capacity, plan  # noqa: E402
 from jaxrlhf.rewards import HostScores, RewardConfig  # noqa: E402
 from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide  # noqa: E402
 from jaxrlhf.rl import engine as rl_engine  # noqa: E402
 from jaxrlhf.sharding import make_mesh, shardings_for  # noqa: E402
-from jaxrlhf.trainer import OptimConfig  # noqa: E402
 from tools import common  # noqa: E402
 
 PRESETS = {name: c for fam in FAMILIES.values() for name, c in fam.PRESETS.items()}  # any family's shape

@@ -23,9 +23,10 @@ import jax.numpy as jnp  # noqa: E402
 from jaxrlhf.lora import LoRAConfig  # noqa: E402
 from jaxrlhf.models import Backend, OPTConfig, init_params  # noqa: E402
 from jaxrlhf.models.opt import PRESETS  # noqa: E402
+from jaxrlhf.optim import OptimConfig, create_state, make_optimizer, state_shardings  # noqa: E402
 from jaxrlhf.sft import sft_loss  # noqa: E402
 from jaxrlhf.sharding import make_mesh  # noqa: E402
-from jaxrlhf.trainer import OptimConfig, create_state, make_optimizer, make_train_step, state_shardings  # noqa: E402
+from jaxrlhf.trainer import make_train_step  # noqa: E402
 from tools import common  # noqa: E402
 from tools.bench_forward import matmul_ceiling  # noqa: E402
 

@@ -21,11 +21,12 @@ import numpy as np
 
 from jaxrlhf import losses
 from jaxrlhf.models import OPTConfig, init_params, logits
+from jaxrlhf.optim import OptimConfig
 from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide
 from jaxrlhf.rl import losses as ppo_losses
 from jaxrlhf.rl.experience import advantages
 from jaxrlhf.sharding import make_mesh
-from jaxrlhf.trainer import OptimConfig, make_train_step
+from jaxrlhf.trainer import make_train_step
 
 ACTOR = OPTConfig(
     vocab_size=64,

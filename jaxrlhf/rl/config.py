@@ -14,8 +14,8 @@ from jaxrlhf.data import DataConfig
 from jaxrlhf.lora import LoRAConfig
 from jaxrlhf.metrics import check_trackers
 from jaxrlhf.models import LOGITS_CHUNK
+from jaxrlhf.optim import OptimConfig
 from jaxrlhf.rewards import RewardConfig
-from jaxrlhf.trainer import OptimConfig
 
 #: the algorithms whose baseline is the group's (n answers per prompt, n >= 2)
 GROUPED = ("grpo", "gspo", "rloo", "reinforce_pp_baseline")

@@ -46,8 +46,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrlhf.distributed import to_host
-from jaxrlhf.generate import DECODE_SLOTS, decode_params, generate
+from jaxrlhf.generate import DECODE_SLOTS, decode_params, generate, stop_tuple
 from jaxrlhf.lora import LoRAConfig, adapted_mask
+from jaxrlhf.optim import create_state, effective_params, place, state_shardings
 from jaxrlhf.rl import packing, steps
 from jaxrlhf.rl.config import EngineConfig
 from jaxrlhf.rl.experience import (
@@ -64,7 +65,6 @@ from jaxrlhf.rl.experience import (
     with_shared,
 )
 from jaxrlhf.sharding import check_tp, reshard, shardings_for
-from jaxrlhf.trainer import create_state, effective_params, place, state_shardings
 
 # --------------------------------------------------------------------------- weights shared with a frozen model
 
@@ -133,7 +133,7 @@ class HybridEngine:
         critic: tuple[Any, Any],
         *,
         total_steps: int,
-        eos_id: int | None = None,
+        eos_id: int | tuple[int, ...] | None = None,
         pad_id: int | None = None,
     ):
         self.cfg, self.mesh = cfg, mesh
@@ -149,7 +149,7 @@ class HybridEngine:
         engine_cfg = EngineConfig(**fields)
         self.static = Static(engine_cfg, self.actor_config, self.critic_config, total_steps, mesh)
         check_tp(self.actor_config.num_attention_heads, mesh)
-        self.eos_id = self.actor_config.eos_token_id if eos_id is None else eos_id
+        self.eos_id = stop_tuple(self.actor_config.eos_token_id if eos_id is None else eos_id)  # the stop ids
         self.pad_id = self.actor_config.pad_token_id if pad_id is None else pad_id
         key = jax.random.key(cfg.seed)
 

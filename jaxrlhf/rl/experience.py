@@ -19,9 +19,9 @@ import jax.numpy as jnp
 
 from jaxrlhf.losses import masked_mean
 from jaxrlhf.models import logprobs, values
+from jaxrlhf.optim import effective_params, make_optimizer
 from jaxrlhf.rl import losses, packing
 from jaxrlhf.sharding import batch_sharding, shardings_for
-from jaxrlhf.trainer import effective_params, make_optimizer
 
 # --------------------------------------------------------------------------- weights shared with a frozen model
 
@@ -136,8 +136,10 @@ def next_kl_coef(s: Static, kl_coef, exp):
 
 @functools.partial(jax.jit, static_argnums=0)
 def truncated_rows(s: Static, tokens, mask, eos_id):
-    """[B] float32: 1 where an answer holds no EOS (cut at its length limit), from answers and their masks [B, G]."""
-    return row_layout(1.0 - jnp.any((tokens == eos_id) & (mask > 0), axis=1).astype(jnp.float32), s.mesh)
+    """[B] float32: 1 where an answer holds no stop token (eos_id: a tuple of them; cut at its length limit), from
+    answers and their masks [B, G]."""
+    stopped = jnp.isin(tokens, jnp.asarray(eos_id, jnp.int32).reshape(-1)) & (mask > 0)
+    return row_layout(1.0 - jnp.any(stopped, axis=1).astype(jnp.float32), s.mesh)
 
 
 def answer_rewards(cfg, exp):

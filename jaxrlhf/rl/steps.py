@@ -11,9 +11,8 @@ import jax.numpy as jnp
 
 from jaxrlhf.losses import lm_loss, lm_targets
 from jaxrlhf.models import next_token_logprobs
-from jaxrlhf.rl import losses
-from jaxrlhf.rl.experience import Static, answer_logprobs, answer_values, fsdp_layout, packed_rows, row_layout
-from jaxrlhf.trainer import (
+from jaxrlhf.optim import (
+    Accumulator,
     apply_gradients,
     effective_params,
     micro_gradients,
@@ -21,6 +20,8 @@ from jaxrlhf.trainer import (
     step_keys,
     zero_gradients,
 )
+from jaxrlhf.rl import losses
+from jaxrlhf.rl.experience import Static, answer_logprobs, answer_values, fsdp_layout, packed_rows, row_layout
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -131,7 +132,7 @@ def zero_accumulator(s: Static, name: str, W: int, state, exp, rows):
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
 def apply(s: Static, name: str, state, ema, acc):
     """The optimizer step from accumulated gradients (trainer.apply_gradients), and the actor's EMA."""
-    state, metrics = apply_gradients(s.tx(name), s.side(name).lora, state, acc)
+    state, metrics = apply_gradients(s.tx(name), s.side(name).lora, state, Accumulator(*acc))
     state = jax.lax.with_sharding_constraint(state, state_shardings(state, s.mesh))
     return state, _ema_update(s, state, ema, metrics), metrics
 
