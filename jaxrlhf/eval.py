@@ -379,7 +379,7 @@ def held_prompts(cfg: EvalConfig, tok, arrays) -> Held:
     ids, mask = batch["prompt_ids"], batch["prompt_mask"]
     records = step_records(cfg.data, 3)[0]["eval"]  # the reference answers, for a gold reward (GSM8K's "#### N")
     references = [reference_text(records[i]) for i in arrays["record_index"][:n]]
-    return Held(ids, mask, decode_rows(tok, ids, mask, skip_first=True), references, batch["metadata"][::-1])
+    return Held(ids, mask, decode_rows(tok, ids, mask, skip_first=True), references, batch["metadata"])
 
 
 def judged(cfg: EvalConfig, ctx, eos, tokens, amask) -> dict:
