@@ -245,7 +245,9 @@ def test_report_files_and_plots(report):
     assert md.count("\n| sft |") == 1 + cfg.samples and "![training](training.png)" in md
     assert f"| {out['models'][1]['reward']:.3f} |" in md
     sft_row = next(line for line in md.splitlines() if line.startswith("| sft |"))
-    assert sft_row.split(" | ")[2] == "baseline"  # not a win rate of 0.500 against itself
+    header = next(line for line in md.splitlines() if line.startswith("| model |")).split(" | ")
+    assert header[1:5] == ["reward", "greedy reward", "win rate (95% CI)", "gold reward"]
+    assert sft_row.split(" | ")[3] == "baseline"  # not a win rate of 0.500 against itself
     assert "Step 3 time" not in md  # none of these models came from a Step 3 run folder
     assert curves(plot_training({"training": saved["training"][:2]})) == 3
 
