@@ -21,8 +21,20 @@ ASSETS = Path(os.environ.get("JAXRLHF_ASSETS", Path(__file__).resolve().parents[
 @pytest.fixture(scope="session")
 def assets() -> Path:
     """The real assets' folder (see its README); skips the test where it is absent."""
+    return need_assets()
+
+
+#: where a user finds the real files: their public sources, and the path each goes to
+ASSET_SOURCES = "docs/usage.md#real-assets-for-tests-and-demos"
+
+
+def need_assets() -> Path:
+    """ASSETS, or a skip whose one sentence says what is missing and where to get it."""
     if not ASSETS.is_dir():
-        pytest.skip(f"needs the real assets: {ASSETS} is missing (put them there or set JAXRLHF_ASSETS=DIR)")
+        pytest.skip(
+            f"needs the real assets (OPT's tokenizer, HH-RLHF, GSM8K, stories260K): {ASSETS} is missing; get them "
+            f"from their public sources ({ASSET_SOURCES}) and put them there or set JAXRLHF_ASSETS=DIR"
+        )
     return ASSETS
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ASSETS
+from conftest import ASSET_SOURCES, ASSETS
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -225,7 +225,7 @@ def test_readme_commands_run(scratch):
         "jaxrlhf.data",
     } <= set(ran)
     if not ASSETS.is_dir():
-        pytest.skip(f"the stories260K example did not run: {ASSETS} is missing (set JAXRLHF_ASSETS)")
+        pytest.skip(f"the stories260K example did not run: {ASSETS} is missing (its sources: {ASSET_SOURCES})")
     assert "jaxrlhf.convert" in ran and STORIES & set(ran) - {"jaxrlhf.convert"}
 
 
@@ -286,3 +286,23 @@ def test_links_in_the_docs_point_to_files_that_exist():
             if not re.match(r"[a-z]+://", target) and not (page.parent / target).exists():
                 missing.append(f"{page.relative_to(ROOT)}: {target}")
     assert not missing, "\n".join(missing)
+
+
+def test_a_test_without_the_assets_says_where_to_get_them(monkeypatch, tmp_path):
+    """A test that needs the real files skips with one sentence naming the folder and the docs section that gives
+    every file's public source; that section names every file of the assets folder (where it is here)."""
+    import conftest
+
+    monkeypatch.setattr(conftest, "ASSETS", tmp_path / "missing")
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        conftest.need_assets()
+    message = str(skipped.value)
+    assert f"{tmp_path / 'missing'} is missing" in message and ASSET_SOURCES in message and message.count(". ") == 0
+    page, anchor = ASSET_SOURCES.split("#")
+    sections = re.split(r"^## ", (ROOT / page).read_text(), flags=re.M)
+    slug = lambda title: re.sub(r"[^a-z0-9 -]", "", title.lower()).replace(" ", "-")  # noqa: E731 (GitHub's anchors)
+    (section,) = [s for s in sections if slug(s.splitlines()[0]) == anchor]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    assert len(rows) == 5 and all("https://" in row for row in rows if "computed from" not in row)
+    files = [p for p in ASSETS.rglob("*") if p.is_file() and p.suffix != ".md"] if ASSETS.is_dir() else []
+    assert all(f"{p.name}`" in section for p in files), [p.name for p in files if f"{p.name}`" not in section]
