@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from jaxrlhf import distributed
+from jaxrlhf import compile_cache, distributed
 
 
 class InputError(ValueError):
@@ -393,6 +393,7 @@ def parse_cli(
     base = preset(cfg) if preset else None
     if base is not None:  # the preset first, then the file and the command line again on top of it
         cfg = load(cls, files[0] if files else None, overrides, default=base)
+    compile_cache.enable()  # before anything compiles: a second start reuses the compiled programs
     if processes:
         distributed.initialize(ns.coordinator_address, ns.num_processes, ns.process_id)
     return cfg, ns
