@@ -2,7 +2,8 @@
 
 - `tensorboard`: TensorBoard events under tb/ (tensorboardX);
 - `wandb`: Weights & Biases (`pip install 'jaxrlhf[wandb]'`; its own settings from WANDB_PROJECT, WANDB_MODE=offline,
-  WANDB_DIR ..., the run files beside metrics.jsonl unless WANDB_DIR says otherwise);
+  WANDB_DIR ..., the run files beside metrics.jsonl unless WANDB_DIR says otherwise); the run's id is kept in
+  wandb_run_id beside metrics.jsonl, so a resumed run continues the same W&B run (resume="allow");
 - `mlflow`: MLflow (`pip install 'jaxrlhf[mlflow]'`; the server from MLFLOW_TRACKING_URI, e.g. file:/tmp/mlruns).
 """
 
@@ -10,6 +11,7 @@ import importlib.util
 import json
 import os
 import sys
+import uuid
 from pathlib import Path
 
 import jax
@@ -17,6 +19,7 @@ import jax
 from jaxrlhf.config import ConfigError
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")
+WANDB_ID_FILE = "wandb_run_id"  # beside metrics.jsonl: the W&B run a resumed run continues
 
 
 def check_trackers(report_to: tuple[str, ...]):
@@ -34,6 +37,18 @@ def _logged_step(line: str) -> float:
         return json.loads(line)["step"]
     except (ValueError, KeyError, TypeError):
         return float("inf")
+
+
+def wandb_run_id(out_dir: Path) -> str:
+    """The W&B run id of the run in `out_dir`: the one stored in out_dir/wandb_run_id, else a new one, stored there
+    (written aside and renamed), so that starting the run again (resume) logs into the same W&B run."""
+    path = out_dir / WANDB_ID_FILE
+    if path.is_file() and path.read_text().strip():
+        return path.read_text().strip()
+    run_id = uuid.uuid4().hex[:12]
+    (out_dir / f".{WANDB_ID_FILE}.tmp").write_text(run_id + "\n")
+    os.replace(out_dir / f".{WANDB_ID_FILE}.tmp", path)
+    return run_id
 
 
 class MetricsLog:
@@ -58,6 +73,8 @@ class MetricsLog:
                 name=out_dir.name,
                 dir=os.environ.get("WANDB_DIR", str(out_dir)),
                 config=config,
+                id=wandb_run_id(out_dir),  # a resumed run continues the same W&B run
+                resume="allow",
             )
         if "mlflow" in report_to:
             import mlflow

@@ -103,3 +103,42 @@ def test_mlflow_to_local_files(tmp_path, monkeypatch):
     history = client.get_metric_history(run.info.run_id, "train/loss")
     assert [(m.step, m.value) for m in history] == [(1, 2.5), (2, 1.25)]
     assert run.info.status == "FINISHED"
+
+
+def test_a_resumed_run_continues_the_same_weights_and_biases_run(tmp_path, monkeypatch):
+    """The W&B run id is stored beside metrics.jsonl at the first start; a resumed run (the same folder) opens W&B
+    with that id and resume="allow", another run folder gets its own id."""
+    ids = []
+    for folder in ("run", "run", "other"):
+        wandb = _Recorder("wandb")
+        monkeypatch.setitem(sys.modules, "wandb", wandb)
+        _write(tmp_path / folder, ("wandb",))
+        ((_, _, init),) = [c for c in wandb.calls if c[0] == "init"]
+        assert init["resume"] == "allow"
+        ids.append(init["id"])
+    assert ids[0] == ids[1] != ids[2] and len(set(ids[0])) > 1
+    assert (tmp_path / "run" / "wandb_run_id").read_text().strip() == ids[0]
+
+
+def test_a_resumed_run_continues_one_tensorboard_run(tmp_path):
+    """Steps 1-3 logged, the run resumed from its state at step 2 (step 3 runs again, with another loss), then step 4:
+    TensorBoard's own reader sees one run with steps 1-4 and the new step 3, though tb/ holds two event files."""
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator", reason="TensorBoard is not installed"
+    )
+    out = tmp_path / "run"
+    first = MetricsLog(out, ("tensorboard",))
+    for step, loss in ((1, 3.0), (2, 2.0), (3, 1.5)):
+        first.write(step, "train", {"loss": loss})
+    first.close()
+    time.sleep(1.1)  # event files are named by the second they were opened in
+    again = MetricsLog(out, ("tensorboard",))
+    again.resume(2)
+    for step, loss in ((3, 1.0), (4, 0.5)):
+        again.write(step, "train", {"loss": loss})
+    again.close()
+    assert len(list((out / "tb").glob("events.out.tfevents.*"))) == 2
+    tb = event_accumulator.EventAccumulator(str(out / "tb"))
+    tb.Reload()
+    assert [(e.step, e.value) for e in tb.Scalars("train/loss")] == [(1, 3.0), (2, 2.0), (3, 1.0), (4, 0.5)]
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
