@@ -7,18 +7,18 @@
 
 A prompt's n answers (GRPO's groups, `group`) prefill it once: its K/V and first logits are copied into the n slots.
 
-Every model family runs through it (models/__init__.py picks the family from the config's type). The
-cache [L, slots, Hkv, P + G, K] (Hkv < H for grouped-query models such as Llama) is allocated once and carried
-through the loop (written with one dynamic_update_slice or scatter per layer and step, so XLA updates it in
-place, several times faster than passing per-layer caches through a scan). A row ends at its first EOS
-or at its own limit (`limits`); later tokens are pad and the answer mask is 0 there (1 up to and including the
-end). The loop exits once every row has ended: real answers are short and uneven, so a batch rarely needs its
-full `max_new_tokens` steps, and with fewer slots than prompts (continuous batching) no slot idles while one
-long answer runs on. Sampling: greedy (temperature 0), temperature, top-k and top-p, from an explicit PRNG
-key: answer token g of prompt i draws with fold_in(fold_in(key, i), g), so the same key gives the same
-tokens whatever slot a prompt decodes in. Prompts are left-aligned first (any padding pattern works), so each
-row's valid slots are one range and a decode step's attention (our Pallas kernel on a GPU,
-`kernels/decode_attention.py`) reads only that range of the cache.
+Every model family runs through it (models/__init__.py picks the family from the config's type). The cache [L,
+slots, Hkv, P + G, K] (Hkv < H for grouped-query models such as Llama) is allocated once and carried through the
+loop (written with one dynamic_update_slice or scatter per layer and step, so XLA updates it in place, several times
+faster than passing per-layer caches through a scan). A row ends at its first stop token (any of `eos_id`'s: a model
+may end on any of several) or at its own limit (`limits`); later tokens are pad and the answer mask is 0 there (1 up
+to and including the end). The loop exits once every row has ended: real answers are short and uneven, so a batch
+rarely needs its full `max_new_tokens` steps, and with fewer slots than prompts (continuous batching) no slot idles
+while one long answer runs on. Sampling: greedy (temperature 0), temperature, top-k and top-p, from an explicit PRNG
+key: answer token g of prompt i draws with fold_in(fold_in(key, i), g), so the same key gives the same tokens
+whatever slot a prompt decodes in. Prompts are left-aligned first (any padding pattern works), so each row's valid
+slots are one range and a decode step's attention (our Pallas kernel on a GPU, `kernels/decode_attention.py`) reads
+only that range of the cache.
 
 `generate` runs the model's own parameters, or, faster, the decode layout that `decode_params` builds from
 them once (each layer its own arrays, shared-input products stacked; models/common.py says why): the Step 3
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -39,12 +40,14 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxrlhf import hooks
 from jaxrlhf.kernels import rows_axis
 from jaxrlhf.lora import fuse_attached
 from jaxrlhf.models import Mode, decode_layer, in_decode_layout, init_cache, logits_with_cache, positions_from_mask
 from jaxrlhf.sharding import shardings_for
 
 
+@hooks.program  # seen by jaxrlhf.plan.measure
 @partial(jax.jit, static_argnames=("config", "mesh"))
 def _to_decode_layout(config, tree, mesh, i=None):
     """`tree` (all but the layers; or, given `i`, layer i of the stacked layers) fused, cast and laid out for
@@ -144,6 +147,14 @@ class Generation:
     steps: jax.Array  # int32: decode steps run (each advances every slot by one token)
 
 
+def stop_tuple(eos_id: int | Sequence[int] | None) -> tuple[int, ...]:
+    """`generate`'s eos_id as a tuple of distinct ints, in order (None: empty)."""
+    ids = () if eos_id is None else (eos_id,) if isinstance(eos_id, int | np.integer) else tuple(eos_id)
+    if not all(isinstance(i, int | np.integer) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"eos_id: expected an int, a sequence of ints or None, got {eos_id!r}")
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
 def _row_keys(key, rows, g):
     """The sampling key of answer token g of prompt `rows` ([R] each): a prompt's stream depends on its index in
     the batch and the token's place in its answer only, never on the slot it was decoded in."""
@@ -156,7 +167,7 @@ class _Loop:
 
     max_new_tokens: int
     sampling: Sampling
-    eos_id: int | None
+    stops: tuple[int, ...]  # the stop ids (static: one compilation per set); the first is the one force_length forces
     pad_id: int
     force_length: bool
     slots: int
@@ -166,9 +177,10 @@ class _Loop:
     group: int
 
 
+@hooks.program
 @partial(jax.jit, static_argnames=("config", "loop"))
 def _generate(config, loop: _Loop, params, input_ids, attention_mask, key, limits):
-    eos_id, pad_id, force_length, mesh = loop.eos_id, loop.pad_id, loop.force_length, loop.mesh
+    stops, pad_id, force_length, mesh = loop.stops, loop.pad_id, loop.force_length, loop.mesh
     N, Pn = input_ids.shape
     G, B, R, n = loop.max_new_tokens, loop.slots, loop.refill, loop.group
     order = jnp.argsort(attention_mask.astype(bool), axis=1, stable=True)  # padding first, real tokens in order
@@ -190,18 +202,18 @@ def _generate(config, loop: _Loop, params, input_ids, attention_mask, key, limit
         """Answer token g of prompts `rows` from logits [R, V]: (token, its log-prob, whether the row ends there)."""
         lim = limits[rows]
         drawn = logits
-        if force_length and eos_id is not None:  # benchmarks: EOS barred before the row's limit, forced at it
-            drawn = drawn.at[:, eos_id].set(jnp.where(g < lim - 1, -jnp.inf, drawn[:, eos_id]))
+        for stop in stops if force_length else ():  # benchmarks: every stop barred before the row's limit
+            drawn = drawn.at[:, stop].set(jnp.where(g < lim - 1, -jnp.inf, drawn[:, stop]))
         token = jax.vmap(lambda x, k: sample(x[None], k, loop.sampling)[0])(drawn, _row_keys(key, rows, g))
-        if force_length and eos_id is not None:
-            token = jnp.where(g == lim - 1, eos_id, token)
+        if force_length and stops:  # and the first forced at it
+            token = jnp.where(g == lim - 1, stops[0], token)
         token = token.astype(jnp.int32)
         # the distribution sampled from (before top-k / top-p), as Step 3 scores the answers (greedy: temperature 1)
         logp = jax.nn.log_softmax(logits / (loop.sampling.temperature or 1.0))
         logprob = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
         ends = g + 1 >= lim
-        if eos_id is not None:
-            ends = ends | (token == eos_id)
+        for stop in stops:  # a few static ids: a compare each
+            ends = ends | (token == stop)
         return token, logprob, ends
 
     def record(out, rows, g, token, logprob):
@@ -325,7 +337,7 @@ def generate(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     pad_id: int | None = None,
     limits=None,
     force_length: bool = False,
@@ -337,10 +349,11 @@ def generate(
 ) -> Generation:
     """Continue left-padded prompts [B, P] by up to `max_new_tokens` tokens (see the module docstring).
 
-    limits: optional [B] ints, each row's own maximum (1 .. max_new_tokens). A row ends at its first EOS or its
-    limit; the loop stops once every row has ended (looked at every `check_every` steps, on the device).
-    `force_length` (benchmarks: every system does the same work) bars EOS before each row's limit and forces it
-    there (with eos_id None, rows simply run to their limits).
+    eos_id: the stop token, or several (tokenizer.stop_ids: a chat model's end-of-turn, its EOS, its
+    generation_config.json's list), or None. limits: optional [B] ints, each row's own maximum (1 .. max_new_tokens).
+    A row ends at its first token in eos_id or at its limit; the loop stops once every row has ended (looked at every
+    `check_every` steps, on the device). `force_length` (benchmarks: every system does the same work) bars every stop
+    id before each row's limit and forces the first there (with eos_id None, rows simply run to their limits).
     slots: decode slots (0: one per prompt). Fewer slots than prompts is continuous batching: a slot whose row
     ended takes the next waiting prompt, `refill` prompts (default slots / 8) prefilled at a time into the free
     slots' cache rows. A prompt's answer does not depend on the slot it gets: its random stream is keyed by its
@@ -376,6 +389,7 @@ def generate(
             )
         limits = jnp.asarray(limits, jnp.int32)
     pad_id, sampling = config.pad_token_id if pad_id is None else pad_id, Sampling(temperature, top_k, top_p)
-    loop = _Loop(max_new_tokens, sampling, eos_id, pad_id, force_length, slots, refill, check_every, mesh, group)
+    stops = stop_tuple(eos_id)
+    loop = _Loop(max_new_tokens, sampling, stops, pad_id, force_length, slots, refill, check_every, mesh, group)
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):  # the program's arrays live on this mesh
         return Generation(*_generate(config, loop, params, input_ids, attention_mask, key, limits))

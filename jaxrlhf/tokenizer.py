@@ -9,6 +9,7 @@ the piece character '▁' and the text gets one in front (add_dummy_prefix).
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -98,16 +99,43 @@ def sentencepiece_bpe(pieces: list[str], scores: list[float]):
 
 
 def stop_id(tokenizer, chat_template: str = "auto") -> int:
-    """The token generation stops at and answers are trained to end with: the chat template's end-of-turn token
-    (e.g. Qwen's <|im_end|>) when `chat_template` (data.chat_template) uses it, else the tokenizer's EOS."""
+    """The token answers are trained to end with (and `force_length` forces): the chat template's end-of-turn token
+    (e.g. Qwen's <|im_end|>) when `chat_template` (data.chat_template) uses it, else the tokenizer's EOS. Generation
+    stops at any of `stop_ids`, this one first."""
     return ChatFormat(tokenizer, chat_template).stop_id
 
 
-def decode_rows(tokenizer, ids, mask, skip_first: bool = False) -> list[str]:
-    """The text of each row's real tokens: a last token that ends an answer (EOS, or the chat template's
-    end-of-turn token) dropped, and with `skip_first` a leading BOS (a prompt's; a chat template that writes
-    none leaves the prompt whole)."""
-    ends = {tokenizer.eos_token_id, ChatFormat(tokenizer).stop_id}
+def stop_ids(tokenizer, chat_template: str = "auto", model_dir: str | os.PathLike | None = None) -> tuple[int, ...]:
+    """The tokens generation stops at: `stop_id` first, then the tokenizer's EOS, then the model folder's
+    generation_config.json `eos_token_id` (an int or a list: Qwen2.5 / Qwen3 instruct end on <|im_end|> or
+    <|endoftext|>, Llama 3 instruct on any of three), each once. A model that ends a turn with another of them than
+    its template writes still stops there instead of running to its length limit."""
+    ids = [stop_id(tokenizer, chat_template), tokenizer.eos_token_id, *generation_eos_ids(model_dir)]
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def generation_eos_ids(model_dir: str | os.PathLike | None) -> list[int]:
+    """generation_config.json's `eos_token_id` in `model_dir` as a list (none: no folder, no file, or no field)."""
+    if model_dir is None or str(model_dir).startswith("random:"):
+        return []
+    path = resolve(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return []
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path}: not a JSON object ({e}); fix or delete the file") from None
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else eos
+    if not isinstance(eos, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in eos):
+        raise CheckpointError(f"{path}: eos_token_id must be an integer or a list of integers, got {eos!r}")
+    return eos
+
+
+def decode_rows(tokenizer, ids, mask, skip_first: bool = False, stops=()) -> list[str]:
+    """The text of each row's real tokens: a last token that ends an answer (EOS, the chat template's end-of-turn
+    token, or one of `stops`: generation's stop_ids) dropped, and with `skip_first` a leading BOS (a prompt's; a chat
+    template that writes none leaves the prompt whole)."""
+    ends = {tokenizer.eos_token_id, ChatFormat(tokenizer).stop_id, *stops}
     bos = tokenizer.bos_token_id
     out = []
     for row, m in zip(np.asarray(ids), np.asarray(mask)):

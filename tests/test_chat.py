@@ -1,5 +1,7 @@
 """python -m jaxrlhf.chat: the multi-turn Human/Assistant protocol, clear and quit, on a tiny model."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -123,6 +125,9 @@ def test_a_chat_template_renders_every_turn_and_answers_stop_at_its_end_of_turn(
         tokens = tokens[: next((i for i, t in enumerate(tokens) if t in (EOT, tok.eos_token_id)), len(tokens))]
         assert reply == tok.decode(tokens, skip_special_tokens=True).strip()
     assert printed[1:] == [f"Assistant: {reply}" for _, reply in log]
-    # Generation stops at the template's end of turn, not at the tokenizer's EOS (<|endoftext|>); HH text stops at EOS.
-    assert Chatbot(ChatConfig(path=str(folder))).sampling["eos_id"] == EOT != tok.eos_token_id
-    assert Chatbot(ChatConfig(path=str(folder), chat_template="none")).sampling["eos_id"] == tok.eos_token_id
+    # Generation stops at the template's end of turn and at the tokenizer's EOS (<|endoftext|>: a chat model may end
+    # with either, tokenizer.stop_ids), the end of turn first; HH text stops at EOS first, then at the folder's
+    # generation_config.json eos_token_id (OPT's 2, in this vocabulary <|im_end|>).
+    assert Chatbot(ChatConfig(path=str(folder))).sampling["eos_id"] == (EOT, tok.eos_token_id)
+    assert Chatbot(ChatConfig(path=str(folder), chat_template="none")).sampling["eos_id"] == (tok.eos_token_id, EOT)
+    assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == EOT

@@ -91,6 +91,34 @@ def test_same_key_same_tokens_and_eos_masking(model):
         assert (t[row, : n - 1] != eos).all() and t[row, n - 1] == eos
 
 
+def test_a_row_ends_at_any_of_several_stop_ids(model):
+    """eos_id as a set (Qwen's <|im_end|> and <|endoftext|>): a row ends at its first token in the set, whichever it
+    is; force_length bars them all before a row's limit and forces the first there."""
+    _, config, params = model
+    ids, mask = left_padded_batch(config.vocab_size, [5, 2, 4], T=5, seed=3)
+    key, G = jax.random.key(7), 12
+    free = np.asarray(generate(config, params, ids, mask, key, max_new_tokens=G, temperature=1.0).tokens)
+    unused = int(np.setdiff1d(np.arange(4, config.vocab_size), free)[0])  # a first stop id no row ever draws
+    second = int(free[0, 3])  # the one the rows end on
+    out = generate(config, params, ids, mask, key, max_new_tokens=G, temperature=1.0, eos_id=[unused, second])
+    t, m = np.asarray(out.tokens), np.asarray(out.mask)
+    ends = [np.flatnonzero(row == second)[0] + 1 if (row == second).any() else G for row in free]
+    assert ends[0] <= 4 and min(ends) < G  # rows that end early: with the first id alone they run to G
+    for row, end in enumerate(ends):
+        np.testing.assert_array_equal(t[row, :end], free[row, :end])  # the same draws up to the stop
+        assert m[row].tolist() == [1] * end + [0] * (G - end)
+        assert (t[row, end:] == config.pad_token_id).all()
+    limits = np.array([9, 12, 7], np.int32)
+    forced = generate(
+        config, params, ids, mask, key, max_new_tokens=G, temperature=1.0, eos_id=(unused, second),
+        force_length=True, limits=limits,
+    )  # fmt: skip
+    t, m = np.asarray(forced.tokens), np.asarray(forced.mask)
+    for row, n in enumerate(limits):
+        assert m[row].tolist() == [1] * n + [0] * (G - n)
+        assert not np.isin(t[row, : n - 1], [unused, second]).any() and t[row, n - 1] == unused
+
+
 def test_sampling_filters():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
     keys = jax.random.split(jax.random.key(0), 2000)

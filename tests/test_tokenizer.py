@@ -1,5 +1,7 @@
 """OPT's tokenizer from the raw BPE files, and tokenizer folders in and out."""
 
+import json
+
 import pytest
 
 from helpers import PRE_LN, make_hf_opt
@@ -42,3 +44,27 @@ def test_missing_tokenizer_is_a_clear_error(tmp_path):
     (tmp_path / "vocab.json").write_text("{}")
     with pytest.raises(CheckpointError, match="missing merges.txt"):
         opt_tokenizer(tmp_path)
+
+
+def test_stop_ids_read_the_model_folders_generation_config(tmp_path):
+    """End-of-turn first (what answers are trained to end with), then EOS, then generation_config.json's
+    eos_token_id, an int or a list (Qwen2.5 instruct: [<|im_end|>, <|endoftext|>]; Llama 3 instruct: three), each
+    once."""
+    from test_data_chat import EOT, VOCAB, chatml_tokenizer
+
+    from jaxrlhf.tokenizer import stop_ids
+
+    tok = chatml_tokenizer(tmp_path / "tok")
+    eos = VOCAB["<|endoftext|>"]
+    assert stop_ids(tok) == (EOT, eos) and stop_ids(tok, "none") == (eos,)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    assert stop_ids(tok, "auto", folder) == (EOT, eos)  # no generation_config.json
+    for written, want in (([EOT, eos], (EOT, eos)), ([eos, 9, EOT, 4], (EOT, eos, 9, 4)), (9, (EOT, eos, 9))):
+        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": written, "max_length": 20}))
+        assert stop_ids(tok, "auto", folder) == want
+    assert stop_ids(tok, "none", folder) == (eos, 9)
+    assert stop_ids(tok, "auto", "random:qwen2.5-0.5b") == (EOT, eos)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ["<|im_end|>"]}))
+    with pytest.raises(CheckpointError, match="generation_config.json: eos_token_id must be an integer or a list"):
+        stop_ids(tok, "auto", folder)
