@@ -1,14 +1,19 @@
 """KV-cached generation: one jitted program that prefills the prompts and decodes in a `lax.while_loop`.
 
-    prompts [N, P] left-padded ──prefill the first `slots` of them (K/V at slots 0..P-1)──► first tokens
-        ──loop: `check_every` decode steps (each slot one token, K/V written in place at its own slot P + g),
-          then refills (a slot whose row ended takes the next `refill` waiting prompts: prefilled apart, their
-          K/V copied into those slots' cache rows) ── until every prompt's row has ended ──► tokens [N, G]
+    prompts [N, P] left-padded ──_first_state: _prefill the first B (`slots`) of them (K/V at 0..P-1)──► first tokens
+        ──while _unfinished, _chunk: `check_every` × _decode_step (each slot one token, K/V written in place at its
+          own slot P + g), then _refill while _refill_due (a slot whose row ended takes the next `refill` waiting
+          prompts: prefilled apart, their K/V copied into those slots' cache rows) ──► tokens [N, G]
+
+The loop carries a typed `_DecodeState` (the cache; each slot's row, answer position, last token and whether it is
+done; the answers so far), as Tunix's sampler does. What the step functions know when tracing (the model's config,
+`generate`'s options, the shapes, and the two sentinels `no_prompt` and `no_slot`) is a `_Static` passed beside it,
+the arrays they only read an `_Inputs`: each step is a plain function, state in, state out.
 
 A prompt's n answers (GRPO's groups, `group`) prefill it once: its K/V and first logits are copied into the n slots.
 
-Every model family runs through it (models/__init__.py picks the family from the config's type). The cache [L,
-slots, Hkv, P + G, K] (Hkv < H for grouped-query models such as Llama) is allocated once and carried through the
+Every model family runs through it (models/__init__.py picks the family from the config's type). The cache
+[L, slots, Hkv, P + G, K] (Hkv < H for grouped-query models such as Llama) is allocated once and carried through the
 loop (written with one dynamic_update_slice or scatter per layer and step, so XLA updates it in place, several times
 faster than passing per-layer caches through a scan). A row ends at its first stop token (any of `eos_id`'s: a model
 may end on any of several) or at its own limit (`limits`); later tokens are pad and the answer mask is 0 there (1 up
@@ -32,8 +37,9 @@ import contextlib
 import dataclasses
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -177,153 +183,234 @@ class _Loop:
     group: int
 
 
-@hooks.program
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """What the decode loop's step functions know when tracing: the model, `generate`'s options, the batch's shape.
+
+    Two sentinels, `no_prompt` and `no_slot`, are each one past the last real index: what is written there is dropped.
+    """
+
+    config: Any  # the model's (hashable) config
+    loop: _Loop
+    N: int  # prompts
+    P: int  # prompt width
+    prefill: Mode  # the model's prefill and decode calls: the parameters' layout, the mesh
+    decode: Mode
+
+    @property
+    def no_prompt(self) -> int:
+        """N: the row of an empty slot. It counts as done (it never keeps the loop going), and what its slot decodes
+        goes to the scratch output row N, cut off at the end."""
+        return self.N
+
+    @property
+    def no_slot(self) -> int:
+        """B: the slot of a refill's place that has no prompt left; the refill's scatters (mode="drop") skip it."""
+        return self.loop.slots
+
+
+class _Inputs(NamedTuple):
+    """The arrays every step reads and none changes."""
+
+    params: Any  # the model's parameters (either layout)
+    ids: jax.Array  # [N, P] int32 prompts, left-aligned (padding first)
+    mask: jax.Array  # [N, P] int32
+    real: jax.Array  # [N + 1] int32: prompt lengths (no_prompt's: 1)
+    limits: jax.Array  # [N + 1] int32: each row's answer limit (no_prompt's: 1)
+    key: jax.Array  # the sampling key
+
+
+@flax.struct.dataclass
+class _DecodeState:
+    """The decode loop's carry (Tunix's _SamplingState): B slots decoding N prompts' rows. Every field is an array
+    (the static description is _Static, passed beside it)."""
+
+    cache: dict  # k, v [L, B, Hkv, S, K] (S >= P + G), start [B] int32: each slot's first valid position
+    row: jax.Array  # [B] int32: the prompt each slot decodes (no_prompt: none)
+    g: jax.Array  # [B] int32: answer tokens its row has drawn (at most G)
+    token: jax.Array  # [B] int32: its last token, the next step's input (pad once done)
+    done: jax.Array  # [B] bool: its row has ended (or it has none)
+    tokens: jax.Array  # [N + 1, G] int32: the answers, pad after each row's end (row N: scratch)
+    logprobs: jax.Array  # [N + 1, G] float32: their log-probs
+    mask: jax.Array  # [N + 1, G] int32: 1 up to and including each row's last token
+    next: jax.Array  # int32: the first prompt still waiting for a slot
+    steps: jax.Array  # int32: decode steps run
+
+
+def _laid_out(s: _Static, cache):
+    """`cache` in the tensor-parallel layout: heads over "model", rows over "data" (if they split)."""
+    mesh = s.loop.mesh
+    if mesh is None:
+        return cache
+    spec = NamedSharding(mesh, P(None, rows_axis(mesh, cache["k"].shape[1]), "model", None, None))
+    return {**cache, **{c: jax.lax.with_sharding_constraint(cache[c], spec) for c in ("k", "v")}}
+
+
+def _pick(s: _Static, x: _Inputs, logits, rows, g):
+    """Answer token g of prompts `rows` ([R] each) from logits [R, V]: (token, its log-prob, whether the row ends)."""
+    stops, force, sampling = s.loop.stops, s.loop.force_length, s.loop.sampling
+    lim = x.limits[rows]
+    drawn = logits
+    for stop in stops if force else ():  # benchmarks: every stop barred before the row's limit
+        drawn = drawn.at[:, stop].set(jnp.where(g < lim - 1, -jnp.inf, drawn[:, stop]))
+    token = jax.vmap(lambda z, k: sample(z[None], k, sampling)[0])(drawn, _row_keys(x.key, rows, g))
+    if force and stops:  # and the first forced at it
+        token = jnp.where(g == lim - 1, stops[0], token)
+    token = token.astype(jnp.int32)
+    # the distribution sampled from (before top-k / top-p), as Step 3 scores the answers (greedy: temperature 1)
+    logp = jax.nn.log_softmax(logits / (sampling.temperature or 1.0))
+    logprob = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+    ends = g + 1 >= lim
+    for stop in stops:  # a few static ids: a compare each
+        ends = ends | (token == stop)
+    return token, logprob, ends
+
+
+def _record(state: _DecodeState, rows, g, token, logprob) -> _DecodeState:
+    """`token` and `logprob` ([R]) written as answer token g of output rows `rows` (no_prompt: the scratch row)."""
+    at = (rows, jnp.minimum(g, state.tokens.shape[1] - 1))
+    return state.replace(
+        tokens=state.tokens.at[at].set(token),
+        logprobs=state.logprobs.at[at].set(logprob),
+        mask=state.mask.at[at].set(1),
+    )
+
+
+def _prefill(s: _Static, x: _Inputs, prompts, S: int):
+    """Prompts `prompts` [R] (no_prompt: none) prefilled into a new cache of S slots: (logits [R, V], cache). With
+    groups (n > 1; `prompts` whole groups), each group's prompt is prefilled once, at its own width, and its logits
+    and cache rows repeated n times (one gather, padded to S: a refill's scatter takes it as it is)."""
+    N, Pn, n = s.N, s.P, s.loop.group
+    once = jnp.minimum(prompts[::n], N - 1)  # the first row of each group
+    ids, mask = x.ids[once], x.mask[once]
+    width = S if n == 1 else Pn
+    valid = jnp.concatenate([mask.astype(bool), jnp.ones((len(once), width - Pn), bool)], axis=1)
+    cache = _laid_out(s, init_cache(s.config, valid, multiple=64 if Pn < width else 1))
+    positions = jnp.maximum(positions_from_mask(mask), 0)
+    # the LM head on the last position only
+    logits, cache = logits_with_cache(s.config, x.params, ids, positions, cache, s.prefill, last=1)
+    if n == 1:
+        return logits[:, -1], {c: cache[c] for c in ("k", "v", "start")}  # decode steps bring their own slots
+    pad = (S + (-S % 64 if Pn < S else 0)) - Pn  # the slots after the prompt, as init_cache allocates them
+    copy = lambda z: jnp.pad(jnp.repeat(z, n, axis=1), ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0)))
+    out = {"k": copy(cache["k"]), "v": copy(cache["v"]), "start": jnp.repeat(cache["start"], n)}
+    return jnp.repeat(logits[:, -1], n, axis=0), _laid_out(s, out)
+
+
+def _start_rows(s: _Static, x: _Inputs, state: _DecodeState, slots_at, prompts, logits) -> _DecodeState:
+    """Slots `slots_at` take prompts `prompts` ([R]; no_slot: none): their first answer token from the prefill's
+    logits [R, V]."""
+    first = jnp.zeros_like(prompts)
+    token, logprob, ends = _pick(s, x, logits, prompts, first)
+    state = _record(state, jnp.where(slots_at < s.no_slot, prompts, s.no_prompt), first, token, logprob)
+    put = lambda field, v: field.at[slots_at].set(v, mode="drop")
+    return state.replace(
+        row=put(state.row, prompts),
+        g=put(state.g, jnp.ones_like(prompts)),
+        token=put(state.token, token),
+        done=put(state.done, ends),
+    )
+
+
+def _first_state(s: _Static, x: _Inputs) -> _DecodeState:
+    """The first B prompts (B <= N) prefilled into the slots, their first tokens drawn. The cache has room for a
+    whole prompt and answer in every slot."""
+    B, G = s.loop.slots, s.loop.max_new_tokens
+    first = jnp.arange(B)
+    logits, cache = _prefill(s, x, first, s.P + G)
+    state = _DecodeState(
+        cache=cache,
+        row=first,
+        g=jnp.zeros((B,), jnp.int32),
+        token=jnp.zeros((B,), jnp.int32),
+        done=jnp.ones((B,), bool),
+        tokens=jnp.full((s.N + 1, G), s.loop.pad_id, jnp.int32),
+        logprobs=jnp.zeros((s.N + 1, G), jnp.float32),
+        mask=jnp.zeros((s.N + 1, G), jnp.int32),
+        next=jnp.int32(B),
+        steps=jnp.int32(0),
+    )
+    return _start_rows(s, x, state, first, first, logits)
+
+
+def _decode_step(s: _Static, x: _Inputs, state: _DecodeState) -> _DecodeState:
+    """Every slot advances one token: its last token goes in at its own cache slot, the next one comes out."""
+    row, g, done = state.row, state.g, state.done
+    cache = {**state.cache, "slot": s.P + g - 1}  # each row's own slot: prompt width + answer so far
+    positions = (x.real[row] + g - 1)[:, None]
+    logits, cache = logits_with_cache(s.config, x.params, state.token[:, None], positions, cache, s.decode)
+    token, logprob, ends = _pick(s, x, logits[:, 0], row, g)
+    state = _record(state, jnp.where(done, s.no_prompt, row), g, token, logprob)
+    live = ~done
+    return state.replace(
+        cache={c: cache[c] for c in ("k", "v", "start")},
+        token=jnp.where(live, token, s.loop.pad_id),
+        g=jnp.where(live, jnp.minimum(g + 1, s.loop.max_new_tokens), g),
+        done=done | ends,
+        steps=state.steps + 1,
+    )
+
+
+def _refill_due(s: _Static, state: _DecodeState):
+    """Enough slots are free for a refill's R prompts (or for all that still wait)."""
+    waiting = s.N - state.next
+    return (waiting > 0) & (jnp.sum(state.done) >= jnp.minimum(s.loop.refill, waiting))
+
+
+def _refill(s: _Static, x: _Inputs, state: _DecodeState) -> _DecodeState:
+    """The next R waiting prompts (fewer at the end) prefilled into the first free slots' cache rows."""
+    R = s.loop.refill
+    prompts = state.next + jnp.arange(R)
+    real_prompt = prompts < s.N
+    prompts = jnp.where(real_prompt, prompts, s.no_prompt)
+    slots_at = jnp.where(real_prompt, jnp.argsort(~state.done, stable=True)[:R], s.no_slot)  # free slots first
+    logits, small = _prefill(s, x, prompts, s.P)
+    big = state.cache
+    cache = {
+        **big,
+        **{c: big[c].at[:, slots_at, :, : s.P].set(small[c], mode="drop") for c in ("k", "v")},
+        "start": big["start"].at[slots_at].set(small["start"], mode="drop"),
+    }
+    state = _start_rows(s, x, state.replace(cache=_laid_out(s, cache)), slots_at, prompts, logits)
+    return state.replace(next=jnp.minimum(state.next + R, s.N))
+
+
+def _chunk(s: _Static, x: _Inputs, state: _DecodeState) -> _DecodeState:
+    """`check_every` decode steps, then refills while due: the loop's condition is read once a chunk."""
+    state = jax.lax.fori_loop(0, s.loop.check_every, lambda _, st: _decode_step(s, x, st), state)
+    return jax.lax.while_loop(partial(_refill_due, s), partial(_refill, s, x), state)
+
+
+def _unfinished(s: _Static, state: _DecodeState):
+    return ~jnp.all(state.done) | (state.next < s.N)
+
+
 @partial(jax.jit, static_argnames=("config", "loop"))
 def _generate(config, loop: _Loop, params, input_ids, attention_mask, key, limits):
-    stops, pad_id, force_length, mesh = loop.stops, loop.pad_id, loop.force_length, loop.mesh
-    N, Pn = input_ids.shape
-    G, B, R, n = loop.max_new_tokens, loop.slots, loop.refill, loop.group
+    """generate's program: (tokens [N, G], mask [N, G], log-probs [N, G], decode steps run)."""
     order = jnp.argsort(attention_mask.astype(bool), axis=1, stable=True)  # padding first, real tokens in order
-    input_ids, attention_mask = (jnp.take_along_axis(x, order, 1) for x in (input_ids, attention_mask))
+    input_ids, attention_mask = (jnp.take_along_axis(z, order, 1) for z in (input_ids, attention_mask))
     real = jnp.sum(attention_mask, axis=1).astype(jnp.int32)  # [N] prompt lengths
-    # One extra "prompt" N: the row of an empty slot. It never ends a loop (its slot counts as done), and what its
-    # slot decodes is written to output row N, dropped at the end.
-    real, limits = (jnp.concatenate([x, jnp.ones((1,), jnp.int32)]) for x in (real, limits))
+    real, limits = (jnp.concatenate([z, jnp.ones((1,), jnp.int32)]) for z in (real, limits))  # no_prompt's
     layout = in_decode_layout(params)
-    prefilling, decoding = Mode("prefill", layout, mesh), Mode("decode", layout, mesh)
+    s = _Static(config, loop, *input_ids.shape, Mode("prefill", layout, loop.mesh), Mode("decode", layout, loop.mesh))
+    x = _Inputs(params, input_ids, attention_mask, real, limits, key)
+    state = jax.lax.while_loop(partial(_unfinished, s), partial(_chunk, s, x), _first_state(s, x))
+    tokens, logprobs, mask = (z[: s.N] for z in (state.tokens, state.logprobs, state.mask))
+    return tokens, mask, logprobs * mask, state.steps
 
-    def laid_out(cache):  # heads over "model", rows over "data" (if they split): the tensor-parallel layout
-        if mesh is None:
-            return cache
-        spec = NamedSharding(mesh, P(None, rows_axis(mesh, cache["k"].shape[1]), "model", None, None))
-        return {**cache, **{c: jax.lax.with_sharding_constraint(cache[c], spec) for c in ("k", "v")}}
 
-    def pick(logits, rows, g):
-        """Answer token g of prompts `rows` from logits [R, V]: (token, its log-prob, whether the row ends there)."""
-        lim = limits[rows]
-        drawn = logits
-        for stop in stops if force_length else ():  # benchmarks: every stop barred before the row's limit
-            drawn = drawn.at[:, stop].set(jnp.where(g < lim - 1, -jnp.inf, drawn[:, stop]))
-        token = jax.vmap(lambda x, k: sample(x[None], k, loop.sampling)[0])(drawn, _row_keys(key, rows, g))
-        if force_length and stops:  # and the first forced at it
-            token = jnp.where(g == lim - 1, stops[0], token)
-        token = token.astype(jnp.int32)
-        # the distribution sampled from (before top-k / top-p), as Step 3 scores the answers (greedy: temperature 1)
-        logp = jax.nn.log_softmax(logits / (loop.sampling.temperature or 1.0))
-        logprob = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
-        ends = g + 1 >= lim
-        for stop in stops:  # a few static ids: a compare each
-            ends = ends | (token == stop)
-        return token, logprob, ends
-
-    def record(out, rows, g, token, logprob):
-        tokens, logprobs, mask = out
-        at = (rows, jnp.minimum(g, G - 1))
-        return tokens.at[at].set(token), logprobs.at[at].set(logprob), mask.at[at].set(1)
-
-    def prefill(prompts, S):
-        """Prompts `prompts` [R] (index N: none) prefilled into a new cache of S slots: (logits [R, V], cache). With
-        groups (n > 1; `prompts` whole groups), each group's prompt is prefilled once, at its own width, and its
-        logits and cache rows repeated n times (one gather, padded to S: a refill's scatter takes it as it is)."""
-        once = jnp.minimum(prompts[::n], N - 1)  # the first row of each group
-        ids, mask = input_ids[once], attention_mask[once]
-        width = S if n == 1 else Pn
-        valid = jnp.concatenate([mask.astype(bool), jnp.ones((len(once), width - Pn), bool)], axis=1)
-        cache = laid_out(init_cache(config, valid, multiple=64 if Pn < width else 1))
-        positions = jnp.maximum(positions_from_mask(mask), 0)
-        # the LM head on the last position only
-        logits, cache = logits_with_cache(config, params, ids, positions, cache, prefilling, last=1)
-        if n == 1:
-            return logits[:, -1], {c: cache[c] for c in ("k", "v", "start")}  # decode steps bring their own slots
-        pad = (S + (-S % 64 if Pn < S else 0)) - Pn  # the slots after the prompt, as init_cache allocates them
-        copy = lambda x: jnp.pad(jnp.repeat(x, n, axis=1), ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0)))
-        out = {"k": copy(cache["k"]), "v": copy(cache["v"]), "start": jnp.repeat(cache["start"], n)}
-        return jnp.repeat(logits[:, -1], n, axis=0), laid_out(out)
-
-    def start_rows(state, slots_at, prompts, logits):
-        """Slots `slots_at` take prompts `prompts` ([R]; slot index B: no slot): their first answer token from the
-        prefill's logits."""
-        token, logprob, ends = pick(logits, prompts, jnp.zeros_like(prompts))
-        out = record(state["out"], jnp.where(slots_at < B, prompts, N), jnp.zeros_like(prompts), token, logprob)
-        put = lambda x, v: x.at[slots_at].set(v, mode="drop")
-        return {
-            **state,
-            "out": out,
-            "row": put(state["row"], prompts),
-            "g": put(state["g"], jnp.ones_like(prompts)),
-            "token": put(state["token"], token),
-            "done": put(state["done"], ends),
-        }
-
-    # The first B prompts (B <= N) fill the slots; the cache has room for a whole prompt and answer in every slot.
-    first = jnp.arange(B)
-    logits, cache = prefill(first, Pn + G)
-    outputs = (
-        jnp.full((N + 1, G), pad_id, jnp.int32),
-        jnp.zeros((N + 1, G), jnp.float32),
-        jnp.zeros((N + 1, G), jnp.int32),
-    )
-    state = {
-        "cache": cache,
-        "row": first,
-        "g": jnp.zeros((B,), jnp.int32),
-        "token": jnp.zeros((B,), jnp.int32),
-        "done": jnp.ones((B,), bool),
-        "out": outputs,
-        "next": jnp.int32(B),
-        "steps": jnp.int32(0),
-    }
-    state = start_rows(state, first, first, logits)
-
-    def step(_, state):
-        """Every slot advances one token: the last token goes in at its own slot, the next one comes out."""
-        row, g, done = state["row"], state["g"], state["done"]
-        cache = {**state["cache"], "slot": Pn + g - 1}  # each row's own slot: prompt width + answer so far
-        logits, cache = logits_with_cache(
-            config, params, state["token"][:, None], (real[row] + g - 1)[:, None], cache, decoding
+def _checked_limits(limits, B: int, max_new_tokens: int) -> jax.Array:
+    """generate's `limits` as [B] int32 (None: max_new_tokens for every row), checked where this process sees them."""
+    if limits is None:
+        return jnp.full((B,), max_new_tokens, jnp.int32)
+    host = np.asarray(limits) if not isinstance(limits, jax.Array) or limits.is_fully_addressable else None
+    if host is not None and (host.shape != (B,) or host.min() < 1 or host.max() > max_new_tokens):
+        raise ValueError(
+            f"limits: expected {B} integers in 1 .. {max_new_tokens} (max_new_tokens), got shape "
+            f"{host.shape}, range {host.min()} .. {host.max()}"
         )
-        cache = {c: cache[c] for c in ("k", "v", "start")}
-        token, logprob, ends = pick(logits[:, 0], row, g)
-        out = record(state["out"], jnp.where(done, N, row), g, token, logprob)
-        live = ~done
-        return {
-            **state,
-            "cache": cache,
-            "out": out,
-            "token": jnp.where(live, token, pad_id),
-            "g": jnp.where(live, jnp.minimum(g + 1, G), g),
-            "done": done | ends,
-            "steps": state["steps"] + 1,
-        }
-
-    def refill_due(state):  # enough slots are free for a refill's R prompts (or for all that still wait)
-        waiting = N - state["next"]
-        return (waiting > 0) & (jnp.sum(state["done"]) >= jnp.minimum(R, waiting))
-
-    def refill(state):
-        """The next R waiting prompts (fewer at the end) prefilled into the first free slots' cache rows."""
-        prompts = state["next"] + jnp.arange(R)
-        real_prompt = prompts < N
-        prompts = jnp.where(real_prompt, prompts, N)
-        slots_at = jnp.where(real_prompt, jnp.argsort(~state["done"], stable=True)[:R], B)  # free slots first
-        logits, small = prefill(prompts, Pn)
-        big = state["cache"]
-        cache = {
-            **big,
-            **{c: big[c].at[:, slots_at, :, :Pn].set(small[c], mode="drop") for c in ("k", "v")},
-            "start": big["start"].at[slots_at].set(small["start"], mode="drop"),
-        }
-        state = start_rows({**state, "cache": laid_out(cache)}, slots_at, prompts, logits)
-        return {**state, "next": jnp.minimum(state["next"] + R, N)}
-
-    def chunk(state):  # `check_every` steps, then refills: the loop's condition is read every chunk only
-        state = jax.lax.fori_loop(0, loop.check_every, step, state)
-        return jax.lax.while_loop(refill_due, refill, state)
-
-    unfinished = lambda state: ~jnp.all(state["done"]) | (state["next"] < N)
-    state = jax.lax.while_loop(unfinished, chunk, state)
-    tokens, logprobs, mask = (x[:N] for x in state["out"])
-    return tokens, mask, logprobs * mask, state["steps"]
+    return jnp.asarray(limits, jnp.int32)
 
 
 def generate(
@@ -378,16 +465,7 @@ def generate(
         raise ValueError(f"expected slots >= 0, refill >= 0, check_every >= 1; got {slots}, {refill}, {check_every}")
     slots = decode_slots(slots, B, group)
     refill = min(-(-(refill or max(slots // 8, 1)) // group) * group, slots)
-    if limits is None:
-        limits = jnp.full((B,), max_new_tokens, jnp.int32)
-    else:
-        host = np.asarray(limits) if not isinstance(limits, jax.Array) or limits.is_fully_addressable else None
-        if host is not None and (host.shape != (B,) or host.min() < 1 or host.max() > max_new_tokens):
-            raise ValueError(
-                f"limits: expected {B} integers in 1 .. {max_new_tokens} (max_new_tokens), got shape "
-                f"{host.shape}, range {host.min()} .. {host.max()}"
-            )
-        limits = jnp.asarray(limits, jnp.int32)
+    limits = _checked_limits(limits, B, max_new_tokens)
     pad_id, sampling = config.pad_token_id if pad_id is None else pad_id, Sampling(temperature, top_k, top_p)
     stops = stop_tuple(eos_id)
     loop = _Loop(max_new_tokens, sampling, stops, pad_id, force_length, slots, refill, check_every, mesh, group)

@@ -115,7 +115,7 @@ def ours(config, params, mesh, B, Pn, G, repeats, decode, profile_dir=None):
         # The optimized HLO of the same program, to tell which instruction each kernel of the profile is.
         B = batch[0].shape[0]  # as generate() builds its loop: one slot per row, refills of B / 8, checks every 8
         loop = _Loop(
-            G, Sampling(), None, config.pad_token_id, True, B, max(B // 8, 1), 8, mesh if mesh.size > 1 else None
+            G, Sampling(), (), config.pad_token_id, True, B, max(B // 8, 1), 8, mesh if mesh.size > 1 else None, 1
         )
         lowered = _generate.lower(config, loop, params, *batch, jax.random.key(2), jnp.full((B,), G, jnp.int32))
         with gzip.open(Path(profile_dir) / "generate.hlo.txt.gz", "wt") as f:
