@@ -283,8 +283,6 @@ def run(cfg: TrainConfig, log=print, mesh=None) -> dict:
     the built-in task, the comparison."""
     out = Path(cfg.output_dir)
     dirs = {1: out / FIRST_DIRS[0], 2: out / FIRST_DIRS[1], 3: out / cfg.step3_dir}
-    report_dir = out if cfg.step3_dir == STEP3_DIR else dirs[3]  # summary.json and eval/ of this Step 3
-    sft_model, rm_model = dirs[1] / "model", dirs[2] / "model"
     result, clock = {}, time.perf_counter()
     task = builtin_task(cfg.data) or "synthetic"  # the built-in models' tokenizer
 
@@ -301,55 +299,84 @@ def run(cfg: TrainConfig, log=print, mesh=None) -> dict:
             step = dataclasses.replace(step_cfg, model=model, output_dir=str(dirs[n]), data=cfg.data)
             result[f"step{n}"] = str(module.run(step, log=log, mesh=mesh)["model_dir"])
     if 3 in cfg.steps:
-        log(f"=== Step 3: {cfg.ppo.algorithm.upper()} -> {dirs[3]}")
-        # A critic-free run rewarded by functions alone (arithmetic's verifier) needs no Step 2 model (--step 1 3);
-        # without one, the evaluation report, whose judge it is, is left out
-        needed = (sft_model, rm_model) if ppo.needs_critic_model(cfg.ppo) else (sft_model,)
-        for path in needed:
-            if not path.is_dir():
-                raise ConfigError(
-                    f"{path}: not found; Step 3 needs the outputs of Steps 1 and 2 (run them, e.g. --step 1 2 3)"
-                )
-        judged = rm_model.is_dir()
-        step = dataclasses.replace(
-            cfg.ppo,
-            actor=dataclasses.replace(cfg.ppo.actor, model=str(sft_model)),
-            critic=dataclasses.replace(cfg.ppo.critic, model=str(rm_model) if judged else ""),
-            output_dir=str(dirs[3]),
-            data=cfg.data,
-        )
-        try:
-            result["step3"] = {k: str(v) for k, v in ppo.run(step, log=log, mesh=mesh)["folders"].items()}
-        except ChangedRunError as e:  # e.g. algorithm=grpo where a PPO run is saved
-            beside = f"give step3_dir=NAME to run this Step 3 into {out}/NAME beside it (on the same Steps 1 and 2)"
-            raise ChangedRunError(e.out, e.what, beside) from None
-        # What the evaluation depends on: these settings and these exact exports (their manifests' ids).
-        folders = (sft_model, *[rm_model] * judged, *map(Path, result["step3"].values()))
-        ids = {str(p): (export_manifest(p) or {}).get("id") for p in folders}
-        result["evaluated"] = {"settings": settings(cfg, ()), "models": ids}
-        summary = report_dir / "summary.json"
-        before = json.loads(summary.read_text()) if summary.is_file() else {}
-        if None not in ids.values() and before.get("evaluated") == result["evaluated"]:  # its evaluation stands
-            log(f"evaluation: these models were evaluated already with these settings ({summary})")
-            result.update({k: before[k] for k in ("comparison", "report") if k in before})
-        else:
-            if builtin_task(cfg.data):
-                result["comparison"] = compare(cfg, sft_model, dirs[3] / "actor", log=log)
-            if not judged:
-                log(f"evaluation: no report ({rm_model} not found: the report's reward model is Step 2's)")
-            else:
-                result["report"] = pipeline_report(
-                    sft_model,
-                    rm_model,
-                    result["step3"],
-                    dirs[3] / "metrics.jsonl",
-                    report_dir / "eval",
-                    cfg.data,
-                    cfg.ppo,
-                    cfg.eval_prompts,
-                    log=log,
-                )
+        result |= step3(cfg, dirs, log=log, mesh=mesh)
     result["seconds"] = time.perf_counter() - clock
+    log_summary(result, task, log)
+    folder = report_dir(cfg)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / ".summary.json.tmp").write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(folder / ".summary.json.tmp", folder / "summary.json")  # whole or not at all: read next start
+    return result
+
+
+def report_dir(cfg: TrainConfig) -> Path:
+    """Where summary.json and eval/ of this Step 3 go: output_dir, or the folder of another Step 3 (step3_dir)."""
+    return Path(cfg.output_dir) if cfg.step3_dir == STEP3_DIR else Path(cfg.output_dir) / cfg.step3_dir
+
+
+def step3(cfg: TrainConfig, dirs: dict, log=print, mesh=None) -> dict:
+    """Step 3 from the models of Steps 1 and 2 (`dirs`: each step's folder), then its evaluation."""
+    log(f"=== Step 3: {cfg.ppo.algorithm.upper()} -> {dirs[3]}")
+    sft_model, rm_model = dirs[1] / "model", dirs[2] / "model"
+    # A critic-free run rewarded by functions alone (arithmetic's verifier) needs no Step 2 model (--step 1 3);
+    # without one, the evaluation report, whose judge it is, is left out
+    needed = (sft_model, rm_model) if ppo.needs_critic_model(cfg.ppo) else (sft_model,)
+    for path in needed:
+        if not path.is_dir():
+            raise ConfigError(
+                f"{path}: not found; Step 3 needs the outputs of Steps 1 and 2 (run them, e.g. --step 1 2 3)"
+            )
+    step = dataclasses.replace(
+        cfg.ppo,
+        actor=dataclasses.replace(cfg.ppo.actor, model=str(sft_model)),
+        critic=dataclasses.replace(cfg.ppo.critic, model=str(rm_model) if rm_model.is_dir() else ""),
+        output_dir=str(dirs[3]),
+        data=cfg.data,
+    )
+    try:
+        folders = {k: str(v) for k, v in ppo.run(step, log=log, mesh=mesh)["folders"].items()}
+    except ChangedRunError as e:  # e.g. algorithm=grpo where a PPO run is saved
+        beside = f"give step3_dir=NAME to run this Step 3 into {Path(cfg.output_dir)}/NAME beside it (on the same Steps 1 and 2)"
+        raise ChangedRunError(e.out, e.what, beside) from None
+    return {"step3": folders, **evaluate(cfg, dirs, folders, log)}
+
+
+def evaluate(cfg: TrainConfig, dirs: dict, step3_folders: dict, log=print) -> dict:
+    """The evaluation of a Step 3: the comparison (built-in task) and the report (judged by Step 2's model, where
+    there is one), or those of summary.json where these exact models were evaluated with these settings already."""
+    sft_model, rm_model = dirs[1] / "model", dirs[2] / "model"
+    judged = rm_model.is_dir()
+    # What the evaluation depends on: these settings and these exact exports (their manifests' ids).
+    folders = (sft_model, *[rm_model] * judged, *map(Path, step3_folders.values()))
+    ids = {str(p): (export_manifest(p) or {}).get("id") for p in folders}
+    result = {"evaluated": {"settings": settings(cfg, ()), "models": ids}}
+    summary = report_dir(cfg) / "summary.json"
+    before = json.loads(summary.read_text()) if summary.is_file() else {}
+    if None not in ids.values() and before.get("evaluated") == result["evaluated"]:  # its evaluation stands
+        log(f"evaluation: these models were evaluated already with these settings ({summary})")
+        return result | {k: before[k] for k in ("comparison", "report") if k in before}
+    if builtin_task(cfg.data):
+        result["comparison"] = compare(cfg, sft_model, dirs[3] / "actor", log=log)
+    if not judged and not cfg.ppo.reward.functions:  # with functions, they judge the report (eval.pipeline_report)
+        log(f"evaluation: no report ({rm_model} not found: the report's reward model is Step 2's)")
+        return result
+    metrics = dirs[3] / "metrics.jsonl"
+    report = pipeline_report(
+        sft_model,
+        rm_model if judged else None,
+        step3_folders,
+        metrics,
+        report_dir(cfg) / "eval",
+        cfg.data,
+        cfg.ppo,
+        cfg.eval_prompts,
+        log=log,
+    )
+    return result | {"report": report}
+
+
+def log_summary(result: dict, task: str, log=print):
+    """The run's last lines: the comparison of the Step 1 model and the final actor (built-in task), and the time."""
     if "comparison" in result:
         c = result["comparison"]
         log(
@@ -365,10 +392,6 @@ def run(cfg: TrainConfig, log=print, mesh=None) -> dict:
         f"done in {result['seconds']:.0f} s"
         + (f"; evaluation report: {result['report']}" if "report" in result else "")
     )
-    report_dir.mkdir(parents=True, exist_ok=True)
-    (report_dir / ".summary.json.tmp").write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(report_dir / ".summary.json.tmp", report_dir / "summary.json")  # whole or not at all: read next start
-    return result
 
 
 def flags(parser):

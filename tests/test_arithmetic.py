@@ -91,8 +91,12 @@ def test_grpo_with_the_verifier_raises_held_out_accuracy_over_step1(tmp_path):
     args = ["algorithm=grpo", "data.data_path=[arithmetic:6000]", "--step", "1", "3", "--output-dir", str(tmp_path)]
     args += [f"data.cache_dir={tmp_path / 'cache'}", "eval_prompts=128", "eval_samples=2"]
     result = run_train(parse(args), mesh=make_mesh(1, jax.devices()[:1]))
-    c = result["comparison"]
-    assert "report" not in result and not (tmp_path / "reward-models").exists()
+    c, VERIFIER = result["comparison"], "jaxrlhf.rewards:math_verify"
+    assert not (tmp_path / "reward-models").exists()
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())  # judged by the verifier alone
+    assert report["reward"] == {"weights": {VERIFIER: 1.0}, "binary": [VERIFIER]} and result["report"]
+    actor = report["models"][1]
+    assert actor["parts"][VERIFIER] == actor["gold_reward"] > report["models"][0]["gold_reward"]
     print({k: v for k, v in c.items() if k != "examples"}, f"{result['seconds']:.0f} s")
     assert c["actor_gold_reward_sampled"] > c["step1_gold_reward_sampled"] + 0.1
     assert c["actor_gold_reward_greedy"] > c["step1_gold_reward_greedy"] + 0.05
