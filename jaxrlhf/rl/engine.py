@@ -35,6 +35,7 @@ the reference and reward leaves for scoring), then freed there. jaxrlhf.plan cou
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -83,14 +84,21 @@ def own_leaves(host_params, shared_mask, dtype):
     return jax.tree.map(lambda x, shared: None if shared else np.asarray(x, dtype), host_params, shared_mask)
 
 
+def free(tree, keep=None):
+    """Delete the arrays of `tree` now, all but those that are also `keep`'s (a program hands back an untouched input
+    as is): what is done with is gone before the next phase, not whenever Python collects it."""
+    kept = {id(x) for x in jax.tree.leaves(keep)}
+    for x in jax.tree.leaves(tree):
+        if id(x) not in kept:
+            x.delete()
+
+
 def to_memory(tree, kind: str, donate: bool = False):
     """`tree` in memory `kind` ("pinned_host" or "device") with the same layout; `donate` frees the source (by
     hand once the copy exists: jax 0.11 cannot donate across memory kinds)."""
     out = jax.block_until_ready(jax.device_put(tree, jax.tree.map(lambda x: x.sharding.with_memory_kind(kind), tree)))
     if donate:
-        for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(out)):
-            if x is not y:
-                x.delete()
+        free(tree, keep=out)
     return out
 
 
@@ -181,9 +189,10 @@ class HybridEngine:
             else None
         )
         if cfg.enable_ema:
-            self.state["ema"] = steps.fused_actor(self.static, actor_state)
-        self.timings: dict[str, float] = {}
-        self.reshard_bytes = 0
+            self.state["ema"] = steps.fused_actor(cfg.actor.lora, mesh, actor_state)
+        self.timings: dict[str, float] = {}  # seconds per phase (ppo logs them per iteration)
+        self.reshard_bytes = 0  # the last generation copy's
+        self.observer = None  # observer(phase, run) -> run(), around each phase (jaxrlhf.plan.measure)
         if cfg.offload_reference_model:
             self.ref_own = to_memory(self.ref_own, "pinned_host", donate=True)
         if cfg.offload_reward_model:
@@ -207,6 +216,15 @@ class HybridEngine:
         for name in self.trained:
             self._opt_to(name, "pinned_host")
 
+    def load_state(self, state: dict):
+        """Take `state` (shaped like `self.state`, e.g. restored from a checkpoint onto `shardings()`) as the engine's
+        own: the one door by which a state from outside enters. Its offloaded optimizer states go back to host
+        memory."""
+        if jax.tree.structure(state) != jax.tree.structure(self.state):
+            raise ValueError("load_state: the state is not shaped like the engine's (another algorithm or settings?)")
+        self.state = dict(state)
+        self.offload()
+
     @property
     def trained(self) -> tuple[str, ...]:
         """The trainable models: the actor, and the critic unless the algorithm is critic-free."""
@@ -221,10 +239,12 @@ class HybridEngine:
     # ------------------------------------------------------------------------------------------------ verbs
 
     def _timed(self, phase: str, fn, *args):
+        """fn(*args) as phase `phase`: timed, marked in a profile (tools/common.py splits its kernels by phase) and
+        run through the observer, if any (jaxrlhf.plan.measure's: `observer(phase, run)` returns run())."""
+        run = lambda: jax.block_until_ready(fn(*args))  # noqa: E731
         start = time.perf_counter()
-        # a profile splits its kernels by phase (tools/common.py)
         with jax.profiler.TraceAnnotation(f"jaxrlhf.{phase}"):
-            out = jax.block_until_ready(fn(*args))
+            out = run() if self.observer is None else self.observer(phase, run)
         self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - start
         return out
 
@@ -241,79 +261,108 @@ class HybridEngine:
         they run on the host while the device scores. Also truncated [B] (1: no EOS within the answer's limit).
         `draw` > 0: an extra draw of dynamic sampling for the same generation batch (its own sampling key; the
         iteration counter, which keys the checkpoints, does not move)."""
-        cfg, mesh = self.cfg, self.mesh
-        prompt_batch = repeat_rows(prompt_batch, cfg.num_samples_per_prompt)
+        prompt_batch = repeat_rows(prompt_batch, self.cfg.num_samples_per_prompt)
         ids, mask = prompt_batch["prompt_ids"], prompt_batch["prompt_mask"]
         if isinstance(ids, np.ndarray):  # this process's rows, split over "data" as generation wants them
-            ids, mask = place({"ids": ids, "mask": mask}, mesh, "tp").values()
-        # One copy of the actor's weights in the generation layout. Arrays are freed by hand (`delete`) the moment
-        # they are done with, never the actor's own: jit hands back an untouched input as is (fp32, no LoRA).
-        own = {id(x) for x in jax.tree.leaves(self.state["actor"])}
-        fresh = lambda tree, keep=(): [x for x in jax.tree.leaves(tree) if id(x) not in own and id(x) not in keep]
-
-        def to_tp():  # LoRA fused, compute dtype, "tp" layout, each layer its own arrays: built one layer at a time
-            actor = effective_params(self.state["actor"], cfg.actor.lora, fused=False)
-            return jax.block_until_ready(decode_params(self.actor_config, actor, mesh))
-
-        params = self._timed("reshard", to_tp)
-        self.reshard_bytes = tree_bytes(params)
-        key = jax.random.fold_in(jax.random.key(cfg.seed), int(self.state["iteration"]))
-        key = jax.random.fold_in(key, draw) if draw else key
-
-        def answer(params):
-            gen = generate(
-                self.actor_config,
-                params,
-                ids,
-                mask,
-                key,
-                max_new_tokens=cfg.max_answer_len,
-                temperature=cfg.temperature,
-                top_k=cfg.top_k,
-                top_p=cfg.top_p,
-                eos_id=self.eos_id,
-                pad_id=self.pad_id,
-                limits=prompt_batch.get("answer_limits"),
-                slots=cfg.decode_slots or DECODE_SLOTS,
-                refill=cfg.refill_size,
-                mesh=mesh,
-                group=cfg.num_samples_per_prompt,  # repeat_rows' groups: each prompt prefilled once
+            ids, mask = place({"ids": ids, "mask": mask}, self.mesh, "tp").values()
+        with self._generation_copy() as params:
+            tokens, answer_mask, gen_logprobs = self._timed(
+                "generate", self._answer, params, ids, mask, prompt_batch.get("answer_limits"), draw
             )
-            return gen.tokens, gen.mask, gen.logprobs
-
-        tokens, answer_mask, gen_logprobs = self._timed("generate", answer, params)
-        pending = start_rewards(prompt_batch, tokens, answer_mask) if start_rewards else None
-        for leaf in fresh(params):  # DeepSpeed-Chat's release of the inference copy
-            leaf.delete()
-        del params
-        # Offloaded frozen models come to the device for scoring only; the host copy stays.
-        frozen = [
-            self._timed("offload", to_memory, own, "device") if on else own
-            for own, on in ((self.ref_own, cfg.offload_reference_model), (self.reward_own, cfg.offload_reward_model))
-        ]
-        weights = {n: {k: v for k, v in self.state[n].items() if k in ("trainable", "frozen")} for n in self.trained}
-        exp = self._timed("score", self._score, weights, frozen, ids, mask, tokens, answer_mask, gen_logprobs)
-        for tree, on in zip(frozen, (cfg.offload_reference_model, cfg.offload_reward_model)):
-            for leaf in jax.tree.leaves(tree) if on else ():
-                leaf.delete()
-        del frozen
-        # scores: the reward model's alone (clipped later); the functions' weighted sum and which rows they scored
-        # (0: a function returned None or timed out, left out of the loss) beside it, unclipped
-        host = {"function_scores": exp["scores"] * 0, "scored": exp["scores"] * 0 + 1}
-        if pending is not None:  # "rewards": the wait for the functions after the device's scoring, if they outlast it
-            done = self._timed("rewards", pending.result)
-            host = place({"function_scores": done.scores, "scored": done.scored}, mesh, "fsdp")
-        exp.update(host)
+            pending = start_rewards(prompt_batch, tokens, answer_mask) if start_rewards else None
+        with self._frozen_on_device() as frozen:
+            exp = self._timed("score", self._score, self._weights(), frozen, ids, mask, tokens, answer_mask)
+        if self.cfg.old_logprobs_from_generation:
+            exp["logprobs"] = gen_logprobs * answer_mask
+        exp.update(self._function_scores(pending, exp["scores"]))
         exp["truncated"] = truncated_rows(self.static, tokens, answer_mask, self.eos_id)
         exp["generation_logprobs"] = gen_logprobs
-        # The KL coefficient of this batch's rewards, the same in every PPO epoch; the adaptive controller then
-        # steps once per generation batch, on this batch's KL (Ziegler et al. 2019; TRL's PPOTrainer).
-        exp["kl_coef"] = self.state["kl_coef"]
-        if cfg.kl_target is not None:
-            self.state["kl_coef"] = next_kl_coef(self.static, self.state["kl_coef"], exp)
+        exp["kl_coef"] = self._kl_step(exp, draw)
+        return exp
+
+    # ------------------------------------------------------------------------------------------------ phases
+
+    @contextlib.contextmanager
+    def _generation_copy(self):
+        """The actor's weights as generation runs them (phase "reshard"): LoRA fused, the compute dtype, the "tp"
+        layout, each layer its own arrays (generate.decode_params, built one layer at a time). Freed on exit
+        (DeepSpeed-Chat's release of the inference copy): the KV cache lives only inside the compiled generate call,
+        so nothing of generation stays. The actor's own arrays are kept: jit hands back an untouched input as is."""
+
+        def build():
+            actor = effective_params(self.state["actor"], self.cfg.actor.lora, fused=False)
+            return decode_params(self.actor_config, actor, self.mesh)
+
+        params = self._timed("reshard", build)
+        self.reshard_bytes = tree_bytes(params)
+        try:
+            yield params
+        finally:
+            free(params, keep=self.state["actor"])
+
+    def _answer(self, params, ids, mask, limits, draw: int):
+        """Phase "generate": the answers (tokens, mask, generation's log-probs [B, G]) with this iteration's key (and
+        draw's)."""
+        cfg = self.cfg
+        key = jax.random.fold_in(jax.random.key(cfg.seed), int(self.state["iteration"]))
+        key = jax.random.fold_in(key, draw) if draw else key
+        gen = generate(
+            self.actor_config,
+            params,
+            ids,
+            mask,
+            key,
+            max_new_tokens=cfg.max_answer_len,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k,
+            top_p=cfg.top_p,
+            eos_id=self.eos_id,
+            pad_id=self.pad_id,
+            limits=limits,
+            slots=cfg.decode_slots or DECODE_SLOTS,
+            refill=cfg.refill_size,
+            mesh=self.mesh,
+            group=cfg.num_samples_per_prompt,  # repeat_rows' groups: each prompt prefilled once
+        )
+        return gen.tokens, gen.mask, gen.logprobs
+
+    @contextlib.contextmanager
+    def _frozen_on_device(self):
+        """The reference's and reward model's own leaves for scoring: offloaded ones copied to the device (phase
+        "offload") and those copies freed on exit; the host copies stay."""
+        cfg, trees = self.cfg, (self.ref_own, self.reward_own)
+        offloaded = (cfg.offload_reference_model, cfg.offload_reward_model)
+        frozen = [self._timed("offload", to_memory, own, "device") if on else own for own, on in zip(trees, offloaded)]
+        try:
+            yield frozen
+        finally:
+            for tree, on in zip(frozen, offloaded):
+                if on:
+                    free(tree)
+
+    def _weights(self) -> dict:
+        """The trainable models' weights without their optimizer states (which may be in host memory)."""
+        return {n: {k: v for k, v in self.state[n].items() if k in ("trainable", "frozen")} for n in self.trained}
+
+    def _function_scores(self, pending, scores) -> dict:
+        """function_scores and scored [B]: the reward functions' weighted sum and which rows they scored (0: a
+        function returned None or timed out, left out of the loss), unclipped; zeros and ones without functions.
+        Phase "rewards": the wait for the functions after the device's scoring, if they outlast it."""
+        if pending is None:
+            return {"function_scores": scores * 0, "scored": scores * 0 + 1}
+        done = self._timed("rewards", pending.result)
+        return place({"function_scores": done.scores, "scored": done.scored}, self.mesh, "fsdp")
+
+    def _kl_step(self, exp: dict, draw: int):
+        """The KL coefficient of this batch's rewards, the same in every PPO epoch. The adaptive controller then
+        steps once per generation batch, on this batch's KL (Ziegler et al. 2019; TRL's PPOTrainer), and the
+        iteration counter moves (not for an extra draw of dynamic sampling)."""
+        kl_coef = self.state["kl_coef"]
+        if self.cfg.kl_target is not None:
+            self.state["kl_coef"] = next_kl_coef(self.static, kl_coef, {**exp, "kl_coef": kl_coef})
         if not draw:
             self.state["iteration"] = self.state["iteration"] + 1
-        return exp
+        return kl_coef
 
     def group_spread(self, exp: dict) -> np.ndarray:
         """[B / n] bool on the host: whether each group's rewards differ (dynamic sampling keeps those)."""
@@ -330,8 +379,9 @@ class HybridEngine:
         out = take_rows(self.static, [{k: e[k] for k in per_row} for e in experiences], rows, keep)
         return {**out, "kl_coef": experiences[0]["kl_coef"]}
 
-    def _score(self, weights, frozen, ids, mask, tokens, answer_mask, gen_logprobs):
-        """The experience scored in packed micro-batches of max_tokens_per_micro_batch (jaxrlhf.rl.packing)."""
+    def _score(self, weights, frozen, ids, mask, tokens, answer_mask):
+        """Phase "score": the experience scored in packed micro-batches of max_tokens_per_micro_batch
+        (jaxrlhf.rl.packing): old log-probs (unless generation's are used), reference log-probs, values, scores."""
         s, cfg, (B, G) = self.static, self.cfg, answer_mask.shape
         exp = padded_experience(s, ids, mask, tokens, answer_mask)
         names = {"ref_logprobs": True, "logprobs": not cfg.old_logprobs_from_generation, "values": not cfg.critic_free}
@@ -339,8 +389,6 @@ class HybridEngine:
         out = row_layout({**out, "scores": jnp.zeros((B,), jnp.float32)}, self.mesh)
         for W, rows in self._micro_batches(exp):
             out = score(s, W, weights, *frozen, exp, out, rows)
-        if cfg.old_logprobs_from_generation:
-            out["logprobs"] = gen_logprobs * answer_mask
         return {**exp, **out}
 
     def _micro_batches(self, exp: dict) -> list:
@@ -349,21 +397,11 @@ class HybridEngine:
         budget, multiple = self.cfg.max_tokens_per_micro_batch, self.cfg.packed_width_multiple
         return packing.plan(lengths, budget, self.mesh.size, multiple, max_width=exp["seq"].shape[1])
 
-    def _step(self, name: str, exp: dict, micro: list):
+    def _step(self, name: str, exp: dict, micro: list, unsup: dict | None):
         """One optimizer step of `name` over the experience's packed micro-batches (plus, for the actor, the mixture
-        batch in gradient_accumulation_steps parts): gradients summed, divided once (trainer.apply_gradients)."""
-        s, state = self.static, self.state[name]
-        acc = steps.zero_accumulator(s, name, micro[0][0], state, exp, micro[0][1])
-        for i, (W, rows) in enumerate(micro):
-            acc = steps.accumulate(s, name, W, state, acc, exp, rows, i)
-        if "unsup" in exp:
-            n = s.side("actor").optim.gradient_accumulation_steps
-            rows = len(exp["unsup"]["input_ids"])
-            for i in range(n):  # rows i, i + n, ...: each part splits over the devices (ppo.check)
-                acc = steps.accumulate(
-                    s, name, 0, state, acc, exp, np.arange(i, rows, n, dtype=np.int32), len(micro) + i
-                )
-        return steps.apply(s, name, state, self.state.get("ema") if name == "actor" else None, acc)
+        batch `unsup`): gradients summed, divided once (rl/steps.py: step)."""
+        ema = self.state.get("ema") if name == "actor" else None
+        return steps.step(self.static, name, self.state[name], ema, exp, micro, unsup)
 
     def train_rlhf(self, experience: dict, unsupervised: dict | None = None) -> dict:
         """One PPO step of the actor (plus the mixture LM loss on `unsupervised`, a Step 1-style batch) and one
@@ -371,16 +409,16 @@ class HybridEngine:
         keys = ("seq", "seq_mask", "mask", "logprobs", "ref_logprobs", "values", "scores", "function_scores", "scored")
         keys += ("truncated",)
         exp = {k: experience[k] for k in keys if k in experience}
-        if unsupervised is not None:
-            on_host = isinstance(unsupervised["input_ids"], np.ndarray)
-            exp["unsup"] = place(unsupervised, self.mesh, "fsdp") if on_host else unsupervised
+        unsup = unsupervised
+        if unsupervised is not None and isinstance(unsupervised["input_ids"], np.ndarray):
+            unsup = place(unsupervised, self.mesh, "fsdp")
         exp, stats = self._timed("advantages", advantages, self.static, exp, experience["kl_coef"])
         stats["kl_coef"] = experience["kl_coef"]
         micro = self._micro_batches(exp)
         for name in self.trained:  # the actor (with the mixture batch), then the critic
             self._opt_to(name, "device")  # offloaded optimizer states are on the device for their own step only
-            part = exp if name == "actor" else {k: v for k, v in exp.items() if k != "unsup"}
-            self.state[name], ema, m = self._timed(f"{name}_step", self._step, name, part, micro)
+            part = unsup if name == "actor" else None
+            self.state[name], ema, m = self._timed(f"{name}_step", self._step, name, exp, micro, part)
             if ema is not None:
                 self.state["ema"] = ema
             self._opt_to(name, "pinned_host")

@@ -1,14 +1,29 @@
 """Step 3's training programs: the actor's PPO step (plus the mixture LM loss) with its EMA, and the critic's
-clipped value step, each over packed micro-batches accumulated one at a time (HybridEngine._step drives them).
+clipped value step, each over packed micro-batches accumulated one at a time.
+
+    step(s, name, state, ema, exp, micro, unsup)        one optimizer step (HybridEngine.train_rlhf calls it)
+        acc = zero_accumulator(loss, W, state, exp, rows, mixture)     an optim.Accumulator of zeros
+        acc = accumulate(loss, W, state, acc, exp, rows, i)            each packed micro-batch (width W) of the answers
+        acc = accumulate_mixture(mixture, state, acc, mask, unsup, rows, i)   the actor's mixture batch, in parts
+        state, ema, metrics = apply(update, state, ema, acc)           divided once, the optimizer, the EMA
+
+Each program is module-level and jitted with a static key of what it reads (ActorLoss, CriticLoss, MixtureLoss,
+Update: frozen dataclasses), so engines alike (a run and its resumption, tests) share their compilations: one
+program per packed width W, the accumulator and the states donated.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jaxrlhf import hooks
+from jaxrlhf.lora import LoRAConfig
 from jaxrlhf.losses import lm_loss, lm_targets
 from jaxrlhf.models import next_token_logprobs
 from jaxrlhf.optim import (
@@ -20,129 +35,212 @@ from jaxrlhf.optim import (
     step_keys,
     zero_gradients,
 )
-from jaxrlhf.rl import losses
-from jaxrlhf.rl.experience import Static, answer_logprobs, answer_values, fsdp_layout, packed_rows, row_layout
+from jaxrlhf.rl import losses, packing
+from jaxrlhf.rl.experience import Static, answer_logprobs, answer_values, fsdp_layout, row_layout
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def fused_actor(s: Static, actor):
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def fused_actor(lora: LoRAConfig, mesh, actor):
     """The actor's weights as it runs (LoRA fused), float32, in the FSDP layout: the EMA's starting point. The EMA
     is float32 under every precision: in bf16, ema + 0.008 * (actor - ema) rounds most of each step away."""
-    return fsdp_layout(jax.tree.map(lambda x: x.astype(jnp.float32), effective_params(actor, s.cfg.actor.lora)), s.mesh)
+    return fsdp_layout(jax.tree.map(lambda x: x.astype(jnp.float32), effective_params(actor, lora)), mesh)
 
 
-#: the ratio's diagnostics (losses.ratio_figures) of a micro-batch without answers; min and max start from these
+#: the ratio's diagnostics (losses.ratio_figures) of no answers; the accumulated min and max start from these
 NO_RATIO = {"clip_frac": 0, "approx_kl": 0, "ratio": 0, "ratio_tokens": 0, "ratio_min": jnp.inf, "ratio_max": -jnp.inf}
 
 
-def _actor_loss(s: Static, lm_weight=None):
-    """The actor's loss on a micro-batch: its policy-loss total over the answers (packed rows; clip-higher, GSPO's
-    sequence-level ratio for gspo, plus kl_loss_coef times the KL estimator with a KL loss term, aggregated by
-    loss_agg: losses.aggregate), or with an "unsup" batch unsup_coef times its LM sum weighted by `lm_weight`
-    (_lm_weight); count: the answer tokens (token_mean) or answers (the seq_mean modes). Metrics: the loss terms and
-    the ratio's diagnostics (losses.ratio_figures)."""
-    cfg = s.cfg
-    (clip_low, clip_high), kl_kind, agg = cfg.clip_range, cfg.kl_estimator, cfg.aggregation
-    sequence = cfg.algorithm == "gspo"
+@dataclasses.dataclass(frozen=True)
+class ActorLoss:
+    """The actor's policy loss on packed answer rows: the total over the answers (clip-higher; GSPO's sequence-level
+    ratio under `sequence`; plus kl_loss_coef times the KL estimator with a KL loss term) aggregated by `aggregation`
+    (losses.aggregate); count: the answer tokens (token_mean) or answers (the seq_mean modes). Metrics: the loss
+    terms and the ratio's diagnostics (losses.ratio_figures)."""
 
-    def loss_fn(params, mb, key):
-        loss, tokens = 0.0, jnp.zeros((), jnp.float32)
-        # in every micro-batch, the mixture's too: the accumulated sums have one structure
-        metrics = {k: jnp.asarray(v, jnp.float32) for k, v in NO_RATIO.items()}
-        if kl_kind != "none":
-            metrics["kl_loss"] = jnp.zeros((), jnp.float32)
-        if "seq" in mb:
-            lp = answer_logprobs(s.actor, params, mb, key, **s.scoring)
-            old, adv, mask = mb["logprobs"], mb["advantages"], mb["mask"]
-            per_token = losses.policy_loss(lp, old, adv, clip_low, clip_high, mask, sequence)
-            metrics.update(losses.ratio_figures(lp, old, adv, mask, clip_low, clip_high, sequence))
-            if kl_kind != "none":
-                kl = losses.kl_penalty(lp, mb["ref_logprobs"], kl_kind)
-                metrics["kl_loss"] = losses.aggregate(kl, mask, agg)[0]
-                per_token = per_token + cfg.kl_loss_coef * kl
-            loss, tokens = losses.aggregate(per_token, mask, agg)  # a total and its count
-        metrics["actor_loss"] = jnp.asarray(loss, jnp.float32)
-        if lm_weight is not None:  # DeepSpeed-Chat's mixture training, here in the same step (README: where we differ)
-            lm = jnp.zeros((), jnp.float32)
-            if "unsup" in mb:
-                u = mb["unsup"]
-                kw = dict(chunk=s.cfg.actor.logits_chunk, dropout_rng=key)
-                lp = next_token_logprobs(s.actor, params, u["input_ids"], u["attention_mask"], **kw)
-                lm = lm_loss(lp, u["loss_mask"])[0] * lm_weight
-            metrics["unsup_loss"] = lm
-            loss = loss + cfg.unsup_coef * lm
-        return loss, tokens, metrics
+    model: Any  # the actor's model config
+    lora: LoRAConfig
+    mesh: Any
+    clip: tuple[float, float]  # (low, high): the ratio clipped to [1 - low, 1 + high]
+    sequence: bool  # gspo: one ratio per answer
+    kl_estimator: str  # "none" (the KL is in the reward), "k1" or "k3" (a loss term)
+    kl_loss_coef: float
+    aggregation: str
+    scoring: tuple[tuple[str, Any], ...]  # answer_logprobs' temperature and chunk (Static.scoring)
 
-    return loss_fn
+    def __call__(self, params, mb, key):
+        lp = answer_logprobs(self.model, params, mb, key, **dict(self.scoring))
+        old, adv, mask = mb["logprobs"], mb["advantages"], mb["mask"]
+        per_token = losses.policy_loss(lp, old, adv, *self.clip, mask, self.sequence)
+        metrics = losses.ratio_figures(lp, old, adv, mask, *self.clip, self.sequence)
+        if self.kl_estimator != "none":
+            kl = losses.kl_penalty(lp, mb["ref_logprobs"], self.kl_estimator)
+            metrics["kl_loss"] = losses.aggregate(kl, mask, self.aggregation)[0]
+            per_token = per_token + self.kl_loss_coef * kl
+        loss, count = losses.aggregate(per_token, mask, self.aggregation)  # a total and its count
+        metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+        return loss, count, {**metrics, "actor_loss": jnp.asarray(loss, jnp.float32)}
 
 
-def _critic_loss(s: Static):
-    def loss_fn(params, mb, key):
-        v = answer_values(s.critic, params, mb, key)
+@dataclasses.dataclass(frozen=True)
+class CriticLoss:
+    """The critic's clipped value loss on packed answer rows, its total over the answer tokens and their count."""
+
+    model: Any  # the critic's model config
+    lora: LoRAConfig
+    mesh: Any
+    clip_value: float
+
+    def __call__(self, params, mb, key):
+        v = answer_values(self.model, params, mb, key)
         tokens = jnp.sum(mb["mask"]).astype(jnp.float32)
-        loss = losses.critic_loss(v, mb["values"], mb["returns"], mb["mask"], s.cfg.clip_value) * tokens
+        loss = losses.critic_loss(v, mb["values"], mb["returns"], mb["mask"], self.clip_value) * tokens
         return loss, tokens, {"critic_loss": loss}
 
-    return loss_fn
+
+@dataclasses.dataclass(frozen=True)
+class MixtureLoss:
+    """DeepSpeed-Chat's mixture training, here in the actor's same step (README: where we differ): unsup_coef times
+    the LM loss's sum on rows of the unsupervised batch, weighted by `weight` (mixture_weight); its count is 0 (the
+    step divides by the answers' count alone)."""
+
+    model: Any  # the actor's model config
+    lora: LoRAConfig
+    mesh: Any
+    unsup_coef: float
+    chunk: int  # the actor's logits_chunk
+    aggregation: str  # the policy loss's (its count is the mixture's weight's numerator)
+
+    def __call__(self, params, mb, key, weight):
+        kw = dict(chunk=self.chunk, dropout_rng=key)
+        lp = next_token_logprobs(self.model, params, mb["input_ids"], mb["attention_mask"], **kw)
+        lm = lm_loss(lp, mb["loss_mask"])[0] * weight
+        return self.unsup_coef * lm, jnp.zeros((), jnp.float32), {"unsup_loss": lm}
 
 
-def _lm_weight(s: Static, exp):
-    """The whole batch's policy-loss count (answer tokens, or answers: losses.aggregate) / LM targets.
+@dataclasses.dataclass(frozen=True)
+class Update:
+    """The optimizer step of one model from its accumulated micro-batches, and the actor's EMA (ema_decay None: no
+    EMA to update)."""
+
+    tx: Any  # optim.make_optimizer's (cached: the same object for the same settings)
+    lora: LoRAConfig
+    mesh: Any
+    ema_decay: float | None
+
+
+@functools.cache
+def programs(s: Static, name: str) -> tuple[ActorLoss | CriticLoss, MixtureLoss | None, Update]:
+    """The static keys of `name`'s ("actor" or "critic") step programs, from the engine's settings."""
+    cfg, side = s.cfg, s.side(name)
+    update = Update(s.tx(name), side.lora, s.mesh, cfg.ema_decay if name == "actor" and cfg.enable_ema else None)
+    if name == "critic":
+        return CriticLoss(s.critic, side.lora, s.mesh, cfg.clip_value), None, update
+    sequence, scoring = cfg.algorithm == "gspo", tuple(sorted(s.scoring.items()))
+    loss = ActorLoss(
+        s.actor,
+        side.lora,
+        s.mesh,
+        cfg.clip_range,
+        sequence,
+        cfg.kl_estimator,
+        cfg.kl_loss_coef,
+        cfg.aggregation,
+        scoring,
+    )
+    mixture = MixtureLoss(s.actor, side.lora, s.mesh, cfg.unsup_coef, side.logits_chunk, cfg.aggregation)
+    return loss, mixture, update
+
+
+def step(s: Static, name: str, state, ema, exp: dict, micro: list, unsup: dict | None = None):
+    """One optimizer step of `name` over the experience's packed micro-batches `micro` ((W, rows) each: packing.plan)
+    and, for the actor, the mixture batch `unsup` in gradient_accumulation_steps parts (rows i, i + n, ...: each part
+    splits over the devices, ppo.check): gradients summed, divided once -> (state, ema, metrics)."""
+    loss, mixture, update = programs(s, name)
+    acc = zero_accumulator(loss, micro[0][0], state, exp, micro[0][1], unsup is not None)
+    for i, (W, rows) in enumerate(micro):
+        acc = accumulate(loss, W, state, acc, exp, rows, i)
+    if unsup is not None:
+        n, N = s.side(name).optim.gradient_accumulation_steps, len(unsup["input_ids"])
+        for i in range(n):
+            rows = np.arange(i, N, n, dtype=np.int32)
+            acc = accumulate_mixture(mixture, state, acc, exp["mask"], unsup, rows, len(micro) + i)
+    return apply(update, state, ema, acc)
+
+
+def _add(acc: Accumulator, more: Accumulator) -> Accumulator:
+    """acc + one micro-batch's gradients and sums, the gradients kept in the FSDP layout; the ratio's extremes combine
+    by min and max, and metrics the micro-batch does not report stay as they were."""
+    combine = lambda k: jnp.minimum if k.endswith("_min") else jnp.maximum if k.endswith("_max") else jnp.add  # noqa: E731
+    grads = jax.tree.map(jnp.add, acc.grads, more.grads)
+    metrics = {**acc.metrics, **{k: combine(k)(acc.metrics[k], v) for k, v in more.metrics.items()}}
+    return Accumulator(grads, acc.total + more.total, acc.count + more.count, metrics)
+
+
+@hooks.program  # seen by jaxrlhf.plan.measure
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
+def accumulate(loss: ActorLoss | CriticLoss, W: int, state, acc: Accumulator, exp, rows, index) -> Accumulator:
+    """`acc` plus the packed micro-batch of the experience's rows `rows` at width W; `index`: the micro-batch's number
+    in the step (its dropout key)."""
+    mb = row_layout(packing.pack(exp, rows, W), loss.mesh)
+    key = jax.random.fold_in(step_keys(state), index)
+    acc = _add(acc, micro_gradients(loss, loss.lora, state, mb, key))
+    return acc._replace(grads=fsdp_layout(acc.grads, loss.mesh))
+
+
+def mixture_weight(loss: MixtureLoss, mask, loss_mask):
+    """The whole batch's policy-loss count (answer tokens, or answers: losses.aggregate) / its LM targets.
 
     The step's gradient is the whole batch's, however it is cut into micro-batches: the PPO loss's mean over all
     the batch's answer tokens plus unsup_coef times the LM loss's mean over all the unsupervised batch's targets.
-    The trainer sums the micro-batches' totals and divides once by their summed count, the answer tokens; so a
+    The step sums the micro-batches' totals and divides once by their summed count, the answer tokens; so a
     micro-batch's LM sum enters weighted by the whole batch's answer tokens / LM targets."""
-    if "unsup" not in exp:
-        return None
-    count = losses.aggregate(exp["mask"].astype(jnp.float32), exp["mask"], s.cfg.aggregation)[1]
-    return count / jnp.maximum(jnp.sum(lm_targets(exp["unsup"]["loss_mask"])), 1)
+    count = losses.aggregate(mask.astype(jnp.float32), mask, loss.aggregation)[1]
+    return count / jnp.maximum(jnp.sum(lm_targets(loss_mask)), 1)
 
 
-def _loss(s: Static, name: str, exp):
-    return _actor_loss(s, _lm_weight(s, exp)) if name == "actor" else _critic_loss(s)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=4)
-def accumulate(s: Static, name: str, W: int, state, acc, exp, rows, index):
-    """`acc` plus one packed micro-batch's gradients and loss sums (W > 0: rows `rows` of the experience; W = 0: rows
-    `rows` of exp["unsup"], the actor's mixture loss); `index`: the micro-batch's number in the step (its key)."""
-    if W:
-        mb = packed_rows(s, exp, rows, W)
-    else:
-        mb = {"unsup": row_layout(jax.tree.map(lambda x: x[rows], exp["unsup"]), s.mesh)}
+@hooks.program  # seen by jaxrlhf.plan.measure
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def accumulate_mixture(loss: MixtureLoss, state, acc: Accumulator, mask, unsup, rows, index) -> Accumulator:
+    """`acc` plus rows `rows` of the mixture batch `unsup` (a Step 1 batch [N, T]); `mask` [B, G]: the experience's
+    loss mask, whose count weighs the LM loss (mixture_weight); `index`: the micro-batch's number in the step."""
+    weight = mixture_weight(loss, mask, unsup["loss_mask"])
+    mb = row_layout(jax.tree.map(lambda x: x[rows], unsup), loss.mesh)
     key = jax.random.fold_in(step_keys(state), index)
-    grads, total, count, sums = micro_gradients(_loss(s, name, exp), s.side(name).lora, state, mb, key)
-    # sums add up, but the ratio's extremes combine by min and max
-    combine = lambda k: jnp.minimum if k.endswith("_min") else jnp.maximum if k.endswith("_max") else jnp.add  # noqa: E731
-    sums = {k: combine(k)(acc[3][k], v) for k, v in sums.items()}
-    acc = (jax.tree.map(jnp.add, acc[0], grads), acc[1] + total, acc[2] + count, sums)
-    return (fsdp_layout(acc[0], s.mesh), *acc[1:])
+    more = micro_gradients(functools.partial(loss, weight=weight), loss.lora, state, mb, key)
+    acc = _add(acc, more)
+    return acc._replace(grads=fsdp_layout(acc.grads, loss.mesh))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def zero_accumulator(s: Static, name: str, W: int, state, exp, rows):
-    """The accumulator accumulate adds micro-batches into, zeros, gradients in the FSDP layout."""
-    mb = packed_rows(s, exp, rows, W)
-    acc = zero_gradients(_loss(s, name, exp), s.side(name).lora, state, mb, step_keys(state))
-    sums = {k: jnp.full_like(v, NO_RATIO[k]) if k in ("ratio_min", "ratio_max") else v for k, v in acc[3].items()}
-    return (fsdp_layout(acc[0], s.mesh), *acc[1:3], sums)
+@hooks.program  # seen by jaxrlhf.plan.measure
+@functools.partial(jax.jit, static_argnums=(0, 1, 5))
+def zero_accumulator(loss: ActorLoss | CriticLoss, W: int, state, exp, rows, mixture: bool) -> Accumulator:
+    """The accumulator accumulate adds micro-batches into: zeros, gradients in the FSDP layout, the ratio's extremes
+    at NO_RATIO's; with `mixture`, an "unsup_loss" for accumulate_mixture too."""
+    mb = row_layout(packing.pack(exp, rows, W), loss.mesh)
+    acc = zero_gradients(loss, loss.lora, state, mb, step_keys(state))
+    metrics = {
+        k: jnp.full_like(v, NO_RATIO[k]) if k in ("ratio_min", "ratio_max") else v for k, v in acc.metrics.items()
+    }
+    if mixture:
+        metrics["unsup_loss"] = jnp.zeros((), jnp.float32)
+    return acc._replace(grads=fsdp_layout(acc.grads, loss.mesh), metrics=metrics)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
-def apply(s: Static, name: str, state, ema, acc):
-    """The optimizer step from accumulated gradients (trainer.apply_gradients), and the actor's EMA."""
-    state, metrics = apply_gradients(s.tx(name), s.side(name).lora, state, Accumulator(*acc))
-    state = jax.lax.with_sharding_constraint(state, state_shardings(state, s.mesh))
-    return state, _ema_update(s, state, ema, metrics), metrics
+@hooks.program  # seen by jaxrlhf.plan.measure
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
+def apply(update: Update, state, ema, acc: Accumulator):
+    """The optimizer step from accumulated gradients (optim.apply_gradients), and the actor's EMA."""
+    state, metrics = apply_gradients(update.tx, update.lora, state, acc)
+    state = jax.lax.with_sharding_constraint(state, state_shardings(state, update.mesh))
+    return state, _ema_update(update, state, ema, metrics), metrics
 
 
-def _ema_update(s: Static, actor, ema, metrics):
-    """ema <- decay ema + (1 - decay) actor (float32), unless the trainer's non-finite guard skipped the step."""
+def _ema_update(update: Update, actor, ema, metrics):
+    """ema <- decay ema + (1 - decay) actor (float32), unless the non-finite guard skipped the step."""
     if ema is None:
         return None
-    cfg = s.cfg
-    fused = effective_params(actor, cfg.actor.lora)
-    new = jax.tree.map(lambda e, a: cfg.ema_decay * e + (1 - cfg.ema_decay) * a.astype(e.dtype), ema, fused)
+    decay = update.ema_decay
+    fused = effective_params(actor, update.lora)
+    new = jax.tree.map(lambda e, a: decay * e + (1 - decay) * a.astype(e.dtype), ema, fused)
     new = jax.tree.map(lambda n, e: jnp.where(metrics["skipped"] > 0, e, n), new, ema)  # a skipped step: as it was
-    return fsdp_layout(new, s.mesh)
+    return fsdp_layout(new, update.mesh)
