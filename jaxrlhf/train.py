@@ -336,7 +336,8 @@ def step3(cfg: TrainConfig, dirs: dict, log=print, mesh=None) -> dict:
     try:
         folders = {k: str(v) for k, v in ppo.run(step, log=log, mesh=mesh)["folders"].items()}
     except ChangedRunError as e:  # e.g. algorithm=grpo where a PPO run is saved
-        beside = f"give step3_dir=NAME to run this Step 3 into {Path(cfg.output_dir)}/NAME beside it (on the same Steps 1 and 2)"
+        out = Path(cfg.output_dir)
+        beside = f"give step3_dir=NAME to run this Step 3 into {out}/NAME beside it (on the same Steps 1 and 2)"
         raise ChangedRunError(e.out, e.what, beside) from None
     return {"step3": folders, **evaluate(cfg, dirs, folders, log)}
 
