@@ -37,7 +37,48 @@ import orbax.checkpoint as ocp
 from tqdm import tqdm
 
 from jaxrlhf.checkpoint import check_replaceable, export_manifest
-from jaxrlhf.config import ConfigError
+from jaxrlhf.config import ConfigError, check_fields
+from jaxrlhf.metrics import check_trackers
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """The run-level settings of every step, declared once: Steps 1 and 2's RunConfig and Step 3's PPOConfig inherit
+    them (top-level keys in YAML and on the command line); fit, start_run and the run's folder read them. A "step" is
+    an optimizer step in Steps 1 and 2 and an iteration (generation batches and their PPO epochs) in Step 3."""
+
+    #: tokenizer folder (default: the model's folder; Step 3: the actor's)
+    tokenizer: str | None = None
+    #: where the HF models, Orbax state (state/), metrics.jsonl and TensorBoard events (tb/) go
+    output_dir: str = "runs/step"
+    #: passes over the training set (Step 3: over the prompts)
+    epochs: int = 1
+    #: stop after this many steps (0: run the epochs)
+    max_steps: int = 0
+    #: print and write metrics every this many steps
+    log_every: int = 10
+    #: where metrics go besides metrics.jsonl: tensorboard, wandb, mlflow (see jaxrlhf/metrics.py)
+    report_to: tuple[str, ...] = ("tensorboard",)
+    #: save the training state every this many steps (0: only at the end)
+    save_every: int = 0
+    #: also save it when this many minutes have passed since the last save (0: never by the clock); SIGINT/SIGTERM
+    #: save it too, after the step under way
+    save_minutes: float = 30.0
+    #: training states kept on disk (the newest)
+    keep_checkpoints: int = 2
+    #: continue the run saved in output_dir (its newest state), or skip it if it is finished; false: start from
+    #: scratch, refused where output_dir already holds a run
+    resume: bool = True
+    #: stop the run after this many steps in a row of one model skipped for a non-finite loss or gradient norm
+    max_skipped_steps: int = 10
+
+    def __post_init__(self):
+        check_fields(
+            self,
+            **dict.fromkeys(("epochs", "log_every", "keep_checkpoints", "max_skipped_steps"), ">= 1"),
+            **dict.fromkeys(("max_steps", "save_every", "save_minutes"), ">= 0"),
+        )
+        check_trackers(self.report_to)
 
 
 def checkpoint_manager(out_dir: Path, keep: int):
@@ -103,7 +144,7 @@ def changed(old: dict, new: dict, ignore=()) -> list[str]:
 
 
 def start_run(
-    cfg, exports: list[Path], saved_step: int | None, inputs: tuple[str, ...] = ("model",), log=print
+    cfg: LoopConfig, exports: list[Path], saved_step: int | None, inputs: tuple[str, ...] = ("model",), log=print
 ) -> bool:
     """Check cfg.output_dir against `cfg` before anything is loaded; True when the run there is finished (skip it).
 
@@ -210,7 +251,7 @@ def agreed(*flags: int) -> tuple[int, ...]:
     return tuple(int(x) for x in gathered.reshape(-1, len(flags)).max(axis=0))
 
 
-def restore(cfg, manager, state, shardings, named: dict, counter: tuple[str, int], total: int, log):
+def restore(cfg: LoopConfig, manager, state, shardings, named: dict, counter: tuple[str, int], total: int, log):
     """(state, its iteration): with cfg.resume, the newest saved state, restored straight into `shardings`, and every
     source's data position set back; a ConfigError where the saved run is past `total`."""
     key, per = counter
@@ -260,7 +301,7 @@ def interrupted(signum: int, output_dir: str, unit: str, i: int, total: int) -> 
 
 
 def fit(
-    cfg,
+    cfg: LoopConfig,
     state,
     step,
     summarise,
@@ -271,6 +312,7 @@ def fit(
     metrics_log,
     shardings,
     evaluate=None,
+    eval_every: int = 0,
     counter: tuple[str, int] = ("step", 1),
     shown: tuple[str, ...] = (),
     desc: str = "train",
@@ -278,7 +320,8 @@ def fit(
 ):
     """Run iterations up to `total` (see the module docstring); returns the final state and the logged records.
 
-    `cfg` holds output_dir, resume, log_every, save_every, save_minutes, max_skipped_steps and optionally eval_every;
+    `cfg`: the run's settings (output_dir, resume, log_every, save_every, save_minutes, max_skipped_steps); `evaluate`
+    runs every `eval_every` iterations (0: only at the end) and at the end;
     `sources` is a jaxrlhf.data.Batches or a dict of them by name (their positions ride along in each checkpoint);
     `shown`: the figures on the progress bar. `metrics_log` (jaxrlhf.metrics.MetricsLog) is closed at the end.
     """
@@ -333,7 +376,6 @@ def fit(
         if signum:
             raise interrupted(signum, cfg.output_dir, unit, i, total)
 
-    eval_every = getattr(cfg, "eval_every", 0)
     bar = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True, disable=jax.process_index() != 0)
     try:  # a crash or a second signal still finishes the checkpoint being written
         with Signals() as signals:

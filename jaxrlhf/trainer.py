@@ -33,7 +33,7 @@ from jaxrlhf.data.pipeline import check_rows
 from jaxrlhf.distributed import to_host
 from jaxrlhf.loop import settings, start_run
 from jaxrlhf.lora import LoRAConfig
-from jaxrlhf.metrics import MetricsLog, check_trackers
+from jaxrlhf.metrics import MetricsLog
 from jaxrlhf.models import LOGITS_CHUNK, Backend, init_params, preset
 from jaxrlhf.optim import (
     LossFn,
@@ -55,33 +55,17 @@ from jaxrlhf.tokenizer import load_tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
-class RunConfig:
+class RunConfig(loop.LoopConfig):
+    """Steps 1 and 2's settings: the run's (loop.LoopConfig: output_dir, epochs, logging, saving, ...) and these."""
+
     #: a Hugging Face OPT folder, or random:NAME (random weights of a released OPT shape, e.g. random:opt-125m)
     model: str = ""
-    #: tokenizer folder (default: the model folder)
-    tokenizer: str | None = None
-    #: where the HF model (model/), Orbax state (state/), metrics.jsonl and TensorBoard events (tb/) go
-    output_dir: str = "runs/step"
     #: sequences per optimizer step, over all devices
     batch_size: int = 16
-    #: passes over the training set
-    epochs: int = 1
-    #: stop after this many optimizer steps (0: run the epochs)
-    max_steps: int = 0
     #: evaluate every this many steps (0: only at the end)
     eval_every: int = 0
     #: batches per evaluation (0: the whole eval set)
     eval_batches: int = 0
-    #: save the training state every this many steps (0: only at the end)
-    save_every: int = 0
-    #: also save it when this many minutes have passed since the last save (0: never by the clock); SIGINT/SIGTERM
-    #: save it too, after the step under way
-    save_minutes: float = 30.0
-    #: training states kept on disk (the newest)
-    keep_checkpoints: int = 2
-    #: continue the run saved in output_dir (its newest state), or skip it if it is finished; false: start from
-    #: scratch, refused where output_dir already holds a run
-    resume: bool = True
     #: bf16: bf16 compute with fp32 master weights and optimizer; fp32; pure_bf16: bf16 everywhere
     precision: Literal["bf16", "fp32", "pure_bf16"] = "bf16"
     #: recompute each layer in the backward pass (DeepSpeed-Chat's --gradient_checkpointing)
@@ -95,27 +79,18 @@ class RunConfig:
     tp: int = 1
     #: seed of the weights of random models, LoRA init and dropout
     seed: int = 1234
-    #: print and write metrics every this many steps
-    log_every: int = 10
-    #: where metrics go besides metrics.jsonl: tensorboard, wandb, mlflow (see jaxrlhf/metrics.py)
-    report_to: tuple[str, ...] = ("tensorboard",)
-    #: stop the run after this many steps in a row skipped for a non-finite loss or gradient norm
-    max_skipped_steps: int = 10
     optim: OptimConfig = OptimConfig()
     lora: LoRAConfig = LoRAConfig()
     data: DataConfig = DataConfig()
 
     def __post_init__(self):
+        super().__post_init__()
         check_fields(
             self,
-            **dict.fromkeys(
-                ("batch_size", "epochs", "keep_checkpoints", "tp", "log_every", "max_skipped_steps"), ">= 1"
-            ),
-            **dict.fromkeys(("max_steps", "eval_every", "eval_batches", "save_every", "logits_chunk"), ">= 0"),
+            **dict.fromkeys(("batch_size", "tp"), ">= 1"),
+            **dict.fromkeys(("eval_every", "eval_batches", "logits_chunk"), ">= 0"),
             dropout="[0, 1)",
-            save_minutes=">= 0",
         )
-        check_trackers(self.report_to)
 
 
 def with_reference(reference_fn, state, batch):
@@ -297,6 +272,7 @@ def train(
         batches,
         total=total,
         evaluate=evaluate,
+        eval_every=run.eval_every,
         log=log,
         manager=manager,
         shardings=shardings,

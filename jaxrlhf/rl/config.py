@@ -11,8 +11,8 @@ from typing import Literal
 from jaxrlhf.alarms import AlarmConfig
 from jaxrlhf.config import ConfigError, check_fields
 from jaxrlhf.data import DataConfig
+from jaxrlhf.loop import LoopConfig
 from jaxrlhf.lora import LoRAConfig
-from jaxrlhf.metrics import check_trackers
 from jaxrlhf.models import LOGITS_CHUNK
 from jaxrlhf.optim import OptimConfig
 from jaxrlhf.rewards import RewardConfig
@@ -233,11 +233,11 @@ class EngineConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class PPOConfig(EngineConfig):
-    #: tokenizer folder (default: the actor's folder)
-    tokenizer: str | None = None
-    #: where actor/, critic/, actor_ema/ (HF folders), state/ (Orbax), metrics.jsonl and tb/ go
-    output_dir: str = "runs/ppo"
+class PPOConfig(EngineConfig, LoopConfig):
+    """Step 3's settings: the engine's (EngineConfig), the run's (loop.LoopConfig: a step is an iteration) and these."""
+
+    output_dir: str = "runs/ppo"  # LoopConfig's, Step 3's default: actor/, critic/, actor_ema/ (HF folders) go there
+    log_every: int = 1  # LoopConfig's, Step 3's default
     #: prompts per generation batch, over all devices (DeepSpeed-Chat: per-device batch x devices); the batch holds
     #: batch_size x num_samples_per_prompt answers, which must split over the devices
     batch_size: int = 16
@@ -245,28 +245,8 @@ class PPOConfig(EngineConfig):
     generation_batches: int = 1
     #: passes over an iteration's experience
     ppo_epochs: int = 1
-    #: passes over the prompts
-    epochs: int = 1
-    #: stop after this many iterations (0: run the epochs)
-    max_steps: int = 0
     #: rows per mixture LM batch (0: batch_size)
     unsup_batch_size: int = 0
-    #: print and write metrics every this many iterations
-    log_every: int = 1
-    #: where metrics go besides metrics.jsonl: tensorboard, wandb, mlflow (see jaxrlhf/metrics.py)
-    report_to: tuple[str, ...] = ("tensorboard",)
-    #: save the training state every this many iterations (0: only at the end)
-    save_every: int = 0
-    #: also save it when this many minutes have passed since the last save (0: never by the clock); SIGINT/SIGTERM
-    #: save it too, after the iteration under way
-    save_minutes: float = 30.0
-    #: training states kept on disk (the newest)
-    keep_checkpoints: int = 2
-    #: continue the run saved in output_dir (its newest state), or skip it if it is finished; false: start from
-    #: scratch, refused where output_dir already holds a run
-    resume: bool = True
-    #: stop the run after this many actor (or critic) steps in a row skipped for a non-finite loss or gradient norm
-    max_skipped_steps: int = 10
     #: print a prompt and its answer at every log (DeepSpeed-Chat's --print_answers)
     print_answers: bool = False
     #: reward-hacking alarms: bounds on answer length, repetition, entropy and KL; learned vs gold reward trend
@@ -277,10 +257,10 @@ class PPOConfig(EngineConfig):
     data: DataConfig = DataConfig(max_prompt_len=256)
 
     def __post_init__(self):
-        super().__post_init__()
+        EngineConfig.__post_init__(self)
+        LoopConfig.__post_init__(self)
         rules = {
-            ">= 1": ("batch_size", "generation_batches", "ppo_epochs", "epochs", "log_every", "keep_checkpoints"),
-            ">= 0": ("max_steps", "save_every", "save_minutes", "unsup_batch_size", "device_memory_gib"),
+            ">= 1": ("batch_size", "generation_batches", "ppo_epochs"),
+            ">= 0": ("unsup_batch_size", "device_memory_gib"),
         }
-        check_fields(self, max_skipped_steps=">= 1", **{n: rule for rule, names in rules.items() for n in names})
-        check_trackers(self.report_to)
+        check_fields(self, **{n: rule for rule, names in rules.items() for n in names})
