@@ -318,16 +318,11 @@ def fit(
     desc: str = "train",
     log=print,
 ):
-    """Run iterations up to `total` (see the module docstring); returns the final state and the logged records.
-
-    `cfg`: the run's settings (output_dir, resume, log_every, save_every, save_minutes, max_skipped_steps); `evaluate`
-    runs every `eval_every` iterations (0: only at the end) and at the end;
-    `sources` is a jaxrlhf.data.Batches or a dict of them by name (their positions ride along in each checkpoint);
-    `shown`: the figures on the progress bar. `metrics_log` (jaxrlhf.metrics.MetricsLog) is closed at the end.
-    """
-    key = counter[0]
+    """Run iterations up to `total` (see the module docstring) -> (the final state, the logged records). `evaluate`
+    runs every `eval_every` iterations (0: never) and at the end; `sources`: a data.Batches or a dict of them by name
+    (their positions ride along in each checkpoint); `shown`: the bar's figures; `metrics_log` is closed at the end."""
+    key, unit = counter[0], "step" if counter[0] == "step" else "iteration"
     named = sources if isinstance(sources, dict) else {"": sources}
-    unit = "step" if key == "step" else "iteration"
     try:
         state, start = restore(cfg, manager, state, shardings, named, counter, total, log)
     except ConfigError:
@@ -342,56 +337,35 @@ def fit(
         save_state(manager, state, meta, int(state[key]))
         saved_at = time.monotonic()
 
-    records, window, skipped, in_a_row = [], [], [], {}  # in_a_row: each model's steps skipped in a row so far
-
-    def write(i, split, figures):
-        metrics_log.write(i, split, figures)
-        records.append({"step": i, "split": split, **figures})
-
-    def log_window(i):  # the figures of the iterations since the last log; the non-finite guard
-        figures = summarise(window)
-        write(i, "train", figures)
-        postfix = {k: f"{figures[k]:.4g}" for k in shown if k in figures}
-        bar.set_postfix(postfix | ({"ALARM": figures["alarms"]} if "alarms" in figures else {}))
-        guard(skipped, in_a_row, cfg.max_skipped_steps, log)  # after the write: a stopped run's log shows its skips
-        window.clear()
-        skipped.clear()
-
-    def run_eval(i):
-        if evaluate is not None and (figures := evaluate(state)) is not None:
-            write(i, "eval", figures)
-            log(
-                f"eval @ {i}: "
-                + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items())
-            )
+    bar = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True, disable=jax.process_index() != 0)
+    logs = _Logs(metrics_log, summarise, bar, shown, cfg.max_skipped_steps, log)
 
     def stop_or_save(i, logged: bool, signum: int):  # after iteration i < total
         due = bool(cfg.save_minutes) and time.monotonic() - saved_at >= 60 * cfg.save_minutes
         if jax.process_count() > 1:  # decided together where the processes meet anyway: at the log steps
             signum, due = agreed(signum, due) if logged else (0, False)
-        if signum and window:  # the figures of the iterations since the last log are kept too
-            log_window(i)
+        if signum and logs.window:  # the figures of the iterations since the last log are kept too
+            logs.log_window(i)
         if signum or due or (cfg.save_every and i % cfg.save_every == 0):
             save()
         if signum:
             raise interrupted(signum, cfg.output_dir, unit, i, total)
 
-    bar = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True, disable=jax.process_index() != 0)
     try:  # a crash or a second signal still finishes the checkpoint being written
         with Signals() as signals:
             for i in range(start + 1, total + 1):
                 state, metrics, skips = step(state, i)
-                window.append(metrics)
-                skipped.extend(skips)
+                logs.window.append(metrics)
+                logs.skipped.extend(skips)
                 if logged := i % cfg.log_every == 0 or i == total:
-                    log_window(i)
+                    logs.log_window(i)
                 bar.update(1)
                 if eval_every and i % eval_every == 0 and i != total:
-                    run_eval(i)
+                    logs.evaluate(i, evaluate, state)
                 if i != total:
                     stop_or_save(i, logged, signals.received)
             if start < total:  # else a finished run started again: evaluated and saved already
-                run_eval(total)
+                logs.evaluate(total, evaluate, state)
             save()
             if (signum := agreed(signals.received)[0]) and start < total:
                 raise interrupted(signum, cfg.output_dir, unit, total, total)
@@ -404,4 +378,36 @@ def fit(
         bar.close()
         manager.wait_until_finished()
         metrics_log.close()
-    return state, records
+    return state, logs.records
+
+
+class _Logs:
+    """fit's figures: the metrics of the iterations since the last log (`window`) and their non-finite guard flags
+    (`skipped`), written with the evaluations to `metrics_log` and kept as `records`; the bar shows `shown`."""
+
+    def __init__(self, metrics_log, summarise, bar, shown: tuple[str, ...], max_skipped: int, log):
+        self.metrics_log, self.summarise, self.bar, self.shown, self.max_skipped, self.log = (
+            metrics_log, summarise, bar, shown, max_skipped, log
+        )  # fmt: skip
+        self.records, self.window, self.skipped, self.in_a_row = [], [], [], {}  # in_a_row: per model, skips in a row
+
+    def write(self, i: int, split: str, figures: dict):
+        self.metrics_log.write(i, split, figures)
+        self.records.append({"step": i, "split": split, **figures})
+
+    def log_window(self, i: int):
+        """The figures of the iterations since the last log; the non-finite guard after the write (a stopped run's
+        log shows its skips)."""
+        figures = self.summarise(self.window)
+        self.write(i, "train", figures)
+        postfix = {k: f"{figures[k]:.4g}" for k in self.shown if k in figures}
+        self.bar.set_postfix(postfix | ({"ALARM": figures["alarms"]} if "alarms" in figures else {}))
+        guard(self.skipped, self.in_a_row, self.max_skipped, self.log)
+        self.window.clear()
+        self.skipped.clear()
+
+    def evaluate(self, i: int, evaluate, state):
+        if evaluate is not None and (figures := evaluate(state)) is not None:
+            self.write(i, "eval", figures)
+            shown = (f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items())
+            self.log(f"eval @ {i}: " + ", ".join(shown))

@@ -195,20 +195,12 @@ def train(
     if start_run(run, [out / "model"], manager.latest_step(), log=log):
         manager.close()
         return {"state": None, "records": [], "config": None, "model_dir": out / "model", "skipped": True}
-    log(
-        f"mesh {dict(mesh.shape)}: {mesh.size} devices, {jax.process_count()} process(es), this is process "
-        f"{jax.process_index()}"
-    )
+    where = f"{jax.process_count()} process(es), this is process {jax.process_index()}"
+    log(f"mesh {dict(mesh.shape)}: {mesh.size} devices, {where}")
     if warning := precision_warning(run.precision, run.optim, run.lora):
         log(warning)
     config, params, tokenizer = load_model(run, value_head=value_head, fresh_head=True)
-    data = prepare(run.data, step, tokenizer, log=log)
-    check_rows(data, step, run.data, config.max_position_embeddings)  # before anything compiles
-    proc = dict(process_index=jax.process_index(), process_count=jax.process_count())
-    batches = Batches(data["train"], step, run.batch_size, run.data, tokenizer.pad_token_id, **proc)
-    total = run.max_steps or run.epochs * len(batches)
-    if total <= 0:
-        raise ValueError("nothing to train: 0 steps (check epochs, max_steps and the size of the training set)")
+    data, batches, total = _load_data(run, step, tokenizer, config, log)
     tx = make_optimizer(run.optim, total, run.lora)
     state = create_state(params, run.lora, tx, jax.random.key(run.seed), mesh, reference=reference is not None)
     on_eval = make_on_eval(config, tokenizer, data, state) if make_on_eval else None
@@ -217,17 +209,7 @@ def train(
     step_fn = jax.jit(
         make_train_step(loss_fn, tx, run.lora, reference_fn), out_shardings=(shardings, None), donate_argnums=0
     )
-
-    @jax.jit
-    def eval_fn(state, batch):
-        batch = with_reference(reference_fn, state, batch)
-        _, count, sums = loss_fn(effective_params(state, run.lora, fused=False), batch, None)
-        return {**sums, "count": count}
-
-    put = lambda spec, host: {
-        k: jax.make_array_from_process_local_data(NamedSharding(mesh, spec), v) for k, v in host.items()
-    }
-    lr_fn = schedule(run.optim, run.optim.learning_rate, total)
+    put = partial(_put, mesh)
     since = {"tokens": 0, "clock": time.perf_counter()}  # of the log window
     host_batches = iter(batches)
 
@@ -240,42 +222,16 @@ def train(
         state, metrics = step_fn(state, put(P(None, FSDP_AXES), micro))
         return state, (i, metrics), [("model", metrics["skipped"], where)]
 
-    def log_figures(window):
-        i, window = window[-1][0], jax.device_get([m for _, m in window])
-        kept = [m for m in window if not m["skipped"]]
-        sums = jax.tree.map(lambda *xs: np.sum(xs), *(kept or window))  # all skipped: the figures show the NaN
-        figures = {
-            **summarise(sums),
-            "grad_norm": float(sums["grad_norm"]) / len(kept or window),
-            "skipped": len(window) - len(kept),
-            "lr": float(lr_fn(i - 1)),
-            "tokens_per_s": since["tokens"] * jax.process_count() / (time.perf_counter() - since["clock"]),
-        }
-        since.update(tokens=0, clock=time.perf_counter())
-        return figures
-
-    def evaluate(state):
-        sums, n, B = None, num_rows(data["eval"]) // run.batch_size, run.batch_size
-        for i in range(min(n, run.eval_batches) if run.eval_batches else n):
-            batch = make_batch(data["eval"], range(i * B, (i + 1) * B), step, run.data, batches.pad_id)
-            m = jax.device_get(eval_fn(state, put(P(FSDP_AXES), batch)))
-            sums = m if sums is None else jax.tree.map(np.add, sums, m)
-        if sums is None:
-            return None
-        return {**summarise(sums), **(on_eval(state) if on_eval is not None else {})}
-
+    lr_fn = schedule(run.optim, run.optim.learning_rate, total)
+    evaluate = _evaluator(run, step, data, batches.pad_id, put, loss_fn, reference_fn, summarise, on_eval)
+    kw = dict(total=total, evaluate=evaluate, eval_every=run.eval_every, log=log, manager=manager, shardings=shardings)
     state, records = loop.fit(
         run,
         state,
         train_step,
-        log_figures,
+        partial(_window_figures, summarise, lr_fn, since),
         batches,
-        total=total,
-        evaluate=evaluate,
-        eval_every=run.eval_every,
-        log=log,
-        manager=manager,
-        shardings=shardings,
+        **kw,
         metrics_log=MetricsLog(out, run.report_to, settings(run)),
         shown=("loss", "accuracy", "lr", "tokens_per_s"),
     )
@@ -284,3 +240,60 @@ def train(
         save_hf(out / "model", config, final, tokenizer, manifest={"settings": settings(run)})
     log(f"Step {step} done: Hugging Face model in {out / 'model'}")
     return {"state": state, "records": records, "config": config, "model_dir": out / "model"}
+
+
+def _put(mesh, spec, host: dict) -> dict:
+    """This process's rows of a host batch on the mesh, split like `spec`."""
+    return {k: jax.make_array_from_process_local_data(NamedSharding(mesh, spec), v) for k, v in host.items()}
+
+
+def _load_data(run: RunConfig, step: int, tokenizer, config, log):
+    """(data splits, the training Batches, the run's optimizer steps), checked before anything compiles."""
+    data = prepare(run.data, step, tokenizer, log=log)
+    check_rows(data, step, run.data, config.max_position_embeddings)
+    proc = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    batches = Batches(data["train"], step, run.batch_size, run.data, tokenizer.pad_token_id, **proc)
+    total = run.max_steps or run.epochs * len(batches)
+    if total <= 0:
+        raise ValueError("nothing to train: 0 steps (check epochs, max_steps and the size of the training set)")
+    return data, batches, total
+
+
+def _window_figures(summarise, lr_fn, since: dict, window: list) -> dict:
+    """The figures of the steps since the last log ((i, metrics) each); skipped steps are left out of the sums.
+    `since`: the window's tokens and start (reset here)."""
+    i, window = window[-1][0], jax.device_get([m for _, m in window])
+    kept = [m for m in window if not m["skipped"]]
+    sums = jax.tree.map(lambda *xs: np.sum(xs), *(kept or window))  # all skipped: the figures show the NaN
+    figures = {
+        **summarise(sums),
+        "grad_norm": float(sums["grad_norm"]) / len(kept or window),
+        "skipped": len(window) - len(kept),
+        "lr": float(lr_fn(i - 1)),
+        "tokens_per_s": since["tokens"] * jax.process_count() / (time.perf_counter() - since["clock"]),
+    }
+    since.update(tokens=0, clock=time.perf_counter())
+    return figures
+
+
+def _evaluator(run: RunConfig, step: int, data, pad_id: int, put, loss_fn, reference_fn, summarise, on_eval):
+    """evaluate(state) -> figures | None: the eval split in order, in batches of run.batch_size (the last partial one
+    dropped; run.eval_batches of them if set), plus on_eval's figures."""
+
+    @jax.jit
+    def eval_fn(state, batch):
+        batch = with_reference(reference_fn, state, batch)
+        _, count, sums = loss_fn(effective_params(state, run.lora, fused=False), batch, None)
+        return {**sums, "count": count}
+
+    def evaluate(state):
+        sums, n, B = None, num_rows(data["eval"]) // run.batch_size, run.batch_size
+        for i in range(min(n, run.eval_batches) if run.eval_batches else n):
+            batch = make_batch(data["eval"], range(i * B, (i + 1) * B), step, run.data, pad_id)
+            m = jax.device_get(eval_fn(state, put(P(FSDP_AXES), batch)))
+            sums = m if sums is None else jax.tree.map(np.add, sums, m)
+        if sums is None:
+            return None
+        return {**summarise(sums), **(on_eval(state) if on_eval is not None else {})}
+
+    return evaluate

@@ -113,3 +113,25 @@ def test_a_non_finite_step_is_skipped_inside_the_compiled_step():
     skipped, _ = step(state, nan)
     got, _ = step(skipped, good)  # the warm-up's first step again: the skipped step did not count
     np.testing.assert_allclose(got["trainable"]["params"]["w"], want["trainable"]["params"]["w"], rtol=1e-6)
+
+
+def test_step3_programs_are_keyed_by_what_they_read_and_share_one_optimizer():
+    """Settings a step never reads (sampling, the KL penalty's coefficient, the actor's settings for the critic) leave
+    its jit key, so its compilation, as it was; one it reads changes it. The optimizer is built once per settings."""
+    import dataclasses
+
+    from jaxrlhf.rl.config import EngineConfig
+    from jaxrlhf.rl.experience import Static
+    from jaxrlhf.rl.steps import programs
+
+    mesh = make_mesh(1, jax.devices()[:1])
+    static = lambda **kw: Static(EngineConfig(**kw), TINY, TINY, 10, mesh)  # noqa: E731
+    base = static()
+    unread = static(temperature=0.7, kl_coef=0.3, actor=dataclasses.replace(EngineConfig().actor, remat=True))
+    assert programs(base, "critic") == programs(unread, "critic")
+    assert programs(base, "critic")[2].tx is programs(unread, "critic")[2].tx  # the same optimizer object
+    assert programs(base, "actor")[2] == programs(unread, "actor")[2]  # the update reads no sampling setting
+    assert programs(base, "actor")[0] != programs(unread, "actor")[0]  # the loss reads the temperature
+    assert programs(base, "actor")[0] != programs(static(clip_ratio=0.3), "actor")[0]
+    assert programs(base, "critic")[0] != programs(static(clip_value=0.3), "critic")[0]
+    assert programs(base, "actor")[2] != programs(static(enable_ema=True), "actor")[2]
