@@ -1,6 +1,6 @@
 """The hybrid engine of Step 3: four models on one mesh, and DeepSpeed-Chat's two verbs.
 
-    actor      trainable   a trainer state in the FSDP layout (jaxrlhf.trainer: trainable/frozen/opt/step/rng)
+    actor      trainable   a train state in the FSDP layout (jaxrlhf.optim: trainable/frozen/opt/step/rng)
     critic     trainable   the same, initialised from the Step 2 reward model (value head included)
     reference  frozen      the Step 1 weights: the actor's own base leaves wherever they never move (the
                            kernels that carry LoRA adapters; everything under only_optimize_lora), plus a copy
