@@ -24,31 +24,25 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import importlib
 import math
 import os
 import sys
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh
 
-from jaxrlhf import sharding as sharding_mod
+from jaxrlhf import hooks
 from jaxrlhf.checkpoint import read_config
 from jaxrlhf.config import ConfigError, parse_cli
 from jaxrlhf.generate import DECODE_SLOTS, decode_slots
 from jaxrlhf.lora import adapted_mask
 from jaxrlhf.models import param_shapes, preset
 from jaxrlhf.optim import init_state, make_optimizer
-from jaxrlhf.rl import engine as rl_engine
-from jaxrlhf.rl import steps as rl_steps
 from jaxrlhf.rl.config import ModelSide, PPOConfig
 from jaxrlhf.sharding import AXES, make_mesh, partition_spec, path_str
 
-# The module (jaxrlhf/__init__.py's `generate` is the function): measure probes its compiled programs.
-generate_mod = importlib.import_module("jaxrlhf.generate")
 GiB = 2**30
 
 
@@ -490,44 +484,29 @@ def measure(engine, prompt_batch: dict) -> dict[str, int]:
     is the running peak after each phase. Where it does not (the CPU), it is computed from what JAX offers
     there: the live arrays on the device when each compiled program starts, plus the program's own
     temporaries and outputs from its `memory_analysis()` (temp + output - aliased), maximised over the
-    phase's programs.
+    phase's programs. The engine's observer sees each phase; jaxrlhf.hooks each program in it.
     """
     device = jax.local_devices()[0]
     peaks: dict[str, int] = {}
     gpu = "peak_bytes_in_use" in (device.memory_stats() or {})
-    current, timed = {"phase": None}, engine._timed
 
-    def in_phase(phase, fn, *args):
-        current["phase"] = phase
-        out = timed(phase, fn, *args)
+    def probe(phase, fn, args, kwargs):
+        stats = fn.lower(*args, **kwargs).compile().memory_analysis()
+        program = stats.temp_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+        peaks[phase] = max(peaks.get(phase, 0), device_bytes(device) + program)
+
+    def observe(phase, run):
+        with contextlib.nullcontext() if gpu else hooks.watching(functools.partial(probe, phase)):
+            out = run()
         if gpu:
             peaks[phase] = device.memory_stats()["peak_bytes_in_use"]
         return out
 
-    def probe(fn):
-        def run(*args, **kwargs):
-            stats = fn.lower(*args, **kwargs).compile().memory_analysis()
-            program = stats.temp_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
-            phase = current["phase"]
-            peaks[phase] = max(peaks.get(phase, 0), device_bytes(device) + program)
-            return fn(*args, **kwargs)
-
-        return run
-
-    identity = sharding_mod._identity
-    programs = {  # as the engine calls them
-        generate_mod: ("_generate", "_to_decode_layout"),
-        rl_engine: ("score", "advantages", "padded_experience"),
-        rl_steps: ("zero_accumulator", "accumulate", "apply"),
-    }
-    with contextlib.ExitStack() as patches:
-        patches.enter_context(mock.patch.object(engine, "_timed", in_phase))
-        if not gpu:
-            patches.enter_context(mock.patch.object(sharding_mod, "_identity", lambda sh: probe(identity(sh))))
-            for module, names in programs.items():
-                for n in names:
-                    patches.enter_context(mock.patch.object(module, n, probe(getattr(module, n))))
+    observer, engine.observer = engine.observer, observe
+    try:
         engine.train_rlhf(engine.generate_experience(prompt_batch))
+    finally:
+        engine.observer = observer
     return peaks
 
 

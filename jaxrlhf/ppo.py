@@ -177,9 +177,46 @@ def export(engine: HybridEngine, cfg: PPOConfig, tokenizer) -> dict[str, Path]:
     return folders
 
 
+def load_models(cfg: PPOConfig, mesh, log) -> tuple[tuple, tuple, object]:
+    """The actor's and the critic's (model config, host params) and the tokenizer, once the memory plan says they fit
+    (critic (None, None) where no critic.model is needed); the actor's positions checked against the lengths."""
+    for who, side in (("actor ", cfg.actor), *(() if cfg.critic_free else (("critic ", cfg.critic),))):
+        if warning := precision_warning(cfg.precision, side.optim, side.lora, who):
+            log(warning)
+    log(memory_plan.check(cfg, mesh).table())  # refuses a config that cannot fit, before loading or compiling
+    # The critic first: a folder without a trained value head is refused before the actor loads.
+    critic_config, critic_params, _ = (
+        load_model(side_run(cfg, cfg.critic), value_head=True) if needs_critic_model(cfg) else (None, None, None)
+    )
+    actor_config, actor_params, tokenizer = load_model(side_run(cfg, cfg.actor), value_head=False)
+    check_positions(
+        actor_config.max_position_embeddings,
+        cfg.data.max_prompt_len + cfg.max_answer_len,
+        f"data.max_prompt_len ({cfg.data.max_prompt_len}) + max_answer_len ({cfg.max_answer_len})",
+        "lower either",
+        "actor",
+    )
+    return (actor_config, actor_params), (critic_config, critic_params), tokenizer
+
+
+def load_data(cfg: PPOConfig, tokenizer, positions: int, log) -> tuple[Batches, Batches | None]:
+    """This process's prompt batches and, with data.unsupervised_data_path and unsup_coef > 0, the mixture's LM
+    batches (their rows checked against the actor's `positions`)."""
+    pad = tokenizer.pad_token_id
+    proc = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    prompts = Batches(prepare(cfg.data, 3, tokenizer, log=log)["train"], 3, cfg.batch_size, cfg.data, pad, **proc)
+    if not (cfg.data.unsupervised_data_path and cfg.unsup_coef > 0):
+        return prompts, None
+    blocks = prepare(cfg.data, "unsupervised", tokenizer, log=log)
+    check_rows(blocks, "unsupervised", cfg.data, positions, "actor")
+    rows = cfg.unsup_batch_size or cfg.batch_size
+    return prompts, Batches(blocks["train"], "unsupervised", rows, cfg.data, pad, **proc)
+
+
 def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
     """Step 3 from the Step 1 and 2 folders to the exported actor/critic; returns the engine, the logged
-    records and the HF folders."""
+    records and the HF folders. The engine owns Step 3's state: the loop checkpoints `engine.state`, and a restored
+    one enters through engine.load_state."""
     mesh = mesh or make_mesh(cfg.inference_tp_size)
     log(
         f"mesh {dict(mesh.shape)}: {mesh.size} devices, {jax.process_count()} process(es), this is process "
@@ -195,33 +232,8 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
     if start_run(cfg, list(folders.values()), manager.latest_step(), INPUTS, log=log):
         manager.close()
         return {"engine": None, "records": [], "folders": folders, "tokenizer": None, "skipped": True}
-    for who, side in (("actor ", cfg.actor), *(() if cfg.critic_free else (("critic ", cfg.critic),))):
-        if warning := precision_warning(cfg.precision, side.optim, side.lora, who):
-            log(warning)
-    log(memory_plan.check(cfg, mesh).table())  # refuses a config that cannot fit, before loading or compiling
-    # The critic first: a folder without a trained value head is refused before the actor loads.
-    critic_config, critic_params, _ = (
-        load_model(side_run(cfg, cfg.critic), value_head=True) if needs_critic_model(cfg) else (None, None, None)
-    )
-    actor_config, actor_params, tokenizer = load_model(side_run(cfg, cfg.actor), value_head=False)
-    positions = actor_config.max_position_embeddings
-    check_positions(
-        positions,
-        cfg.data.max_prompt_len + cfg.max_answer_len,
-        f"data.max_prompt_len ({cfg.data.max_prompt_len}) + max_answer_len ({cfg.max_answer_len})",
-        "lower either",
-        "actor",
-    )
-    pad = tokenizer.pad_token_id
-    data = prepare(cfg.data, 3, tokenizer, log=log)
-    proc = dict(process_index=jax.process_index(), process_count=jax.process_count())
-    prompts = Batches(data["train"], 3, cfg.batch_size, cfg.data, pad, **proc)
-    unsup = None
-    if cfg.data.unsupervised_data_path and cfg.unsup_coef > 0:
-        blocks = prepare(cfg.data, "unsupervised", tokenizer, log=log)
-        check_rows(blocks, "unsupervised", cfg.data, positions, "actor")
-        blocks = blocks["train"]
-        unsup = Batches(blocks, "unsupervised", cfg.unsup_batch_size or cfg.batch_size, cfg.data, pad, **proc)
+    actor, critic, tokenizer = load_models(cfg, mesh, log)
+    prompts, unsup = load_data(cfg, tokenizer, actor[0].max_position_embeddings, log)
     iterations = cfg.max_steps or cfg.epochs * (len(prompts) // cfg.generation_batches)
     if iterations <= 0:
         raise ConfigError(
@@ -230,18 +242,17 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
     engine = HybridEngine(
         cfg,
         mesh,
-        (actor_config, actor_params),
-        (critic_config, critic_params),
+        actor,
+        critic,
         total_steps=iterations * cfg.generation_batches * cfg.ppo_epochs,
         eos_id=stop_ids(tokenizer, cfg.data.chat_template, cfg.actor.model),  # end-of-turn, EOS, the model's own
-        pad_id=pad,
+        pad_id=tokenizer.pad_token_id,
     )
-    del actor_params, critic_params
-    step = ppo_iteration(cfg, engine, tokenizer, prompts, unsup, iterations, log)
-    engine.state, records = loop.fit(
+    del actor, critic  # the host copies: the engine holds the weights now
+    state, records = loop.fit(
         cfg,
         engine.state,
-        step,
+        ppo_iteration(cfg, engine, tokenizer, prompts, unsup, iterations, log),
         lambda window: window[-1],
         {"prompts": prompts, **({"unsup": unsup} if unsup else {})},
         total=iterations,
@@ -253,6 +264,8 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
         log=log,
         shown=("reward", "gold_reward", "kl", "answer_len", "samples_per_s"),
     )
+    if state is not engine.state:  # a finished run's state restored and no iteration run: what export writes
+        engine.load_state(state)
     folders = export(engine, cfg, tokenizer)
     log(f"Step 3 done: Hugging Face models in {', '.join(str(f) for f in folders.values())}")
     return {"engine": engine, "records": records, "folders": folders, "tokenizer": tokenizer}
@@ -283,11 +296,56 @@ def sampled_batch(cfg: PPOConfig, engine: HybridEngine, prompt_iter, starter) ->
     return engine.select_rows(exps, rows, left_out=range(min(len(kept), groups) * n, groups * n)), figures
 
 
+def iteration_figures(cfg: PPOConfig, engine: HybridEngine, drawn, stats, seconds: float) -> dict:
+    """One iteration's figures (host floats): the mean over its steps' figures, the ratio's extremes, skip counts,
+    dynamic sampling's figures, each phase's seconds, throughput and peak memory."""
+    samples = cfg.batch_size * cfg.num_samples_per_prompt * cfg.generation_batches  # answers
+    figures = {k: float(np.mean([s[k] for s in stats])) for k in stats[0]}
+    figures.update({k: float(np.mean([d[k] for _, d in drawn])) for k in drawn[0][1]})  # dynamic sampling's
+    figures.update({k: float(f([s[k] for s in stats])) for k, f in (("ratio_min", min), ("ratio_max", max))})
+    figures.update({f"{k}_skipped": float(sum(s[f"{k}_skipped"] for s in stats)) for k in engine.trained})  # counts
+    seq_len = drawn[0][0]["seq"].shape[1]
+    figures.update(
+        {f"{p}_s": engine.timings.get(p, 0.0) for p in PHASES},
+        iteration_s=seconds,
+        samples_per_s=samples / seconds,
+        reshard_bytes=engine.reshard_bytes,
+        tflops=effective_tflops(engine, samples, seq_len, seconds, cfg.ppo_epochs),
+    )
+    if peak_memory() is not None:
+        figures["peak_memory_bytes"] = peak_memory()
+    return figures
+
+
+def answer_figures(cfg: PPOConfig, tokenizer, eos_id, tracker, experiences, figures: dict, it: int, logged: bool, log):
+    """What the answers themselves say, added to `figures`: the built-in task's gold reward, the reward-hacking alarms
+    (logged when they start), and (print_answers, at the log steps) the first answer printed."""
+    synthetic = all(p.startswith("synthetic") for p in cfg.data.data_path)
+    if not (synthetic or cfg.alarms.enabled or (cfg.print_answers and logged)):
+        return
+    host = host_experiences(experiences)
+    if synthetic:
+        figures["gold_reward"] = float(np.mean([g for e in host for g in gold_rewards(tokenizer, e)]))
+    if cfg.alarms.enabled:  # signs of reward hacking: logged when they start, on the bar while they last
+        figures.update(experience_figures(host, eos_id, cfg.alarms.ngram))
+        alarms = tracker.update(figures)
+        for a in alarms:
+            if a.new:
+                log(f"alarm at iteration {it}: {a.message}")
+        if alarms:
+            figures["alarms"] = ",".join(a.name for a in alarms)
+    if cfg.print_answers and logged:
+        e, G = host[0], host[0]["mask"].shape[1]
+        prompt = decode_rows(tokenizer, e["seq"][:1, :-G], e["seq_mask"][:1, :-G], True)[0]
+        answer = decode_rows(tokenizer, e["seq"][:1, -G:], e["seq_mask"][:1, -G:])[0]
+        log(f"--- iteration {it}\nprompt: {prompt!r}\nanswer: {answer!r}")
+
+
 def ppo_iteration(cfg: PPOConfig, engine: HybridEngine, tokenizer, prompts, unsup, iterations: int, log):
     """Step 3's step for the loop (jaxrlhf.loop.fit): iteration `it` answers and scores `generation_batches` batches
     of prompts, then runs `ppo_epochs` passes of one actor and (PPO) one critic step per batch; its figures (the mean
-    over the steps, skip counts, phase seconds, throughput, gold reward, alarms) are host floats."""
-    synthetic = all(p.startswith("synthetic") for p in cfg.data.data_path)
+    over the steps, skip counts, phase seconds, throughput, gold reward, alarms) are host floats. It trains the
+    engine's own state and returns it; a state the loop restored enters through engine.load_state."""
     prompt_iter, unsup_iter = iter(prompts), iter(unsup) if unsup else None
     starter = None
     if cfg.reward.functions:
@@ -300,8 +358,8 @@ def ppo_iteration(cfg: PPOConfig, engine: HybridEngine, tokenizer, prompts, unsu
             tracker = AlarmTracker(
                 cfg.alarms, history=training_records(Path(cfg.output_dir) / "metrics.jsonl", upto=it - 1)
             )
-        engine.state = state
-        engine.offload()  # a restored state's offloaded optimizer states back in host memory (else a no-op)
+        if state is not engine.state:  # restored from a checkpoint
+            engine.load_state(state)
         clock, engine.timings = time.perf_counter(), {}
         drawn = [sampled_batch(cfg, engine, prompt_iter, starter) for _ in range(cfg.generation_batches)]
         experiences = [exp for exp, _ in drawn]
@@ -316,40 +374,9 @@ def ppo_iteration(cfg: PPOConfig, engine: HybridEngine, tokenizer, prompts, unsu
             for i, s in enumerate(stats)
             for n in engine.trained
         ]
-        seconds = time.perf_counter() - clock
-        samples = cfg.batch_size * cfg.num_samples_per_prompt * cfg.generation_batches  # answers
-        figures = {k: float(np.mean([s[k] for s in stats])) for k in stats[0]}
-        figures.update({k: float(np.mean([d[k] for _, d in drawn])) for k in drawn[0][1]})  # dynamic sampling's
-        figures.update({k: float(f([s[k] for s in stats])) for k, f in (("ratio_min", min), ("ratio_max", max))})
-        figures.update({f"{k}_skipped": float(sum(s[f"{k}_skipped"] for s in stats)) for k in engine.trained})  # counts
-        figures.update(
-            {f"{p}_s": engine.timings.get(p, 0.0) for p in PHASES},
-            iteration_s=seconds,
-            samples_per_s=samples / seconds,
-            reshard_bytes=engine.reshard_bytes,
-            tflops=effective_tflops(engine, samples, experiences[0]["seq"].shape[1], seconds, cfg.ppo_epochs),
-        )
-        if peak_memory() is not None:
-            figures["peak_memory_bytes"] = peak_memory()
+        figures = iteration_figures(cfg, engine, drawn, stats, time.perf_counter() - clock)
         logged = it % cfg.log_every == 0 or it == iterations
-        host = (
-            host_experiences(experiences) if synthetic or cfg.alarms.enabled or (cfg.print_answers and logged) else None
-        )
-        if synthetic:
-            figures["gold_reward"] = float(np.mean([g for e in host for g in gold_rewards(tokenizer, e)]))
-        if cfg.alarms.enabled:  # signs of reward hacking: logged when they start, on the bar while they last
-            figures.update(experience_figures(host, engine.eos_id, cfg.alarms.ngram))
-            alarms = tracker.update(figures)
-            for a in alarms:
-                if a.new:
-                    log(f"alarm at iteration {it}: {a.message}")
-            if alarms:
-                figures["alarms"] = ",".join(a.name for a in alarms)
-        if cfg.print_answers and logged:
-            e, G = host[0], host[0]["mask"].shape[1]
-            prompt = decode_rows(tokenizer, e["seq"][:1, :-G], e["seq_mask"][:1, :-G], True)[0]
-            answer = decode_rows(tokenizer, e["seq"][:1, -G:], e["seq_mask"][:1, -G:])[0]
-            log(f"--- iteration {it}\nprompt: {prompt!r}\nanswer: {answer!r}")
+        answer_figures(cfg, tokenizer, engine.eos_id, tracker, experiences, figures, it, logged, log)
         return engine.state, figures, skips
 
     return step

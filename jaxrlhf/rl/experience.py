@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxrlhf import hooks
 from jaxrlhf.losses import masked_mean
 from jaxrlhf.models import logprobs, values
 from jaxrlhf.optim import effective_params, make_optimizer
@@ -89,6 +90,7 @@ def answer_values(config, params, exp, key=None):
     return jnp.take_along_axis(out, exp["head_at"], axis=1)
 
 
+@hooks.program
 @functools.partial(jax.jit, static_argnums=0)
 def padded_experience(s: Static, prompt_ids, prompt_mask, tokens, mask):
     """The padded experience block that packing cuts rows from: seq, seq_mask [B, P + G] (prompt then answer),
@@ -119,6 +121,7 @@ def _score_rows(s: Static, state, ref_own, reward_own, e):
     return out
 
 
+@hooks.program
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=6)
 def score(s: Static, W: int, state, ref_own, reward_own, exp, out, rows):
     """One packed micro-batch of rows `rows` scored (_score_rows) and written into the batch's `out`. `state` holds
@@ -165,6 +168,7 @@ def group_spread(s: Static, exp):
     return losses.groups(reward, s.cfg.num_samples_per_prompt, valid)[4][:, 0]
 
 
+@hooks.program
 @functools.partial(jax.jit, static_argnums=0)
 def advantages(s: Static, exp, kl_coef):
     """The experience plus per-token rewards (with the KL coefficient the batch was scored under; none with a KL loss
