@@ -385,6 +385,7 @@ def _unfinished(s: _Static, state: _DecodeState):
     return ~jnp.all(state.done) | (state.next < s.N)
 
 
+@hooks.program  # seen by jaxrlhf.plan.measure
 @partial(jax.jit, static_argnames=("config", "loop"))
 def _generate(config, loop: _Loop, params, input_ids, attention_mask, key, limits):
     """generate's program: (tokens [N, G], mask [N, G], log-probs [N, G], decode steps run)."""
