@@ -28,6 +28,12 @@ leaves, nothing is shared; scoring computes no values; each prompt is answered n
 rows side by side: a group, whose answers differ by generation's per-row keys); the advantages come from the
 group's or the batch's rewards (rl/experience.py) and train_rlhf runs the actor's step only.
 
+Phases (each timed in `timings`, marked in a profile, run through `observer` if set): generate_experience is
+_generation_copy ("reshard", a context that frees the copy on exit) -> _answer ("generate") -> _frozen_on_device
+("offload", a context) -> _score ("score") -> _function_scores ("rewards") -> _kl_step; train_rlhf is "advantages"
+then each model's _step ("actor_step", "critic_step"). The engine owns Step 3's state (`state`): jaxrlhf.ppo
+checkpoints engine.state, and a restored one enters through load_state.
+
 Offload (ModelSide.offload, offload_reference_model, offload_reward_model): those trees live in pinned host
 memory and are copied to the device for the program that uses them (an optimizer state for its model's step,
 the reference and reward leaves for scoring), then freed there. jaxrlhf.plan counts them in those phases only.
