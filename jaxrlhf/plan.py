@@ -222,20 +222,8 @@ def plan(
     a = _model(actor_config, cfg.actor, cfg.precision, mesh, value_head=False)
     # critic-free: the reward model alone, every leaf its own (a side without LoRA shares nothing)
     c = _model(critic_config, ModelSide() if critic_free else cfg.critic, cfg.precision, mesh, value_head=True)
-    # generation holds a cache row per decode slot (continuous batching: decode_slots < batch; whole groups of a
-    # prompt's answers, as generate.decode_slots rounds them), the slots split over the "data" groups of devices
-    group = cfg.num_samples_per_prompt
-    rows, gen_rows = -(-batch // N), -(-decode_slots(cfg.decode_slots or DECODE_SLOTS, batch, group) // (N // tp))
-    cache = init_cache_bytes(actor_config, gen_rows, T, tp)
-    # Generation's transients, the larger of: the prefill over the prompt's tokens alone (one row per prompt: a group's
-    # answers copy its cache), its LM head on the last position; a decode step's float32 logits [slots, V / tp], their
-    # log-softmax and the sampling's draw. Plus the tokens, log-probs and mask [batch, G] it returns (all rows: an
-    # upper bound). The answer's length counts in the KV cache only.
-    prefill = activations(
-        actor_config, -(-gen_rows // group), prompt_len, train=False, remat=False, value_head=False, backend=backend,
-        head_len=1,
-    )  # fmt: skip
-    decoding = max(prefill, 3 * gen_rows * -(-actor_config.vocab_size // tp) * 4) + batch * G * 12
+    rows = -(-batch // N)
+    cache, decoding = _generation_bytes(cfg, actor_config, mesh, batch, prompt_len, backend)
     # FSDP gathers each layer's weights as the scan reaches it: two layers in flight (none on one device)
     gather_a = 0 if N == 1 else 2 * a["master"] // actor_config.num_hidden_layers
     gather_c = 0 if N == 1 else 2 * c["master"] // critic_config.num_hidden_layers
@@ -282,7 +270,38 @@ def plan(
     }
     if critic_free:  # no critic: its items count nothing (kept as rows, so a table shows what is saved)
         items.update({k: 0 for k in items if k.startswith("critic")})
-    offloaded = {  # item: (offloaded, the phase that uses it)
+    phases, offloaded = _phases(cfg)
+    notes = [
+        f"{N} device(s), inference_tp_size {tp}, batch {batch}, {prompt_len} + {G} tokens, precision "
+        f"{cfg.precision}, backend {backend}, micro-batches of {budget} tokens per device; offloaded to host: "
+        + (", ".join(i for i, (on, _) in offloaded.items() if on) or "nothing")
+    ]
+    return Plan(items, phases, capacity, notes, host=sum(items[i] for i, (on, _) in offloaded.items() if on))
+
+
+def _generation_bytes(cfg, actor_config, mesh, batch: int, prompt_len: int, backend: str) -> tuple[int, int]:
+    """Generation's bytes per device: (the KV cache, its transients).
+
+    The cache holds a row per decode slot (continuous batching: decode_slots < batch; whole groups of a prompt's
+    answers, as generate.decode_slots rounds them), the slots split over the "data" groups of devices. The
+    transients are the larger of: the prefill over the prompt's tokens alone (one row per prompt: a group's answers
+    copy its cache), its LM head on the last position; a decode step's float32 logits [slots, V / tp], their
+    log-softmax and the sampling's draw. Plus the tokens, log-probs and mask [batch, G] it returns (all rows: an
+    upper bound). The answer's length counts in the KV cache only."""
+    G, N, tp, group = cfg.max_answer_len, mesh.size, mesh.shape["model"], cfg.num_samples_per_prompt
+    gen_rows = -(-decode_slots(cfg.decode_slots or DECODE_SLOTS, batch, group) // (N // tp))
+    cache = init_cache_bytes(actor_config, gen_rows, prompt_len + G, tp)
+    prefill = activations(
+        actor_config, -(-gen_rows // group), prompt_len, train=False, remat=False, value_head=False, backend=backend,
+        head_len=1,
+    )  # fmt: skip
+    return cache, max(prefill, 3 * gen_rows * -(-actor_config.vocab_size // tp) * 4) + batch * G * 12
+
+
+def _phases(cfg) -> tuple[dict[str, list[str]], dict[str, tuple[bool, str]]]:
+    """The items each phase holds ({phase: [item]}: the resident ones, the offloaded ones its program copies to the
+    device, its own) and the offloadable items ({item: (offloaded, the phase that uses it)})."""
+    offloaded = {
         "actor optimizer": (cfg.actor.offload, "actor_step"),
         "critic optimizer": (cfg.critic.offload, "critic_step"),
         "reference (own leaves)": (cfg.offload_reference_model, "score"),
@@ -296,16 +315,11 @@ def plan(
         "actor_step": ["actor gradients", "actor fused LoRA", "actor step activations", "experience"],
         "critic_step": ["critic gradients", "critic fused LoRA", "critic step activations", "experience"],
     }
-    if critic_free:
+    if cfg.critic_free:
         del phases["critic_step"]
     for phase, held in phases.items():
         held[:0] = resident + [i for i, (on, use) in offloaded.items() if on and use == phase]
-    notes = [
-        f"{N} device(s), inference_tp_size {tp}, batch {batch}, {prompt_len} + {G} tokens, precision "
-        f"{cfg.precision}, backend {backend}, micro-batches of {budget} tokens per device; offloaded to host: "
-        + (", ".join(i for i, (on, _) in offloaded.items() if on) or "nothing")
-    ]
-    return Plan(items, phases, capacity, notes, host=sum(items[i] for i, (on, _) in offloaded.items() if on))
+    return phases, offloaded
 
 
 def init_cache_bytes(config, rows: int, T: int, tp: int) -> int:
