@@ -29,6 +29,7 @@ import signal
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -338,7 +339,7 @@ def fit(
         saved_at = time.monotonic()
 
     bar = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True, disable=jax.process_index() != 0)
-    logs = _Logs(metrics_log, summarise, bar, shown, cfg.max_skipped_steps, log)
+    logs = _Logs(metrics_log, summarise, bar, shown, cfg.max_skipped_steps, partial(beside_bar, log))
 
     def stop_or_save(i, logged: bool, signum: int):  # after iteration i < total
         due = bool(cfg.save_minutes) and time.monotonic() - saved_at >= 60 * cfg.save_minutes
@@ -379,6 +380,13 @@ def fit(
         manager.wait_until_finished()
         metrics_log.close()
     return state, logs.records
+
+
+def beside_bar(log, message: str):
+    """`log(message)` on a line of its own while a progress bar is drawn: the bar is cleared first and drawn again
+    after (else the message is glued to the bar's line)."""
+    with tqdm.external_write_mode():
+        log(message)
 
 
 class _Logs:
