@@ -1,4 +1,4 @@
-"""Every command of README.md and every usage line of configs/*.yaml runs.
+"""Every command of README.md and every usage line of configs/*.yaml runs; docs/usage.md's commands parse.
 
 The README's ```bash blocks run in order, in one scratch folder (a later example reads an earlier one's outputs),
 on CPU JAX. Two kinds of change are made to a command before it runs:
@@ -310,3 +310,56 @@ def test_a_test_without_the_assets_says_where_to_get_them(monkeypatch, tmp_path)
     assert len(rows) == 5 and all("https://" in row for row in rows if "computed from" not in row)
     files = [p for p in ASSETS.rglob("*") if p.is_file() and p.suffix != ".md"] if ASSETS.is_dir() else []
     assert all(f"{p.name}`" in section for p in files), [p.name for p in files if f"{p.name}`" not in section]
+
+
+# The entry points whose settings a docs command gives (convert and stories take paths only: the README runs them).
+PARSED = ["sft", "reward", "dpo", "ppo", "eval", "chat", "inspect", "train", "data.__main__", "plan"]
+
+
+def docs_commands() -> list[list[str]]:
+    """docs/usage.md's `python -m jaxrlhf.X ...` commands (a `PYTHONPATH=.` or `srun ...` prefix dropped), but not
+    those with a placeholder (`...`, CONFIG) or another machine's flags (--coordinator-address)."""
+    out = []
+    for block in fenced((ROOT / "docs" / "usage.md").read_text(), "bash"):
+        for words in commands(block):
+            if "-m" not in words or not words[words.index("-m") + 1].startswith("jaxrlhf"):
+                continue
+            words = ["python", *words[words.index("-m") :]]
+            if not {"...", "CONFIG", "--coordinator-address"} & set(words):
+                out.append(words)
+    return out
+
+
+def test_docs_commands_give_settings_that_exist(monkeypatch, capsys, tmp_path):
+    """Every docs/usage.md command's settings and flags parse as its entry point reads them (the names exist, the
+    values convert and pass the config's checks): what a renamed or removed setting breaks. The commands are not run
+    (their models are /data/... folders); `jaxrlhf.plan` is (it reads no weights)."""
+    import importlib
+
+    from jaxrlhf import config
+
+    def parse_only(cls, doc, prog, fn, argv=None, **options):
+        try:
+            return config.parse_cli(cls, doc.split("\n\n")[0], argv, prog=prog, **options)[0]
+        except ValueError as e:
+            raise AssertionError(f"docs/usage.md: `{prog} {shlex.join(argv)}`: {e}") from None
+
+    for block in fenced((ROOT / "docs" / "usage.md").read_text(), "python"):  # the user's files (`# my_rewards.py`)
+        if name := re.match(r"# (\w+\.py)\n", block):
+            (tmp_path / name[1]).write_text(block)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in PARSED:
+        if name != "plan":
+            monkeypatch.setattr(importlib.import_module(f"jaxrlhf.{name}"), "run_cli", parse_only)
+    parsed = set()
+    for words in docs_commands():
+        module = words[2].removeprefix("jaxrlhf.")
+        module = "data.__main__" if module == "data" else module
+        if module not in PARSED:
+            continue
+        try:
+            importlib.import_module(f"jaxrlhf.{module}").main(words[3:])
+        except SystemExit:  # plan: a bad setting is one line and exit 2
+            raise AssertionError(f"docs/usage.md: `{shlex.join(words)}`: {capsys.readouterr().err}") from None
+        parsed.add(module)
+    assert set(PARSED) - {"dpo"} <= parsed, parsed
