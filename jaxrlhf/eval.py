@@ -228,19 +228,21 @@ def gold_and_kl(
     max_new_tokens: int,
     seed: int = 0,
     chat_template: str = "auto",
+    model_dir: str | None = None,
     **sampling,
 ) -> tuple[dict, dict]:
     """The Step 1 model against the final actor (`models`: {"step1": (config, params), "actor": ...}) on left-padded
     prompts ids, mask [N, P]: the mean gold reward (`gold(prompt index, answer text)`) of each one's answers, sampled
     `samples` times per prompt (`sampling`: generate's temperature, top_k, top_p) and greedy once; and the KL from the
     actor to the Step 1 model on the actor's sampled answers (nats per answer). Returns (figures, {(model, "sampled" or
-    "greedy"): answer texts}). Answers stop at stop_ids(tok, chat_template) (data.chat_template)."""
+    "greedy"): answer texts}). Answers stop at stop_ids(tok, chat_template, model_dir) (data.chat_template; the Step 1
+    folder's generation_config.json)."""
     rows = {
         "sampled": (np.tile(ids, (samples, 1)), np.tile(mask, (samples, 1)), sampling),
         "greedy": (ids, mask, {**sampling, "temperature": 0.0}),
     }
     out, texts, sampled = {}, {}, None
-    kw = dict(max_new_tokens=max_new_tokens, eos_id=stop_ids(tok, chat_template), pad_id=tok.pad_token_id)
+    kw = dict(max_new_tokens=max_new_tokens, eos_id=stop_ids(tok, chat_template, model_dir), pad_id=tok.pad_token_id)
     for name, model in models.items():
         for mode, (ids_m, mask_m, s) in rows.items():
             gen = generate(*model, ids_m, mask_m, jax.random.key(seed), **kw, **s)

@@ -66,6 +66,7 @@ def evaluate(
         lambda i, a: float(uses(a, words[i])),
         samples=samples,
         max_new_tokens=max_new_tokens,
+        model_dir=step1_dir,
         temperature=1.0,
         seed=seed,
     )

@@ -265,6 +265,7 @@ def compare(cfg: TrainConfig, sft_model: Path, actor_model: Path, log=print) -> 
         samples=cfg.eval_samples,
         max_new_tokens=ppo_cfg.max_answer_len,
         chat_template=cfg.data.chat_template,
+        model_dir=sft_model,
         **sampling,
     )
     out["examples"] = [
