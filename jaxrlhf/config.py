@@ -315,9 +315,11 @@ def _settings(obj, prefix=""):
         yield from _settings(value, sub)
 
 
-def settings_help(cls, full: bool = False) -> str:
-    """The settings of `cls` by section: the main ones with one line of help, or (`full`) all with their help."""
+def settings_help(cls, full: bool = False, hidden: tuple[str, ...] = ()) -> str:
+    """The settings of `cls` by section: the main ones with one line of help, or (`full`) all with their help; none
+    under a key of `hidden` (settings the entry point refuses)."""
     rows, root = list(_settings(cls())), cls.__name__.removesuffix("Config").lower()
+    rows = [r for r in rows if not any(r[1] == h or r[1].startswith(h + ".") for h in hidden)]
     main = lambda key: next((m for m in MAIN if key == m or key.endswith("." + m)), None)
     depth = {}
     for _, key, _, _ in rows:
@@ -354,16 +356,18 @@ def parse_cli(
     flags=None,
     preset=None,
     processes: bool = True,
+    hidden: tuple[str, ...] = (),
 ):
     """Parse `[CONFIG.yaml] [key=value ...]` and the options that `flags(parser)` adds, in any order, for the entry
     point whose settings are `cls`: (settings, the parsed options), or a ConfigError. An option whose `dest` is a
     settings key (`dest="data.data_path"`) sets it, before the key=value overrides. `preset(settings)` may give
     defaults to load again on top of (the deployment presets). With `processes`, the multi-process flags
-    (`jaxrlhf.distributed`) are read too, and the process joins the others."""
+    (`jaxrlhf.distributed`) are read too, and the process joins the others. `hidden`: settings left out of the help
+    (the entry point refuses them)."""
     parser = argparse.ArgumentParser(
         prog=prog,
         description=description,
-        epilog=settings_help(cls),
+        epilog=settings_help(cls, hidden=hidden),
         usage="%(prog)s [options] [CONFIG.yaml] [key=value ...]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -375,7 +379,7 @@ def parse_cli(
         distributed.add_arguments(parser)
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help-all" in argv:
-        parser.epilog, argv = settings_help(cls, full=True), ["--help"]
+        parser.epilog, argv = settings_help(cls, full=True, hidden=hidden), ["--help"]
     ns = parser.parse_intermixed_args(argv)
     keys = {key for _, key, _, _ in _settings(cls())}
     setting = lambda a: isinstance(a, str) and ("=" in a or a.endswith((".yaml", ".yml"))) and not Path(a).is_dir()

@@ -138,6 +138,11 @@ SET_BY_TRAIN = {
 }
 
 
+# Left out of --help and --help-all: what refuse_set_by_train refuses (the steps' data sections: train's one data
+# section is theirs)
+HIDDEN = (*SET_BY_TRAIN, "sft.data", "reward.data", "ppo.data")
+
+
 def refuse_set_by_train(cfg: TrainConfig):
     """A ConfigError for a setting of SET_BY_TRAIN, or of a step's own data section, that differs from its default."""
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
@@ -437,11 +442,15 @@ def _preset(cfg: TrainConfig) -> TrainConfig | None:
 def parse(argv: list[str] | None) -> TrainConfig:
     """DeepSpeed-Chat's flags (--actor-model, --reward-model, --deployment-type, --step, --output-dir) and
     [CONFIG.yaml] [key=value ...], in any order, on top of the deployment preset."""
-    return parse_cli(TrainConfig, __doc__.split("\n\n")[0], argv, "python -m jaxrlhf.train", flags, _preset)[0]
+    return parse_cli(
+        TrainConfig, __doc__.split("\n\n")[0], argv, "python -m jaxrlhf.train", flags, _preset, hidden=HIDDEN
+    )[0]
 
 
 def main(argv=None):
-    return run_cli(TrainConfig, __doc__, "python -m jaxrlhf.train", run, argv, flags=flags, preset=_preset)
+    return run_cli(
+        TrainConfig, __doc__, "python -m jaxrlhf.train", run, argv, flags=flags, preset=_preset, hidden=HIDDEN
+    )
 
 
 if __name__ == "__main__":

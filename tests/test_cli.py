@@ -51,10 +51,14 @@ def test_help_all_lists_every_setting_by_section(name, capsys, monkeypatch):
     text = _help(name, "--help-all", capsys, monkeypatch)
     module = importlib.import_module(f"jaxrlhf.{name}" if name != "data" else "jaxrlhf.data.__main__")
     cls = getattr(module, ENTRY_POINTS[name][0], None) or importlib.import_module("jaxrlhf.ppo").PPOConfig
+    # train: the steps' settings it refuses (refuse_set_by_train) are not offered
+    hidden = (*module.SET_BY_TRAIN, "sft.data", "reward.data", "ppo.data") if name == "train" else ()
+    is_hidden = lambda key: any(key == h or key.startswith(h + ".") for h in hidden)
     rows = list(_settings(cls()))
     for _, key, default, _ in rows:
-        assert f"\n  {key} = {default!r}\n" in text, f"{name} --help-all lacks {key}"
-    sections = {s for s, *_ in rows if s}
+        listed = f"\n  {key} = {default!r}\n" in text
+        assert listed != is_hidden(key), f"{name} --help-all {'lists the refused' if listed else 'lacks'} {key}"
+    sections = {s for s, key, *_ in rows if s and not is_hidden(key)}
     assert all(f"\n {s}:\n" in text for s in sections)
 
 
@@ -74,7 +78,12 @@ def test_help_breaks_lines_between_words_at_any_width(name, columns, capsys, mon
     word's end (today's help was cut at 118 characters, mid-word, at any width)."""
     module = importlib.import_module(f"jaxrlhf.{name}")
     cls = getattr(module, ENTRY_POINTS[name][0], None)
-    rows = [(f"  {key} = {default!r}", " ".join(doc.split())) for _, key, default, doc in _settings(cls()) if doc]
+    hidden = getattr(module, "HIDDEN", ())  # train: the steps' settings it refuses are not offered
+    rows = [
+        (f"  {key} = {default!r}", " ".join(doc.split()))
+        for _, key, default, doc in _settings(cls())
+        if doc and not any(key == h or key.startswith(h + ".") for h in hidden)
+    ]
     docs = [doc for _, doc in rows]
     monkeypatch.setenv("COLUMNS", str(columns))
     for flag in ("--help-all", "--help"):
