@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The regression set (docs/benchmarks.md, "The redesign"): Step 1, decoding, Step 3 at HH lengths and fixed.
+# The regression set (docs/benchmarks.md, "The redesign"): Step 1, decoding, Step 3 at HH lengths and fixed (256 + 256 at
+# batch 256 and 768, one slot per prompt: the headline fixed shape).
 # usage: bash tools/bench_regress.sh TREE TAG  (TREE: a checkout of the commit to measure, e.g. a git worktree;
 # .assets/hh_lengths.json: ../shared/assets/data/hh-rlhf/hh_lengths.json, copied and carried to the GPU)
 cd "$1"; mkdir -p $OUT/$2
@@ -9,4 +10,4 @@ t0=$SECONDS
 python tools/bench_sft.py --model opt-1.3b --batch 8 --seq 512 --recipes pure_bf16 --remat 0 --no-hf --repeats 10 --out $OUT/$2 2>&1 | tail -4; echo "sft $((SECONDS-t0)) s"
 python tools/bench_generate.py --batch 64 256 --decode pallas --hf --repeats 3 --out $OUT/$2 2>&1 | tail -4; echo "gen $((SECONDS-t0)) s"
 python tools/bench_ppo.py --batch 768 --slots 256 --precision pure_bf16 --old-from-generation --repeats 2 --lengths $L --no-torch --out $OUT/$2 2>&1 | tail -4; echo "ppo-len $((SECONDS-t0)) s"
-python tools/bench_ppo.py --batch 256 --precision pure_bf16 --old-from-generation --repeats 2 --no-torch --out $OUT/$2 2>&1 | tail -4; echo "ppo-fixed $((SECONDS-t0)) s"
+python tools/bench_ppo.py --batch 256 768 --precision pure_bf16 --old-from-generation --repeats 2 --no-torch --out $OUT/$2 2>&1 | tail -4; echo "ppo-fixed $((SECONDS-t0)) s"
