@@ -13,6 +13,7 @@ from jaxrlhf.kernels.decode_attention import (
     decode_attention,
     decode_attention_reference,
     decode_step,
+    decode_step_reference,
     fuses_step,
 )
 
@@ -225,39 +226,6 @@ def test_masked_loads_read_nothing_outside_the_valid_range():
     assert np.isnan(np.asarray(whole)).any(axis=(1, 2)).all()  # every row has a partial block
 
 
-def step_reference(qkv, k, v, start, slot, layer, rope, rms=None, layer_norm=None, bias=None, qk_norm=None):
-    """decode_step unfused, in float32: finish the folded norm (rms = (h, eps): rows times 1 / sqrt(mean(h^2) +
-    eps); layer_norm = (sums, squares, D, eps, colsum): (row - mean colsum) / sqrt(var + eps)), add the bias, normalise
-    each q head and k (qk_norm = (scales [2, K], eps): x / sqrt(mean(x^2) + eps) * scale), rotate q and k (pairs
-    (i, i + K/2)), write k and v at `slot`, attend over start .. slot."""
-    B, _, G2, K = qkv.shape
-    x = qkv.astype(jnp.float32)
-    per_row = lambda t: t[:, None, None, None]
-    if rms is not None:
-        x = x / per_row(jnp.sqrt(jnp.mean(jnp.square(rms[0].astype(jnp.float32)), axis=-1) + rms[1]))
-    if layer_norm is not None:
-        sums, squares, D, eps, colsum = layer_norm
-        mean = sums / D
-        x = (x - per_row(mean) * colsum) / per_row(jnp.sqrt(squares / D - mean**2 + eps))
-    if bias is not None:
-        x = x + bias.astype(jnp.float32)
-    q, k_new, v_new = x[:, :, : G2 - 2], x[:, :, G2 - 2], x[:, :, G2 - 1]
-    if qk_norm is not None:
-        scales, eps = qk_norm
-        rms_of = lambda t: jnp.sqrt(jnp.mean(jnp.square(t), axis=-1, keepdims=True) + eps)
-        q, k_new = q / rms_of(q) * scales[0].astype(jnp.float32), k_new / rms_of(k_new) * scales[1].astype(jnp.float32)
-    if rope is not None:
-        cos, sin = rope[0][:, None, None, :], rope[1][:, None, None, :]
-        turn = lambda t: jnp.concatenate(
-            [t[..., : K // 2] * cos - t[..., K // 2 :] * sin, t[..., K // 2 :] * cos + t[..., : K // 2] * sin], axis=-1
-        )
-        q, k_new = turn(q), turn(k_new[:, :, None])[:, :, 0]
-    k = k.at[layer, :, :, slot].set(k_new.astype(k.dtype))
-    v = v.at[layer, :, :, slot].set(v_new.astype(v.dtype))
-    out = decode_attention_reference(q.reshape(B, -1, K).astype(k.dtype), k, v, start, jnp.full((B,), slot + 1), layer)
-    return out, k, v
-
-
 STEP_CASES = [  # (L, B, Hkv, G, S, K, dtype, rope, the folded norm: None, "rms" or "layer", RMSNorm's width D, bias,
     # Qwen3's per-head q/k norm)
     (2, 3, 2, 2, 48, 64, jnp.float32, True, "rms", 96, False, False),  # Llama: grouped-query, rotary, RMSNorm (D in 3)
@@ -298,9 +266,10 @@ def test_the_fused_step_equals_normalise_rotate_write_attend(case):
     bias = jax.random.normal(ks[7], (Hkv, G + 2, K), dtype) if bias else None
     # scales away from 1, different for q and k (a swap shows), and a large epsilon (an epsilon left out shows)
     qk_norm = (jax.random.uniform(ks[6], (2, K), minval=0.5, maxval=1.5).astype(dtype), 0.3) if qk else None
-    norms = dict(rms=rms, layer_norm=layer_norm, qk_norm=qk_norm)
-    got = decode_step(qkv, k, v, start, slot, layer, rope=rope, bias=bias, **norms, config=KERNEL)
-    want = step_reference(qkv, k, v, start, slot, layer, rope, rms, layer_norm, bias, qk_norm)
+    parts = dict(rope=rope, rms=rms, layer_norm=layer_norm, bias=bias, qk_norm=qk_norm)
+    got = decode_step(qkv, k, v, start, slot, layer, **parts, config=KERNEL)
+    ref = lambda **change: decode_step_reference(qkv, k, v, start, slot, layer, **(parts | change))
+    want = ref()
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), atol=tol, rtol=tol)
     for name, g, w in (("k", got[1], want[1]), ("v", got[2], want[2])):  # the write, and every other slot untouched
@@ -310,16 +279,57 @@ def test_the_fused_step_equals_normalise_rotate_write_attend(case):
     )
     differs = lambda other: np.abs(np.asarray(other[0], np.float32) - np.asarray(want[0], np.float32)).max() > 0.05
     if rope is not None:  # each part matters: without it the answer differs
-        assert differs(step_reference(qkv, k, v, start, slot, layer, None, rms, layer_norm, bias, qk_norm))
+        assert differs(ref(rope=None))
     if qk_norm is not None:
-        assert differs(step_reference(qkv, k, v, start, slot, layer, rope, rms, layer_norm, bias))
-        swapped = (qk_norm[0][::-1], qk_norm[1])
-        assert differs(step_reference(qkv, k, v, start, slot, layer, rope, rms, layer_norm, bias, swapped))
+        assert differs(ref(qk_norm=None))
+        assert differs(ref(qk_norm=(qk_norm[0][::-1], qk_norm[1])))  # q's and k's scales swapped
     if layer_norm is not None:
         centred = (0 * layer_norm[0], layer_norm[1] - layer_norm[0] ** 2 / 96, *layer_norm[2:])  # same variance, mean 0
-        assert differs(step_reference(qkv, k, v, start, slot, layer, rope, rms, centred, bias))
+        assert differs(ref(layer_norm=centred))
     if bias is not None:
-        assert differs(step_reference(qkv, k, v, start, slot, layer, rope, rms, layer_norm, None, qk_norm))
+        assert differs(ref(bias=None))
+
+
+def pallas_operands(fn, *args):
+    """The names of the operands of the one pallas_call in fn's program ("qkv", "k", ...), in the kernel's order."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                mapping = eqn.params["grid_mapping"]
+                found.append([bm.origin.rsplit(".", 1)[-1] for bm in mapping.block_mappings[: mapping.num_inputs]])
+            for param in eqn.params.values():
+                if isinstance(param, jax.extend.core.ClosedJaxpr):
+                    walk(param.jaxpr)
+                elif isinstance(param, jax.extend.core.Jaxpr):
+                    walk(param)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    (names,) = found
+    return names
+
+
+def test_the_fused_step_gets_only_the_parts_in_use():
+    """A part switched off is no operand of the kernel (not a zero-filled stand-in), and the cache buffers stay
+    aliased to the outputs that hold the written slots, whatever parts come."""
+    B, Hkv, G, S, K = 2, 2, 2, 32, 64
+    qkv, k, v = jnp.ones((B, Hkv, G + 2, K)), jnp.zeros((1, B, Hkv, S, K)), jnp.full((1, B, Hkv, S, K), 2.0)
+    table, rows, heads = jnp.ones((B, K // 2)), jnp.ones((B,)), jnp.ones((Hkv, G + 2, K))
+    always = ["layer", "start", "slot", "qkv"]
+    for parts, names in [
+        ({}, []),
+        (dict(rope=(table, table), rms=(jnp.ones((B, 96)), 1e-5)), ["cos", "sin", "x"]),  # Llama
+        (dict(layer_norm=(rows, rows, 96, 1e-5, heads), bias=heads), ["sums", "squares", "colsum", "bias"]),  # OPT
+        (dict(rope=(table, table), qk_norm=(jnp.ones((2, K)), 1e-6)), ["cos", "sin", "norms"]),  # Qwen3
+    ]:
+        fn = lambda qkv, k, v: decode_step(qkv, k, v, 0, 5, **parts, config=KERNEL)
+        assert pallas_operands(fn, qkv, k, v) == always + names + ["k", "v"]
+        _, k_out, v_out = fn(qkv, k, v)
+        kept = np.arange(S) != 5  # the other slots are the input buffers' (k 0, v 2)
+        np.testing.assert_array_equal(k_out[:, :, :, kept], k[:, :, :, kept])
+        np.testing.assert_array_equal(v_out[:, :, :, kept], v[:, :, :, kept])
+        assert not np.allclose(v_out[:, :, :, 5], 2.0)  # this step's value written
 
 
 @pytest.mark.slow
@@ -332,7 +342,7 @@ def test_the_fused_step_per_shard_and_when_it_applies():
     start, angle = jax.random.randint(ks[3], (B,), 0, 8), jax.random.uniform(ks[4], (B, K // 2), maxval=6.0)
     rope, rms = (jnp.cos(angle), jnp.sin(angle)), (norm_input(ks[5], B, 128), 1e-5)
     bias = jax.random.normal(ks[7], qkv.shape[1:])  # per KV head: each shard takes its heads' part
-    want = step_reference(qkv, k, v, start, 20, 1, rope, rms, None, bias)
+    want = decode_step_reference(qkv, k, v, start, 20, 1, rope=rope, rms=rms, bias=bias)
     got = jax.jit(lambda *a: decode_step(*a, 20, 1, rope=rope, rms=rms, bias=bias, config=KERNEL, mesh=mesh))(
         qkv, k, v, start
     )
@@ -340,7 +350,7 @@ def test_the_fused_step_per_shard_and_when_it_applies():
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-5)
     x = norm_input(ks[6], B, 64)
     layer_norm = (x.sum(-1), (x * x).sum(-1), 64, 1e-5, jax.random.normal(ks[6], qkv.shape[1:]))  # sums per row
-    want = step_reference(qkv, k, v, start, 20, 1, None, None, layer_norm, bias)
+    want = decode_step_reference(qkv, k, v, start, 20, 1, layer_norm=layer_norm, bias=bias)
     got = jax.jit(lambda *a: decode_step(*a, 20, 1, layer_norm=layer_norm, bias=bias, config=KERNEL, mesh=mesh))(
         qkv, k, v, start
     )

@@ -28,7 +28,9 @@ without the kernel (the switch `DecodeAttentionConfig(implementation="xla")`).
 `decode_step` is the same attention one step earlier in the layer: it takes the stacked q/k/v product itself
 (the decode layout's), finishes the norm folded into it (RMSNorm's 1 / rms, or LayerNorm's centring and scale),
 adds the bias, applies the rotary embedding, writes the new key and value into the cache in place and attends,
-in one kernel. Unfused, those are three or four small XLA kernels per layer around this one.
+in one kernel. Unfused, those are three or four small XLA kernels per layer around this one. Its operands go by
+name (`StepOperands`: one field each with its shape and block; a part switched off is None, no operand at all), and
+`decode_step_reference` is its plain-jnp definition.
 
 Query groups that are no power of two (Qwen2.5: 6 or 7 query heads per KV head) run as the next power of two, as
 Triton's blocks need: `decode_attention` pads the queries with zeros in memory (its outputs sliced off); the fused
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -250,118 +253,194 @@ def _kernel(
         acc_ref[...], m_ref[...], l_ref[...] = acc, m, den
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepOperands:
+    """The fused step's inputs by name; a part switched off is None: no operand, no ref, no spec (as JAX's Pallas
+    ops/gpu/decode_attention.py passes an absent start). One class holds the arrays (shapes below), their BlockSpecs
+    (`_step_blocks`), their PartitionSpecs under a mesh (`_step_partitions`) and, in `_step_kernel`, their refs (the
+    block each program sees, after the arrow). The field order is the kernel's argument order."""
+
+    layer: Any  # [1] int32 -> [1]: which layer of the cache
+    start: Any  # [B] int32 -> [1]: this row's first valid slot
+    slot: Any  # [B] int32 -> [1]: this row's slot for the new token (the last it attends)
+    qkv: Any  # [B, Hkv, G + 2, K] -> whole: per KV head its G queries, key and value (the product, without bias)
+    cos: Any = None  # [B, K / 2] float32 -> [K / 2]: the rotary embedding of this row's position (rope)
+    sin: Any = None  # [B, K / 2] float32 -> [K / 2]
+    x: Any = None  # [B, D] -> whole: a folded RMSNorm's input rows (rms)
+    sums: Any = None  # [B] float32 -> [1]: a folded LayerNorm's input row: its sum over `width` values (layer_norm)
+    squares: Any = None  # [B] float32 -> [1]: and its sum of squares
+    colsum: Any = None  # [Hkv, G + 2, K] float32 -> whole: the LayerNorm-folded kernel's column sums
+    bias: Any = None  # [Hkv, G + 2, K] -> whole: added after the norm
+    norms: Any = None  # [2, K] -> whole: Qwen3's per-head q_norm and k_norm scales (qk_norm)
+    k: Any  # [L, B, Hkv, S, K] -> whole: the cache, read here and written through StepOutputs.k (one buffer)
+    v: Any  # [L, B, Hkv, S, K] -> whole
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepOutputs:
+    """The fused step's outputs by name (arrays, then specs, then refs, as StepOperands)."""
+
+    out: Any  # [B, Hkv, G, K] -> [G, K]; or whole, written by masked stores, where G is no power of two
+    k: Any  # [L, B, Hkv, S, K] -> whole: StepOperands.k's buffer, this step's key written at each row's slot
+    v: Any  # [L, B, Hkv, S, K] -> whole
+
+
+def _named(like, **specs):
+    """`like`'s class holding specs[name] for each present field of `like` (None for an absent one): a spec is given
+    by its operand's name, never by position, and a field without a spec is an error."""
+    fields = [f.name for f in dataclasses.fields(like)]
+    if sorted(specs) != sorted(fields):
+        raise ValueError(f"specs for {sorted(specs)}, expected {sorted(fields)}")
+    return type(like)(**{name: None if getattr(like, name) is None else specs[name] for name in fields})
+
+
+def _leaf_index(tree, name: str) -> int:
+    """Where field `name` sits among tree's flattened leaves (pallas_call's aliases count them, absent ones not)."""
+    return [path[-1].name for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]].index(name)
+
+
+def _real(at, groups: int):
+    """Which of the rows `at` [..., rows, columns] of a [..., groups + 2, K] block are real queries' (or the key's
+    and value's): the padded query rows past `groups` are not."""
+    return at[-2].start + jax.lax.broadcasted_iota(jnp.int32, (at[-2].size, at[-1].size), 0) < groups
+
+
+def _rows_of(ref, at, groups: int, G: int):
+    """Rows and columns `at` of a [..., groups + 2, K] ref, the padded query rows (masked) 0."""
+    return pltriton.load(ref.at[at], mask=_real(at, groups), other=0) if groups < G and at[-2].size > 1 else ref[at]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Head:
+    """What one program of the fused step (row b, KV head h) reads: its rows of the stacked product with the folded
+    norm finished and the bias added (`rows`), and Qwen3's per-head norm of them (`head_norm`)."""
+
+    ins: StepOperands  # the refs
+    b: Any  # int32: this program's row
+    h: Any  # int32: this program's KV head
+    groups: int  # queries per KV head
+    G: int  # as Triton's blocks take them: the power of two at or above
+    mean: Any  # float32: a folded LayerNorm's mean of row b's input, or None
+    r: Any  # float32: row b's 1 / std (LayerNorm) or 1 / rms (RMSNorm), or 1.0 without a folded norm
+    qk_eps: float | None  # Qwen3's q/k norm's epsilon, None: none
+
+    @classmethod
+    def of(cls, ins: StepOperands, b, h, groups: int, eps: float | None, width: int | None, qk_eps: float | None):
+        """Program (b, h)'s head, its row's folded-norm statistics read: a LayerNorm (`width` D values) from the
+        row's sums (the variance as flax computes it: mean(x^2) - mean(x)^2, clipped at 0), an RMSNorm from x's row
+        itself (`eps` without `width`), none where eps is None."""
+        mean = None
+        if width is not None:
+            mean = ins.sums[0] / width
+            r = jax.lax.rsqrt(jnp.maximum(ins.squares[0] / width - mean * mean, 0.0) + eps)
+        else:
+            r = 1.0 if eps is None else jax.lax.rsqrt(row_mean_square(ins.x, b) + eps)
+        return cls(ins, b, h, groups, _padded(groups), mean, r, qk_eps)
+
+    def rows(self, row: int, n: int, col: int, cols: int):
+        """Rows row .. row + n - 1, columns col .. col + cols - 1 of this head's q/k/v [n, cols], float32: the folded
+        norm finished, the bias added."""
+        at, ins = (pl.ds(row, n), pl.ds(col, cols)), self.ins
+        y = _rows_of(ins.qkv, (self.b, self.h) + at, self.groups, self.G).astype(jnp.float32)
+        if self.mean is not None:
+            y = y - self.mean * _rows_of(ins.colsum, (self.h,) + at, self.groups, self.G)
+        y = y * self.r
+        if ins.bias is None:
+            return y
+        return y + _rows_of(ins.bias, (self.h,) + at, self.groups, self.G).astype(jnp.float32)
+
+    def head_norm(self, pieces, which: int):
+        """RMSNorm of each row over K, pieces [n, K / len(pieces)] side by side; which: 0 queries, 1 the key."""
+        if self.qk_eps is None:
+            return pieces
+        K = self.ins.qkv.shape[-1]
+        r = jax.lax.rsqrt(sum(jnp.sum(x * x, axis=-1) for x in pieces) / K + self.qk_eps)[:, None]
+        width = K // len(pieces)
+        scale = lambda i: self.ins.norms[which, pl.ds(i * width, width)].astype(jnp.float32)[None, :]
+        return [x * r * scale(i) for i, x in enumerate(pieces)]
+
+
+def _rotated_query_and_key(head: _Head, key_out, layer, slot, copies: int, dtype):
+    """Rotate-half (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) of the queries and the key, pairs (i, i + K / 2),
+    after Qwen3's q/k norm; writes the key into the cache `key_out` [L, B, Hkv, S, K] at `slot`. Returns the queries
+    [copies * G, K] in `dtype` and their scores [G] against the key as the cache holds it."""
+    groups, G, K = head.groups, head.G, head.ins.qkv.shape[-1]
+    half = K // 2
+    cos, sin = head.ins.cos[...][None, :], head.ins.sin[...][None, :]
+    turn = lambda x1, x2: (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+    part = head.rows
+    q1, q2 = turn(*head.head_norm([part(0, G, 0, half), part(0, G, half, half)], 0))  # [G, K / 2]
+    k1, k2 = turn(*head.head_norm([part(groups, 1, 0, half), part(groups, 1, half, half)], 1))  # [1, K / 2]
+    key_out[layer, head.b, head.h, pl.ds(slot, 1), pl.ds(0, half)] = k1.astype(key_out.dtype)
+    key_out[layer, head.b, head.h, pl.ds(slot, 1), pl.ds(half, half)] = k2.astype(key_out.dtype)
+    k1, k2 = (x.astype(key_out.dtype).astype(jnp.float32) for x in (k1, k2))  # as the cache holds it
+    q1, q2 = (x.astype(dtype) for x in (q1, q2))
+    s_new = jnp.sum(q1.astype(jnp.float32) * k1 + q2.astype(jnp.float32) * k2, axis=-1)  # [G]
+    # The halves back side by side for the tensor-core products: q1 E1 + q2 E2 with E1 = [I 0], E2 = [0 I]
+    # (exact: one nonzero term per output).
+    i = jax.lax.broadcasted_iota(jnp.int32, (half, K), 0)
+    j = jax.lax.broadcasted_iota(jnp.int32, (half, K), 1)
+    place = lambda x, at: jnp.dot(
+        _repeat_rows(x, copies),
+        (j == i + at).astype(x.dtype),
+        precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+    return (place(q1, 0) + place(q2, half)).astype(dtype), s_new
+
+
+def _query_and_key(head: _Head, key_out, layer, slot, copies: int, dtype):
+    """As _rotated_query_and_key without the rotary embedding: the queries [copies * G, K] in `dtype`, their scores
+    [G] against the key, written into the cache `key_out` at `slot`."""
+    K = head.ins.qkv.shape[-1]
+    (k_new,) = head.head_norm([head.rows(head.groups, 1, 0, K)], 1)
+    key_out[layer, head.b, head.h, pl.ds(slot, 1), :] = k_new.astype(key_out.dtype)
+    q = head.head_norm([head.rows(0, head.G, 0, K)], 0)[0].astype(dtype)
+    s_new = jnp.sum(q.astype(jnp.float32) * k_new.astype(key_out.dtype).astype(jnp.float32), axis=-1)
+    return _repeat_rows(q, copies), s_new
+
+
 def _step_kernel(
-    layer_ref,
-    start_ref,
-    slot_ref,
-    qkv_ref,
-    cos_ref,
-    sin_ref,
-    x_ref,
-    sum_ref,
-    sq_ref,
-    colsum_ref,
-    bias_ref,
-    norm_ref,
-    k_ref,
-    v_ref,
-    o_ref,
-    ko_ref,
-    vo_ref,
+    ins: StepOperands,
+    outs: StepOutputs,
     *,
     groups: int,
     block_s: int,
     mask_loads: bool,
-    rope: bool,
     eps: float | None,
     width: int | None,
-    bias: bool,
     qk_eps: float | None,
 ):
-    # qkv_ref: the whole [B, Hkv, G + 2, K] (per KV head its G queries, key, value); cos_ref, sin_ref [K / 2]; x_ref
-    # [B, D] (a folded RMSNorm's input); sum_ref, sq_ref [1] (a folded LayerNorm's input row: its sum and sum of
-    # squares over `width` values), colsum_ref [Hkv, G + 2, K] (its kernel's column sums); bias_ref [Hkv, G + 2, K];
-    # norm_ref [2, K] (the per-head q and k norms' scales, Qwen3's q_norm / k_norm, read where qk_eps is set);
-    # k_ref, v_ref / ko_ref, vo_ref: the cache [L, B, Hkv, S, K], read / written (one buffer); o_ref [G, K], or the
-    # whole [B, Hkv, groups, K] where `groups` is no power of two.
-    # G = `groups` queries per KV head, as Triton's blocks take them: a power of two, the rows past `groups` (when
-    # padded: the key, the value, the next head's queries) loaded as 0 and their outputs not written.
+    """One program per (row b, KV head h): finish the folded norm, add the bias, apply Qwen3's q/k norm and the
+    rotation, write the new key and value into the cache at the row's slot, and attend from the new token's own score
+    over the cached slots start .. slot - 1. The refs' blocks are in StepOperands' and StepOutputs' comments.
+    G = `groups` queries per KV head, as Triton's blocks take them: a power of two, the rows past `groups` (when
+    padded: the key, the value, the next head's queries) loaded as 0 and their outputs not written."""
     b, h = pl.program_id(0), pl.program_id(1)
-    layer, slot = layer_ref[0], slot_ref[0]  # this row's slot
-    G, K = _padded(groups), qkv_ref.shape[-1]
-    copies = max(16 // G, 1)
-    real = lambda at: at[-2].start + jax.lax.broadcasted_iota(jnp.int32, (at[-2].size, at[-1].size), 0) < groups
-
-    def rows_of(ref, at):  # rows and columns `at` of a [..., groups + 2, K] ref, padded query rows (masked) 0
-        return pltriton.load(ref.at[at], mask=real(at), other=0) if groups < G and at[-2].size > 1 else ref[at]
-
-    half = K // 2
-    centred = width is not None
-    if centred:  # the variance as flax computes it: mean(x^2) - mean(x)^2, clipped at 0
-        mean = sum_ref[0] / width
-        r = jax.lax.rsqrt(jnp.maximum(sq_ref[0] / width - mean * mean, 0.0) + eps)
-    else:
-        r = 1.0 if eps is None else jax.lax.rsqrt(row_mean_square(x_ref, b) + eps)
-
-    def part(row, n, col, cols):  # rows row .. row + n - 1, columns col .. col + cols - 1 of this head's q/k/v
-        at = (pl.ds(row, n), pl.ds(col, cols))
-        y = rows_of(qkv_ref, (b, h) + at).astype(jnp.float32)
-        if centred:
-            y = y - mean * rows_of(colsum_ref, (h,) + at)
-        y = y * r
-        return y + rows_of(bias_ref, (h,) + at).astype(jnp.float32) if bias else y
-
-    def head_norm(pieces, which):  # RMSNorm of each row over K, pieces [n, K / len(pieces)] side by side; 0: q, 1: k
-        if qk_eps is None:
-            return pieces
-        r = jax.lax.rsqrt(sum(jnp.sum(x * x, axis=-1) for x in pieces) / K + qk_eps)[:, None]
-        width = K // len(pieces)
-        scale = lambda i: norm_ref[which, pl.ds(i * width, width)].astype(jnp.float32)[None, :]
-        return [x * r * scale(i) for i, x in enumerate(pieces)]
-
-    v_new = part(groups + 1, 1, 0, K)  # [1, K]
-    if rope:  # rotate-half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) for each pair (i, i + K / 2)
-        cos, sin = cos_ref[...][None, :], sin_ref[...][None, :]
-        turn = lambda x1, x2: (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
-        q1, q2 = turn(*head_norm([part(0, G, 0, half), part(0, G, half, half)], 0))  # [G, K / 2]
-        k1, k2 = turn(*head_norm([part(groups, 1, 0, half), part(groups, 1, half, half)], 1))  # [1, K / 2]
-        ko_ref[layer, b, h, pl.ds(slot, 1), pl.ds(0, half)] = k1.astype(ko_ref.dtype)
-        ko_ref[layer, b, h, pl.ds(slot, 1), pl.ds(half, half)] = k2.astype(ko_ref.dtype)
-        k1, k2 = (x.astype(ko_ref.dtype).astype(jnp.float32) for x in (k1, k2))  # as the cache holds it
-        q1, q2 = (x.astype(o_ref.dtype) for x in (q1, q2))
-        s_new = jnp.sum(q1.astype(jnp.float32) * k1 + q2.astype(jnp.float32) * k2, axis=-1)  # [G]
-        # The halves back side by side for the tensor-core products: q1 E1 + q2 E2 with E1 = [I 0], E2 = [0 I]
-        # (exact: one nonzero term per output).
-        i = jax.lax.broadcasted_iota(jnp.int32, (half, K), 0)
-        j = jax.lax.broadcasted_iota(jnp.int32, (half, K), 1)
-        place = lambda x, at: jnp.dot(
-            _repeat_rows(x, copies),
-            (j == i + at).astype(x.dtype),
-            precision=jax.lax.Precision.HIGHEST,
-            preferred_element_type=jnp.float32,
-        )
-        q = (place(q1, 0) + place(q2, half)).astype(o_ref.dtype)  # [rows, K]
-    else:
-        (k_new,) = head_norm([part(groups, 1, 0, K)], 1)
-        ko_ref[layer, b, h, pl.ds(slot, 1), :] = k_new.astype(ko_ref.dtype)
-        q = head_norm([part(0, G, 0, K)], 0)[0].astype(o_ref.dtype)
-        s_new = jnp.sum(q.astype(jnp.float32) * k_new.astype(ko_ref.dtype).astype(jnp.float32), axis=-1)
-        q = _repeat_rows(q, copies)
-    vo_ref[layer, b, h, pl.ds(slot, 1), :] = v_new.astype(vo_ref.dtype)
-    v_new = v_new.astype(vo_ref.dtype).astype(jnp.float32)
+    layer, slot = ins.layer[0], ins.slot[0]  # this row's slot
+    G, K = _padded(groups), ins.qkv.shape[-1]
+    copies = max(16 // G, 1)  # tensor-core products need 16 rows: rows r * G + g hold query g
+    head = _Head.of(ins, b, h, groups, eps, width, qk_eps)
+    v_new = head.rows(groups + 1, 1, 0, K)  # [1, K]
+    query_and_key = _query_and_key if ins.cos is None else _rotated_query_and_key
+    q, s_new = query_and_key(head, outs.k, layer, slot, copies, outs.out.dtype)  # [rows, K], [G]
+    outs.v[layer, b, h, pl.ds(slot, 1), :] = v_new.astype(outs.v.dtype)
+    v_new = v_new.astype(outs.v.dtype).astype(jnp.float32)
     # This token's own slot starts the online softmax (weight 1 at its score); the loop reads the cached slots before.
     rows = copies * G
     init = (_repeat_rows(s_new, copies), jnp.ones((rows,), jnp.float32), jnp.broadcast_to(v_new, (rows, K)))
     _, den, acc = _attend(
-        q, k_ref, v_ref, layer, b, h, start_ref[0], slot, init, block_s=block_s, use_dot=True, mask_loads=mask_loads
+        q, ins.k, ins.v, layer, b, h, ins.start[0], slot, init, block_s=block_s, use_dot=True, mask_loads=mask_loads
     )
     den, acc = _one_copy(den, copies), _one_copy(acc, copies)
-    out = (acc / den[:, None]).astype(o_ref.dtype)
+    out = (acc / den[:, None]).astype(outs.out.dtype)
     if groups < G:
         at = (b, h, pl.ds(0, G), pl.ds(0, K))
-        pltriton.store(o_ref.at[at], out, mask=real(at))
+        pltriton.store(outs.out.at[at], out, mask=_real(at, groups))
     else:
-        o_ref[...] = out
+        outs.out[...] = out
 
 
 def _combine(acc, m, den):
@@ -420,65 +499,81 @@ def _pallas(q, k, v, layer, start, end, *, config):
     return out[:, :, : H // Hkv].reshape(B, H, K)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "rope", "eps", "width", "bias", "qk_eps"))
-def _pallas_step(
-    qkv,
-    k,
-    v,
-    layer,
-    start,
-    slot,
-    cos,
-    sin,
-    x,
-    sums,
-    squares,
-    colsum,
-    b,
-    norms,
-    *,
-    config,
-    rope: bool,
-    eps: float | None,
-    width: int | None,
-    bias: bool,
-    qk_eps: float | None,
-):
-    B, Hkv, G2, K = qkv.shape
-    G, S = G2 - 2, k.shape[3]
+def _step_blocks(ins: StepOperands) -> StepOperands:
+    """The BlockSpec of each present operand, by name (grid (B, Hkv): program (b, h))."""
+    row, whole = pl.BlockSpec((1,), lambda b, h: (b,)), pl.no_block_spec
+    table = pl.BlockSpec((None, ins.qkv.shape[-1] // 2), lambda b, h: (b, 0))
+    return _named(
+        ins,
+        layer=pl.BlockSpec((1,), lambda b, h: (0,)),
+        start=row,
+        slot=row,
+        qkv=whole,
+        cos=table,
+        sin=table,
+        x=whole,
+        sums=row,
+        squares=row,
+        colsum=whole,
+        bias=whole,
+        norms=whole,
+        k=whole,
+        v=whole,
+    )
+
+
+def _step_partitions(ins: StepOperands, rows) -> StepOperands:
+    """The PartitionSpec of each present operand under a mesh, by name: heads over "model", rows over `rows`."""
+    cache, heads, per_row = P(None, rows, "model", None, None), P("model", None, None), P(rows)
+    return _named(
+        ins,
+        layer=P(),
+        start=per_row,
+        slot=per_row,
+        qkv=P(rows, "model", None, None),
+        cos=P(rows, None),
+        sin=P(rows, None),
+        x=P(rows, None),
+        sums=per_row,
+        squares=per_row,
+        colsum=heads,
+        bias=heads,
+        norms=P(),
+        k=cache,
+        v=cache,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("config", "eps", "width", "qk_eps"))
+def _pallas_step(ins: StepOperands, *, config, eps: float | None, width: int | None, qk_eps: float | None):
+    """decode_step's kernel call on one shard: StepOperands in (layer a scalar), (out [B, H, K], k, v) out."""
+    B, Hkv, G2, K = ins.qkv.shape
+    G, S = G2 - 2, ins.k.shape[3]
     interpret, params, _, block_s = _launch(config, K, S, _padded(G))
+    ins = dataclasses.replace(ins, layer=ins.layer.reshape(1))
     # the output in blocks of the G queries of a head, or (G no power of two: Triton's blocks) written by masked stores
     out_spec = pl.BlockSpec((None, None, G, K), lambda b, h: (b, h, 0, 0)) if _pow2(G) else pl.no_block_spec
-    row = pl.BlockSpec((1,), lambda b, h: (b,))
-    table = pl.BlockSpec((None, K // 2), lambda b, h: (b, 0))
-    scalar = pl.BlockSpec((1,), lambda b, h: (0,))
-    whole = pl.no_block_spec
-    out, k, v = pl.pallas_call(
-        functools.partial(
-            _step_kernel,
-            groups=G,
-            block_s=block_s,
-            mask_loads=config.mask_loads,
-            rope=rope,
-            eps=eps,
-            width=width,
-            bias=bias,
-            qk_eps=qk_eps,
-        ),
+    shapes = StepOutputs(
+        out=jax.ShapeDtypeStruct((B, Hkv, G, K), ins.k.dtype),
+        k=jax.ShapeDtypeStruct(ins.k.shape, ins.k.dtype),
+        v=jax.ShapeDtypeStruct(ins.v.shape, ins.v.dtype),
+    )
+    kernel = functools.partial(
+        _step_kernel, groups=G, block_s=block_s, mask_loads=config.mask_loads, eps=eps, width=width, qk_eps=qk_eps
+    )
+    outs = pl.pallas_call(
+        kernel,
         grid=(B, Hkv),
-        in_specs=[scalar, row, row, whole, table, table, whole, row, row, whole, whole, whole, whole, whole],
-        out_specs=[out_spec, whole, whole],
-        out_shape=[
-            jax.ShapeDtypeStruct((B, Hkv, G, K), k.dtype),
-            jax.ShapeDtypeStruct(k.shape, k.dtype),
-            jax.ShapeDtypeStruct(v.shape, v.dtype),
-        ],
-        input_output_aliases={12: 1, 13: 2},
+        in_specs=(_step_blocks(ins),),
+        out_specs=StepOutputs(out=out_spec, k=pl.no_block_spec, v=pl.no_block_spec),
+        out_shape=shapes,
+        # the cache is updated in place: each input buffer is its output's
+        input_output_aliases={_leaf_index(ins, name): _leaf_index(shapes, name) for name in ("k", "v")},
         compiler_params=params,
         interpret=interpret,
         name="jaxrlhf_decode_attention_step",
-    )(layer.reshape(1), start, slot, qkv, cos, sin, x, sums, squares, colsum, b, norms, k, v)
-    return out.reshape(B, Hkv * G, K), k, v
+    )(ins)
+    return outs.out.reshape(B, Hkv * G, K), outs.k, outs.v
 
 
 def fuses_step(
@@ -528,32 +623,71 @@ def decode_step(
     embedding of this token's position (rotate-half pairs (i, i + K / 2)), applied to q and k. The new key and value
     are written into the cache (k, v [L, B, Hkv, S, K], updated in place) at `slot` (a scalar, or [B]: each row its
     own, as continuous batching has them), and the queries attend over slots start <= s <= slot of `layer`. Returns
-    (out [B, H, K] in the cache's dtype, k, v). The unfused equivalent: normalise, add the bias, rotate, write with
-    dynamic_update_slice, then `decode_attention(q, k, v, start, slot + 1, layer)`; tests/test_decode_attention.py
-    checks one against the other.
+    (out [B, H, K] in the cache's dtype, k, v). `decode_step_reference` is the same unfused, in plain jnp; the parts
+    left out are absent from the kernel's operands (StepOperands), not zeros.
     """
-    B, Hkv, G2, K = qkv.shape
+    B = qkv.shape[0]
     if rms is not None and layer_norm is not None:
         raise ValueError("decode_step: pass rms or layer_norm, not both")
-    start, slot = (jnp.broadcast_to(x, (B,)).astype(jnp.int32) for x in (start, slot))
-    unread = lambda *shape: jnp.zeros(shape, jnp.float32)  # operands of the parts switched off
-    cos, sin = rope if rope is not None else (unread(B, K // 2),) * 2
-    x, eps = rms if rms is not None else (unread(B, 1), None)
-    sums, squares, width, ln_eps, colsum = (
-        layer_norm if layer_norm is not None else (unread(B), unread(B), None, None, unread(Hkv, G2, K))
+    f32 = lambda x: x.astype(jnp.float32)
+    ins = StepOperands(
+        layer=jnp.asarray(layer, jnp.int32),
+        start=jnp.broadcast_to(start, (B,)).astype(jnp.int32),
+        slot=jnp.broadcast_to(slot, (B,)).astype(jnp.int32),
+        qkv=qkv,
+        cos=None if rope is None else f32(rope[0]),
+        sin=None if rope is None else f32(rope[1]),
+        x=None if rms is None else rms[0],
+        sums=None if layer_norm is None else f32(layer_norm[0]),
+        squares=None if layer_norm is None else f32(layer_norm[1]),
+        colsum=None if layer_norm is None else f32(layer_norm[4]),
+        bias=bias,
+        norms=None if qk_norm is None else qk_norm[0],
+        k=k,
+        v=v,
     )
-    eps = ln_eps if layer_norm is not None else eps
-    b = bias if bias is not None else unread(Hkv, G2, K)
-    norms, qk_eps = qk_norm if qk_norm is not None else (unread(2, K), None)
-    fn = functools.partial(
-        _pallas_step, config=config, rope=rope is not None, eps=eps, width=width, bias=bias is not None, qk_eps=qk_eps
-    )
+    eps = layer_norm[3] if layer_norm is not None else rms[1] if rms is not None else None
+    width, qk_eps = (None if layer_norm is None else layer_norm[2]), (None if qk_norm is None else qk_norm[1])
     rows = rows_axis(mesh, B)
-    cache, heads = P(None, rows, "model", None, None), P("model", None, None)
-    specs = (P(rows, "model", None, None), cache, cache, P(), P(rows), P(rows), *[P(rows, None)] * 3, P(rows), P(rows))
-    fn = per_shard(fn, mesh, (*specs, heads, heads, P()), (P(rows, "model", None), cache, cache))
-    cos, sin, sums, squares, colsum = (x.astype(jnp.float32) for x in (cos, sin, sums, squares, colsum))
-    return fn(qkv, k, v, jnp.asarray(layer, jnp.int32), start, slot, cos, sin, x, sums, squares, colsum, b, norms)
+    cache = P(None, rows, "model", None, None)
+    fn = functools.partial(_pallas_step, config=config, eps=eps, width=width, qk_eps=qk_eps)
+    fn = per_shard(fn, mesh, (_step_partitions(ins, rows),), (P(rows, "model", None), cache, cache))
+    return fn(ins)
+
+
+def decode_step_reference(
+    qkv, k, v, start, slot, layer=0, *, rope=None, rms=None, layer_norm=None, bias=None, qk_norm=None
+):
+    """decode_step unfused, in float32 (its arguments, `slot` a scalar): finish the folded norm (rms: rows times
+    1 / sqrt(mean(x^2) + eps); layer_norm: (row - mean colsum) / sqrt(var + eps)), add the bias, normalise each q
+    head and k (qk_norm: x / sqrt(mean(x^2) + eps) * scale), rotate q and k (pairs (i, i + K / 2)), write k and v at
+    `slot`, attend over start .. slot with decode_attention_reference. Returns (out [B, H, K], k, v)."""
+    B, _, G2, K = qkv.shape
+    x = qkv.astype(jnp.float32)
+    per_row = lambda t: t[:, None, None, None]
+    if rms is not None:
+        x = x / per_row(jnp.sqrt(jnp.mean(jnp.square(rms[0].astype(jnp.float32)), axis=-1) + rms[1]))
+    if layer_norm is not None:
+        sums, squares, D, eps, colsum = layer_norm
+        mean = sums / D
+        x = (x - per_row(mean) * colsum) / per_row(jnp.sqrt(squares / D - mean**2 + eps))
+    if bias is not None:
+        x = x + bias.astype(jnp.float32)
+    q, k_new, v_new = x[:, :, : G2 - 2], x[:, :, G2 - 2], x[:, :, G2 - 1]
+    if qk_norm is not None:
+        scales, eps = qk_norm
+        rms_of = lambda t: jnp.sqrt(jnp.mean(jnp.square(t), axis=-1, keepdims=True) + eps)
+        q, k_new = q / rms_of(q) * scales[0].astype(jnp.float32), k_new / rms_of(k_new) * scales[1].astype(jnp.float32)
+    if rope is not None:
+        cos, sin = rope[0][:, None, None, :], rope[1][:, None, None, :]
+        turn = lambda t: jnp.concatenate(
+            [t[..., : K // 2] * cos - t[..., K // 2 :] * sin, t[..., K // 2 :] * cos + t[..., : K // 2] * sin], axis=-1
+        )
+        q, k_new = turn(q), turn(k_new[:, :, None])[:, :, 0]
+    k = k.at[layer, :, :, slot].set(k_new.astype(k.dtype))
+    v = v.at[layer, :, :, slot].set(v_new.astype(v.dtype))
+    out = decode_attention_reference(q.reshape(B, -1, K).astype(k.dtype), k, v, start, jnp.full((B,), slot + 1), layer)
+    return out, k, v
 
 
 def decode_attention(
