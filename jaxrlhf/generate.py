@@ -5,6 +5,9 @@
           own slot P + g), then _refill while _refill_due (a slot whose row ended takes the next `refill` waiting
           prompts: prefilled apart, their K/V copied into those slots' cache rows) ──► tokens [N, G]
 
+When no row can end early (no stop id a token can be, no limits of their own) and every prompt has its own slot, the
+loop is G - 1 _decode_steps with no condition read on the way (a scan: nothing to exit early from, nothing to refill).
+
 The loop carries a typed `_DecodeState` (the cache; each slot's row, answer position, last token and whether it is
 done; the answers so far), as Tunix's sampler does. What the step functions know when tracing (the model's config,
 `generate`'s options, the shapes, and the two sentinels `no_prompt` and `no_slot`) is a `_Static` passed beside it,
@@ -181,6 +184,9 @@ class _Loop:
     check_every: int
     mesh: Any
     group: int
+    # a row may end before max_new_tokens (a stop id a token can be, not barred by force_length; or a limit of its
+    # own). False with a slot per row: every row runs all its tokens, the decode loop has a known trip count
+    ends_early: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,8 +382,11 @@ def _refill(s: _Static, x: _Inputs, state: _DecodeState) -> _DecodeState:
 
 
 def _chunk(s: _Static, x: _Inputs, state: _DecodeState) -> _DecodeState:
-    """`check_every` decode steps, then refills while due: the loop's condition is read once a chunk."""
+    """`check_every` decode steps, then refills while due (with fewer slots than prompts): the loop's condition is
+    read once a chunk."""
     state = jax.lax.fori_loop(0, s.loop.check_every, lambda _, st: _decode_step(s, x, st), state)
+    if s.loop.slots == s.N:  # nothing waits for a slot: no refill, no condition of its own to read
+        return state
     return jax.lax.while_loop(partial(_refill_due, s), partial(_refill, s, x), state)
 
 
@@ -396,7 +405,11 @@ def _generate(config, loop: _Loop, params, input_ids, attention_mask, key, limit
     layout = in_decode_layout(params)
     s = _Static(config, loop, *input_ids.shape, Mode("prefill", layout, loop.mesh), Mode("decode", layout, loop.mesh))
     x = _Inputs(params, input_ids, attention_mask, real, limits, key)
-    state = jax.lax.while_loop(partial(_unfinished, s), partial(_chunk, s, x), _first_state(s, x))
+    state = _first_state(s, x)
+    if loop.ends_early or loop.slots < s.N:
+        state = jax.lax.while_loop(partial(_unfinished, s), partial(_chunk, s, x), state)
+    else:  # every row runs all G tokens in its own slot: G - 1 steps, no condition read on the way (a scan)
+        state = jax.lax.fori_loop(0, loop.max_new_tokens - 1, lambda _, st: _decode_step(s, x, st), state)
     tokens, logprobs, mask = (z[: s.N] for z in (state.tokens, state.logprobs, state.mask))
     return tokens, mask, logprobs * mask, state.steps
 
@@ -440,8 +453,10 @@ def generate(
     eos_id: the stop token, or several (tokenizer.stop_ids: a chat model's end-of-turn, its EOS, its
     generation_config.json's list), or None. limits: optional [B] ints, each row's own maximum (1 .. max_new_tokens).
     A row ends at its first token in eos_id or at its limit; the loop stops once every row has ended (looked at every
-    `check_every` steps, on the device). `force_length` (benchmarks: every system does the same work) bars every stop
-    id before each row's limit and forces the first there (with eos_id None, rows simply run to their limits).
+    `check_every` steps, on the device; not at all where no row can end early and every row has a slot: ids outside
+    the vocabulary, such as benchmarks' -1, never stop a row). `force_length` (benchmarks: every system does the same
+    work) bars every stop id before each row's limit and forces the first there (with eos_id None, rows simply run to
+    their limits).
     slots: decode slots (0: one per prompt). Fewer slots than prompts is continuous batching: a slot whose row
     ended takes the next waiting prompt, `refill` prompts (default slots / 8) prefilled at a time into the free
     slots' cache rows. A prompt's answer does not depend on the slot it gets: its random stream is keyed by its
@@ -466,9 +481,12 @@ def generate(
         raise ValueError(f"expected slots >= 0, refill >= 0, check_every >= 1; got {slots}, {refill}, {check_every}")
     slots = decode_slots(slots, B, group)
     refill = min(-(-(refill or max(slots // 8, 1)) // group) * group, slots)
+    stops = stop_tuple(eos_id)
+    # benchmarks' "never stop" id (-1) is no token: only a limit ends those rows
+    ends_early = limits is not None or (not force_length and any(0 <= i < config.vocab_size for i in stops))
     limits = _checked_limits(limits, B, max_new_tokens)
     pad_id, sampling = config.pad_token_id if pad_id is None else pad_id, Sampling(temperature, top_k, top_p)
-    stops = stop_tuple(eos_id)
-    loop = _Loop(max_new_tokens, sampling, stops, pad_id, force_length, slots, refill, check_every, mesh, group)
+    options = (slots, refill, check_every, mesh, group, ends_early)
+    loop = _Loop(max_new_tokens, sampling, stops, pad_id, force_length, *options)
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):  # the program's arrays live on this mesh
         return Generation(*_generate(config, loop, params, input_ids, attention_mask, key, limits))

@@ -359,3 +359,24 @@ def test_continuous_batching_under_tensor_parallelism_with_the_decode_kernels(mo
     )
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
+
+
+def test_rows_that_cannot_end_early_decode_without_a_condition_and_as_the_early_exit_loop():
+    """No stop id a token can be (benchmarks' -1) and no limits, a slot per row: the decode loop runs its G - 1 steps
+    with no `while` (no condition read on the way), and gives the tokens, log-probs and mask of the early-exit loop
+    (a limit of G for every row)."""
+    from jaxrlhf.models import init_params, opt
+
+    config = opt.OPTConfig(**PRE_LN, dropout=0.0)
+    params = init_params(config, jax.random.key(0))
+    ids, mask = left_padded_batch(config.vocab_size, [5, 2, 4], T=5, seed=3)
+    G, key = 7, jax.random.key(5)
+    run = lambda p, **kw: generate(config, p, ids, mask, key, max_new_tokens=G, eos_id=-1, check_every=4, **kw)
+    fixed, looped = run(params), run(params, limits=np.full(3, G, np.int32))
+    for got, want in ((fixed.tokens, looped.tokens), (fixed.mask, looped.mask), (fixed.logprobs, looped.logprobs)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert np.asarray(fixed.mask).all() and int(fixed.steps) == G - 1 and int(looped.steps) == 8  # 2 checks of 4
+    whiles = lambda **kw: sum(
+        e.primitive.name == "while" for e in all_eqns(jax.make_jaxpr(lambda p: run(p, **kw).tokens)(params))
+    )
+    assert whiles() == 0 and whiles(limits=np.full(3, G, np.int32)) > 0
