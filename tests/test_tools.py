@@ -447,3 +447,36 @@ def test_bench_ppo_grpo_counts_answers_and_records_the_algorithm(tmp_path, monke
     assert g["ours_fp32"]["phases_s"]["critic_step"] == 0 and p["ours_fp32"]["phases_s"]["critic_step"] > 0
     assert "torch_hf_pure_bf16" not in p
     assert g["effective_flops"] < p["effective_flops"]  # no critic forward or update
+
+
+def test_logprob_gap_compares_generation_and_two_training_forwards_per_answer_token(tmp_path, monkeypatch):
+    """bench_logprob_gap: the statistics of a hand-made case; on a tiny OPT in float32, generation's log-probs and two
+    training forwards (the engine's packed scoring, padded micro-batches) of the same answers agree to rounding, over
+    exactly the drawn answer tokens; the JSON lands under --out."""
+    from jaxrlhf.models import opt
+    from tools import bench_logprob_gap as bench
+
+    got = bench.gap(np.array([[0.0, 0.1], [0.3, 9.0]]), np.zeros((2, 2)), np.array([[1, 1], [1, 0]]))
+    assert got["tokens"] == 3 and got["max_abs"] == pytest.approx(0.3) and got["mean"] == pytest.approx(0.4 / 3)
+    assert got["mean_abs"] == pytest.approx(0.4 / 3) and got["outside_clip"] == pytest.approx(1 / 3)  # e^0.3 - 1 > 0.2
+    tiny = dict(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_dim=64,
+        word_embed_proj_dim=32,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
+    monkeypatch.setitem(opt.PRESETS, "opt-tiny", tiny)
+    lengths = tmp_path / "lengths.json"
+    lengths.write_text(json.dumps({"pairs": [[5, 3], [7, 2], [4, 6], [2, 1], [6, 5]]}))
+    args = ["--actor", "opt-tiny", "--critic", "opt-tiny", "--batch", "8", "--prompt", "8", "--new", "6"]
+    args += ["--lengths", str(lengths), "--precision", "fp32", "--micro", "4", "--tokens", "64"]
+    path = bench.main([*args, "--out", str(tmp_path / "out")])
+    run = json.loads(path.read_text())["runs"]["fp32"]
+    _, answers = bench.draw_lengths(str(lengths), 8, 8, 6)
+    assert run["answer_tokens"] == answers.sum() and path.parent == tmp_path / "out"
+    for pair in ("generation_vs_training", "generation_vs_training_padded", "training_vs_training"):
+        assert run[pair]["tokens"] == answers.sum() and run[pair]["max_abs"] < 1e-4, pair
+    assert -6 < run["mean_logprob"] < -4  # near log(1 / 128): random weights, the drawn tokens' real log-probs
