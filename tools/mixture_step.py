@@ -98,7 +98,7 @@ def run(scheme: str, args) -> dict:
         lm_ids = rng.integers(3, 64, (B, LM_LEN)).astype(np.int32)
         u = {"input_ids": lm_ids, "attention_mask": np.ones_like(lm_ids), "loss_mask": np.ones_like(lm_ids)}
         keys = ("seq", "seq_mask", "mask", "logprobs", "ref_logprobs", "values", "scores")
-        scored, _ = advantages(engine.static, {k: exp[k] for k in keys}, exp["kl_coef"])
+        scored, _ = advantages(engine.static.returns, {k: exp[k] for k in keys}, exp["kl_coef"])
         before = engine.actor_params()
         row = {
             "ppo_before": float(ppo_mean(engine, before, scored)),

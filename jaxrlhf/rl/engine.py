@@ -14,8 +14,8 @@
         own arrays (generate.decode_params) ──generate (early exit; decode_slots refilled from the batch)──►
         answers [B, G] ──drop the generation copy (the KV cache lives only inside the compiled generate call)──►
         score in the FSDP layout, no gradients (rl/experience.py): old log-probs, reference log-probs, critic values,
-        reward score, in packed micro-batches (rl/packing.py: rows sorted by length, cut to their width, a token
-        budget each), while the reward functions score the decoded answers on the host (a thread) ──► their
+        reward score, in packed micro-batches (rl/packing.py: several sequences to a row, each its own segment, a
+        token budget each), while the reward functions score the decoded answers on the host (a thread) ──► their
         weighted sum added to the reward model's ──► the adaptive KL coefficient's step (once per generation
         batch; the batch keeps the one it was scored under)
     train_rlhf(experience[, unsupervised batch]):
@@ -281,7 +281,7 @@ class HybridEngine:
         if self.cfg.old_logprobs_from_generation:
             exp["logprobs"] = gen_logprobs * answer_mask
         exp.update(self._function_scores(pending, exp["scores"]))
-        exp["truncated"] = truncated_rows(self.static, tokens, answer_mask, self.eos_id)
+        exp["truncated"] = truncated_rows(self.mesh, tokens, answer_mask, self.eos_id)
         exp["generation_logprobs"] = gen_logprobs
         exp["kl_coef"] = self._kl_step(exp, draw)
         return exp
@@ -365,14 +365,14 @@ class HybridEngine:
         iteration counter moves (not for an extra draw of dynamic sampling)."""
         kl_coef = self.state["kl_coef"]
         if self.cfg.kl_target is not None:
-            self.state["kl_coef"] = next_kl_coef(self.static, kl_coef, {**exp, "kl_coef": kl_coef})
+            self.state["kl_coef"] = next_kl_coef(self.static.returns, kl_coef, {**exp, "kl_coef": kl_coef})
         if not draw:
             self.state["iteration"] = self.state["iteration"] + 1
         return kl_coef
 
     def group_spread(self, exp: dict) -> np.ndarray:
         """[B / n] bool on the host: whether each group's rewards differ (dynamic sampling keeps those)."""
-        return np.asarray(to_host(group_spread(self.static, exp)))
+        return np.asarray(to_host(group_spread(self.static.returns, exp)))
 
     def select_rows(self, experiences: list[dict], rows, left_out=()) -> dict:
         """One experience from rows `rows` (indices into the experiences' rows one after another; their number must
@@ -382,26 +382,26 @@ class HybridEngine:
         keep = np.ones(len(rows), np.float32)
         keep[list(left_out)] = 0.0
         per_row = [k for k, v in experiences[0].items() if k != "kl_coef" and getattr(v, "ndim", 0) >= 1]
-        out = take_rows(self.static, [{k: e[k] for k in per_row} for e in experiences], rows, keep)
+        out = take_rows(self.mesh, [{k: e[k] for k in per_row} for e in experiences], rows, keep)
         return {**out, "kl_coef": experiences[0]["kl_coef"]}
 
     def _score(self, weights, frozen, ids, mask, tokens, answer_mask):
         """Phase "score": the experience scored in packed micro-batches of max_tokens_per_micro_batch
         (jaxrlhf.rl.packing): old log-probs (unless generation's are used), reference log-probs, values, scores."""
-        s, cfg, (B, G) = self.static, self.cfg, answer_mask.shape
-        exp = padded_experience(s, ids, mask, tokens, answer_mask)
+        cfg, (B, G) = self.cfg, answer_mask.shape
+        exp = padded_experience(self.mesh, ids, mask, tokens, answer_mask)
         names = {"ref_logprobs": True, "logprobs": not cfg.old_logprobs_from_generation, "values": not cfg.critic_free}
         out = {k: jnp.zeros((B, G), jnp.float32) for k, on in names.items() if on}
         out = row_layout({**out, "scores": jnp.zeros((B,), jnp.float32)}, self.mesh)
-        for W, rows in self._micro_batches(exp):
-            out = score(s, W, weights, *frozen, exp, out, rows)
+        for micro in self._micro_batches(exp):
+            out = score(self.static.scoring, weights, *frozen, exp, out, micro)
         return {**exp, **out}
 
-    def _micro_batches(self, exp: dict) -> list:
-        """The packed micro-batches of an experience (packing.plan on its rows' real lengths; the same every time)."""
-        lengths = np.asarray(to_host(jnp.sum(exp["seq_mask"], axis=1)))  # whole on every process: one plan for all
-        budget, multiple = self.cfg.max_tokens_per_micro_batch, self.cfg.packed_width_multiple
-        return packing.plan(lengths, budget, self.mesh.size, multiple, max_width=exp["seq"].shape[1])
+    def _micro_batches(self, exp: dict) -> list[packing.Micro]:
+        """The packed micro-batches of an experience (packing.plan on its rows' real tokens; the same every time)."""
+        seq_mask = np.asarray(to_host(exp["seq_mask"] != 0))  # whole on every process: one plan for all
+        P, budget = seq_mask.shape[1] - exp["mask"].shape[1], self.cfg.max_tokens_per_micro_batch
+        return packing.plan(seq_mask, P, budget, self.mesh.size, self.cfg.packed_width_multiple)
 
     def _step(self, name: str, exp: dict, micro: list, unsup: dict | None):
         """One optimizer step of `name` over the experience's packed micro-batches (plus, for the actor, the mixture
@@ -418,7 +418,7 @@ class HybridEngine:
         unsup = unsupervised
         if unsupervised is not None and isinstance(unsupervised["input_ids"], np.ndarray):
             unsup = place(unsupervised, self.mesh, "fsdp")
-        exp, stats = self._timed("advantages", advantages, self.static, exp, experience["kl_coef"])
+        exp, stats = self._timed("advantages", advantages, self.static.returns, exp, experience["kl_coef"])
         stats["kl_coef"] = experience["kl_coef"]
         micro = self._micro_batches(exp)
         for name in self.trained:  # the actor (with the mixture batch), then the critic

@@ -1,91 +1,168 @@
-"""Step 3's experience without padding: rows sorted by length into micro-batches of a token budget.
+"""Step 3's experience without padding: whole sequences (prompt + answer) joined into the rows of micro-batches of a
+token budget, each a segment of its row.
 
 The experience is a padded block: prompts left-padded to P, answers right-padded to G. At real lengths (HH-RLHF:
-~126 + 43 tokens in 256 + 256) three quarters of it is padding. Scoring and both training steps instead run on
-micro-batches cut by `plan`, each its rows moved to the front of a narrower block by `pack`:
+~95 + 39 tokens in 256 + 256) three quarters of it is padding. Scoring and both training steps instead run on
+micro-batches laid out by `plan` on the host and gathered by `pack` on the device:
 
-    experience [B, P + G]  ──plan (host: each row's real length)──►  micro-batches (W, rows [n]), longest first,
-                                                                      n x W <= the token budget per device x devices
-    ──pack (on the device)──►  seq, seq_mask [n, W]: each row's prompt then answer from column 0, padding after
-                               answer-space leaves [n, A], A = min(G, W); head_at [n, A]: the column whose output
-                               scores answer token g (the prompt's last token for g = 0)
+    experience [B, P + G]  ──plan (host: each row's real tokens)──►  micro-batches (Micro: index arrays), widest first:
+        n rows of W columns, n x W <= the token budget per device x devices (a whole number of rows per device); the
+        sequences placed first-fit decreasing, several to a row, each one's real tokens side by side (a segment)
+    ──pack (on the device)──►  seq, seq_mask, positions (restarting at 0 in each segment), segment_ids [n, W];
+        answer slots [n, A]: head_at (the column whose output scores the slot's answer token: the one before it) and
+        answer (that token); slot (b G + g: where the slot's result goes in the answer space [B, G])
 
-W is a multiple of `multiple` (a handful of shapes, each compiled once: rows of one width share a program). A
-row's numbers do not depend on the rows beside it or on W (every model lays out its real tokens first, whatever
-the padding), so packed and padded give the same log-probs, values and scores, and the losses, which are sums
-over answer tokens divided once by the whole batch's count, the same losses and gradients (tests/test_packing.py).
+        row 0:  | b=5: prompt.......answer.. | b=2: prompt....answer | b=9: prompt..answer | pad |
+        row 1:  | b=0: prompt..........answer........ | b=7: prompt...answer...... | pad ......... |
+
+The model attends within a segment only and counts each segment's positions from 0, so a sequence's log-probs,
+entropies, values and reward score (at its segment's last column: segment_ends) are those of the sequence alone,
+whatever shares its row. `to_answers` scatters the slots' results back to the answer space [B, G]: the losses read
+the whole batch's [B, G] arrays with the mask of the micro-batch's answers (`members`), so a sequence-level quantity
+(GSPO's ratio, the per-answer means) is the answer's own, and the losses, sums over answer tokens divided once by the
+whole batch's count, give the same totals and gradients however the batch is cut (tests/test_packing.py). W is a
+multiple of `multiple` and A a power of two: a handful of shapes, each compiled once.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax.numpy as jnp
 import numpy as np
 
+#: the fewest answer slots per row (A): smaller powers of two would add shapes and save nothing
+MIN_SLOTS = 8
+
+
+class Micro(NamedTuple):
+    """One packed micro-batch's layout (host int32 arrays: a pytree jit takes as arguments; row r's sequences b)."""
+
+    segment: np.ndarray  # [n, W] the experience row b whose token sits at each column; B: padding
+    column: np.ndarray  # [n, W] that token's column in the padded block [B, P + G] (0: padding)
+    position: np.ndarray  # [n, W] its position in its sequence: real tokens counted from 0 (0: padding)
+    head_at: np.ndarray  # [n, A] the column whose output scores answer slot a (the column before its token)
+    slot: np.ndarray  # [n, A] slot a's answer token as b G + g in the answer space [B, G]; B G: an empty slot
+
+    @property
+    def width(self) -> int:
+        return self.segment.shape[1]
+
+
+def _rows(lengths, answers, order, W: int, A: int) -> list[list[int]]:
+    """First fit decreasing: the sequences `order` (longest first; `lengths` tokens of which `answers` answer tokens)
+    into rows of W tokens and A answer tokens, each into the first row with room, a new row where none has."""
+    free, slots, rows = np.zeros(0, np.int64), np.zeros(0, np.int64), []
+    for b in order:
+        fits = np.flatnonzero((free >= lengths[b]) & (slots >= answers[b]))
+        if len(fits):
+            rows[fits[0]].append(b)
+            free[fits[0]] -= lengths[b]
+            slots[fits[0]] -= answers[b]
+        else:
+            rows.append([b])
+            free, slots = np.append(free, W - lengths[b]), np.append(slots, A - answers[b])
+    return rows
+
+
+def _layout(rows: list[list[int]], real: list[np.ndarray], B: int, P: int, G: int, W: int, A: int) -> Micro:
+    """The Micro of rows of sequences (lists of experience rows b; [] an empty row): each sequence's real columns
+    `real[b]` side by side from column 0, its answer tokens in the row's first slots."""
+    n = len(rows)
+    segment, column, position = np.full((n, W), B), np.zeros((n, W), np.int64), np.zeros((n, W), np.int64)
+    head_at, slot = np.zeros((n, A), np.int64), np.full((n, A), B * G)
+    for r, row in enumerate(rows):
+        at, k = 0, 0  # the row's next free column and answer slot
+        for b in row:
+            cols = real[b]
+            segment[r, at : at + len(cols)], column[r, at : at + len(cols)] = b, cols
+            position[r, at : at + len(cols)] = np.arange(len(cols))
+            answer = np.flatnonzero(cols >= P)  # the answer's tokens; the head one column earlier scores each
+            head_at[r, k : k + len(answer)] = np.maximum(at + answer - 1, 0)
+            slot[r, k : k + len(answer)] = b * G + cols[answer] - P
+            at, k = at + len(cols), k + len(answer)
+    return Micro(*(x.astype(np.int32) for x in (segment, column, position, head_at, slot)))
+
+
+def rounded(rows: int) -> int:
+    """rows rounded up to m 2^e with m in 8 .. 15 (four significant bits: 1 .. 16, 18, 20, ..., 32, 36, ...): the
+    last micro-batch's rows per device, at most an eighth more than it needs, eight shapes an octave."""
+    e = max(rows.bit_length() - 4, 0)
+    return -(-rows // (1 << e)) * (1 << e)
+
 
 def plan(
-    lengths, budget: int, devices: int, multiple: int = 64, max_width: int | None = None
-) -> list[tuple[int, np.ndarray]]:
-    """Micro-batches [(W, rows)] over rows of real `lengths` [B] (prompt + answer tokens): longest first, each of
-    width W (its longest row rounded up to `multiple`, at most `max_width` and the budget) and n = (budget // W) x
-    devices rows (a whole number per device), or, for the rows left at the end, a power of two per device; the last
-    one filled up with index B, an empty row. Every row is in exactly one."""
-    lengths = np.asarray(lengths)
-    B = len(lengths)
+    seq_mask, prompt_len: int, budget: int, devices: int, multiple: int = 64, max_width: int | None = None
+) -> list[Micro]:
+    """Micro-batches over the rows of a padded experience's seq_mask [B, P + G] (host; P = prompt_len). One width W
+    for all, the longest sequence rounded up to `multiple` (at most `max_width` and the budget); the sequences packed
+    first-fit decreasing into rows of W tokens and A answer tokens (A: the longest answer rounded up to a power of two,
+    at least MIN_SLOTS, at most W: the LM head runs on A positions of a row); n = (budget // W) x devices rows to a
+    micro-batch (a whole number per device), the last one with `rounded` rows per device, the fewest that hold what is
+    left. Every sequence is in exactly one micro-batch, whole."""
+    mask = np.asarray(seq_mask) != 0
+    B, T = mask.shape
+    lengths = mask.sum(1)
     max_width = max_width or int(lengths.max(initial=1))
     if lengths.max(initial=0) > budget:
         raise ValueError(f"a sequence of {lengths.max()} tokens is longer than max_tokens_per_micro_batch {budget}")
-    order = np.argsort(-lengths, kind="stable")
-    out, i = [], 0
-    while i < B:
-        W = min(-(-max(int(lengths[order[i]]), 1) // multiple) * multiple, max_width, budget)
-        n = max(budget // W, 1) * devices
-        # Fewer rows left than that: a power of two per device (a handful of shapes, not one per batch's remainder).
-        n = min(n, devices * 2 ** int(np.ceil(np.log2(-(-(B - i) // devices)))))
-        rows = order[i : i + n]
-        out.append((W, np.concatenate([rows, np.full(n - len(rows), B)]).astype(np.int32)))
-        i += n
+    W = min(-(-max(int(lengths.max(initial=1)), 1) // multiple) * multiple, max_width, budget)
+    answers = mask[:, prompt_len:].sum(1)
+    A = min(max(MIN_SLOTS, 1 << int(np.ceil(np.log2(max(answers.max(initial=1), 1))))), W)
+    rows = _rows(lengths, answers, np.argsort(-lengths, kind="stable"), W, A)
+    real, n, out = [np.flatnonzero(m) for m in mask], max(budget // W, 1) * devices, []
+    for i in range(0, len(rows), n):
+        part = rows[i : i + n]
+        size = min(n, devices * rounded(-(-len(part) // devices)))  # the last: fewer rows, a handful of shapes
+        out.append(_layout(part + [[]] * (size - len(part)), real, B, prompt_len, T - prompt_len, W, A))
     return out
 
 
-def pack(exp: dict, rows, W: int) -> dict:
-    """Rows `rows` [n] (index B: an empty row) of a padded experience (seq, seq_mask [B, P + G]; every other leaf
-    answer-space [B, G, ...] or per row [B]) as one packed micro-batch (see the module docstring): seq, seq_mask
-    [n, W] (the prompt's real tokens, then the answer, from column 0), answer-space leaves cut to [n, A], per-row
-    leaves [n], plus head_at [n, A] and answer [n, A] (the answer's tokens). An empty row has masks of 0."""
+def pack(exp: dict, m: Micro) -> dict:
+    """Micro-batch `m` of a padded experience (seq, seq_mask [B, P + G]; mask [B, G]) on the device: seq, seq_mask,
+    positions, segment_ids [n, W] (padding: segment B, mask 0), and per answer slot [n, A] head_at, slot (Micro's) and
+    answer (the token the slot scores)."""
     B, T = exp["seq"].shape
     G = exp["mask"].shape[1]
-    P, A = T - G, min(G, W)
-    real = rows < B
-    r = jnp.minimum(rows, B - 1)
-    seq, seq_mask = exp["seq"][r], exp["seq_mask"][r] * real[:, None].astype(exp["seq_mask"].dtype)
-    # The prompt's real tokens to its end (any padding pattern), then the whole row from its first real token on.
-    order = jnp.argsort(seq_mask[:, :P] != 0, axis=1, stable=True)
-    seq = jnp.concatenate([jnp.take_along_axis(seq[:, :P], order, 1), seq[:, P:]], 1)
-    seq_mask = jnp.concatenate([jnp.take_along_axis(seq_mask[:, :P], order, 1), seq_mask[:, P:]], 1)
-    prompt = jnp.sum(seq_mask[:, :P] != 0, axis=1)
-    cols = (P - prompt)[:, None] + jnp.arange(W)[None, :]
-    inside = cols < T
-    cols = jnp.minimum(cols, T - 1)
-    out = {
-        "seq": jnp.take_along_axis(seq, cols, 1),
-        "seq_mask": jnp.take_along_axis(seq_mask, cols, 1) * inside.astype(seq_mask.dtype),
-        "head_at": jnp.minimum(jnp.maximum(prompt[:, None] - 1 + jnp.arange(A)[None, :], 0), W - 1),
-        "answer": seq[:, P : P + A],
+    segment = jnp.asarray(m.segment)
+    b, slot = jnp.minimum(segment, B - 1), jnp.asarray(m.slot)
+    seq_mask = jnp.where(segment < B, exp["seq_mask"][b, m.column], 0).astype(exp["seq_mask"].dtype)
+    answer = exp["seq"][jnp.minimum(slot // G, B - 1), T - G + slot % G]
+    return {
+        "seq": exp["seq"][b, m.column],
+        "seq_mask": seq_mask,
+        "positions": jnp.asarray(m.position),
+        "segment_ids": segment,
+        "head_at": jnp.asarray(m.head_at),
+        "answer": answer,
+        "slot": slot,
     }
-    for k, x in exp.items():
-        if k in ("seq", "seq_mask") or not hasattr(x, "shape") or x.ndim == 0 or x.shape[0] != B:
-            continue
-        x = x[r] * real.reshape(-1, *(1,) * (x.ndim - 1)).astype(x.dtype)
-        out[k] = x[:, :A] if x.ndim > 1 and x.shape[1] == G else x
-    return out
 
 
-def unpack(full: dict, part: dict, rows) -> dict:
-    """`full`'s leaves ([B, G] answer-space or [B]) with packed `part`'s ([n, A] or [n]) written back at `rows`
-    (empty rows dropped)."""
-    out = dict(full)
-    for k, x in part.items():
-        out[k] = (
-            full[k].at[rows, : x.shape[1]].set(x, mode="drop") if x.ndim > 1 else full[k].at[rows].set(x, mode="drop")
-        )
-    return out
+def unpack(out: dict, part: dict, packed: dict) -> dict:
+    """The batch's `out` ([B, G] answer-space and [B] leaves) plus a micro-batch's results `part`: slot values
+    [n, A] scattered to the answer space (to_answers), per-sequence values [B] (segment_ends) as they are."""
+    return {
+        k: v + (to_answers(part[k], packed, v.shape) if part[k].ndim == 2 else part[k]) if k in part else v
+        for k, v in out.items()
+    }
+
+
+def to_answers(x, packed: dict, shape: tuple[int, int]):
+    """Slot values x [n, A] in the answer space [B, G] (shape), zero where no slot of this micro-batch writes."""
+    B, G = shape
+    return jnp.zeros(B * G, x.dtype).at[packed["slot"].reshape(-1)].set(x.reshape(-1), mode="drop").reshape(B, G)
+
+
+def members(packed: dict, B: int):
+    """[B] float32: 1 for the experience rows whose sequence is in this micro-batch."""
+    return jnp.zeros(B, jnp.float32).at[packed["segment_ids"].reshape(-1)].set(1.0, mode="drop")
+
+
+def segment_ends(x, packed: dict, B: int):
+    """[B]: x [n, W] at each sequence's last real token (its segment's last column), 0 for rows not in this
+    micro-batch: where the reward model scores a sequence."""
+    segment = packed["segment_ids"]
+    after = jnp.concatenate([segment[:, 1:], jnp.full_like(segment[:, :1], B)], axis=1)
+    at = jnp.where(after != segment, segment, B)  # the last column of each segment (padding's index B is dropped)
+    return jnp.zeros(B, x.dtype).at[at.reshape(-1)].set(x.reshape(-1), mode="drop")

@@ -2,14 +2,17 @@
 clipped value step, each over packed micro-batches accumulated one at a time.
 
     step(s, name, state, ema, exp, micro, unsup)        one optimizer step (HybridEngine.train_rlhf calls it)
-        acc = zero_accumulator(loss, W, state, exp, rows, mixture)     an optim.Accumulator of zeros
-        acc = accumulate(loss, W, state, acc, exp, rows, i)            each packed micro-batch (width W) of the answers
+        acc = zero_accumulator(loss, state, exp, micro, mixture)       an optim.Accumulator of zeros
+        acc = accumulate(loss, state, acc, exp, micro, i)              each packed micro-batch of the answers
         acc = accumulate_mixture(mixture, state, acc, mask, unsup, rows, i)   the actor's mixture batch, in parts
         state, ema, metrics = apply(update, state, ema, acc)           divided once, the optimizer, the EMA
 
 Each program is module-level and jitted with a static key of what it reads (ActorLoss, CriticLoss, MixtureLoss,
 Update: frozen dataclasses), so engines alike (a run and its resumption, tests) share their compilations: one
-program per packed width W, the accumulator and the states donated.
+program per packed micro-batch shape, the accumulator and the states donated. The losses read the whole batch's
+answer-space arrays [B, G] (old log-probs, advantages, ...): the packed micro-batch's results are scattered there
+(packing.to_answers) and its mask is the batch's restricted to its answers (packing.members), so every loss, GSPO's
+sequence-level ratio and the per-answer aggregations included, is the unpacked one's.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from jaxrlhf.optim import (
     zero_gradients,
 )
 from jaxrlhf.rl import losses, packing
-from jaxrlhf.rl.experience import Static, answer_logprobs, answer_values, fsdp_layout, row_layout
+from jaxrlhf.rl.experience import Static, answer_logprobs, answer_values, fsdp_layout, packed_rows, row_layout
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -50,12 +53,19 @@ def fused_actor(lora: LoRAConfig, mesh, actor):
 NO_RATIO = {"clip_frac": 0, "approx_kl": 0, "ratio": 0, "ratio_tokens": 0, "ratio_min": jnp.inf, "ratio_max": -jnp.inf}
 
 
+def answers(mb: dict, slots):
+    """A packed micro-batch's slot values [n, A] in the answer space [B, G] (packing.to_answers), and the loss mask of
+    its answers: the batch's mask [B, G] on the rows in it (packing.members), 0 elsewhere."""
+    mask, packed = mb["mask"], mb["packed"]
+    return packing.to_answers(slots, packed, mask.shape), mask * packing.members(packed, mask.shape[0])[:, None]
+
+
 @dataclasses.dataclass(frozen=True)
 class ActorLoss:
-    """The actor's policy loss on packed answer rows: the total over the answers (clip-higher; GSPO's sequence-level
-    ratio under `sequence`; plus kl_loss_coef times the KL estimator with a KL loss term) aggregated by `aggregation`
-    (losses.aggregate); count: the answer tokens (token_mean) or answers (the seq_mean modes). Metrics: the loss
-    terms and the ratio's diagnostics (losses.ratio_figures)."""
+    """The actor's policy loss on a packed micro-batch's answers: the total over them (clip-higher; GSPO's
+    sequence-level ratio under `sequence`; plus kl_loss_coef times the KL estimator with a KL loss term) aggregated
+    by `aggregation` (losses.aggregate); count: the answer tokens (token_mean) or answers (the seq_mean modes).
+    Metrics: the loss terms and the ratio's diagnostics (losses.ratio_figures)."""
 
     model: Any  # the actor's model config
     lora: LoRAConfig
@@ -65,11 +75,11 @@ class ActorLoss:
     kl_estimator: str  # "none" (the KL is in the reward), "k1" or "k3" (a loss term)
     kl_loss_coef: float
     aggregation: str
-    scoring: tuple[tuple[str, Any], ...]  # answer_logprobs' temperature and chunk (Static.scoring)
+    scoring: tuple[tuple[str, Any], ...]  # answer_logprobs' temperature and chunk (Scoring.logprobs)
 
     def __call__(self, params, mb, key):
-        lp = answer_logprobs(self.model, params, mb, key, **dict(self.scoring))
-        old, adv, mask = mb["logprobs"], mb["advantages"], mb["mask"]
+        lp, mask = answers(mb, answer_logprobs(self.model, params, mb["packed"], key, **dict(self.scoring)))
+        old, adv = mb["logprobs"], mb["advantages"]
         per_token = losses.policy_loss(lp, old, adv, *self.clip, mask, self.sequence)
         metrics = losses.ratio_figures(lp, old, adv, mask, *self.clip, self.sequence)
         if self.kl_estimator != "none":
@@ -83,7 +93,7 @@ class ActorLoss:
 
 @dataclasses.dataclass(frozen=True)
 class CriticLoss:
-    """The critic's clipped value loss on packed answer rows, its total over the answer tokens and their count."""
+    """The critic's clipped value loss on a packed micro-batch's answers, its total over their tokens and count."""
 
     model: Any  # the critic's model config
     lora: LoRAConfig
@@ -91,9 +101,9 @@ class CriticLoss:
     clip_value: float
 
     def __call__(self, params, mb, key):
-        v = answer_values(self.model, params, mb, key)
-        tokens = jnp.sum(mb["mask"]).astype(jnp.float32)
-        loss = losses.critic_loss(v, mb["values"], mb["returns"], mb["mask"], self.clip_value) * tokens
+        v, mask = answers(mb, answer_values(self.model, params, mb["packed"], key))
+        tokens = jnp.sum(mask).astype(jnp.float32)
+        loss = losses.critic_loss(v, mb["values"], mb["returns"], mask, self.clip_value) * tokens
         return loss, tokens, {"critic_loss": loss}
 
 
@@ -135,7 +145,7 @@ def programs(s: Static, name: str) -> tuple[ActorLoss | CriticLoss, MixtureLoss 
     update = Update(s.tx(name), side.lora, s.mesh, cfg.ema_decay if name == "actor" and cfg.enable_ema else None)
     if name == "critic":
         return CriticLoss(s.critic, side.lora, s.mesh, cfg.clip_value), None, update
-    sequence, scoring = cfg.algorithm == "gspo", tuple(sorted(s.scoring.items()))
+    sequence, scoring = cfg.algorithm == "gspo", tuple(sorted(s.scoring.logprobs.items()))
     loss = ActorLoss(
         s.actor,
         side.lora,
@@ -152,13 +162,13 @@ def programs(s: Static, name: str) -> tuple[ActorLoss | CriticLoss, MixtureLoss 
 
 
 def step(s: Static, name: str, state, ema, exp: dict, micro: list, unsup: dict | None = None):
-    """One optimizer step of `name` over the experience's packed micro-batches `micro` ((W, rows) each: packing.plan)
+    """One optimizer step of `name` over the experience's packed micro-batches `micro` (packing.Micro each: plan)
     and, for the actor, the mixture batch `unsup` in gradient_accumulation_steps parts (rows i, i + n, ...: each part
     splits over the devices, ppo.check): gradients summed, divided once -> (state, ema, metrics)."""
     loss, mixture, update = programs(s, name)
-    acc = zero_accumulator(loss, micro[0][0], state, exp, micro[0][1], unsup is not None)
-    for i, (W, rows) in enumerate(micro):
-        acc = accumulate(loss, W, state, acc, exp, rows, i)
+    acc = zero_accumulator(loss, state, exp, micro[0], unsup is not None)
+    for i, m in enumerate(micro):
+        acc = accumulate(loss, state, acc, exp, m, i)
     if unsup is not None:
         n, N = s.side(name).optim.gradient_accumulation_steps, len(unsup["input_ids"])
         for i in range(n):
@@ -177,11 +187,11 @@ def _add(acc: Accumulator, more: Accumulator) -> Accumulator:
 
 
 @hooks.program  # seen by jaxrlhf.plan.measure
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
-def accumulate(loss: ActorLoss | CriticLoss, W: int, state, acc: Accumulator, exp, rows, index) -> Accumulator:
-    """`acc` plus the packed micro-batch of the experience's rows `rows` at width W; `index`: the micro-batch's number
-    in the step (its dropout key)."""
-    mb = row_layout(packing.pack(exp, rows, W), loss.mesh)
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def accumulate(loss: ActorLoss | CriticLoss, state, acc: Accumulator, exp, micro, index) -> Accumulator:
+    """`acc` plus the experience's packed micro-batch `micro` (packing.Micro); `index`: the micro-batch's number in
+    the step (its dropout key)."""
+    mb = {**exp, "packed": packed_rows(loss.mesh, exp, micro)}
     key = jax.random.fold_in(step_keys(state), index)
     acc = _add(acc, micro_gradients(loss, loss.lora, state, mb, key))
     return acc._replace(grads=fsdp_layout(acc.grads, loss.mesh))
@@ -212,11 +222,11 @@ def accumulate_mixture(loss: MixtureLoss, state, acc: Accumulator, mask, unsup, 
 
 
 @hooks.program  # seen by jaxrlhf.plan.measure
-@functools.partial(jax.jit, static_argnums=(0, 1, 5))
-def zero_accumulator(loss: ActorLoss | CriticLoss, W: int, state, exp, rows, mixture: bool) -> Accumulator:
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def zero_accumulator(loss: ActorLoss | CriticLoss, state, exp, micro, mixture: bool) -> Accumulator:
     """The accumulator accumulate adds micro-batches into: zeros, gradients in the FSDP layout, the ratio's extremes
     at NO_RATIO's; with `mixture`, an "unsup_loss" for accumulate_mixture too."""
-    mb = row_layout(packing.pack(exp, rows, W), loss.mesh)
+    mb = {**exp, "packed": packed_rows(loss.mesh, exp, micro)}
     acc = zero_gradients(loss, loss.lora, state, mb, step_keys(state))
     metrics = {
         k: jnp.full_like(v, NO_RATIO[k]) if k in ("ratio_min", "ratio_max") else v for k, v in acc.metrics.items()
