@@ -1,15 +1,21 @@
 """The Triton programs our decode kernels hand to the GPU, lowered on the CPU: save them, and compare two saves.
 
     PYTHONPATH=. python tools/kernel_ir.py save DIR           # one text file per configuration
-    PYTHONPATH=. python tools/kernel_ir.py compare DIR_A DIR_B
+    PYTHONPATH=. python tools/kernel_ir.py compare DIR_A DIR_B [--hlo]
+    # another commit's kernels: its package beside a copy of this tool
+    mkdir -p /tmp/old/tools && git archive COMMIT jaxrlhf | tar -x -C /tmp/old && cp tools/kernel_ir.py /tmp/old/tools/
+    python /tmp/old/tools/kernel_ir.py save /tmp/ir_old
 
 A refactor of a kernel's Python (names, helpers, operand plumbing) should leave the GPU's program as it was. Each
 configuration (decode_step with the folded RMSNorm or LayerNorm, bias, Qwen3's q/k norm, rotary or none, query groups
-1 to 8, a tensor-parallel mesh; decode_attention one split and four) is lowered for an abstract H200 (no GPU needed,
-as tests/test_decode_attention.py's Triton test), and each Pallas call's Triton module (MLIR bytecode inside the
-custom call) is printed as text without source locations; the StableHLO around it is kept too, its bytecode
-replaced by its length, so that a change in the operands the call gets (a dummy removed, a cast moved) shows.
-`compare` prints, per configuration, "same" or the unified diff of the Triton text and of the StableHLO.
+1 to 8, a tensor-parallel mesh; decode_attention with one split and four; decode_matmul's fc1 and fc2) is lowered for
+an abstract H200 (no GPU needed, as tests/test_decode_attention.py's Triton test does), and each Pallas call's Triton
+module (MLIR bytecode inside the custom call) is printed as text without source locations; the StableHLO around it
+is kept too (the bytecode left out), so that a change in the operands the call gets (a dummy removed) shows.
+`compare` says per configuration whether the Triton text is the same; else whether it is the same program once
+canonicalized (canonicalize and CSE, Triton's first passes: the address arithmetic of an operand never read is dead)
+and without the arguments the kernel never reads (a removed dummy operand), or differs (the canonical texts' diff);
+and whether the StableHLO is the same (`--hlo`: its diff). The exit status is 1 where a program differs.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from jax._src.mesh import AbstractDevice, AbstractMesh  # noqa: E402
 from jax._src.pallas.triton import lowering as triton_lowering  # noqa: E402
 
 from jaxrlhf.kernels.decode_attention import DecodeAttentionConfig, decode_attention, decode_step  # noqa: E402
+from jaxrlhf.kernels.decode_matmul import decode_matmul  # noqa: E402
 
 H200 = AbstractDevice("NVIDIA H200", 132, "gpu")
 B, L, S = 4, 2, 512  # rows, layers, cache slots
@@ -57,6 +64,13 @@ ATTENTIONS = {
     "attention_gqa7_k64_whole_blocks": (14, 2, 64, 1, True, False, None),
     "attention_mha_elementwise": (8, 8, 64, 1, False, True, None),
     "attention_gqa4_tp2_split2": (16, 4, 64, 2, True, True, (1, 2)),
+}
+# name: (M, K, N, layer_norm, bias, relu, mesh)
+MATMULS = {
+    "matmul_fc1_layernorm_bias_relu": (64, 2048, 8192, True, True, True, None),
+    "matmul_bias_only": (32, 1024, 1024, False, True, False, None),
+    "matmul_fc2_split": (64, 8192, 2048, False, False, False, None),
+    "matmul_fc1_tp2": (64, 2048, 8192, True, True, True, (1, 2)),
 }
 
 
@@ -105,6 +119,16 @@ def _attention_call(H, Hkv, K, splits, use_dot, mask_loads, mesh):
     return fn, (bf16(B, H, K), bf16(L, B, Hkv, 2048, K), bf16(L, B, Hkv, 2048, K), rows, rows)
 
 
+def _matmul_call(M, K, N, layer_norm, bias, relu, mesh):
+    f32, bf16 = (lambda *shape, t=t: jax.ShapeDtypeStruct(shape, t) for t in (jnp.float32, jnp.bfloat16))
+
+    def fn(x, w, sums, squares, colsum, b):
+        norm = (sums, squares, colsum, 1e-5) if layer_norm else None
+        return decode_matmul(x, w, bias=b if bias else None, layer_norm=norm, relu=relu, mesh=mesh)
+
+    return fn, (bf16(M, K), bf16(K, N), f32(M), f32(M), f32(N), bf16(N))
+
+
 def _custom_calls(op, found):
     for region in op.regions:
         for block in region.blocks:
@@ -127,7 +151,7 @@ def lower(fn, shapes, mesh) -> str:
             triton = ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes)
             parts.append(f"// triton call {knobs}\n" + triton.operation.get_asm(enable_debug_info=False))
     hlo = module.operation.get_asm(enable_debug_info=False)
-    hlo = re.sub(r'ir = "(?:[^"\\]|\\.)*"', lambda m: f"ir = <{len(m.group(0))} chars>", hlo)
+    hlo = re.sub(r'ir = "(?:[^"\\]|\\.)*"', "ir = <the Triton module above>", hlo)  # its bytecode holds locations
     return "\n".join(parts) + "\n// ---- stablehlo\n" + hlo
 
 
@@ -135,6 +159,7 @@ def save(folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     calls = {name: (*_step_call(*c[:-1], _mesh(c[-1])[1]), c[-1]) for name, c in STEPS.items()}
     calls |= {name: (*_attention_call(*c[:-1], _mesh(c[-1])[1]), c[-1]) for name, c in ATTENTIONS.items()}
+    calls |= {name: (*_matmul_call(*c[:-1], _mesh(c[-1])[1]), c[-1]) for name, c in MATMULS.items()}
     for name, (fn, shapes, mesh) in calls.items():
         (folder / f"{name}.mlir").write_text(lower(fn, shapes, _mesh(mesh)[0]))
         print(name, "saved")

@@ -215,42 +215,69 @@ def _one_copy(x, copies: int):
     return x if copies == 1 else jnp.max(x.reshape(copies, -1, *x.shape[1:]), axis=0)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionOperands:
+    """decode_attention's kernel inputs by name: the arrays, their BlockSpecs and, in `_kernel`, their refs (the block
+    each program (b, h, j) sees, after the arrow). The field order is the kernel's argument order."""
+
+    layer: Any  # [1] int32 -> [1]: which layer of the cache
+    start: Any  # [B] int32 -> [1]: this row's first valid slot
+    end: Any  # [B] int32 -> [1]: one past its last
+    q: Any  # [B, Hkv, G, K] -> [G, K]: the queries of one KV head
+    k: Any  # [L, B, Hkv, S, K] -> whole: the cache, read in place (no copy of a layer)
+    v: Any  # [L, B, Hkv, S, K] -> whole
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionOutputs:
+    """decode_attention's kernel outputs by name: `out` with one split; with N > 1 splits the partial sums acc, m and
+    den (float32) instead, `out` None."""
+
+    out: Any = None  # [B, Hkv, 1, G, K] -> [G, K]: the normalised output
+    acc: Any = None  # [B, Hkv, N, G, K] -> [G, K]: this chunk's weighted sum of values (unnormalised)
+    m: Any = None  # [B, Hkv, N, G] -> [G]: its running max
+    den: Any = None  # [B, Hkv, N, G] -> [G]: its normaliser
+
+
+def _named(like, **specs):
+    """`like`'s class holding specs[name] for each present field of `like` (None for an absent one): a spec is given
+    by its operand's name, never by position, and a field without a spec is an error."""
+    fields = [f.name for f in dataclasses.fields(like)]
+    if sorted(specs) != sorted(fields):
+        raise ValueError(f"specs for {sorted(specs)}, expected {sorted(fields)}")
+    return type(like)(**{name: None if getattr(like, name) is None else specs[name] for name in fields})
+
+
+def _leaf_index(tree, name: str) -> int:
+    """Where field `name` sits among tree's flattened leaves (pallas_call's aliases count them, absent ones not)."""
+    return [path[-1].name for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]].index(name)
+
+
 def _kernel(
-    layer_ref,
-    start_ref,
-    end_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    *out_refs,
-    block_s: int,
-    chunk: int,
-    use_dot: bool,
-    mask_loads: bool,
+    ins: AttentionOperands, outs: AttentionOutputs, *, block_s: int, chunk: int, use_dot: bool, mask_loads: bool
 ):
-    # layer_ref [1]; start_ref, end_ref [1] (this row's valid range); q_ref [G, K] (the queries of one KV head);
-    # k_ref, v_ref: the whole cache [L, B, Hkv, S, K]. This program reads the chunk of slots
-    # [j * chunk, (j + 1) * chunk). out_refs: o_ref [G, K] (one split: the output), or acc_ref [G, K],
-    # m_ref [G], l_ref [G] (the partial sums of this chunk, float32).
+    """One program per (row b, KV head h, chunk j): the online softmax of the head's G queries over the row's valid
+    slots among [j * chunk, (j + 1) * chunk); writes the normalised output (one split) or the partial sums."""
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    start = jnp.maximum(start_ref[0], j * chunk)  # start >= end: a chunk with no valid slot reads nothing
-    end = jnp.minimum(end_ref[0], (j + 1) * chunk)
-    G, K = q_ref.shape
+    start = jnp.maximum(ins.start[0], j * chunk)  # start >= end: a chunk with no valid slot reads nothing
+    end = jnp.minimum(ins.end[0], (j + 1) * chunk)
+    G, K = ins.q.shape
     copies = max(16 // G, 1) if use_dot else 1  # tensor-core products need 16 rows: rows r * G + g hold query g
     rows = copies * G
-    q = _repeat_rows(q_ref[...] if use_dot else q_ref[...].astype(jnp.float32), copies)
+    q = _repeat_rows(ins.q[...] if use_dot else ins.q[...].astype(jnp.float32), copies)
     # The running max starts at -1e30, our finite -inf: the first rescale exp(m - m_new) is 0, not NaN, and a
     # chunk with no valid slot leaves m = -1e30, den = acc = 0.
     init = (jnp.full((rows,), -1e30, jnp.float32), jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, K), jnp.float32))
     m, den, acc = _attend(
-        q, k_ref, v_ref, layer_ref[0], b, h, start, end, init, block_s=block_s, use_dot=use_dot, mask_loads=mask_loads
+        q, ins.k, ins.v, ins.layer[0], b, h, start, end, init, block_s=block_s, use_dot=use_dot, mask_loads=mask_loads
     )
     m, den, acc = (_one_copy(x, copies) for x in (m, den, acc))
-    if len(out_refs) == 1:
-        out_refs[0][...] = (acc / jnp.maximum(den, 1e-30)[:, None]).astype(out_refs[0].dtype)
+    if outs.out is not None:
+        outs.out[...] = (acc / jnp.maximum(den, 1e-30)[:, None]).astype(outs.out.dtype)
     else:
-        acc_ref, m_ref, l_ref = out_refs
-        acc_ref[...], m_ref[...], l_ref[...] = acc, m, den
+        outs.acc[...], outs.m[...], outs.den[...] = acc, m, den
 
 
 @jax.tree_util.register_dataclass
@@ -285,20 +312,6 @@ class StepOutputs:
     out: Any  # [B, Hkv, G, K] -> [G, K]; or whole, written by masked stores, where G is no power of two
     k: Any  # [L, B, Hkv, S, K] -> whole: StepOperands.k's buffer, this step's key written at each row's slot
     v: Any  # [L, B, Hkv, S, K] -> whole
-
-
-def _named(like, **specs):
-    """`like`'s class holding specs[name] for each present field of `like` (None for an absent one): a spec is given
-    by its operand's name, never by position, and a field without a spec is an error."""
-    fields = [f.name for f in dataclasses.fields(like)]
-    if sorted(specs) != sorted(fields):
-        raise ValueError(f"specs for {sorted(specs)}, expected {sorted(fields)}")
-    return type(like)(**{name: None if getattr(like, name) is None else specs[name] for name in fields})
-
-
-def _leaf_index(tree, name: str) -> int:
-    """Where field `name` sits among tree's flattened leaves (pallas_call's aliases count them, absent ones not)."""
-    return [path[-1].name for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]].index(name)
 
 
 def _real(at, groups: int):
@@ -477,25 +490,35 @@ def _pallas(q, k, v, layer, start, end, *, config):
     interpret, params, cores, block_s = _launch(config, K, S, G)
     splits = config.splits(B * Hkv, S, cores, K, G)
     chunk = _chunk(S, splits, block_s)
-    scalar, row = pl.BlockSpec((1,), lambda b, h, j: (0,)), pl.BlockSpec((1,), lambda b, h, j: (b,))
-    queries, whole = pl.BlockSpec((None, None, G, K), lambda b, h, j: (b, h, 0, 0)), pl.no_block_spec
+    ins = AttentionOperands(layer=layer.reshape(1), start=start, end=end, q=qg, k=k, v=v)
+    row = pl.BlockSpec((1,), lambda b, h, j: (b,))
+    blocks = _named(
+        ins,
+        layer=pl.BlockSpec((1,), lambda b, h, j: (0,)),
+        start=row,
+        end=row,
+        q=pl.BlockSpec((None, None, G, K), lambda b, h, j: (b, h, 0, 0)),
+        k=pl.no_block_spec,
+        v=pl.no_block_spec,
+    )
     part = lambda *shape: pl.BlockSpec((None, None, None, *shape), lambda b, h, j: (b, h, j) + (0,) * len(shape))
+    array = lambda *shape: jax.ShapeDtypeStruct((B, Hkv, splits, *shape), q.dtype if splits == 1 else jnp.float32)
     if splits == 1:
-        out_specs, out_shape = part(G, K), jax.ShapeDtypeStruct((B, Hkv, 1, G, K), q.dtype)
-    else:  # the partial sums: acc, m, den
-        out_specs = [part(G, K), part(G), part(G)]
-        out_shape = [jax.ShapeDtypeStruct((B, Hkv, splits, *shape), jnp.float32) for shape in ((G, K), (G,), (G,))]
-    out = pl.pallas_call(
+        out_specs, out_shape = AttentionOutputs(out=part(G, K)), AttentionOutputs(out=array(G, K))
+    else:  # the partial sums
+        out_specs = AttentionOutputs(acc=part(G, K), m=part(G), den=part(G))
+        out_shape = AttentionOutputs(acc=array(G, K), m=array(G), den=array(G))
+    outs = pl.pallas_call(
         functools.partial(_kernel, block_s=block_s, chunk=chunk, use_dot=config.use_dot, mask_loads=config.mask_loads),
         grid=(B, Hkv, splits),
-        in_specs=[scalar, row, row, queries, whole, whole],
+        in_specs=(blocks,),
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=params,
         interpret=interpret,
         name="jaxrlhf_decode_attention",
-    )(layer.reshape(1), start, end, qg, k, v)
-    out = out[:, :, 0] if splits == 1 else _combine(*out).astype(q.dtype)
+    )(ins)
+    out = outs.out[:, :, 0] if splits == 1 else _combine(outs.acc, outs.m, outs.den).astype(q.dtype)
     return out[:, :, : H // Hkv].reshape(B, H, K)
 
 

@@ -19,7 +19,9 @@ per shard: fc1 on its output columns, fc2 on its rows of K, the shards' sums the
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -64,27 +66,37 @@ def decode_matmul_reference(x, w, *, bias=None, layer_norm=None, relu: bool = Fa
     return jnp.maximum(y, 0.0) if relu else y
 
 
-def _kernel(*refs, steps: int, eps: float | None, has_bias: bool, relu: bool):
-    # x_ref [M, K], w_ref [K, N] (whole); with a LayerNorm sums_ref, squares_ref [M] and colsum_ref [N], bias_ref
-    # [N] when given; o_ref [split, M, N] (this program: columns [j * BLOCK_N, ...) of share s of K)
-    x_ref, w_ref, *rest, o_ref = refs
-    sums_ref, squares_ref, colsum_ref = (rest.pop(0) for _ in range(3)) if eps is not None else (None,) * 3
-    bias_ref = rest.pop(0) if has_bias else None
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MatmulOperands:
+    """The kernel's inputs by name, each whole to every program; a part not in use is None (no operand, no ref). The
+    field order is the kernel's argument order."""
+
+    x: Any  # [M, K]: the step's rows
+    w: Any  # [K, N]: the weight matrix
+    sums: Any = None  # [M] float32: a folded LayerNorm's input rows' sums (layer_norm)
+    squares: Any = None  # [M] float32: and their sums of squares
+    colsum: Any = None  # [N] float32: the folded kernel's column sums
+    bias: Any = None  # [N]
+
+
+def _kernel(ins: MatmulOperands, o_ref, *, steps: int, eps: float | None, relu: bool):
+    """Program (j, s): output columns [j * BLOCK_N, (j + 1) * BLOCK_N) of share s of K, into o_ref [split, M, N]."""
     j, s = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(pl.multiple_of(j * BLOCK_N, BLOCK_N), BLOCK_N)
 
     def body(i, carry):
         k = pl.ds(pl.multiple_of((s * steps + i) * BLOCK_K, BLOCK_K), BLOCK_K)
-        return carry + jnp.dot(x_ref[:, k], w_ref[k, cols], preferred_element_type=jnp.float32)
+        return carry + jnp.dot(ins.x[:, k], ins.w[k, cols], preferred_element_type=jnp.float32)
 
-    y = jax.lax.fori_loop(0, steps, body, jnp.zeros((x_ref.shape[0], BLOCK_N), jnp.float32))
+    y = jax.lax.fori_loop(0, steps, body, jnp.zeros((ins.x.shape[0], BLOCK_N), jnp.float32))
     if eps is not None:
-        D = x_ref.shape[1]
-        mean = sums_ref[...] / D
-        var = jnp.maximum(squares_ref[...] / D - mean * mean, 0.0)
-        y = (y - mean[:, None] * colsum_ref[cols][None, :]) * jax.lax.rsqrt(var + eps)[:, None]
-    if has_bias:
-        y = y + bias_ref[cols].astype(jnp.float32)[None, :]
+        D = ins.x.shape[1]
+        mean = ins.sums[...] / D
+        var = jnp.maximum(ins.squares[...] / D - mean * mean, 0.0)
+        y = (y - mean[:, None] * ins.colsum[cols][None, :]) * jax.lax.rsqrt(var + eps)[:, None]
+    if ins.bias is not None:
+        y = y + ins.bias[cols].astype(jnp.float32)[None, :]
     if relu:
         y = jnp.maximum(y, 0.0)
     o_ref[s, :, cols] = y.astype(o_ref.dtype)
@@ -93,17 +105,18 @@ def _kernel(*refs, steps: int, eps: float | None, has_bias: bool, relu: bool):
 @functools.partial(jax.jit, static_argnames=("eps", "relu", "split", "interpret"))
 def _pallas(x, w, norm, bias, *, eps, relu: bool, split: int, interpret: bool):
     (M, K), N = x.shape, w.shape[1]
-    operands = [x, w] + list(norm or ()) + ([bias] if bias is not None else [])
+    sums, squares, colsum = norm or (None, None, None)
+    ins = MatmulOperands(x=x, w=w, sums=sums, squares=squares, colsum=colsum, bias=bias)
     return pl.pallas_call(
-        functools.partial(_kernel, steps=K // split // BLOCK_K, eps=eps, has_bias=bias is not None, relu=relu),
+        functools.partial(_kernel, steps=K // split // BLOCK_K, eps=eps, relu=relu),
         grid=(N // BLOCK_N, split),
-        in_specs=[pl.no_block_spec] * len(operands),
+        in_specs=(jax.tree.map(lambda _: pl.no_block_spec, ins),),  # every operand whole
         out_specs=pl.no_block_spec,
         out_shape=jax.ShapeDtypeStruct((split, M, N), x.dtype if split == 1 else jnp.float32),
         compiler_params=None if interpret else pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
         interpret=interpret,
         name="jaxrlhf_decode_matmul",
-    )(*operands)
+    )(ins)
 
 
 def decode_matmul(x, w, *, bias=None, layer_norm=None, relu: bool = False, interpret: bool = False, mesh=None):
