@@ -278,3 +278,37 @@ def test_which_kernels_a_decode_step_runs(model):
         assert ("jaxrlhf_rms_swiglu" in program) == (impl == "pallas" and not config.mlp_bias)
         tokens[impl] = np.asarray(run(fast))
     np.testing.assert_array_equal(tokens["pallas"], tokens["xla"])
+
+
+def test_the_decode_step_runs_the_kernels_chosen_once(caplog):
+    """generation_modes chooses a decode step's kernels once and the layers' `decode` runs exactly those: the fused
+    attention step and the SwiGLU kernel in every layer; with an interleaved rotary embedding (the kernel rotates
+    rotate-half pairs) or MLP biases that kernel is off, said once in the log, and the layers run the unfused path."""
+    from helpers import kernel_calls
+    from jaxrlhf.models import generation_modes, init_cache, logits_with_cache
+
+    base = LlamaConfig(**GQA_UNTIED, backend=Backend(decode_attention="pallas", interpret=True))
+    B, S, L = 2, 64, base.num_hidden_layers
+    variants = {"plain": {}, "interleaved": dict(rope_interleaved=True), "mlp_bias": dict(mlp_bias=True)}
+    for name, fields in variants.items():
+        config = dataclasses.replace(base, **fields)
+        params = decode_params(config, init_params(config, jax.random.key(0)))
+        with caplog.at_level("WARNING", logger="jaxrlhf.models"):
+            caplog.clear()
+            for _ in range(2):
+                _, mode = generation_modes(config, params, batch=B, slots=S)
+        told = [r.getMessage() for r in caplog.records]
+        cache = {**init_cache(config, jnp.ones((B, S), bool)), "slot": jnp.array([3, 5], jnp.int32)}
+        ids = jnp.ones((B, 1), jnp.int32)
+        step = jax.make_jaxpr(lambda p, c: logits_with_cache(config, p, ids, ids + 4, c, mode))(params, cache)
+        calls = {
+            n: kernel_calls(step, f"jaxrlhf_{n}") for n in ("decode_attention_step", "decode_attention", "rms_swiglu")
+        }
+        fused, swiglu = name != "interleaved", name != "mlp_bias"
+        assert calls == {
+            "decode_attention_step": L * fused,
+            "decode_attention": L * (not fused),
+            "rms_swiglu": L * swiglu,
+        }
+        assert mode.kernels.fused_step == fused and mode.kernels.swiglu == swiglu
+        assert len(told) == (name != "plain") and all(("interleaved" if not fused else "mlp_bias") in t for t in told)

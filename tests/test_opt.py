@@ -204,3 +204,37 @@ def test_float32_logits_has_the_plain_gradients_and_a_bf16_backward():
         assert a.dtype == jnp.bfloat16
         err = np.abs(np.asarray(a, np.float32) - b).max() / np.abs(b).max()
         assert err < 0.02, err
+
+
+KERNELS = Backend(decode_attention="pallas", interpret=True)
+FFN_BLOCKS = dict(vocab_size=64, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, ffn_dim=512)
+
+
+def test_decode_kernels_are_chosen_once_and_name_what_is_off():
+    """models.decode_kernels, by hand: at 16 rows with widths of whole 64 x 128 blocks both FFN products run in
+    decode_matmul and the attention in the fused step; at 8 rows neither product (each named as off); the training
+    layout runs no layer kernel (named); LoRA attached to the decode layout is an error; "xla" runs none, names none.
+    A Mode refuses layer kernels outside a decode step in the decode layout."""
+    from jaxrlhf.models import DecodeKernels, decode_kernels
+
+    config = OPTConfig(**FFN_BLOCKS, word_embed_proj_dim=128, backend=KERNELS)
+    k = decode_kernels(config, batch=16, slots=64)
+    assert (k.attention.implementation, k.fused_step, k.matmul, k.swiglu, k.off) == (
+        "pallas",
+        True,
+        ("fc1", "fc2"),
+        False,
+        (),
+    )
+    k = decode_kernels(config, batch=8, slots=64)
+    assert k.fused_step and k.matmul == () and [w.split(":")[0] for w in k.off] == ["fc1", "fc2"]
+    k = decode_kernels(config, batch=16, slots=64, layout=False, lora=True)
+    assert not k.layers and k.attention.implementation == "pallas" and "training layout" in k.off[0], k
+    with pytest.raises(ValueError, match="LoRA"):
+        decode_kernels(config, batch=16, slots=64, lora=True)
+    xla = decode_kernels(dataclasses.replace(config, backend=Backend()), batch=16, slots=64)
+    assert xla == DecodeKernels(dataclasses.replace(KERNELS.kernels, implementation="xla", interpret=False))
+    with pytest.raises(ValueError, match="Mode.kernels"):
+        Mode("prefill", True, kernels=DecodeKernels(fused_step=True))
+    with pytest.raises(ValueError, match="Mode.kernels"):
+        Mode("decode", False, kernels=DecodeKernels(matmul=("fc1",)))

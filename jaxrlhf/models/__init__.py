@@ -10,16 +10,28 @@ A family module (models/common.py says what it holds) is found from the config's
 engine, the trainers and generation run every family through the same code. Each call's kind is explicit: `logits` and
 `values` (and `logprobs`: `hidden` then the chunked `head_logprobs`, where only log p(target) is needed, never the
 [B, T, V] logits) are "train" (given a dropout key) or "score" calls; `logits_with_cache` a "prefill" or "decode" call
-(`Mode`). How the machine runs them is the config's `backend` (`Backend.detect()` at start-up; default plain XLA).
+(`Mode`, from `generation_modes`). How the machine runs them is the config's `backend` (`Backend.detect()` at
+start-up; default plain XLA); which decode kernels a generation runs is chosen once, by `decode_kernels`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 import jax
 import jax.numpy as jnp
 
+from jaxrlhf.kernels.decode_attention import fuses_step
 from jaxrlhf.models import common, llama, opt, qwen
-from jaxrlhf.models.common import Backend, Mode, positions_from_mask  # noqa: F401  (the API's types)
+from jaxrlhf.models.common import (  # noqa: F401  (the API's types)
+    Backend,
+    DecodeKernels,
+    Mode,
+    cache_length,
+    lora_attached,
+    positions_from_mask,
+)
 from jaxrlhf.models.llama import LlamaConfig
 from jaxrlhf.models.opt import OPTConfig
 from jaxrlhf.models.qwen import QwenConfig
@@ -55,7 +67,7 @@ def _forward(
     hidden=False,
 ):
     """A "train" call (with `dropout_rng`: dropout on) or a "score" call of `config`'s family."""
-    mode = Mode("score" if dropout_rng is None else "train")
+    mode = Mode("score" if dropout_rng is None else "train", lora=lora_attached(params))
     model = family(config).Model(config, value_head=value_head, mode=mode, last=last, hidden=hidden)
     rngs = None if dropout_rng is None else {"dropout": dropout_rng}
     return model.apply({"params": params}, input_ids, attention_mask, None, positions, at, segment_ids, rngs=rngs)
@@ -139,6 +151,77 @@ def logits_with_cache(config, params, input_ids, positions, cache, mode: Mode, l
     model = family(config).Model(config, mode=mode, last=last)
     out, cache = model.apply({"params": params}, input_ids, None, cache, positions)
     return out, {**cache, "slot": cache["slot"] + input_ids.shape[1]}
+
+
+def decode_kernels(
+    config, *, mesh=None, batch: int, slots: int, layout: bool = True, lora: bool = False
+) -> DecodeKernels:
+    """The kernels a decode step of `config` runs, chosen once when generation is set up (generation_modes): `batch`
+    rows over a cache of `slots` slots, split over generation's `mesh` (None: unsharded), the parameters in the decode
+    layout (`layout`) or not, LoRA adapters attached (`lora`) or not. Every reason a kernel the backend asks for is
+    off is named here (DecodeKernels.off); with the backend's decode_attention "xla" none runs and none is named.
+
+        attention   decode attention's settings: the kernel where backend.kernels takes the head dim and groups
+        fused_step  the decode layout's attention in one kernel (kernels.decode_attention.fuses_step's shapes), not
+                    with an interleaved rotary embedding (the kernel rotates rotate-half pairs)
+        matmul      OPT's fc1 and fc2 in kernels.decode_matmul where it takes their shapes per shard
+        swiglu      Llama's activation in kernels.swiglu, not with MLP biases (the kernel adds none)
+
+    The layers' kernels need the decode layout (generate.decode_params, which fuses LoRA): in the training layout none
+    of them runs, and a decode layout with adapters attached is an error."""
+    backend, K = config.backend, config.head_dim
+    H, Hkv = config.num_attention_heads, config.num_key_value_heads
+    use = backend.kernels.use_kernel(K, H // Hkv)
+    attention = dataclasses.replace(backend.kernels, implementation="pallas" if use else "xla")
+    if layout and lora:
+        raise ValueError("LoRA adapters attached to the decode layout: generate.decode_params fuses them")
+    if backend.decode_attention == "xla":
+        return DecodeKernels(attention)
+    if not layout:
+        why = "no fused step or products in the training layout: generate.decode_params builds the decode layout"
+        return DecodeKernels(attention, off=(why + (", LoRA fused" if lora else ""),))
+    off = []
+    fused = fuses_step(backend.kernels, batch, Hkv, slots, K, H // Hkv, mesh)
+    if getattr(config, "rope_interleaved", False):
+        fused = False
+        off.append(
+            "fused attention step: off for an interleaved rotary embedding (the kernel rotates half-split pairs)"
+        )
+    elif not fused:
+        off.append(
+            f"fused attention step: not for {batch} rows, {Hkv} KV heads of {H // Hkv} queries, head dim {K}, "
+            f"{slots} slots (kernels.decode_attention.fuses_step)"
+        )
+    matmul = ()
+    if isinstance(config, opt.OPTConfig):
+        D, F = config.hidden_size, config.ffn_dim
+        products = {"fc1": (D, F, True), "fc2": (F, D, False)}
+        matmul = tuple(
+            n for n, (k, m, cols) in products.items() if common.decode_product_applies(mesh, batch, k, m, cols)
+        )
+        off += [
+            f"{n}: decode_matmul takes 16, 32 or 64 rows per shard, whole blocks" for n in products if n not in matmul
+        ]
+    swiglu = isinstance(config, llama.LlamaConfig) and not config.mlp_bias
+    if isinstance(config, llama.LlamaConfig) and config.mlp_bias:
+        off.append("SwiGLU kernel: off with MLP biases (mlp_bias; the kernel adds none)")
+    return DecodeKernels(attention, fused, matmul, swiglu, tuple(off))
+
+
+_TOLD = set()  # the kernel choices logged already (each once per process)
+
+
+def generation_modes(config, params, *, mesh=None, batch: int, slots: int) -> tuple[Mode, Mode]:
+    """The Modes of a generation's prefill and decode steps with `params` (either layout; LoRA attached or not) over
+    `batch` slots and a cache of `slots` slots on `mesh`: the layout and LoRA read from the tree once here, the decode
+    steps' kernels chosen once (decode_kernels), each reason a kernel is off logged once."""
+    layout, lora = in_decode_layout(params), lora_attached(params)
+    kernels = decode_kernels(config, mesh=mesh, batch=batch, slots=slots, layout=layout, lora=lora)
+    for why in kernels.off:
+        if why not in _TOLD:
+            _TOLD.add(why)
+            logging.getLogger(__name__).warning("decode kernels: %s", why)
+    return Mode("prefill", layout, mesh, lora), Mode("decode", layout, mesh, lora, kernels)
 
 
 def decode_layer(config, layer: dict) -> dict:

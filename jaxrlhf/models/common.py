@@ -1,5 +1,5 @@
-"""What every decoder family shares: attention (training and cached), the padding layout, the scan over
-layers, the KV cache, the heads (`CausalLM`) and the decode layout's products.
+"""What every decoder family shares: attention (training and cached), the padding layout, the scan over layers,
+the KV cache, the heads (`CausalLM`) and the decode layout's products.
 
 Shape vocabulary (used in comments and einsum strings throughout jaxrlhf):
     B batch, T sequence, S cache slots, D model width, H query heads, Hkv key/value heads (Hkv divides H;
@@ -10,9 +10,22 @@ plus dtype, remat, dropout and the `Backend`), its PRESETS, its Hugging Face nam
 (`PARAM_AXES`), its decode layout (`decode_layer`) and its forward: `Model(config, value_head, mode, last)(input_ids,
 attention_mask, cache=None, positions=None, head_at=None, segment_ids=None)`, a `CausalLM` over its decoder.
 
-What a call does is explicit: the model config carries the `Backend` (made once at start-up by `Backend.detect`;
-the default is plain XLA), and every module gets the call's `Mode` (train, score, prefill or decode; the decode
-layout; generation's mesh). Nothing below asks the platform, the global mesh or the shape of the parameter tree.
+Each layer (SelfAttention, the MLPs, the decoder layers) has two entries sharing its submodules, as Levanter's
+layers have `__call__` and `decode`:
+
+    __call__   the training layout (the tree of Hugging Face's names): train, score, and generation's calls on the
+               model's own parameters
+    decode     the decode layout (`decode_layer`: shared-input products stacked, norms folded): generation's
+               prefill and decode steps on generate.decode_params' tree, running the kernels of `mode.kernels`
+
+`run_layers` picks the entry from `mode.decode_layout`. What a call does is explicit: the model config carries the
+`Backend` (made once at start-up by `Backend.detect`; the default is plain XLA), and every module gets the call's
+`Mode`: its kind (train, score, prefill or decode), the layout, generation's mesh, whether LoRA adapters ride in the
+tree, and for a decode step the kernels it runs (`DecodeKernels`, chosen once by models.decode_kernels when
+generation is set up). The functional API (models/__init__.py) is the one place that looks at the parameter tree,
+to fill in the Mode (`in_decode_layout`, `lora_attached`); below it, no module asks the platform, the global mesh or
+the tree's shape, except that a `Dense` fuses the LoRA adapters it finds beside its own kernel (lora.attach puts
+them on the adapted modules only).
 """
 
 from __future__ import annotations
@@ -28,7 +41,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxrlhf.config import check_fields
 from jaxrlhf.kernels import decode_matmul, per_shard, rows_axis, rows_per_shard
-from jaxrlhf.kernels.decode_attention import DecodeAttentionConfig, decode_attention, decode_step, fuses_step
+from jaxrlhf.kernels.decode_attention import DecodeAttentionConfig, decode_attention, decode_step
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -74,24 +87,50 @@ KINDS = ("train", "score", "prefill", "decode")
 
 
 @dataclasses.dataclass(frozen=True)
+class DecodeKernels:
+    """The kernels a decode step runs, chosen once when generation is set up (models.decode_kernels, which also names
+    why each kernel the backend asks for is off) and carried by the decode call's `Mode`: the layers' `decode` reads
+    them and never falls back. The default: plain XLA throughout."""
+
+    attention: DecodeAttentionConfig = DecodeAttentionConfig()  # decode attention's settings; "xla": XLA's attention
+    fused_step: bool = False  # the decode layout's q/k/v epilogue, rotation, cache write and attention: decode_step
+    matmul: tuple[str, ...] = ()  # the FFN products run by kernels.decode_matmul (OPT's "fc1", "fc2")
+    swiglu: bool = False  # Llama's activation with its folded RMSNorm's end in one kernel (kernels.swiglu)
+    off: tuple[str, ...] = ()  # why each kernel the backend asks for does not run, one line each
+
+    @property
+    def layers(self) -> bool:
+        """Whether any kernel of the decode layout's layers runs (they need the decode layout)."""
+        return self.fused_step or bool(self.matmul) or self.swiglu
+
+
+@dataclasses.dataclass(frozen=True)
 class Mode:
     """What one forward call does, passed to every layer (nothing below guesses it):
 
         "train"    dropout on (the caller's key), no cache
         "score"    no dropout, no cache
         "prefill"  prompts' K/V written into an empty cache (slot 0); causal attention over the prompt
-        "decode"   one token per row at each row's own slot, attending over the cache (the decode kernels)
+        "decode"   one token per row at each row's own slot, attending over the cache (the kernels of `kernels`)
 
-    decode_layout: the parameters are in the decode layout (`decode_layer`, generate.decode_params). mesh:
-    generation's mesh, the decode kernels and the prefill's attention running per shard of it (None: unsharded)."""
+    decode_layout: the parameters are in the decode layout (`decode_layer`, generate.decode_params): the layers'
+    `decode` entries run. mesh: generation's mesh, the decode kernels and the prefill's attention running per shard of
+    it (None: unsharded). lora: LoRA adapters ride beside the adapted kernels (lora.attach): the loop over layers runs
+    one layer per iteration. kernels: a decode step's kernels (models.decode_kernels)."""
 
     kind: str = "score"
     decode_layout: bool = False
     mesh: Any = None
+    lora: bool = False
+    kernels: DecodeKernels = DecodeKernels()
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"Mode.kind: expected one of {KINDS}, got {self.kind!r}")
+        if self.kernels != DecodeKernels() and not self.decoding:
+            raise ValueError(f"Mode.kernels: a decode step's, got kind {self.kind!r}")
+        if self.kernels.layers and not self.decode_layout:
+            raise ValueError("Mode.kernels: the layers' kernels (fused step, products) need the decode layout")
 
     @property
     def deterministic(self) -> bool:
@@ -177,9 +216,9 @@ def cached_attention(q, k, v, cache, mode: Mode, backend: Backend):
     are left padding). The write is one dynamic_update_slice into the cache carried through the loops, so XLA
     updates it in place.
 
-    A decode step (T = 1) runs the decode-attention kernel (backend.decode_attention: see kernels.decode_attention;
-    grouped-query heads included), which reads only the slots start .. slot of the layer, straight from the
-    whole cache. The prefill fills an empty cache (slot 0) with left-padded prompts: each row rolled
+    A decode step (T = 1) runs decode attention with mode.kernels.attention's settings (the Pallas kernel, grouped-
+    query heads included, which reads only the slots start .. slot of the layer straight from the whole cache; or
+    XLA's). The prefill fills an empty cache (slot 0) with left-padded prompts: each row rolled
     by its padding so that its real tokens come first is plain causal attention over the T tokens
     (`causal_attention` with backend.attention: cuDNN's flash attention on a GPU, never a [B, H, T, S] score tensor;
     the padding, rolled to the end, computes outputs nobody reads), rolled back after; under tensor parallelism
@@ -192,7 +231,8 @@ def cached_attention(q, k, v, cache, mode: Mode, backend: Backend):
     B, T = q.shape[:2]
     mesh = mode.mesh
     if mode.decoding:
-        out = decode_attention(q[:, 0], ck, cv, cache["start"], slot + 1, layer, config=backend.kernels, mesh=mesh)
+        kernel = mode.kernels.attention
+        out = decode_attention(q[:, 0], ck, cv, cache["start"], slot + 1, layer, config=kernel, mesh=mesh)
         return out[:, None], cache
     t = jnp.arange(T)[None, :]
     roll = lambda x, by: jnp.take_along_axis(x, ((t + by[:, None]) % T)[:, :, None, None], axis=1)
@@ -218,46 +258,6 @@ def write_cache(c, x, layer, slot):
     return c.at[layer, jnp.arange(x.shape[0]), :, slot, :].set(x[:, 0], mode="promise_in_bounds")
 
 
-def fused_decode_step(
-    module: nn.Module, mode: Mode, h, cache, config, norm=None, eps: float = 0.0, rope=None, qk_norm: bool = False
-):
-    """A decode step's q/k/v product and attention, the rest in one kernel (kernels.decode_attention.decode_step:
-    the folded norm's end, the bias, the per-head q/k norm (`qk_norm`: module's "q_norm", "k_norm" scales [K], epsilon
-    `eps`), the rotary embedding, the cache write and the attention). Returns (out
-    [B, 1, H, K], cache), or None where it does not apply: not a decode step in the decode layout, or the kernel
-    not in use or split (`fuses_step`). The caller then runs the unfused path, which on the GPU is one kernel each
-    for the rotary embedding and the two cache writes. norm: the rows of a norm folded into qkv_proj (norm_rows:
-    llama.decode_layer, opt.decode_layer), or None, with epsilon `eps`: an RMSNorm (no mean) is reduced inside the
-    kernel from h, a LayerNorm's row sums come from one reduction before it (decode_step says why); the layer's own
-    statistics are then dead code. rope (cos, sin) [B, K / 2], rotate-half."""
-    B = h.shape[0]
-    if not (mode.decoding and mode.decode_layout):
-        return None
-    K, mesh, kernel = config.head_dim, mode.mesh, config.backend.kernels
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    if not fuses_step(kernel, B, kv_heads, cache["k"].shape[3], K, heads // kv_heads, mesh):
-        return None
-    p = module.get_variable("params", "qkv_proj")
-    per_head = lambda x: x.reshape(kv_heads, -1, K)
-    rms = layer_norm = None
-    if norm is not None and norm[1] is None:
-        rms = (h.reshape(B, -1), eps)
-    elif norm is not None:
-        layer_norm = (*row_sums(h.reshape(B, -1)), h.shape[-1], eps, per_head(p["colsum"]))
-    # The bias goes to the kernel, after the norm: cuBLAS runs the product without an epilogue. A folded LayerNorm
-    # subtracts mean(h) colsum from the product, which therefore stays float32 (no cancellation in bf16).
-    out_dtype = jnp.float32 if layer_norm is not None else config.compute_dtype
-    qkv = stacked_dense(module, "qkv_proj", h, config.compute_dtype, bias=False, out_dtype=out_dtype)
-    bias = per_head(p["bias"]) if "bias" in p else None
-    heads_norm = None
-    if qk_norm:
-        heads_norm = (jnp.stack([module.get_variable("params", n)["scale"] for n in ("q_norm", "k_norm")]), eps)
-    operands = (qkv.reshape(B, kv_heads, -1, K), *(cache[n] for n in ("k", "v", "start", "slot", "layer")))
-    norms = dict(rms=rms, layer_norm=layer_norm, qk_norm=heads_norm)
-    out, k, v = decode_step(*operands, rope=rope, bias=bias, **norms, config=kernel, mesh=mesh)
-    return out[:, None], {**cache, "k": k, "v": v}
-
-
 def row_sums(x):
     """(sums, sums of squares) of x's rows [B, D], float32: what a folded LayerNorm's kernel finishes itself (one XLA
     reduction; given mean and 1 / std instead, XLA ran the rsqrt as a kernel of its own)."""
@@ -265,30 +265,15 @@ def row_sums(x):
     return jnp.sum(x, axis=-1), jnp.sum(x * x, axis=-1)
 
 
-def decode_product(
-    module: nn.Module, mode: Mode, name: str, x, config, *, eps: float | None = None, relu: bool = False
-):
-    """A decode step's FFN product `name` (kernel [K, N], bias [N]) in one kernel (kernels.decode_matmul): [B, 1, N]
-    in the compute dtype. eps: the product's LayerNorm is folded into it (fold_norm, opt.decode_layer) and x is
-    the norm's input. With eps or relu the bias and the rest end the product inside the kernel (fc1); otherwise K
-    is split and the partials' sum, plus the bias, fuses into what follows (fc2). None where it does not apply: not
-    a decode step in the decode layout, the kernels not in use, LoRA factors beside the kernel, or a shape the
-    kernel does not take (decode_matmul.applies, per shard); the caller then runs its usual product. Measured and
-    not used (docs/benchmarks.md): OPT's out_proj and Llama's o_proj and down_proj, where the kernel's time does not
-    pay for the residual add that cuBLAS runs in its epilogue."""
+def decode_product(p: dict, x, config, mesh, *, eps: float | None = None, relu: bool = False):
+    """A decode step's FFN product with parameters `p` (kernel [K, N], bias [N]) in one kernel (kernels.decode_matmul,
+    where models.decode_kernels chose it): [B, 1, N] in the compute dtype. eps: the product's LayerNorm is folded into
+    it (fold_norm, opt.decode_layer) and x is the norm's input. With eps or relu the bias and the rest end the product
+    inside the kernel (fc1); otherwise K is split and the partials' sum, plus the bias, fuses into what follows (fc2).
+    Measured and not used (docs/benchmarks.md): OPT's out_proj and Llama's o_proj and down_proj, where the kernel's
+    time does not pay for the residual add that cuBLAS runs in its epilogue."""
     B, _, D = x.shape
-    if not (mode.decoding and mode.decode_layout and config.backend.decode_attention != "xla"):
-        return None
-    p = module.get_variable("params", name)
-    if p is None or "lora_a" in p:
-        return None
     columns = eps is not None or relu  # the epilogue runs in the kernel: each shard its output columns (fc1)
-    mesh, (rows, k, n) = mode.mesh, (B, *p["kernel"].shape)
-    if mesh is not None:
-        rows = rows_per_shard(mesh, B)
-        n, k = (n // mesh.shape["model"], k) if columns else (n, k // mesh.shape["model"])
-    if not decode_matmul.applies(rows, k, n):
-        return None
     dtype, x = config.compute_dtype, x.reshape(B, D)
     layer_norm = None
     if eps is not None:  # the rows' statistics: one reduction, finished in each program (as decode_step's)
@@ -308,6 +293,16 @@ def decode_product(
     return y.astype(dtype)[:, None]
 
 
+def decode_product_applies(mesh, batch: int, k: int, n: int, columns: bool) -> bool:
+    """Whether kernels.decode_matmul takes a decode step's [batch, k] x [k, n] product per shard of `mesh` (`columns`:
+    each shard its output columns, as fc1; else its rows of k, as fc2)."""
+    rows = batch
+    if mesh is not None:
+        rows = rows_per_shard(mesh, batch)
+        n, k = (n // mesh.shape["model"], k) if columns else (n, k // mesh.shape["model"])
+    return decode_matmul.applies(rows, k, n)
+
+
 def apply_rope(x, cos, sin, interleaved: bool = False):
     """Rotate x [B, T, H, K] by the tables cos, sin [B, T, 1, K/2] (llama.rope_tables): pairs (i, i + K/2) ("rotate
     half"), or (2i, 2i + 1) if interleaved."""
@@ -322,14 +317,14 @@ def apply_rope(x, cos, sin, interleaved: bool = False):
 
 
 class SelfAttention(nn.Module):
-    """Self-attention (grouped-query where Hkv < H), the softmax in float32. q, k, v from three Linear layers, or in
-    the decode layout from one product with "qkv_proj" [D, Hkv, (G + 2) K] (per KV head: its G query heads, its key,
-    its value); q times the attention's scale K^-1/2 after its bias, as OPT does (stack_qkv folds the scale into the
-    kernel: no multiply per step). Then the rotary embedding where `rope` (cos, sin) [B, T, 1, K/2] is given, the
-    attention (cached when generating, else causal, with dropout if training) and the output projection `out_name`.
-    A decode step in the decode layout runs all between the two products in one kernel where it applies
-    (fused_decode_step: the folded norm's end, the bias, the rotation, the cache write and the attention). Returns
-    (out [B, T, D], cache)."""
+    """Self-attention (grouped-query where Hkv < H), the softmax in float32: q, k, v (Qwen3: each head's q and k
+    RMS-normalised, `qk_norm`), q times the attention's scale K^-1/2 after its bias as OPT does, the rotary embedding
+    where `rope` (cos, sin) [B, T, 1, K/2] is given, the attention (cached when generating, else causal, with dropout
+    if training), and the output projection `out_name`. Returns (out [B, T, D], cache).
+
+    `__call__` runs the training layout (q/k/v from three Linear layers); `decode` the decode layout, q/k/v from one
+    product with "qkv_proj" [D, Hkv, (G + 2) K] (per KV head: its G query heads, its key, its value; stack_qkv folded
+    the scale into its kernel, or into q_norm's scale), and a decode step's fused kernel where mode.kernels says so."""
 
     config: Any
     mode: Mode
@@ -338,47 +333,93 @@ class SelfAttention(nn.Module):
     out_name: str
     out_bias: bool | None = None  # the output projection's bias (None: use_bias); Qwen2 has q/k/v biases only
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head's K dims ("q_norm", "k_norm" [K]) on q and k before RoPE
+    interleaved: bool = False  # the rotary embedding pairs dims (2i, 2i + 1) (llama.rope_interleaved)
 
-    @nn.compact
-    def __call__(self, h, cache=None, norm=None, segment_ids=None, rope=None, interleaved: bool = False):
-        # h [B, T, D]; norm: the rows of the norm folded into qkv_proj (norm_rows), or None
-        c, mode = self.config, self.mode
-        B, T, D = h.shape
+    def setup(self):
+        c = self.config
         H, Hkv, K = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        # In the decode layout q_norm's scale holds the attention's scale K^-1/2 (stack_qkv), as qkv_proj's q part
-        # holds it without a q_norm: a norm after the product would undo a scale folded into the product.
-        head_norm = lambda name: nn.RMSNorm(epsilon=self.eps, dtype=c.compute_dtype, name=name)
-        step_rope = None if rope is None else tuple(x[:, 0, 0] for x in rope)  # [B, K/2]: a step's one token per row
-        step = None
-        if not interleaved:
-            step = fused_decode_step(self, mode, h, cache, c, norm, self.eps, step_rope, self.qk_norm)
-        if step is not None:
-            out, cache = step
-        else:
-            if mode.decode_layout:
-                G = H // Hkv
-                y = stacked_dense(self, "qkv_proj", h, c.compute_dtype, norm)  # [B, T, Hkv, (G + 2) K]
-                q, k, v = y[..., : G * K].reshape(B, T, H, K), y[..., G * K : (G + 1) * K], y[..., (G + 1) * K :]
-                if self.qk_norm:  # (q_norm's scale holds K^-1/2)
-                    q, k = head_norm("q_norm")(q), head_norm("k_norm")(k)
-            else:
-                dense = lambda n, name: Dense(n * K, use_bias=self.use_bias, dtype=c.compute_dtype, name=name)
-                q = dense(H, "q_proj")(h).reshape(B, T, H, K)
-                k, v = (dense(Hkv, name)(h).reshape(B, T, Hkv, K) for name in ("k_proj", "v_proj"))
-                if self.qk_norm:
-                    q, k = head_norm("q_norm")(q), head_norm("k_norm")(k)
-                q = q * K**-0.5
-            if rope is not None:  # q is scaled already: the rotation is linear
-                q, k = (apply_rope(x, *rope, interleaved) for x in (q, k))
-            if cache is not None:  # [B, T, H, K]
-                out, cache = cached_attention(q, k, v, cache, mode, c.backend)
-            elif mode.deterministic or c.attention_dropout == 0.0:
-                out = causal_attention(q, k, v, c.backend.attention, segment_ids)
-            else:
-                out = dropout_attention(q, k, v, nn.Dropout(c.attention_dropout, deterministic=False), segment_ids)
+        proj = lambda heads: Dense(heads * K, use_bias=self.use_bias, dtype=c.compute_dtype)
+        self.q_proj, self.k_proj, self.v_proj = proj(H), proj(Hkv), proj(Hkv)
+        if self.qk_norm:
+            self.q_norm = nn.RMSNorm(epsilon=self.eps, dtype=c.compute_dtype)
+            self.k_norm = nn.RMSNorm(epsilon=self.eps, dtype=c.compute_dtype)
         out_bias = self.use_bias if self.out_bias is None else self.out_bias
-        out_proj = Dense(D, use_bias=out_bias, dtype=c.compute_dtype, name=self.out_name)
-        return out_proj(out.reshape(B, T, H * K)), cache
+        # (named by the family: OPT's out_proj, Llama's o_proj)
+        setattr(self, self.out_name, Dense(c.hidden_size, use_bias=out_bias, dtype=c.compute_dtype))
+        self.dropout = nn.Dropout(c.attention_dropout, deterministic=False)
+
+    def __call__(self, h, cache=None, segment_ids=None, rope=None):
+        """The training layout: h [B, T, D] (normalised), segment_ids [B, T] (packed rows) or None."""
+        B, T, _ = h.shape
+        H, Hkv, K = self.config.num_attention_heads, self.config.num_key_value_heads, self.config.head_dim
+        q = self.q_proj(h).reshape(B, T, H, K)
+        k, v = (proj(h).reshape(B, T, Hkv, K) for proj in (self.k_proj, self.v_proj))
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        out, cache = self._attend(q * K**-0.5, k, v, cache, segment_ids, rope)
+        return self._out(out), cache
+
+    def decode(self, h, cache, norm=None, rope=None):
+        """The decode layout: h [B, T, D] (the input of the norm folded into qkv_proj, whose rows `norm` gives:
+        norm_rows; None: no norm folded) into the cache: a prefill (T prompt tokens) or a decode step (T = 1)."""
+        c = self.config
+        B, T, _ = h.shape
+        if self.mode.kernels.fused_step:
+            step_rope = None if rope is None else tuple(x[:, 0, 0] for x in rope)  # [B, K/2]: each row's one token
+            out, cache = self._fused_step(h, cache, norm, step_rope)
+            return self._out(out), cache
+        H, Hkv, K = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        G = H // Hkv
+        y = stacked_dense(self.get_variable("params", "qkv_proj"), h, c.compute_dtype, norm)  # [B, T, Hkv, (G + 2) K]
+        q, k, v = y[..., : G * K].reshape(B, T, H, K), y[..., G * K : (G + 1) * K], y[..., (G + 1) * K :]
+        if self.qk_norm:  # (q_norm's scale holds K^-1/2: a norm after the product would undo a scale folded into it)
+            q, k = self.q_norm(q), self.k_norm(k)
+        out, cache = self._attend(q, k, v, cache, None, rope)
+        return self._out(out), cache
+
+    def _attend(self, q, k, v, cache, segment_ids, rope):
+        """q [B, T, H, K] (scaled), k, v [B, T, Hkv, K] rotated, then attended: (out [B, T, H, K], cache)."""
+        c, mode = self.config, self.mode
+        if rope is not None:  # q is scaled already: the rotation is linear
+            q, k = (apply_rope(x, *rope, self.interleaved) for x in (q, k))
+        if cache is not None:
+            return cached_attention(q, k, v, cache, mode, c.backend)
+        if mode.deterministic or c.attention_dropout == 0.0:
+            return causal_attention(q, k, v, c.backend.attention, segment_ids), None
+        return dropout_attention(q, k, v, self.dropout, segment_ids), None
+
+    def _out(self, out):
+        """The output projection of out [B, T, H, K]: [B, T, D]."""
+        B, T, H, K = out.shape
+        return getattr(self, self.out_name)(out.reshape(B, T, H * K))
+
+    def _fused_step(self, h, cache, norm, rope):
+        """A decode step's q/k/v product, then the rest in one kernel (kernels.decode_attention.decode_step: the folded
+        norm's end, the bias, the per-head q/k norm, the rotation, the cache write and the attention): (out
+        [B, 1, H, K], cache). norm: as `decode`'s; an RMSNorm (no mean) is reduced inside the kernel from h, a
+        LayerNorm's row sums come from one reduction before it (decode_step says why); the layer's own statistics are
+        then dead code. rope (cos, sin) [B, K / 2], rotate-half."""
+        c, mode, eps = self.config, self.mode, self.eps
+        B, K, kv_heads = h.shape[0], c.head_dim, c.num_key_value_heads
+        p = self.get_variable("params", "qkv_proj")
+        per_head = lambda x: x.reshape(kv_heads, -1, K)
+        rms = layer_norm = None
+        if norm is not None and norm[1] is None:
+            rms = (h.reshape(B, -1), eps)
+        elif norm is not None:
+            layer_norm = (*row_sums(h.reshape(B, -1)), h.shape[-1], eps, per_head(p["colsum"]))
+        # The bias goes to the kernel, after the norm: cuBLAS runs the product without an epilogue. A folded LayerNorm
+        # subtracts mean(h) colsum from the product, which therefore stays float32 (no cancellation in bf16).
+        out_dtype = jnp.float32 if layer_norm is not None else c.compute_dtype
+        qkv = stacked_dense(p, h, c.compute_dtype, bias=False, out_dtype=out_dtype)
+        bias = per_head(p["bias"]) if "bias" in p else None
+        heads_norm = None
+        if self.qk_norm:
+            heads_norm = (jnp.stack([self.get_variable("params", n)["scale"] for n in ("q_norm", "k_norm")]), eps)
+        operands = (qkv.reshape(B, kv_heads, -1, K), *(cache[n] for n in ("k", "v", "start", "slot", "layer")))
+        norms = dict(rms=rms, layer_norm=layer_norm, qk_norm=heads_norm)
+        out, k, v = decode_step(*operands, rope=rope, bias=bias, **norms, config=mode.kernels.attention, mesh=mode.mesh)
+        return out[:, None], {**cache, "k": k, "v": v}
 
 
 # --------------------------------------------------------------------------------------- padding layout
@@ -419,24 +460,23 @@ def restore_layout(h, order):
 
 
 def run_layers(parent: nn.Module, layer_cls, config, mode: Mode, h, cache, shared: dict, name: str = "layers"):
-    """Run L copies of `layer_cls` under one `nn.scan` (optionally rematerialised per layer), or, in the decode
-    layout (`mode.decode_layout`: `parent`'s parameters hold the layers as a tuple of per-layer trees), one after
-    the other in a Python loop.
+    """Run L copies of `layer_cls`: in the training layout its `__call__` under one `nn.scan` (optionally
+    rematerialised per layer); in the decode layout (`mode.decode_layout`: `parent`'s parameters hold the layers as a
+    tuple of per-layer trees) its `decode`, one layer after the other in a Python loop.
 
-    The layer's call is `(carry, layer_index, where) -> (carry, None)` with carry (h [B, T, D], kv) where
-    kv is None or {"k", "v"} [L, B, Hkv, S, K] (carried, updated in place), and `where` what all layers
-    share: the cache fields ("slot", "start") when generating, plus `shared` ("segment_ids", Llama's
-    rotary tables). Returns (h, cache with the new k and v, or None).
+    Both entries are `(carry, layer_index, where) -> (carry, None)` with carry (h [B, T, D], kv) where kv is None or
+    {"k", "v"} [L, B, Hkv, S, K] (carried, updated in place), and `where` what all layers share: the cache fields
+    ("slot", "start") when generating, plus `shared` ("segment_ids", Llama's rotary tables). Returns (h, cache with
+    the new k and v, or None).
     """
     kv = None if cache is None else {"k": cache["k"], "v": cache["v"]}
     where = {} if cache is None else {n: cache[n] for n in ("slot", "start")}
     where.update(shared)
     if mode.decode_layout:  # each layer its own arrays: no slice of a stacked [L, ...] leaf
         for i, params in enumerate(parent.variables["params"][name]):
-            (h, kv), _ = layer_cls(config, mode, parent=None).apply({"params": params}, (h, kv), jnp.int32(i), where)
+            layer = layer_cls(config, mode, parent=None)
+            (h, kv), _ = layer.apply({"params": params}, (h, kv), jnp.int32(i), where, method=layer_cls.decode)
         return h, (None if cache is None else {**cache, **kv})
-    leaves = jax.tree_util.tree_flatten_with_path(parent.variables.get("params", {}))[0]
-    rolled = any(getattr(path[-1], "key", None) == "lora_a" for path, _ in leaves)  # LoRA attached (lora.attach)
     L = config.num_hidden_layers
     layer = nn.remat(layer_cls, prevent_cse=False) if config.remat else layer_cls
     layers = nn.scan(
@@ -445,9 +485,9 @@ def run_layers(parent: nn.Module, layer_cls, config, mode: Mode, h, cache, share
         split_rngs={"params": True, "dropout": True},
         in_axes=(0, nn.broadcast),
         length=L,
-        # `rolled` (LoRA attached): one layer per iteration, so one layer's fused kernels exist at a time; unrolled,
-        # XLA computed them all up front (OPT-30B's scoring ran out of memory)
-        unroll=1 if rolled else min(config.backend.scan_unroll or L, L),
+        # LoRA attached: one layer per iteration, so one layer's fused kernels exist at a time; unrolled, XLA computed
+        # them all up front (OPT-30B's scoring ran out of memory)
+        unroll=1 if mode.lora else min(config.backend.scan_unroll or L, L),
     )(config, mode, name=name)
     (h, kv), _ = layers((h, kv), jnp.arange(L), where)
     return h, (None if cache is None else {**cache, **kv})
@@ -475,10 +515,22 @@ def init_cache(config, valid, dtype=None, multiple: int = 64) -> dict:
     cache in blocks); the extra slots are never read.
     """
     B, S = valid.shape
-    shape = (config.num_hidden_layers, B, config.num_key_value_heads, S + -S % multiple, config.head_dim)
+    shape = (config.num_hidden_layers, B, config.num_key_value_heads, cache_length(S, multiple), config.head_dim)
     zeros = jnp.zeros(shape, dtype or config.compute_dtype)
     start = jnp.argmax(valid.astype(bool), axis=1).astype(jnp.int32)
     return {"k": zeros, "v": zeros, "start": start, "slot": jnp.zeros((), jnp.int32)}
+
+
+def cache_length(length: int, multiple: int = 64) -> int:
+    """The slots S of a cache for `length` tokens per row (init_cache): rounded up to a multiple of `multiple`."""
+    return length + -length % multiple
+
+
+def lora_attached(params) -> bool:
+    """Whether LoRA adapters ride in `params` beside their kernels (lora.attach): the functional API's one look, for
+    Mode.lora."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    return any(getattr(path[-1], "key", None) == "lora_a" for path, _ in leaves)
 
 
 def random_params(shapes: Any, key, *, dtype=jnp.float32, std: float = 0.02):
@@ -639,8 +691,8 @@ _lora_dot = jax.checkpoint(
 
 class Dense(nn.Module):
     """flax's nn.Dense (params kernel [in, out], bias [out]; inputs and weights cast to `dtype`), plus LoRA:
-    when the parameter tree carries lora_a and lora_b beside the kernel (lora.attach), the kernel is fused
-    here, for this layer only (fused_kernel)."""
+    when its own parameters carry lora_a and lora_b beside the kernel (lora.attach adds them to the adapted modules
+    only), the kernel is fused here, for this layer only (fused_kernel)."""
 
     features: int
     use_bias: bool = True
@@ -667,14 +719,13 @@ class Dense(nn.Module):
 # one kernel, since XLA otherwise concatenates their kernels before every step.
 
 
-def stacked_dense(module: nn.Module, name: str, h, dtype, norm=None, *, bias: bool = True, out_dtype=None):
-    """h [B, T, D] times the decode layout's stacked kernel `name` [D, *out] (plus its bias [*out]): [B, T, *out].
+def stacked_dense(p: dict, h, dtype, norm=None, *, bias: bool = True, out_dtype=None):
+    """h [B, T, D] times a decode layout's stacked kernel p["kernel"] [D, *out] (plus its bias [*out]): [B, T, *out].
     One product with a [D, prod(out)] kernel and a flat bias: cuBLAS adds a vector bias in the product's epilogue,
     where a [*out] one took a broadcast kernel and a C-matrix read per layer and step. `norm` (the norm folded into
     the kernel, see fold_norm; from norm_rows): (1 / std [B, T, 1], mean [B, T, 1] or None), the product's rows
     finished before the bias, y -> (y - mean colsum) / std. bias=False leaves the bias out (a kernel adds it);
     out_dtype: the product's (default `dtype`)."""
-    p = module.get_variable("params", name)
     out = p["kernel"].shape[1:]
     centred = norm is not None and norm[1] is not None  # float32 out: y - mean colsum cancels in bf16
     y = jax.lax.dot_general(

@@ -141,55 +141,69 @@ class LlamaMLP(nn.Module):
     config: LlamaConfig
     mode: Mode = Mode()
 
-    @nn.compact
-    def __call__(self, h, norm=None):
+    def setup(self):
+        c = self.config
+        dense = lambda n: common.Dense(n, use_bias=c.mlp_bias, dtype=c.compute_dtype)
+        self.gate_proj, self.up_proj = dense(c.intermediate_size), dense(c.intermediate_size)
+        self.down_proj = dense(c.hidden_size)
+
+    def __call__(self, h):
+        """The training layout: h [B, T, D] (normalised)."""
+        return self.down_proj(nn.silu(self.gate_proj(h)) * self.up_proj(h))
+
+    def decode(self, h, norm):
+        """The decode layout: gate and up stacked as "gate_up_proj" [D, 2, F] (decode_layer), the RMSNorm's scale folded
+        into it; h [B, T, D] is the norm's input, `norm` its rows (common.norm_rows). A decode step with
+        mode.kernels.swiglu runs the norm's 1 / rms(h), silu and the product in one kernel (3 kernels unfused)."""
         c, mode = self.config, self.mode
-        dense = lambda n, name: common.Dense(n, use_bias=c.mlp_bias, dtype=c.compute_dtype, name=name)
-        if mode.decode_layout:  # gate and up stacked: [D, 2, F] (decode_layer)
+        gate_up = self.get_variable("params", "gate_up_proj")
+        if mode.kernels.swiglu:
             B, _, D = h.shape
-            if mode.decoding and not c.mlp_bias and c.backend.decode_attention != "xla":
-                # A decode step: the folded norm's 1 / rms(h), silu and the product in one kernel (3 kernels unfused)
-                gate_up = common.stacked_dense(self, "gate_up_proj", h, c.compute_dtype).reshape(B, 2, -1)
-                act = rms_swiglu(
-                    gate_up, h.reshape(B, D), c.rms_norm_eps, interpret=c.backend.interpret, mesh=mode.mesh
-                )
-                return dense(c.hidden_size, "down_proj")(act[:, None])
-            gate_up = common.stacked_dense(self, "gate_up_proj", h, c.compute_dtype, norm)
-            gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
-        else:
-            gate, up = dense(c.intermediate_size, "gate_proj")(h), dense(c.intermediate_size, "up_proj")(h)
-        return dense(c.hidden_size, "down_proj")(nn.silu(gate) * up)
+            gate_up = common.stacked_dense(gate_up, h, c.compute_dtype).reshape(B, 2, -1)
+            act = rms_swiglu(gate_up, h.reshape(B, D), c.rms_norm_eps, interpret=c.backend.interpret, mesh=mode.mesh)
+            return self.down_proj(act[:, None])
+        gate_up = common.stacked_dense(gate_up, h, c.compute_dtype, norm)
+        return self.down_proj(nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :])
 
 
 class LlamaLayer(nn.Module):
-    """One pre-norm decoder layer; `nn.scan` stacks it L times (see common.run_layers)."""
+    """One pre-norm decoder layer; `nn.scan` stacks it L times (see common.run_layers). Carry: h [B, T, D] and the
+    cache's k/v; where: "rope", "segment_ids", and "slot", "start" when generating."""
 
     config: LlamaConfig
     mode: Mode = Mode()
 
-    @nn.compact
-    def __call__(self, carry, layer, where):
-        h, kv = carry  # h [B, T, D]; where: "rope", "segment_ids", and "slot", "start" when generating
-        cache = common.layer_cache(kv, where, layer)
-        c, mode = self.config, self.mode
-        drop = lambda x: nn.Dropout(c.dropout)(x, deterministic=mode.deterministic)
-
-        def norm(name, h):  # (the product's input, the rows' scale to apply after it, or None)
-            if not mode.decode_layout:
-                return nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=c.compute_dtype, name=name)(h), None
-            # The decode layout (decode_layer) folded this norm's scale into the next product's kernel: the
-            # product reads h itself and its output rows are scaled by 1 / rms(h) in the consumer's fusion, or in a
-            # decode step inside the kernel that consumes it (decode_step, rms_swiglu): the normalised copy of h is
-            # never written.
-            return h, common.norm_rows(h, c.rms_norm_eps, centred=False)
-
-        x, r = norm("input_layernorm", h)
-        attention = common.SelfAttention(
-            c, mode, c.qkv_bias, c.rms_norm_eps, "o_proj", c.attention_bias, c.qk_norm, name="self_attn"
+    def setup(self):
+        c = self.config
+        self.input_layernorm = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=c.compute_dtype)
+        self.post_attention_layernorm = nn.RMSNorm(epsilon=c.rms_norm_eps, dtype=c.compute_dtype)
+        self.self_attn = common.SelfAttention(
+            c, self.mode, c.qkv_bias, c.rms_norm_eps, "o_proj", c.attention_bias, c.qk_norm, c.rope_interleaved
         )
-        a, cache = attention(x, cache, r, where["segment_ids"], where["rope"], c.rope_interleaved)
+        self.mlp = LlamaMLP(c, self.mode)
+        self.dropout = nn.Dropout(c.dropout)
+
+    def __call__(self, carry, layer, where):
+        """The training layout."""
+        h, kv = carry
+        cache = common.layer_cache(kv, where, layer)
+        drop = lambda x: self.dropout(x, deterministic=self.mode.deterministic)
+        a, cache = self.self_attn(self.input_layernorm(h), cache, where["segment_ids"], where["rope"])
         h = h + drop(a)
-        h = h + drop(LlamaMLP(c, mode, name="mlp")(*norm("post_attention_layernorm", h)))
+        h = h + drop(self.mlp(self.post_attention_layernorm(h)))
+        return common.carry_out(h, cache)
+
+    def decode(self, carry, layer, where):
+        """The decode layout (decode_layer; generation: no dropout): each RMSNorm's scale is folded into the next
+        product's kernel, which reads h itself; its output rows are scaled by 1 / rms(h) in the consumer's fusion, or
+        in a decode step inside the kernel that consumes it (decode_step, rms_swiglu): the normalised copy of h is
+        never written."""
+        h, kv = carry
+        cache = common.layer_cache(kv, where, layer)
+        rows = lambda h: common.norm_rows(h, self.config.rms_norm_eps, centred=False)
+        a, cache = self.self_attn.decode(h, cache, rows(h), where["rope"])
+        h = h + a
+        h = h + self.mlp.decode(h, rows(h))
         return common.carry_out(h, cache)
 
 

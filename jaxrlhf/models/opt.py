@@ -110,49 +110,65 @@ PRESETS["opt-350m"] = dict(
 
 
 class OPTLayer(nn.Module):
-    """One decoder layer; `nn.scan` stacks it L times. Carry: the hidden state h [B, T, D]."""
+    """One decoder layer; `nn.scan` stacks it L times (common.run_layers). Carry: the hidden state h [B, T, D] and the
+    cache's k/v; where: "segment_ids", and "slot", "start" when generating. Post-LN models (opt-350m) normalise after
+    each residual add instead of before each block."""
 
     config: OPTConfig
     mode: Mode = Mode()
 
-    @nn.compact
+    def setup(self):
+        c = self.config
+        dense = lambda n: common.Dense(n, use_bias=c.enable_bias, dtype=c.compute_dtype)
+        norm = lambda: nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=c.compute_dtype)
+        self.self_attn = common.SelfAttention(c, self.mode, c.enable_bias, c.layer_norm_eps, "out_proj")
+        self.self_attn_layer_norm, self.final_layer_norm = norm(), norm()
+        self.fc1, self.fc2 = dense(c.ffn_dim), dense(c.hidden_size)
+        self.dropout = nn.Dropout(self.config.dropout)
+
     def __call__(self, carry, layer, where):
-        h, kv = carry  # h [B, T, D]; where: "segment_ids", and "slot", "start" when generating (common.run_layers)
+        """The training layout: the self-attention block, then the feed-forward block fc1 -> ReLU -> fc2."""
+        h, kv = carry  # h [B, T, D]
         cache = common.layer_cache(kv, where, layer)
-        c, mode = self.config, self.mode
-        dense = lambda n, name: common.Dense(n, use_bias=c.enable_bias, dtype=c.compute_dtype, name=name)
-        norm = lambda name: nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=c.compute_dtype, name=name)
-        drop = lambda x: nn.Dropout(c.dropout)(x, deterministic=mode.deterministic)
-        # The decode layout (decode_layer) folded pre-LN models' norms into the products they feed: the product reads
-        # h itself and its rows are finished by the mean and 1 / std of h, in the decode step's kernels or after it.
-        folded = c.do_layer_norm_before and mode.decode_layout
-
-        # Self-attention block (post-LN models, opt-350m, normalise after the residual add instead).
-        residual, rows = h, None
-        if folded:
-            rows = common.norm_rows(h, c.layer_norm_eps, centred=True)
-        elif c.do_layer_norm_before:
-            h = norm("self_attn_layer_norm")(h)
-        attention = common.SelfAttention(c, mode, c.enable_bias, c.layer_norm_eps, "out_proj", name="self_attn")
-        h, cache = attention(h, cache, rows, where["segment_ids"])
-        h = residual + drop(h)
-        if not c.do_layer_norm_before:
-            h = norm("self_attn_layer_norm")(h)
-
-        # Feed-forward block: fc1 -> ReLU -> fc2. A decode step runs each product in one kernel where it applies
-        # (common.decode_product: fc1 with its folded LayerNorm, bias and ReLU; fc2 split over K).
+        pre = self.config.do_layer_norm_before
+        drop = lambda x: self.dropout(x, deterministic=self.mode.deterministic)
         residual = h
-        if c.do_layer_norm_before and not folded:
-            h = norm("final_layer_norm")(h)
-        y = common.decode_product(self, mode, "fc1", h, c, eps=c.layer_norm_eps if folded else None, relu=True)
-        if y is None and folded:  # the norm's end on h; its scale and shift are in fc1's kernel and bias
-            scale, mean = common.norm_rows(h, c.layer_norm_eps, centred=True)
-            y = nn.relu(common.stacked_dense(self, "fc1", (h - mean) * scale, c.compute_dtype))
-        h = nn.relu(dense(c.ffn_dim, "fc1")(h)) if y is None else y
-        y = common.decode_product(self, mode, "fc2", h, c)
-        h = residual + drop(dense(c.hidden_size, "fc2")(h) if y is None else y)
-        if not c.do_layer_norm_before:
-            h = norm("final_layer_norm")(h)
+        h, cache = self.self_attn(self.self_attn_layer_norm(h) if pre else h, cache, where["segment_ids"])
+        h = residual + drop(h)
+        if not pre:
+            h = self.self_attn_layer_norm(h)
+        residual = h
+        h = residual + drop(self.fc2(nn.relu(self.fc1(self.final_layer_norm(h) if pre else h))))
+        if not pre:
+            h = self.final_layer_norm(h)
+        return common.carry_out(h, cache)
+
+    def decode(self, carry, layer, where):
+        """The decode layout (decode_layer; generation: no dropout). Pre-LN models' norms are folded into the products
+        they feed: the product reads h itself and its rows are finished by the mean and 1 / std of h, in the decode
+        step's kernels or after it. A decode step runs fc1 (its folded LayerNorm, bias and ReLU) and fc2 (split over
+        K) in kernels.decode_matmul where mode.kernels.matmul names them."""
+        h, kv = carry  # h [B, T, D]
+        cache = common.layer_cache(kv, where, layer)
+        c, mesh, matmul = self.config, self.mode.mesh, self.mode.kernels.matmul
+        pre, eps = c.do_layer_norm_before, c.layer_norm_eps
+        rows = common.norm_rows(h, eps, centred=True) if pre else None
+        a, cache = self.self_attn.decode(h, cache, rows)
+        h = h + a
+        if not pre:
+            h = self.self_attn_layer_norm(h)
+        fc1 = self.get_variable("params", "fc1")
+        if "fc1" in matmul:
+            y = common.decode_product(fc1, h, c, mesh, eps=eps if pre else None, relu=True)
+        elif pre:  # the norm's end on h; its scale and shift are in fc1's kernel and bias
+            scale, mean = common.norm_rows(h, eps, centred=True)
+            y = nn.relu(common.stacked_dense(fc1, (h - mean) * scale, c.compute_dtype))
+        else:
+            y = nn.relu(self.fc1(h))
+        fc2 = self.get_variable("params", "fc2")
+        h = h + (common.decode_product(fc2, y, c, mesh) if "fc2" in matmul else self.fc2(y))
+        if not pre:
+            h = self.final_layer_norm(h)
         return common.carry_out(h, cache)
 
 
