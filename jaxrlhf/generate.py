@@ -31,7 +31,8 @@ only that range of the cache.
 `generate` runs the model's own parameters, or, faster, the decode layout that `decode_params` builds from
 them once (each layer its own arrays, shared-input products stacked; models/common.py says why): the Step 3
 engine generates with it, and so should any caller that generates more than once with the same weights. The
-model runs "prefill" and "decode" calls (models.Mode: the layout, the mesh) with the config's backend.
+model runs "prefill" and "decode" calls (models.generation_modes: the layout, the mesh, the decode kernels chosen once)
+with the config's backend.
 """
 
 from __future__ import annotations
@@ -52,7 +53,16 @@ from jax.sharding import PartitionSpec as P
 from jaxrlhf import hooks
 from jaxrlhf.kernels import rows_axis
 from jaxrlhf.lora import fuse_attached
-from jaxrlhf.models import Mode, decode_layer, in_decode_layout, init_cache, logits_with_cache, positions_from_mask
+from jaxrlhf.models import (
+    Mode,
+    cache_length,
+    decode_layer,
+    generation_modes,
+    in_decode_layout,
+    init_cache,
+    logits_with_cache,
+    positions_from_mask,
+)
 from jaxrlhf.sharding import shardings_for
 
 
@@ -402,8 +412,11 @@ def _generate(config, loop: _Loop, params, input_ids, attention_mask, key, limit
     input_ids, attention_mask = (jnp.take_along_axis(z, order, 1) for z in (input_ids, attention_mask))
     real = jnp.sum(attention_mask, axis=1).astype(jnp.int32)  # [N] prompt lengths
     real, limits = (jnp.concatenate([z, jnp.ones((1,), jnp.int32)]) for z in (real, limits))  # no_prompt's
-    layout = in_decode_layout(params)
-    s = _Static(config, loop, *input_ids.shape, Mode("prefill", layout, loop.mesh), Mode("decode", layout, loop.mesh))
+    N, P = input_ids.shape  # the decode steps' cache: a whole prompt and answer per slot (_first_state)
+    modes = generation_modes(
+        config, params, mesh=loop.mesh, batch=loop.slots, slots=cache_length(P + loop.max_new_tokens)
+    )
+    s = _Static(config, loop, N, P, *modes)
     x = _Inputs(params, input_ids, attention_mask, real, limits, key)
     state = _first_state(s, x)
     if loop.ends_early or loop.slots < s.N:
