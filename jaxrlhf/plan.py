@@ -40,6 +40,7 @@ from jaxrlhf.generate import DECODE_SLOTS, decode_slots
 from jaxrlhf.lora import adapted_mask
 from jaxrlhf.models import param_shapes, preset
 from jaxrlhf.optim import init_state, make_optimizer
+from jaxrlhf.rl import packing
 from jaxrlhf.rl.config import ModelSide, PPOConfig
 from jaxrlhf.sharding import AXES, make_mesh, partition_spec, path_str
 
@@ -80,13 +81,16 @@ def activations(
     backend: str,
     head_len: int | None = None,
     chunk: int = 0,
+    segments: bool = False,
 ) -> int:
-    """Bytes per device of one forward (and backward with `train`) over `rows` sequences of T tokens.
+    """Bytes per device of one forward (and backward with `train`) over `rows` sequences of T tokens (with
+    `segments`, rows of T tokens packed with several sequences each: Step 3's micro-batches, jaxrlhf.rl.packing).
 
     An estimate from the layer's tensors, per token of compute dtype c: a layer keeps for its backward its
     input, the two LayerNorm outputs, q, k, v, the attention output and the residual (7 D) and the FFN's
     hidden before and after the activation (2 F; Llama's gated MLP 3 F); with XLA's attention (the CPU, fp32,
-    attention dropout) also the [H, T, T] scores and probabilities in fp32. Remat keeps only each layer's
+    attention dropout) also the [H, T, T] scores and probabilities in fp32; packed rows add their [T, T] segment mask
+    (bool, and as cuDNN's bias in the compute dtype). Remat keeps only each layer's
     input and recomputes one layer at a time. The head's fp32 output ([T, V] logits, [head_len, V] when the
     LM head runs on the last head_len positions only, or [T] values) exists
     with its log-softmax and, training, their gradient; a forward alone holds a few [T, D] hidden states and
@@ -101,6 +105,7 @@ def activations(
     gated = 2 if config.model_type == "opt" else 3
     xla_scores = backend != "gpu" or c == 4 or (train and config.attention_dropout > 0)
     scores = H * T * T * 4 if xla_scores else 0  # one [H, T, T] fp32 array per sequence
+    mask = T * T * (1 + (0 if xla_scores else c)) if segments else 0  # a packed row's [T, T] segment mask (and bias)
     layer = (
         T * (7 * D + gated * F) * c + 3.5 * scores
     )  # one layer's saved tensors per sequence: scores, probs (2 dtypes)
@@ -109,11 +114,11 @@ def activations(
         head = min(head, max(chunk // rows, 1) * config.vocab_size * 4)
     if not train:  # one layer at a time (fewer of its tensors live at once than a backward keeps), then the head;
         a = 4 if backend == "cpu" else c  # XLA's CPU backend computes bf16 in fp32
-        return int(rows * (4 * T * D * a + max(T * (5 * D + (gated - 1) * F) * a + scores, 2 * head)))
+        return int(rows * (4 * T * D * a + mask + max(T * (5 * D + (gated - 1) * F) * a + scores, 2 * head)))
     # remat: each layer's input and the recomputed layer's scores; the rest of that layer is `backward`'s
     kept = L * T * D * c + 2 * scores if remat else L * layer
     backward = T * (2 * D + gated * F) * c + 2 * scores  # one layer's gradients in flight
-    return int(rows * (kept + backward + 2 * head))
+    return int(rows * (kept + backward + 2 * head + mask))
 
 
 @dataclasses.dataclass
@@ -229,17 +234,8 @@ def plan(
     gather_c = 0 if N == 1 else 2 * c["master"] // critic_config.num_hidden_layers
     # the generation copy is built one layer at a time (generate.decode_params): one layer's FSDP shards gathered
     switch = 0 if N == 1 else a["master"] * N // actor_config.num_hidden_layers
-    # scoring and the training steps run one packed micro-batch at a time (the steps summing into a second gradient
-    # tree): at most budget // T rows of the widest width T per device
     budget = cfg.max_tokens_per_micro_batch
-
-    # the actor's log-probs take the LM head on the answer's positions only (experience.answer_logprobs)
-    def act(config, side, value_head, train, n=batch, length=T, head_len=G + 1):
-        rows = min(max(budget // T, 1), 2 ** math.ceil(math.log2(-(-n // N))))
-        chunk = -(-side.logits_chunk // N)  # the chunk's tokens per device (rows split over all devices)
-        kw = dict(train=train, remat=side.remat, value_head=value_head, backend=backend, head_len=head_len, chunk=chunk)
-        return activations(config, rows, length, **kw)
-
+    packed = _packed(cfg, actor_config, critic_config, N, batch, T, backend, unsup_rows, unsup_len)
     items = {
         "actor weights": a["weights"],
         "actor optimizer": a["optimizer"],
@@ -254,19 +250,15 @@ def plan(
         "KV cache": cache,
         "generation activations": decoding,
         "fused LoRA kernels": a["fused"] + c["fused"],
-        "scoring activations": max(
-            act(actor_config, cfg.actor, False, False), act(critic_config, cfg.critic, True, False)
-        )
-        + max(gather_a, gather_c),
+        "scoring activations": packed["scoring"] + max(gather_a, gather_c),
         "actor gradients": 2 * a["gradients"],
         "actor fused LoRA": a["fused"],
-        "actor step activations": act(actor_config, cfg.actor, False, True)
-        + gather_a
-        + (unsup_rows and act(actor_config, cfg.actor, False, True, unsup_rows, unsup_len, unsup_len)),
+        "actor step activations": packed["actor_step"] + gather_a,
         "critic gradients": 2 * c["gradients"],
         "critic fused LoRA": c["fused"],
-        "critic step activations": act(critic_config, cfg.critic, True, True) + gather_c,
+        "critic step activations": packed["critic_step"] + gather_c,
         "experience": experiences * rows * T * 4 * 12,
+        "packed micro-batch": packed["micro-batch"],
     }
     if critic_free:  # no critic: its items count nothing (kept as rows, so a table shows what is saved)
         items.update({k: 0 for k in items if k.startswith("critic")})
@@ -277,6 +269,34 @@ def plan(
         + (", ".join(i for i, (on, _) in offloaded.items() if on) or "nothing")
     ]
     return Plan(items, phases, capacity, notes, host=sum(items[i] for i, (on, _) in offloaded.items() if on))
+
+
+def _packed(cfg, actor_config, critic_config, N: int, batch: int, T: int, backend, unsup_rows: int, unsup_len: int):
+    """Scoring's and the steps' activations per device, and the packed micro-batch's own arrays ("micro-batch").
+
+    They run one packed micro-batch at a time (the steps summing into a second gradient tree): at most budget // T
+    rows of the widest width T per device, several sequences to a row (segments); the actor's log-probs take the LM
+    head on a row's A answer slots only (experience.answer_logprobs; A: the longest answer rounded up to a power of
+    two, packing.plan). The micro-batch holds packing.Micro's index arrays, the packed seq, mask, positions and
+    segments [n, W], head_at, slot, answer and the slot results [n, A], and the losses' answer-space arrays [B, G]
+    it fills. The actor's mixture batch (unsup_rows x unsup_len, not packed) adds its own step's activations."""
+    G, budget = cfg.max_answer_len, cfg.max_tokens_per_micro_batch
+    slots = min(max(packing.MIN_SLOTS, 2 ** math.ceil(math.log2(max(G, 1)))), T)
+
+    def act(config, side, value_head, train, n=batch, length=T, head_len=slots, segments=True):
+        rows = min(max(budget // T, 1), 2 ** math.ceil(math.log2(-(-n // N))))
+        chunk = -(-side.logits_chunk // N)  # the chunk's tokens per device (rows split over all devices)
+        kw = dict(train=train, remat=side.remat, value_head=value_head, backend=backend, head_len=head_len, chunk=chunk)
+        return activations(config, rows, length, segments=segments, **kw)
+
+    rows = min(max(budget // T, 1), 2 ** math.ceil(math.log2(-(-batch // N))))
+    return {
+        "scoring": max(act(actor_config, cfg.actor, False, False), act(critic_config, cfg.critic, True, False)),
+        "actor_step": act(actor_config, cfg.actor, False, True)
+        + (unsup_rows and act(actor_config, cfg.actor, False, True, unsup_rows, unsup_len, unsup_len, False)),
+        "critic_step": act(critic_config, cfg.critic, True, True),
+        "micro-batch": rows * (T * 4 * 8 + slots * 4 * 8) + -(-batch // N) * G * 4 * 8,
+    }
 
 
 def _generation_bytes(cfg, actor_config, mesh, batch: int, prompt_len: int, backend: str) -> tuple[int, int]:
@@ -308,12 +328,13 @@ def _phases(cfg) -> tuple[dict[str, list[str]], dict[str, tuple[bool, str]]]:
         "reward (own leaves)": (cfg.offload_reward_model, "score"),
     }
     resident = ["actor weights", "critic weights", "ema"] + [i for i, (on, _) in offloaded.items() if not on]
+    micro = ["experience", "packed micro-batch"]  # what scoring and the steps hold beside their activations
     phases = {
         "reshard": ["switch: one layer gathered", "switch: fp32 LoRA delta", "TP generation copy"],
         "generate": ["TP generation copy", "KV cache", "generation activations"],
-        "score": ["fused LoRA kernels", "scoring activations", "experience"],
-        "actor_step": ["actor gradients", "actor fused LoRA", "actor step activations", "experience"],
-        "critic_step": ["critic gradients", "critic fused LoRA", "critic step activations", "experience"],
+        "score": ["fused LoRA kernels", "scoring activations", *micro],
+        "actor_step": ["actor gradients", "actor fused LoRA", "actor step activations", *micro],
+        "critic_step": ["critic gradients", "critic fused LoRA", "critic step activations", *micro],
     }
     if cfg.critic_free:
         del phases["critic_step"]

@@ -283,3 +283,35 @@ def test_each_phase_is_marked_in_a_profile_with_its_measured_time(models, prompt
     assert list(e.timings)[:3] == ["reshard", "generate", "score"]
     for _, name, seconds in marks:
         assert seconds == pytest.approx(e.timings[name], rel=0.2, abs=0.01)
+
+
+def test_a_setting_no_program_reads_compiles_nothing_again(models, prompts):
+    """The scoring, advantage and step programs are keyed by what they read (experience.Scoring, Returns, the mesh,
+    steps.programs), not the whole EngineConfig: a second engine that differs in settings none of them reads (the
+    seed, dynamic sampling's cap, the decode slots, the initial KL coefficient) runs one iteration of the same shapes
+    without compiling any of them again; one that scoring reads (the temperature) compiles scoring again."""
+    from jaxrlhf.rl import experience, steps
+
+    batch, _ = prompts
+    one = make_mesh(1, jax.devices()[:1])
+    programs = {
+        "score": experience.score,
+        "advantages": experience.advantages,
+        "padded_experience": experience.padded_experience,
+        "truncated_rows": experience.truncated_rows,
+        "accumulate": steps.accumulate,
+        "zero_accumulator": steps.zero_accumulator,
+        "apply": steps.apply,
+    }
+    compiled = lambda: {k: f._cache_size() for k, f in programs.items()}  # noqa: E731
+
+    def iteration(**kw):  # eos -1: every answer G tokens, the same shapes whatever the seed
+        e = engine(models, one, -1, **kw)
+        e.train_rlhf(e.generate_experience(batch))
+
+    iteration()
+    before = compiled()
+    iteration(seed=9, max_draws=7, decode_slots=4, kl_coef=0.3)
+    assert compiled() == before
+    iteration(temperature=0.7)
+    assert compiled()["score"] == before["score"] + 1

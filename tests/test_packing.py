@@ -5,6 +5,7 @@ the padded block does; and the engine gives the same experience, losses, gradien
 sequences to a row, cut in micro-batches) as one sequence to a row, for OPT (pre- and post-LN) and Llama
 (grouped-query), under FSDP on 8 devices and LoRA."""
 
+import functools
 import json
 import time
 
@@ -245,3 +246,29 @@ def test_packed_gives_the_unpacked_experience_losses_and_updates(family, monkeyp
             np.testing.assert_allclose(b[k], a[k], rtol=2e-4, atol=2e-6, err_msg=k)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(st0)[0], jax.tree.leaves(st1)):
         np.testing.assert_allclose(b, a, atol=2e-4, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's flash attention: on the GPU only")
+def test_cudnn_attention_over_packed_rows_equals_xla_and_is_taken():
+    """Packed rows (segments) on cuDNN's flash attention, their segment mask a constant bias: the output and the
+    gradients of q, k, v equal XLA's masked attention (bf16 tolerance), and the compiled program calls cuDNN (no
+    silent fallback to XLA's [H, T, T] scores)."""
+    from jaxrlhf.models.common import causal_attention
+
+    B, T, H, K = 4, 256, 8, 64
+    rng = np.random.default_rng(0)
+    ends = [np.cumsum(rng.integers(8, 96, 8)) for _ in range(B)]  # segment boundaries, padding after the last
+    segment_ids = jnp.asarray(np.stack([np.searchsorted(e[e < T], np.arange(T), side="right") for e in ends]))
+    q, k, v = (jnp.asarray(rng.normal(size=(B, T, H, K)) * 0.3, jnp.bfloat16) for _ in range(3))
+    w = jnp.asarray(rng.normal(size=(B, T, H, K)), jnp.float32)
+
+    def loss(impl, q, k, v):
+        return jnp.sum(causal_attention(q, k, v, impl, segment_ids).astype(jnp.float32) * w)
+
+    cudnn = jax.jit(jax.value_and_grad(functools.partial(loss, "cudnn"), argnums=(0, 1, 2)))
+    assert "cudnn" in cudnn.lower(q, k, v).compile().as_text()
+    xla = jax.jit(jax.value_and_grad(functools.partial(loss, "xla"), argnums=(0, 1, 2)))
+    (a, ga), (b, gb) = cudnn(q, k, v), xla(*(x.astype(jnp.float32) for x in (q, k, v)))
+    np.testing.assert_allclose(a, b, rtol=2e-2)
+    for x, y in zip(ga, gb):
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y), atol=0.1, rtol=5e-2)

@@ -290,7 +290,7 @@ def test_chunked_head_saving_at_qwen_vocabulary():
 def test_long_answers_kv_cache_decode_slots_and_log_prob_chunks_by_hand(name, layers, kv_heads, V):
     """GRPO at 256 + 4,096 tokens, 32 prompts x 8 answers: the KV cache is L x 2 x slots x Hkv x S x K x 2 bytes,
     slots in whole groups (100 asked: 96), S = 4,352. Generation's transients do not grow with the answer (only its
-    [batch, G] outputs do), and the actor's step holds one 1,024-token chunk of float32 logits, not 4,097 positions.
+    [batch, G] outputs do), and the actor's step holds one 1,024-token chunk of float32 logits, not 4,096 answer slots.
     Too little memory is met with fewer decode slots."""
     from jaxrlhf import ppo
 
@@ -323,9 +323,10 @@ def test_long_answers_kv_cache_decode_slots_and_log_prob_chunks_by_hand(name, la
     assert plan(8, 2).items["KV cache"] == layers * 2 * 24 * (kv_heads // 2) * 4352 * 128 * 2
     short = plan(1, 1, "decode_slots=100", "max_answer_len=1024")
     assert p.items["generation activations"] - short.items["generation activations"] == 256 * (4096 - 1024) * 12
-    # one row of 4,352 tokens per micro-batch: [4097, V] logits, twice (forward and backward)
+    # one row of 4,352 tokens per micro-batch: [4096, V] logits at its answer slots (the longest answer rounded up
+    # to a power of two), twice (forward and backward)
     whole = plan(1, 1, "decode_slots=100", "actor.logits_chunk=0")
-    assert whole.items["actor step activations"] - p.items["actor step activations"] == 2 * (4097 - 1024) * V * 4
+    assert whole.items["actor step activations"] - p.items["actor step activations"] == 2 * (4096 - 1024) * V * 4
     # at 256 slots (the default), a device too small for generation by less than half the cache: 128 slots fit
     full = plan(1, 1, "decode_slots=256")
     rest = max(full.phase_bytes(phase) for phase in full.phases if phase != "generate")

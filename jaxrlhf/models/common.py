@@ -179,13 +179,14 @@ def causal_attention(q, k, v, implementation: str = "xla", segment_ids=None):
     q pre-scaled; with segment_ids [B, T] each token attends within its segment only (packed rows).
 
     "cudnn" is cuDNN's flash attention (16-bit dtypes; the [B, H, T, T] scores never exist in memory), taken
-    where cuDNN accepts the dtype and shapes and no segments are given, else XLA; "xla" the plain XLA graph
-    (scores in float32). Padding needs no mask tensor (the decoder moved it out of the way): with one, cuDNN
-    would also compute its [B, 1, T, T] gradient, which slows the backward pass.
+    where cuDNN accepts the dtype and shapes, else XLA; "xla" the plain XLA graph (scores in float32). Padding needs
+    no mask tensor (the decoder moved it out of the way). Segments go to cuDNN as their boolean [B, 1, T, T] mask,
+    which it adds as a constant bias (jax 0.11 computes no gradient for a boolean mask).
     """
-    if implementation == "cudnn" and segment_ids is None and q.dtype in (jnp.bfloat16, jnp.float16):
+    if implementation == "cudnn" and q.dtype in (jnp.bfloat16, jnp.float16):
         try:
-            return jax.nn.dot_product_attention(q, k, v, scale=1.0, is_causal=True, implementation="cudnn")
+            mask = segment_mask(segment_ids)
+            return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=1.0, is_causal=True, implementation="cudnn")
         except (ValueError, NotImplementedError, RuntimeError):  # a shape or dtype cuDNN does not take
             pass
     return jax.nn.dot_product_attention(

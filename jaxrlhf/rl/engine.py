@@ -401,7 +401,7 @@ class HybridEngine:
         """The packed micro-batches of an experience (packing.plan on its rows' real tokens; the same every time)."""
         seq_mask = np.asarray(to_host(exp["seq_mask"] != 0))  # whole on every process: one plan for all
         P, budget = seq_mask.shape[1] - exp["mask"].shape[1], self.cfg.max_tokens_per_micro_batch
-        return packing.plan(seq_mask, P, budget, self.mesh.size, self.cfg.packed_width_multiple)
+        return packing.plan(seq_mask, P, budget, self.mesh.size, self.cfg.packed_width_multiple, seq_mask.shape[1])
 
     def _step(self, name: str, exp: dict, micro: list, unsup: dict | None):
         """One optimizer step of `name` over the experience's packed micro-batches (plus, for the actor, the mixture
