@@ -369,3 +369,17 @@ def test_the_fused_step_per_shard_and_when_it_applies():
         and fuses_step(auto, 64, 8, 512, 128, 4)
     )
     assert not auto.use_kernel(96, 6) and not fuses_step(auto, 64, 2, 512, 96, 6)
+
+
+def test_kernel_ir_compares_programs_not_unused_operands():
+    """tools/kernel_ir.py, which showed that naming the fused step's operands left its Triton program as it was:
+    an operand the kernel never reads does not count, a changed operation does."""
+    from tools import kernel_ir
+
+    fn, shapes = kernel_ir._step_call(*kernel_ir.STEPS["opt_mha_plain"][:-1], None)
+    triton = kernel_ir.lower(fn, shapes, kernel_ir._mesh(None)[0]).split("// ---- stablehlo")[0]
+    name = "tt.func public @jaxrlhf_decode_attention_step("
+    unused = triton.replace(name, name + "%unused: !tt.ptr<f32> {tt.divisibility = 32 : i32}, ", 1)
+    assert unused != triton and kernel_ir.canonical(unused) == kernel_ir.canonical(triton)
+    changed = triton.replace("arith.mulf", "arith.addf", 1)
+    assert changed != triton and kernel_ir.canonical(changed) != kernel_ir.canonical(triton)

@@ -30,7 +30,9 @@ without the kernel (the switch `DecodeAttentionConfig(implementation="xla")`).
 adds the bias, applies the rotary embedding, writes the new key and value into the cache in place and attends,
 in one kernel. Unfused, those are three or four small XLA kernels per layer around this one. Its operands go by
 name (`StepOperands`: one field each with its shape and block; a part switched off is None, no operand at all), and
-`decode_step_reference` is its plain-jnp definition.
+`decode_step_reference` is its plain-jnp definition. Both kernels live in this one file because the fused step shares
+the attention's online softmax (`_attend`), config and launch, and a kernel file imports no other
+(tests/test_layers.py).
 
 Query groups that are no power of two (Qwen2.5: 6 or 7 query heads per KV head) run as the next power of two, as
 Triton's blocks need: `decode_attention` pads the queries with zeros in memory (its outputs sliced off); the fused
