@@ -3,7 +3,7 @@
     engine.py      the hybrid engine: four models on one mesh, generate_experience and train_rlhf
     experience.py  the answers scored, the KL coefficient, rewards and advantages (compiled programs)
     steps.py       the actor's and critic's training programs
-    packing.py     rows sorted by length into micro-batches of a token budget
+    packing.py     several sequences joined into each row (segments), in micro-batches of a token budget
     losses.py      the math: rewards, GAE, the clipped losses, the adaptive KL controller; the critic-free
                    algorithms' advantages (GRPO, RLOO, REINFORCE++), KL loss estimators, loss aggregations
 

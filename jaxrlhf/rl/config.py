@@ -96,11 +96,11 @@ class EngineConfig:
     decode_slots: int = 0
     #: prompts prefilled at a time into freed slots (0: decode_slots / 8)
     refill_size: int = 0
-    #: tokens per device in a micro-batch of scoring and of both training steps: the experience's rows sorted by
-    #: length and cut to the width they need (jaxrlhf.rl.packing), not padded to max_prompt_len + max_answer_len, so
+    #: tokens per device in a micro-batch of scoring and of both training steps: several of the experience's prompt +
+    #: answer sequences joined into each row (jaxrlhf.rl.packing), not padded to max_prompt_len + max_answer_len, so
     #: micro-batches are set by tokens, not rows (at least one sequence: max_prompt_len + max_answer_len)
     max_tokens_per_micro_batch: int = 16384
-    #: packed micro-batches are as wide as their longest row rounded up to this (fewer shapes to compile, more padding)
+    #: a batch's packed rows are as wide as its longest sequence rounded up to this (fewer shapes to compile)
     packed_width_multiple: int = 64
     #: tensor-parallel size of the generation layout (DeepSpeed-Chat's inference_tp_size)
     inference_tp_size: int = 1
