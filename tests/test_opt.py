@@ -227,7 +227,7 @@ def test_decode_kernels_are_chosen_once_and_name_what_is_off():
         (),
     )
     k = decode_kernels(config, batch=8, slots=64)
-    assert k.fused_step and k.matmul == () and [w.split(":")[0] for w in k.off] == ["fc1", "fc2"]
+    assert k.fused_step and k.matmul == () and [w.split(" ")[0] for w in k.off] == ["fc1", "fc2"]
     k = decode_kernels(config, batch=16, slots=64, layout=False, lora=True)
     assert not k.layers and k.attention.implementation == "pallas" and "training layout" in k.off[0], k
     with pytest.raises(ValueError, match="LoRA"):

@@ -182,7 +182,7 @@ def decode_kernels(
         return DecodeKernels(attention, off=(why + (", LoRA fused" if lora else ""),))
     off = []
     fused = fuses_step(backend.kernels, batch, Hkv, slots, K, H // Hkv, mesh)
-    if getattr(config, "rope_interleaved", False):
+    if isinstance(config, llama.LlamaConfig) and config.rope_interleaved:
         fused = False
         off.append(
             "fused attention step: off for an interleaved rotary embedding (the kernel rotates half-split pairs)"
@@ -199,8 +199,11 @@ def decode_kernels(
         matmul = tuple(
             n for n, (k, m, cols) in products.items() if common.decode_product_applies(mesh, batch, k, m, cols)
         )
+        rows = f"{batch} rows" + ("" if mesh is None else f" over {dict(mesh.shape)}")
         off += [
-            f"{n}: decode_matmul takes 16, 32 or 64 rows per shard, whole blocks" for n in products if n not in matmul
+            f"{n} by XLA: decode_matmul takes 16, 32 or 64 rows per shard and whole blocks, not {rows} of {k} x {m}"
+            for n, (k, m, _) in products.items()
+            if n not in matmul
         ]
     swiglu = isinstance(config, llama.LlamaConfig) and not config.mlp_bias
     if isinstance(config, llama.LlamaConfig) and config.mlp_bias:
