@@ -299,13 +299,13 @@ def test_grpo_default_cannot_amplify_kl_noise():
     """The issue's case: a group whose answers all scored 1, with log-probs away from the reference. Under the default
     config its advantages are exactly 0 however the KL varies (the KL is a loss term); with the KL put in the reward
     (kl_loss none) it is divided by the group's std and becomes O(1) advantages of KL noise alone."""
-    from jaxrlhf.rl.experience import Static, advantages
+    from jaxrlhf.rl.experience import Returns, advantages
 
     rng = np.random.default_rng(5)
     mask = np.ones((4, 6), np.float32)
     exp = {"logprobs": rng.normal(size=(4, 6)).astype(np.float32), "ref_logprobs": np.zeros((4, 6), np.float32)}
     exp |= {"scores": np.ones(4, np.float32), "mask": mask}
-    s = lambda **kw: Static(EngineConfig(algorithm="grpo", num_samples_per_prompt=4, **kw), None, None, 1, ONE)  # noqa: E731
+    s = lambda **kw: Returns.of(EngineConfig(algorithm="grpo", num_samples_per_prompt=4, **kw))  # noqa: E731
     out, stats = advantages(s(), exp, jnp.float32(0.1))
     assert np.all(np.asarray(out["advantages"]) == 0.0) and stats["zero_spread"] == 1.0
     noisy, _ = advantages(s(kl_loss="none"), exp, jnp.float32(0.1))
@@ -373,7 +373,7 @@ def test_the_advantages_program_on_a_whole_batch(algorithm, kl_loss):
     the answer's reward is the clipped score plus the reward functions' (unclipped) plus the over-long penalty,
     minus kl_coef x the answer's KL unless the KL is a loss term; an unscored answer (a function's None) is out of
     its group and the loss, a truncated one out of the loss (overlong_filter)."""
-    from jaxrlhf.rl.experience import Static, advantages
+    from jaxrlhf.rl.experience import Returns, advantages
 
     rng = np.random.default_rng(2)
     lengths = np.array([4, 2, 3, 1, 4, 4, 2, 3])
@@ -390,7 +390,7 @@ def test_the_advantages_program_on_a_whole_batch(algorithm, kl_loss):
     cfg = EngineConfig(**{**cfg.__dict__, "overlong_filter": True, "overlong_buffer": 2, "overlong_penalty": 0.5})
     exp = {"logprobs": lp, "ref_logprobs": ref, "scores": scores, "mask": mask}
     exp |= {"function_scores": functions, "scored": scored, "truncated": truncated}
-    out, stats = advantages(Static(cfg, None, None, 1, make_mesh(1)), exp, jnp.float32(0.2))
+    out, stats = advantages(Returns.of(cfg), exp, jnp.float32(0.2))
     beta = 0.0 if cfg.kl_estimator != "none" else 0.2
     # the over-long penalty, L 4, L_cache 2, factor 0.5: lengths 3 -> -0.25, 4 -> -0.5
     reward = np.clip(scores, -1, 1) + functions - 0.5 * np.clip((lengths - 2) / 2, 0, 1)
