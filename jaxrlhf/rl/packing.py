@@ -5,9 +5,10 @@ The experience is a padded block: prompts left-padded to P, answers right-padded
 ~95 + 39 tokens in 256 + 256) three quarters of it is padding. Scoring and both training steps instead run on
 micro-batches laid out by `plan` on the host and gathered by `pack` on the device:
 
-    experience [B, P + G]  ──plan (host: each row's real tokens)──►  micro-batches (Micro: index arrays), widest first:
-        n rows of W columns, n x W <= the token budget per device x devices (a whole number of rows per device); the
-        sequences placed first-fit decreasing, several to a row, each one's real tokens side by side (a segment)
+    experience [B, P + G]  ──plan (host: each row's real tokens)──►  micro-batches (Micro: index arrays) of n rows of
+        W columns (one W for the batch), n x W <= the token budget per device x devices (a whole number of rows per
+        device); the sequences placed first-fit decreasing, several to a row, each one's real tokens side by side (a
+        segment), at most A answer tokens to a row
     ──pack (on the device)──►  seq, seq_mask, positions (restarting at 0 in each segment), segment_ids [n, W];
         answer slots [n, A]: head_at (the column whose output scores the slot's answer token: the one before it) and
         answer (that token); slot (b G + g: where the slot's result goes in the answer space [B, G])
@@ -21,7 +22,8 @@ whatever shares its row. `to_answers` scatters the slots' results back to the an
 the whole batch's [B, G] arrays with the mask of the micro-batch's answers (`members`), so a sequence-level quantity
 (GSPO's ratio, the per-answer means) is the answer's own, and the losses, sums over answer tokens divided once by the
 whole batch's count, give the same totals and gradients however the batch is cut (tests/test_packing.py). W is a
-multiple of `multiple` and A a power of two: a handful of shapes, each compiled once.
+multiple of `multiple`, A a power of two and the last micro-batch's rows per device `rounded`: a handful of shapes,
+each compiled once.
 """
 
 from __future__ import annotations
