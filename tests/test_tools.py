@@ -480,3 +480,22 @@ def test_logprob_gap_compares_generation_and_two_training_forwards_per_answer_to
     for pair in ("generation_vs_training", "generation_vs_training_padded", "training_vs_training"):
         assert run[pair]["tokens"] == answers.sum() and run[pair]["max_abs"] < 1e-4, pair
     assert -6 < run["mean_logprob"] < -4  # near log(1 / 128): random weights, the drawn tokens' real log-probs
+
+
+def test_hlo_census_counts_each_instructions_op_kind_and_lists_every_difference():
+    """tools/hlo_census.py: an instruction's op kind after its name and shape (a tuple shape included), header lines
+    none; a compiled function's census holds its ops; compare lists each changed count and each one-sided program."""
+    from tools.hlo_census import census, compare, op_kind
+
+    assert op_kind("  %fusion.1 = f32[2,3]{1,0} fusion(f32[2,3]{1,0} %p), kind=kLoop, calls=%fused") == "fusion"
+    assert op_kind("  ROOT %t.5 = (f32[2]{0}, s32[]) tuple(f32[2]{0} %a, s32[] %b)") == "tuple"
+    assert op_kind("  %w = (s32[], f32[4]{0}) while((s32[], f32[4]{0}) %t), condition=%c, body=%b") == "while"
+    assert op_kind('  %c.2 = s32[] custom-call(s32[] %x), custom_call_target="f"') == "custom-call"
+    assert op_kind("HloModule jit_f, entry_computation_layout={(f32[3]{0})->f32[3]{0}}") is None
+    assert op_kind("ENTRY %main.4 (x: f32[3]) -> f32[3] {") is None
+    counts = census(lambda x: jnp.sin(x) * jnp.cos(x), jnp.ones(3))
+    assert counts.get("sine") == 1 and counts.get("cosine") == 1, counts
+    before = {"opt": {"train": {"add": 2, "dot": 1}, "score": {"dot": 1}}}
+    after = {"opt": {"train": {"add": 3, "dot": 1}, "prefill": {"dot": 1}}}
+    assert compare(before, before) == []
+    assert compare(before, after) == ["opt/prefill: only after", "opt/score: only before", "opt/train: add 2 -> 3"]
