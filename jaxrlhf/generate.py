@@ -224,6 +224,11 @@ class _Static:
         """B: the slot of a refill's place that has no prompt left; the refill's scatters (mode="drop") skip it."""
         return self.loop.slots
 
+    @property
+    def lockstep(self) -> bool:
+        """Every row has a slot and runs all G tokens: each decode step writes every row at the same cache slot."""
+        return not self.loop.ends_early and self.loop.slots == self.N
+
 
 class _Inputs(NamedTuple):
     """The arrays every step reads and none changes."""
@@ -352,7 +357,9 @@ def _first_state(s: _Static, x: _Inputs) -> _DecodeState:
 def _decode_step(s: _Static, x: _Inputs, state: _DecodeState) -> _DecodeState:
     """Every slot advances one token: its last token goes in at its own cache slot, the next one comes out."""
     row, g, done = state.row, state.g, state.done
-    cache = {**state.cache, "slot": s.P + g - 1}  # each row's own slot: prompt width + answer so far
+    slot = s.P + g - 1  # each row's own slot: prompt width + answer so far
+    # in lockstep one slot for all: the cache write is one dynamic_update_slice per layer, not a scatter of B rows
+    cache = {**state.cache, "slot": slot[0] if s.lockstep else slot}
     positions = (x.real[row] + g - 1)[:, None]
     logits, cache = logits_with_cache(s.config, x.params, state.token[:, None], positions, cache, s.decode)
     token, logprob, ends = _pick(s, x, logits[:, 0], row, g)
@@ -419,7 +426,7 @@ def _generate(config, loop: _Loop, params, input_ids, attention_mask, key, limit
     s = _Static(config, loop, N, P, *modes)
     x = _Inputs(params, input_ids, attention_mask, real, limits, key)
     state = _first_state(s, x)
-    if loop.ends_early or loop.slots < s.N:
+    if not s.lockstep:
         state = jax.lax.while_loop(partial(_unfinished, s), partial(_chunk, s, x), state)
     else:  # every row runs all G tokens in its own slot: G - 1 steps, no condition read on the way (a scan)
         state = jax.lax.fori_loop(0, loop.max_new_tokens - 1, lambda _, st: _decode_step(s, x, st), state)

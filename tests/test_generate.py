@@ -363,8 +363,9 @@ def test_continuous_batching_under_tensor_parallelism_with_the_decode_kernels(mo
 
 def test_rows_that_cannot_end_early_decode_without_a_condition_and_as_the_early_exit_loop():
     """No stop id a token can be (benchmarks' -1) and no limits, a slot per row: the decode loop runs its G - 1 steps
-    with no `while` (no condition read on the way), and gives the tokens, log-probs and mask of the early-exit loop
-    (a limit of G for every row)."""
+    with no `while` (no condition read on the way), writes the cache with dynamic_update_slice (every row at one
+    slot), not a scatter of rows, and gives the tokens, log-probs and mask of the early-exit loop (a limit of G for
+    every row)."""
     from jaxrlhf.models import init_params, opt
 
     config = opt.OPTConfig(**PRE_LN, dropout=0.0)
@@ -376,7 +377,12 @@ def test_rows_that_cannot_end_early_decode_without_a_condition_and_as_the_early_
     for got, want in ((fixed.tokens, looped.tokens), (fixed.mask, looped.mask), (fixed.logprobs, looped.logprobs)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert np.asarray(fixed.mask).all() and int(fixed.steps) == G - 1 and int(looped.steps) == 8  # 2 checks of 4
-    whiles = lambda **kw: sum(
-        e.primitive.name == "while" for e in all_eqns(jax.make_jaxpr(lambda p: run(p, **kw).tokens)(params))
-    )
-    assert whiles() == 0 and whiles(limits=np.full(3, G, np.int32)) > 0
+
+    def ops(**kw):  # the program's while loops, and its scatters into the [L, B, Hkv, S, K] cache
+        eqns = list(all_eqns(jax.make_jaxpr(lambda p: run(p, **kw).tokens)(params)))
+        cache_writes = [e for e in eqns if e.primitive.name == "scatter" and e.invars[0].aval.ndim == 5]
+        return sum(e.primitive.name == "while" for e in eqns), len(cache_writes)
+
+    assert ops() == (0, 0)
+    whiles, cache_writes = ops(limits=np.full(3, G, np.int32))
+    assert whiles > 0 and cache_writes == 2  # K and V, in the scan over layers
