@@ -16,7 +16,8 @@ much as that (the micro-batch and its width change the products' shapes and so t
 Per answer token (the answer mask) the result gives, for generation − training and for training − training: the
 mean, 99th percentile and max |difference|, the mean signed difference, and the share of tokens whose PPO ratio
 exp(difference) lies outside [1 − 0.2, 1 + 0.2] (the first epoch's clip, at identical weights); `gap_ratio` is
-generation's mean |difference| over training's. Written as JSON under --out (default bench/results/logprob-gap/).
+generation's mean |difference| over training's (None where the two training forwards agree exactly). Written as
+JSON under --out (default bench/results/logprob-gap/).
 """
 
 from __future__ import annotations
@@ -125,7 +126,8 @@ def measure(args, precision: str) -> dict:
         "answer_tokens": int(mask.sum()),
         "mean_logprob": float((scoring * mask).sum() / mask.sum()),
     }
-    out["gap_ratio"] = out["generation_vs_training"]["mean_abs"] / max(out["training_vs_training"]["mean_abs"], 1e-30)
+    train = out["training_vs_training"]["mean_abs"]  # 0 where both forwards round alike (None: no ratio)
+    out["gap_ratio"] = out["generation_vs_training"]["mean_abs"] / train if train else None
     return out
 
 
