@@ -252,7 +252,7 @@ def norm_input(key, B, D, dtype=jnp.float32):
 def test_the_fused_step_equals_normalise_rotate_write_attend(case):
     L, B, Hkv, G, S, K, dtype, rope, norm, D, bias, qk = STEP_CASES[case]
     ks = jax.random.split(jax.random.key(200 + case), 8)  # fresh inputs per case
-    # A folded LayerNorm's product comes in float32 (common.fused_decode_step): its mean part cancels
+    # A folded LayerNorm's product comes in float32 (common.SelfAttention._fused_step): its mean part cancels
     qkv = jax.random.normal(ks[0], (B, Hkv, G + 2, K), jnp.float32 if norm == "layer" else dtype)
     k, v = (jax.random.normal(key, (L, B, Hkv, S, K), dtype) for key in ks[1:3])
     start, slot, layer = jax.random.randint(ks[3], (B,), 0, S // 4), S // 2 + 3, L - 1
