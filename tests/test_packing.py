@@ -74,6 +74,30 @@ def test_the_plan_holds_every_sequence_once_and_whole_within_the_token_budget(bu
         EngineConfig(max_tokens_per_micro_batch=0)
 
 
+def test_the_mixture_batch_is_packed_in_its_accumulation_parts_a_slot_per_lm_target():
+    """packing.mixture_plan: part i holds rows i, i + parts, ... whole; every LM target (a loss_mask token after its
+    row's first real token) has one slot, scored from the column before it in its own sequence."""
+    rng = np.random.default_rng(3)
+    N, T = 12, 10
+    lengths = rng.integers(2, T + 1, N)
+    mask = (np.arange(T)[None, :] < lengths[:, None]).astype(np.int32)  # right-padded, as Step 1's batches
+    loss = mask * (rng.random((N, T)) < 0.7)
+    parts = packing.mixture_plan(mask, loss, 3, 2, 4)
+    assert len(parts) == 3
+    for i, m in enumerate(parts):
+        rows = np.unique(m.segment[m.segment < N])
+        assert list(rows) == list(range(i, N, 3)) and len(m.segment) % 2 == 0
+        assert max(len(set(r[r < N])) for r in m.segment) >= 2  # several sequences to a row
+        slots = m.slot[m.slot < N * T]
+        want = [b * T + t for b in rows for t in range(1, T) if loss[b, t] and mask[b, t]]
+        assert sorted(slots) == want
+        for r in range(len(m.segment)):
+            k = m.slot[r] < N * T
+            at = m.head_at[r][k]
+            np.testing.assert_array_equal(m.segment[r, at + 1] * T + m.column[r, at + 1], m.slot[r][k])
+            assert (m.segment[r, at] == m.segment[r, at + 1]).all()  # the head in the target's own sequence
+
+
 def hh_mask(B: int, P: int = 256, G: int = 256, seed: int = 0):
     """seq_mask [B, P + G] of B HH-RLHF (prompt, answer) length pairs drawn as tools/bench_ppo.py --lengths draws
     them (prompts over P dropped, answers capped at G)."""
@@ -197,7 +221,7 @@ def one_to_a_row(lengths, answers, order, W: int, A: int):
 @pytest.mark.slow
 def test_packed_gives_the_unpacked_experience_losses_and_updates(family, monkeypatch):
     """Two engines on 8 devices: one packs several sequences to a row in micro-batches of 12 tokens per device (8 rows
-    of 11; continuous batching in 8 decode slots), the other puts one sequence in a row, all in one micro-batch (a
+    of 12; continuous batching in 8 decode slots), the other puts one sequence in a row, all in one micro-batch (a
     slot per prompt). The same experience, then two PPO epochs with the mixture loss in two accumulated parts: the same
     losses, gradient norms and weights after each step (LoRA actor, FSDP)."""
     actor_cfg, critic_cfg = OPT if family == "opt" else (LLAMA, LLAMA)

@@ -400,14 +400,18 @@ class HybridEngine:
     def _micro_batches(self, exp: dict) -> list[packing.Micro]:
         """The packed micro-batches of an experience (packing.plan on its rows' real tokens; the same every time)."""
         seq_mask = np.asarray(to_host(exp["seq_mask"] != 0))  # whole on every process: one plan for all
-        P, budget = seq_mask.shape[1] - exp["mask"].shape[1], self.cfg.max_tokens_per_micro_batch
-        return packing.plan(seq_mask, P, budget, self.mesh.size, self.cfg.packed_width_multiple, seq_mask.shape[1])
+        T, multiple = seq_mask.shape[1], self.cfg.packed_width_multiple
+        # W a multiple of packed_width_multiple, even past the block's width T (cuDNN's attention with a bias, the
+        # segment mask, takes even widths only)
+        width = -(-T // multiple) * multiple
+        budget = self.cfg.max_tokens_per_micro_batch
+        return packing.plan(seq_mask, T - exp["mask"].shape[1], budget, self.mesh.size, multiple, width)
 
-    def _step(self, name: str, exp: dict, micro: list, unsup: dict | None):
+    def _step(self, name: str, exp: dict, micro: list, unsup: dict | None, parts: list):
         """One optimizer step of `name` over the experience's packed micro-batches (plus, for the actor, the mixture
-        batch `unsup`): gradients summed, divided once (rl/steps.py: step)."""
+        batch `unsup` in its packed parts): gradients summed, divided once (rl/steps.py: step)."""
         ema = self.state.get("ema") if name == "actor" else None
-        return steps.step(self.static, name, self.state[name], ema, exp, micro, unsup)
+        return steps.step(self.static, name, self.state[name], ema, exp, micro, unsup, parts)
 
     def train_rlhf(self, experience: dict, unsupervised: dict | None = None) -> dict:
         """One PPO step of the actor (plus the mixture LM loss on `unsupervised`, a Step 1-style batch) and one
@@ -420,11 +424,15 @@ class HybridEngine:
             unsup = place(unsupervised, self.mesh, "fsdp")
         exp, stats = self._timed("advantages", advantages, self.static.returns, exp, experience["kl_coef"])
         stats["kl_coef"] = experience["kl_coef"]
-        micro = self._micro_batches(exp)
+        micro, parts = self._micro_batches(exp), []
+        if unsup is not None:  # the mixture batch's gradient_accumulation_steps parts, each packed
+            masks = to_host({k: unsup[k] != 0 for k in ("attention_mask", "loss_mask")})
+            n, multiple = self.cfg.actor.optim.gradient_accumulation_steps, self.cfg.packed_width_multiple
+            parts = packing.mixture_plan(masks["attention_mask"], masks["loss_mask"], n, self.mesh.size, multiple)
         for name in self.trained:  # the actor (with the mixture batch), then the critic
             self._opt_to(name, "device")  # offloaded optimizer states are on the device for their own step only
             part = unsup if name == "actor" else None
-            self.state[name], ema, m = self._timed(f"{name}_step", self._step, name, exp, micro, part)
+            self.state[name], ema, m = self._timed(f"{name}_step", self._step, name, exp, micro, part, parts)
             if ema is not None:
                 self.state["ema"] = ema
             self._opt_to(name, "pinned_host")

@@ -67,9 +67,9 @@ def _rows(lengths, answers, order, W: int, A: int) -> list[list[int]]:
     return rows
 
 
-def _layout(rows: list[list[int]], real: list[np.ndarray], B: int, P: int, G: int, W: int, A: int) -> Micro:
+def _layout(rows: list[list[int]], real, targets, B: int, P: int, G: int, W: int, A: int) -> Micro:
     """The Micro of rows of sequences (lists of experience rows b; [] an empty row): each sequence's real columns
-    `real[b]` side by side from column 0, its answer tokens in the row's first slots."""
+    `real[b]` side by side from column 0, its target tokens (targets [B, T]) in the row's first slots."""
     n = len(rows)
     segment, column, position = np.full((n, W), B), np.zeros((n, W), np.int64), np.zeros((n, W), np.int64)
     head_at, slot = np.zeros((n, A), np.int64), np.full((n, A), B * G)
@@ -79,7 +79,7 @@ def _layout(rows: list[list[int]], real: list[np.ndarray], B: int, P: int, G: in
             cols = real[b]
             segment[r, at : at + len(cols)], column[r, at : at + len(cols)] = b, cols
             position[r, at : at + len(cols)] = np.arange(len(cols))
-            answer = np.flatnonzero(cols >= P)  # the answer's tokens; the head one column earlier scores each
+            answer = np.flatnonzero(targets[b, cols])  # the answer's tokens; the head one column earlier scores each
             head_at[r, k : k + len(answer)] = np.maximum(at + answer - 1, 0)
             slot[r, k : k + len(answer)] = b * G + cols[answer] - P
             at, k = at + len(cols), k + len(answer)
@@ -94,14 +94,21 @@ def rounded(rows: int) -> int:
 
 
 def plan(
-    seq_mask, prompt_len: int, budget: int, devices: int, multiple: int = 64, max_width: int | None = None
+    seq_mask,
+    prompt_len: int,
+    budget: int,
+    devices: int,
+    multiple: int = 64,
+    max_width: int | None = None,
+    targets=None,
 ) -> list[Micro]:
     """Micro-batches over the rows of a padded experience's seq_mask [B, P + G] (host; P = prompt_len). One width W
     for all, the longest sequence rounded up to `multiple` (at most `max_width` and the budget); the sequences packed
     first-fit decreasing into rows of W tokens and A answer tokens (A: the longest answer rounded up to a power of two,
     at least MIN_SLOTS, at most W: the LM head runs on A positions of a row); n = (budget // W) x devices rows to a
     micro-batch (a whole number per device), the last one with `rounded` rows per device, the fewest that hold what is
-    left. Every sequence is in exactly one micro-batch, whole."""
+    left. Every sequence is in exactly one micro-batch, whole. `targets` [B, T] (default: the answers' real tokens,
+    columns P on) are the tokens that get a slot: the mixture batch's LM targets (P = 0, G = T)."""
     mask = np.asarray(seq_mask) != 0
     B, T = mask.shape
     lengths = mask.sum(1)
@@ -109,14 +116,32 @@ def plan(
     if lengths.max(initial=0) > budget:
         raise ValueError(f"a sequence of {lengths.max()} tokens is longer than max_tokens_per_micro_batch {budget}")
     W = min(-(-max(int(lengths.max(initial=1)), 1) // multiple) * multiple, max_width, budget)
-    answers = mask[:, prompt_len:].sum(1)
+    targets = mask & (np.arange(T) >= prompt_len) if targets is None else np.asarray(targets) != 0
+    answers = targets.sum(1)
     A = min(max(MIN_SLOTS, 1 << int(np.ceil(np.log2(max(answers.max(initial=1), 1))))), W)
     rows = _rows(lengths, answers, np.argsort(-lengths, kind="stable"), W, A)
     real, n, out = [np.flatnonzero(m) for m in mask], max(budget // W, 1) * devices, []
     for i in range(0, len(rows), n):
         part = rows[i : i + n]
         size = min(n, devices * rounded(-(-len(part) // devices)))  # the last: fewer rows, a handful of shapes
-        out.append(_layout(part + [[]] * (size - len(part)), real, B, prompt_len, T - prompt_len, W, A))
+        out.append(_layout(part + [[]] * (size - len(part)), real, targets, B, prompt_len, T - prompt_len, W, A))
+    return out
+
+
+def mixture_plan(attention_mask, loss_mask, parts: int, devices: int, multiple: int = 64) -> list[Micro]:
+    """The mixture batch's (a Step 1 batch: attention_mask, loss_mask [N, T], host) `parts` parts, rows i, i + parts,
+    ... (gradient_accumulation_steps), each one micro-batch with its sequences packed as the experience's (plan); a
+    slot per LM target (a loss_mask token after its sequence's first real token), b T + t."""
+    mask, loss = np.asarray(attention_mask) != 0, np.asarray(loss_mask) != 0
+    N, T = mask.shape
+    targets = mask & loss
+    targets[np.arange(N), np.argmax(mask, axis=1)] = False  # a sequence's first token is no target
+    out = []
+    for i in range(parts):
+        part = np.zeros_like(mask)
+        part[i::parts] = mask[i::parts]  # the other rows empty: in no row, no slot
+        width = -(-T // multiple) * multiple
+        out += plan(part, 0, max(N * width, 1), devices, multiple, width, targets & part)
     return out
 
 

@@ -4,7 +4,7 @@ clipped value step, each over packed micro-batches accumulated one at a time.
     step(s, name, state, ema, exp, micro, unsup)        one optimizer step (HybridEngine.train_rlhf calls it)
         acc = zero_accumulator(loss, state, exp, micro, mixture)       an optim.Accumulator of zeros
         acc = accumulate(loss, state, acc, exp, micro, i)              each packed micro-batch of the answers
-        acc = accumulate_mixture(mixture, state, acc, mask, unsup, rows, i)   the actor's mixture batch, in parts
+        acc = accumulate_mixture(mixture, state, acc, mask, unsup, micro, i)  each packed part of the mixture batch
         state, ema, metrics = apply(update, state, ema, acc)           divided once, the optimizer, the EMA
 
 Each program is module-level and jitted with a static key of what it reads (ActorLoss, CriticLoss, MixtureLoss,
@@ -23,12 +23,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxrlhf import hooks
 from jaxrlhf.lora import LoRAConfig
-from jaxrlhf.losses import lm_loss, lm_targets
-from jaxrlhf.models import next_token_logprobs
+from jaxrlhf.losses import lm_targets
 from jaxrlhf.optim import (
     Accumulator,
     apply_gradients,
@@ -39,7 +37,7 @@ from jaxrlhf.optim import (
     zero_gradients,
 )
 from jaxrlhf.rl import losses, packing
-from jaxrlhf.rl.experience import Static, answer_logprobs, answer_values, fsdp_layout, packed_rows, row_layout
+from jaxrlhf.rl.experience import Static, answer_logprobs, answer_values, fsdp_layout, packed_rows
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -110,7 +108,8 @@ class CriticLoss:
 @dataclasses.dataclass(frozen=True)
 class MixtureLoss:
     """DeepSpeed-Chat's mixture training, here in the actor's same step (README: where we differ): unsup_coef times
-    the LM loss's sum on rows of the unsupervised batch, weighted by `weight` (mixture_weight); its count is 0 (the
+    the LM loss's sum on a packed part of the unsupervised batch (its slots: the LM targets, packing.mixture_plan),
+    weighted by `weight` (mixture_weight); its count is 0 (the
     step divides by the answers' count alone)."""
 
     model: Any  # the actor's model config
@@ -121,9 +120,10 @@ class MixtureLoss:
     aggregation: str  # the policy loss's (its count is the mixture's weight's numerator)
 
     def __call__(self, params, mb, key, weight):
-        kw = dict(chunk=self.chunk, dropout_rng=key)
-        lp = next_token_logprobs(self.model, params, mb["input_ids"], mb["attention_mask"], **kw)
-        lm = lm_loss(lp, mb["loss_mask"])[0] * weight
+        packed = mb["packed"]
+        lp = answer_logprobs(self.model, params, packed, key, temperature=1.0, chunk=self.chunk)
+        targets = packed["slot"] < mb["loss_mask"].size  # the filled slots
+        lm = -jnp.sum(jnp.where(targets, lp, 0.0)) * weight
         return self.unsup_coef * lm, jnp.zeros((), jnp.float32), {"unsup_loss": lm}
 
 
@@ -161,19 +161,17 @@ def programs(s: Static, name: str) -> tuple[ActorLoss | CriticLoss, MixtureLoss 
     return loss, mixture, update
 
 
-def step(s: Static, name: str, state, ema, exp: dict, micro: list, unsup: dict | None = None):
+def step(s: Static, name: str, state, ema, exp: dict, micro: list, unsup: dict | None = None, parts=()):
     """One optimizer step of `name` over the experience's packed micro-batches `micro` (packing.Micro each: plan)
-    and, for the actor, the mixture batch `unsup` in gradient_accumulation_steps parts (rows i, i + n, ...: each part
-    splits over the devices, ppo.check): gradients summed, divided once -> (state, ema, metrics)."""
+    and, for the actor, the mixture batch `unsup` in its packed parts `parts` (packing.mixture_plan: rows i, i + n,
+    ... of gradient_accumulation_steps n): gradients summed, divided once -> (state, ema, metrics)."""
     loss, mixture, update = programs(s, name)
     acc = zero_accumulator(loss, state, exp, micro[0], unsup is not None)
     for i, m in enumerate(micro):
         acc = accumulate(loss, state, acc, exp, m, i)
     if unsup is not None:
-        n, N = s.side(name).optim.gradient_accumulation_steps, len(unsup["input_ids"])
-        for i in range(n):
-            rows = np.arange(i, N, n, dtype=np.int32)
-            acc = accumulate_mixture(mixture, state, acc, exp["mask"], unsup, rows, len(micro) + i)
+        for i, m in enumerate(parts):
+            acc = accumulate_mixture(mixture, state, acc, exp["mask"], unsup, m, len(micro) + i)
     return apply(update, state, ema, acc)
 
 
@@ -210,11 +208,13 @@ def mixture_weight(loss: MixtureLoss, mask, loss_mask):
 
 @hooks.program  # seen by jaxrlhf.plan.measure
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def accumulate_mixture(loss: MixtureLoss, state, acc: Accumulator, mask, unsup, rows, index) -> Accumulator:
-    """`acc` plus rows `rows` of the mixture batch `unsup` (a Step 1 batch [N, T]); `mask` [B, G]: the experience's
+def accumulate_mixture(loss: MixtureLoss, state, acc: Accumulator, mask, unsup, micro, index) -> Accumulator:
+    """`acc` plus the packed part `micro` of the mixture batch `unsup` (a Step 1 batch [N, T]: packing.mixture_plan);
+    `mask` [B, G]: the experience's
     loss mask, whose count weighs the LM loss (mixture_weight); `index`: the micro-batch's number in the step."""
     weight = mixture_weight(loss, mask, unsup["loss_mask"])
-    mb = row_layout(jax.tree.map(lambda x: x[rows], unsup), loss.mesh)
+    lm = {"seq": unsup["input_ids"], "seq_mask": unsup["attention_mask"], "mask": unsup["loss_mask"]}
+    mb = {"loss_mask": unsup["loss_mask"], "packed": packed_rows(loss.mesh, lm, micro)}
     key = jax.random.fold_in(step_keys(state), index)
     more = micro_gradients(functools.partial(loss, weight=weight), loss.lora, state, mb, key)
     acc = _add(acc, more)
