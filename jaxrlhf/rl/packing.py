@@ -140,7 +140,7 @@ def mixture_plan(attention_mask, loss_mask, parts: int, devices: int, multiple: 
     for i in range(parts):
         part = np.zeros_like(mask)
         part[i::parts] = mask[i::parts]  # the other rows empty: in no row, no slot
-        width = -(-T // multiple) * multiple
+        width = T + T % 2  # even: cuDNN's attention with the segment mask takes even widths only
         out += plan(part, 0, max(N * width, 1), devices, multiple, width, targets & part)
     return out
 
