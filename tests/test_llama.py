@@ -285,10 +285,9 @@ def test_the_decode_step_runs_the_kernels_chosen_once(caplog, monkeypatch):
     attention step and the SwiGLU kernel in every layer; with an interleaved rotary embedding (the kernel rotates
     rotate-half pairs) or MLP biases that kernel is off, said once in the log, and the layers run the unfused path."""
     from helpers import kernel_calls
-    from jaxrlhf import models
-    from jaxrlhf.models import generation_modes, init_cache, logits_with_cache
+    from jaxrlhf.models import common, generation_modes, init_cache, logits_with_cache
 
-    monkeypatch.setattr(models, "_TOLD", set())  # what this process said already (another test may have)
+    monkeypatch.setattr(common, "_TOLD", set())  # what this process said already (another test may have)
 
     base = LlamaConfig(**GQA_UNTIED, backend=Backend(decode_attention="pallas", interpret=True))
     B, S, L = 2, 64, base.num_hidden_layers

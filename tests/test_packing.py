@@ -296,3 +296,22 @@ def test_cudnn_attention_over_packed_rows_equals_xla_and_is_taken():
     np.testing.assert_allclose(a, b, rtol=2e-2)
     for x, y in zip(ga, gb):
         np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y), atol=0.1, rtol=5e-2)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="needs a backend without cuDNN")
+def test_attention_cudnn_refuses_is_said_once_and_gives_xla_s_values(caplog, monkeypatch):
+    """Where cuDNN's flash attention is refused (here: no cuDNN), causal_attention says so once per process, naming
+    the shapes and the reason, and computes XLA's masked attention instead: the same values."""
+    from jaxrlhf.models import common
+
+    monkeypatch.setattr(common, "_TOLD", set())
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 16, 4, 8)), jnp.bfloat16) for _ in range(3))
+    segment_ids = jnp.asarray(np.repeat([[0] * 5 + [1] * 11], 2, 0))
+    with caplog.at_level("WARNING", logger="jaxrlhf.models"):
+        outs = [common.causal_attention(q, k, v, "cudnn", segment_ids) for _ in range(2)]
+    told = [r.getMessage() for r in caplog.records]
+    assert len(told) == 1 and "cuDNN" in told[0] and "(2, 16, 4, 8)" in told[0] and "XLA" in told[0]
+    want = common.causal_attention(q, k, v, "xla", segment_ids)
+    for out in outs:
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))

@@ -17,7 +17,6 @@ start-up; default plain XLA); which decode kernels a generation runs is chosen o
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -211,9 +210,6 @@ def decode_kernels(
     return DecodeKernels(attention, fused, matmul, swiglu, tuple(off))
 
 
-_TOLD = set()  # the kernel choices logged already (each once per process)
-
-
 def generation_modes(config, params, *, mesh=None, batch: int, slots: int) -> tuple[Mode, Mode]:
     """The Modes of a generation's prefill and decode steps with `params` (either layout; LoRA attached or not) over
     `batch` slots and a cache of `slots` slots on `mesh`: the layout and LoRA read from the tree once here, the decode
@@ -221,9 +217,7 @@ def generation_modes(config, params, *, mesh=None, batch: int, slots: int) -> tu
     layout, lora = in_decode_layout(params), lora_attached(params)
     kernels = decode_kernels(config, mesh=mesh, batch=batch, slots=slots, layout=layout, lora=lora)
     for why in kernels.off:
-        if why not in _TOLD:
-            _TOLD.add(why)
-            logging.getLogger(__name__).warning("decode kernels: %s", why)
+        common.tell_once(f"decode kernels: {why}")
     return Mode("prefill", layout, mesh, lora), Mode("decode", layout, mesh, lora, kernels)
 
 

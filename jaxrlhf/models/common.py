@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Any
 
 import flax.linen as nn
@@ -169,6 +170,16 @@ def check_config(config, sizes: tuple, **rules: str) -> None:
 # ------------------------------------------------------------------------------------------- attention
 
 
+_TOLD = set()  # what tell_once has said in this process
+
+
+def tell_once(why: str) -> None:
+    """Log `why` (a kernel the models leave off, and why) once per process, as a WARNING of jaxrlhf.models."""
+    if why not in _TOLD:
+        _TOLD.add(why)
+        logging.getLogger("jaxrlhf.models").warning("%s", why)
+
+
 def segment_mask(segment_ids):
     """[B, 1, T, T]: token t may attend to token s of its row only within its own segment (None: no segments)."""
     return None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
@@ -187,8 +198,11 @@ def causal_attention(q, k, v, implementation: str = "xla", segment_ids=None):
         try:
             mask = segment_mask(segment_ids)
             return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=1.0, is_causal=True, implementation="cudnn")
-        except (ValueError, NotImplementedError, RuntimeError):  # a shape or dtype cuDNN does not take
-            pass
+        except (ValueError, NotImplementedError, RuntimeError) as refused:  # a shape or dtype cuDNN does not take
+            tell_once(
+                f"cuDNN's flash attention refused q {q.shape} {q.dtype.name}, k {k.shape}: XLA's attention "
+                f"instead, its [B, H, T, T] scores in memory ({type(refused).__name__}: {refused})"
+            )
     return jax.nn.dot_product_attention(
         q, k, v, mask=segment_mask(segment_ids), scale=1.0, is_causal=True, implementation="xla"
     )
