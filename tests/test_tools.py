@@ -13,6 +13,17 @@ from jaxrlhf import make_mesh, reshard
 from tools import common
 from tools.bench_reshard import bytes_per_device, received_bytes
 
+# An OPT preset small enough for a whole benchmark run in a test (the tools' --actor opt-tiny)
+TINY_OPT = dict(
+    num_hidden_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    ffn_dim=64,
+    word_embed_proj_dim=32,
+    vocab_size=128,
+    max_position_embeddings=64,
+)
+
 
 def test_received_bytes_counts_what_device_0_lacks():
     tree = {"decoder": {"embed_tokens": {"embedding": np.ones((64, 32), np.float32)}}}
@@ -368,15 +379,7 @@ def test_bench_ppo_grpo_counts_answers_and_records_the_algorithm(tmp_path, monke
     from jaxrlhf.models import opt
     from tools import bench_ppo as bench
 
-    tiny = dict(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        ffn_dim=64,
-        word_embed_proj_dim=32,
-        vocab_size=128,
-        max_position_embeddings=64,
-    )
+    tiny = TINY_OPT
     monkeypatch.setitem(opt.PRESETS, "opt-tiny", tiny)
     monkeypatch.setitem(bench.PRESETS, "opt-tiny", tiny)
     lengths = tmp_path / "lengths.json"
@@ -459,15 +462,7 @@ def test_logprob_gap_compares_generation_and_two_training_forwards_per_answer_to
     got = bench.gap(np.array([[0.0, 0.1], [0.3, 9.0]]), np.zeros((2, 2)), np.array([[1, 1], [1, 0]]))
     assert got["tokens"] == 3 and got["max_abs"] == pytest.approx(0.3) and got["mean"] == pytest.approx(0.4 / 3)
     assert got["mean_abs"] == pytest.approx(0.4 / 3) and got["outside_clip"] == pytest.approx(1 / 3)  # e^0.3 - 1 > 0.2
-    tiny = dict(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        ffn_dim=64,
-        word_embed_proj_dim=32,
-        vocab_size=128,
-        max_position_embeddings=64,
-    )
+    tiny = TINY_OPT
     monkeypatch.setitem(opt.PRESETS, "opt-tiny", tiny)
     lengths = tmp_path / "lengths.json"
     lengths.write_text(json.dumps({"pairs": [[5, 3], [7, 2], [4, 6], [2, 1], [6, 5]]}))

@@ -66,16 +66,6 @@ MODELS = {
         num_key_value_heads=2,
         max_position_embeddings=64,
     ),
-    "llama_interleaved": LlamaConfig(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rope_interleaved=True,
-    ),
     "qwen3": QwenConfig(
         model_type="qwen3",
         vocab_size=64,
@@ -92,6 +82,7 @@ MODELS = {
         eos_token_id=2,
     ),
 }
+MODELS["llama_interleaved"] = dataclasses.replace(MODELS["llama"], rope_interleaved=True)
 
 _OP = re.compile(r"([\w\-]+)\(")
 
