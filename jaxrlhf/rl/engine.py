@@ -401,11 +401,8 @@ class HybridEngine:
         """The packed micro-batches of an experience (packing.plan on its rows' real tokens; the same every time)."""
         seq_mask = np.asarray(to_host(exp["seq_mask"] != 0))  # whole on every process: one plan for all
         T, multiple = seq_mask.shape[1], self.cfg.packed_width_multiple
-        # W at most the block's width T, rounded up to an even one (cuDNN's attention with a bias, the segment mask,
-        # takes even widths only)
-        width = T + T % 2
         budget = self.cfg.max_tokens_per_micro_batch
-        return packing.plan(seq_mask, T - exp["mask"].shape[1], budget, self.mesh.size, multiple, width)
+        return packing.plan(seq_mask, T - exp["mask"].shape[1], budget, self.mesh.size, multiple, max_width=T)
 
     def _step(self, name: str, exp: dict, micro: list, unsup: dict | None, parts: list):
         """One optimizer step of `name` over the experience's packed micro-batches (plus, for the actor, the mixture

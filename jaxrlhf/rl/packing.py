@@ -103,12 +103,13 @@ def plan(
     targets=None,
 ) -> list[Micro]:
     """Micro-batches over the rows of a padded experience's seq_mask [B, P + G] (host; P = prompt_len). One width W
-    for all, the longest sequence rounded up to `multiple` (at most `max_width` and the budget); the sequences packed
-    first-fit decreasing into rows of W tokens and A answer tokens (A: the longest answer rounded up to a power of two,
-    at least MIN_SLOTS, at most W: the LM head runs on A positions of a row); n = (budget // W) x devices rows to a
-    micro-batch (a whole number per device), the last one with `rounded` rows per device, the fewest that hold what is
-    left. Every sequence is in exactly one micro-batch, whole. `targets` [B, T] (default: the answers' real tokens,
-    columns P on) are the tokens that get a slot: the mixture batch's LM targets (P = 0, G = T)."""
+    for all, the longest sequence rounded up to `multiple` (at most `max_width` and the budget), then to an even width;
+    the sequences packed first-fit decreasing into rows of W tokens and A answer tokens (A: the longest answer rounded
+    up to a power of two, at least MIN_SLOTS, at most W: the LM head runs on A positions of a row); n = (budget // W) x
+    devices rows to a micro-batch (a whole number per device), the last one with `rounded` rows per device, the fewest
+    that hold what is left. Every sequence is in exactly one micro-batch, whole. `targets` [B, T] (default: the
+    answers' real tokens, columns P on) are the tokens that get a slot: the mixture batch's LM targets (P = 0,
+    G = T)."""
     mask = np.asarray(seq_mask) != 0
     B, T = mask.shape
     lengths = mask.sum(1)
@@ -116,6 +117,7 @@ def plan(
     if lengths.max(initial=0) > budget:
         raise ValueError(f"a sequence of {lengths.max()} tokens is longer than max_tokens_per_micro_batch {budget}")
     W = min(-(-max(int(lengths.max(initial=1)), 1) // multiple) * multiple, max_width, budget)
+    W += W % 2  # even: cuDNN's attention with a bias (the segment mask) takes even widths only
     targets = mask & (np.arange(T) >= prompt_len) if targets is None else np.asarray(targets) != 0
     answers = targets.sum(1)
     A = min(max(MIN_SLOTS, 1 << int(np.ceil(np.log2(max(answers.max(initial=1), 1))))), W)
@@ -140,8 +142,7 @@ def mixture_plan(attention_mask, loss_mask, parts: int, devices: int, multiple: 
     for i in range(parts):
         part = np.zeros_like(mask)
         part[i::parts] = mask[i::parts]  # the other rows empty: in no row, no slot
-        width = T + T % 2  # even: cuDNN's attention with the segment mask takes even widths only
-        out += plan(part, 0, max(N * width, 1), devices, multiple, width, targets & part)
+        out += plan(part, 0, N * (T + 1), devices, multiple, T, targets & part)  # (room for all N at an even W)
     return out
 
 
