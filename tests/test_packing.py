@@ -45,7 +45,7 @@ def test_the_plan_holds_every_sequence_once_and_whole_within_the_token_budget(bu
     micro = packing.plan(mask, P, budget, devices, multiple)
     W = micro[0].width
     longest = min(-(-lengths.max() // multiple) * multiple, lengths.max(), budget)
-    assert W == longest + longest % 2  # one width, the longest's, even (cuDNN's attention with a bias)
+    assert longest + longest % 2 == W  # one width, the longest's, even (cuDNN's attention with a bias)
     seen = np.concatenate([np.unique(m.segment[m.segment < B]) for m in micro])
     assert sorted(seen) == list(range(B))  # each sequence in one micro-batch
     for m in micro:
