@@ -46,6 +46,9 @@ def test_the_plan_holds_every_sequence_once_and_whole_within_the_token_budget(bu
     W = micro[0].width
     longest = min(-(-lengths.max() // multiple) * multiple, lengths.max(), budget)
     assert longest + longest % 2 == W  # one width, the longest's, even (cuDNN's attention with a bias)
+    rows = sum(len({*r} - {B}) > 0 for m in micro for r in m.segment)  # the rows that hold a sequence
+    n = budget // W * devices  # the most rows a micro-batch may have
+    assert len(micro) == -(-rows // n) and len({m.segment.shape for m in micro}) == 1  # the fewest, one shape
     seen = np.concatenate([np.unique(m.segment[m.segment < B]) for m in micro])
     assert sorted(seen) == list(range(B))  # each sequence in one micro-batch
     for m in micro:

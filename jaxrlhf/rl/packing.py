@@ -22,8 +22,8 @@ whatever shares its row. `to_answers` scatters the slots' results back to the an
 the whole batch's [B, G] arrays with the mask of the micro-batch's answers (`members`), so a sequence-level quantity
 (GSPO's ratio, the per-answer means) is the answer's own, and the losses, sums over answer tokens divided once by the
 whole batch's count, give the same totals and gradients however the batch is cut (tests/test_packing.py). W is a
-multiple of `multiple`, A a power of two and the last micro-batch's rows per device `rounded`: a handful of shapes,
-each compiled once.
+multiple of `multiple`, A a power of two and the rows per device `rounded`, the same in every micro-batch of a batch:
+one shape a batch (one program each for scoring and both training steps), a handful over a run, each compiled once.
 """
 
 from __future__ import annotations
@@ -87,9 +87,9 @@ def _layout(rows: list[list[int]], real, targets, B: int, P: int, G: int, W: int
 
 
 def rounded(rows: int) -> int:
-    """rows rounded up to m 2^e with m in 8 .. 15 (four significant bits: 1 .. 16, 18, 20, ..., 32, 36, ...): the
-    last micro-batch's rows per device, at most an eighth more than it needs, eight shapes an octave."""
-    e = max(rows.bit_length() - 4, 0)
+    """rows rounded up to m 2^e with m in 16 .. 31 (five significant bits: 1 .. 32, 34, 36, ..., 64, 68, ...): a
+    micro-batch's rows per device, at most a sixteenth more than it needs, sixteen shapes an octave."""
+    e = max(rows.bit_length() - 5, 0)
     return -(-rows // (1 << e)) * (1 << e)
 
 
@@ -105,9 +105,10 @@ def plan(
     """Micro-batches over the rows of a padded experience's seq_mask [B, P + G] (host; P = prompt_len). One width W
     for all, the longest sequence rounded up to `multiple` (at most `max_width` and the budget), then to an even width;
     the sequences packed first-fit decreasing into rows of W tokens and A answer tokens (A: the longest answer rounded
-    up to a power of two, at least MIN_SLOTS, at most W: the LM head runs on A positions of a row); n = (budget // W) x
-    devices rows to a micro-batch (a whole number per device), the last one with `rounded` rows per device, the fewest
-    that hold what is left. Every sequence is in exactly one micro-batch, whole. `targets` [B, T] (default: the
+    up to a power of two, at least MIN_SLOTS, at most W: the LM head runs on A positions of a row); the fewest
+    micro-batches of at most (budget // W) x devices rows (a whole number per device), all of the same rows, the rows
+    shared evenly and `rounded` per device (the last one's empty rows fill it). Every sequence is in exactly one
+    micro-batch, whole. `targets` [B, T] (default: the
     answers' real tokens, columns P on) are the tokens that get a slot: the mixture batch's LM targets (P = 0,
     G = T)."""
     mask = np.asarray(seq_mask) != 0
@@ -122,12 +123,14 @@ def plan(
     answers = targets.sum(1)
     A = min(max(MIN_SLOTS, 1 << int(np.ceil(np.log2(max(answers.max(initial=1), 1))))), W)
     rows = _rows(lengths, answers, np.argsort(-lengths, kind="stable"), W, A)
-    real, n, out = [np.flatnonzero(m) for m in mask], max(budget // W, 1) * devices, []
-    for i in range(0, len(rows), n):
-        part = rows[i : i + n]
-        size = min(n, devices * rounded(-(-len(part) // devices)))  # the last: fewer rows, a handful of shapes
-        out.append(_layout(part + [[]] * (size - len(part)), real, targets, B, prompt_len, T - prompt_len, W, A))
-    return out
+    n = max(budget // W, 1) * devices  # the most rows a micro-batch holds
+    parts = max(-(-len(rows) // n), 1)  # the fewest micro-batches, the rows shared evenly: one shape for all of them
+    size = min(n, devices * rounded(-(-len(rows) // (parts * devices))))
+    real = [np.flatnonzero(m) for m in mask]
+    return [
+        _layout(part + [[]] * (size - len(part)), real, targets, B, prompt_len, T - prompt_len, W, A)
+        for part in (rows[i : i + size] for i in range(0, len(rows), size))
+    ]
 
 
 def mixture_plan(attention_mask, loss_mask, parts: int, devices: int, multiple: int = 64) -> list[Micro]:
