@@ -450,6 +450,10 @@ def test_bench_ppo_grpo_counts_answers_and_records_the_algorithm(tmp_path, monke
     assert g["ours_fp32"]["phases_s"]["critic_step"] == 0 and p["ours_fp32"]["phases_s"]["critic_step"] > 0
     assert "torch_hf_pure_bf16" not in p
     assert g["effective_flops"] < p["effective_flops"]  # no critic forward or update
+    compiled = g["ours_fp32"]["first_iteration_compiles"]  # the process's first engine: its programs were compiled
+    assert compiled["programs"] >= sum(n for n, _ in compiled["by_function"].values()) > 0
+    assert {"jit(_generate)", "jit(accumulate)"} <= set(compiled["by_function"]), compiled
+    assert g["ours_fp32"]["later_compiles"] == p["ours_fp32"]["later_compiles"] == 0  # timed iterations compile nothing
 
 
 def test_logprob_gap_compares_generation_and_two_training_forwards_per_answer_token(tmp_path, monkeypatch):

@@ -36,7 +36,9 @@ actor step, ...: common.kernel_totals splits them by the engine's marks).
 `--compile-cache DIR` keeps the compiled programs in DIR (jaxrlhf.compile_cache; off by default, so iteration
 figures never depend on an earlier run): the first invocation with a new DIR is a cold start, the same command again
 a warm one. Every run records time_to_first_iteration_s (the imports, its weights, the engine, compilation and one
-iteration: what a user's start pays; the first run of the process is the one to read) beside first_iteration_s.
+iteration: what a user's start pays; the first run of the process is the one to read) beside first_iteration_s, and
+first_iteration_compiles: the programs XLA compiled to there, their seconds and the costliest functions (a warm start
+compiles none of the cached ones); later_compiles counts the programs the timed iterations still compiled (0: none).
 On several GPUs the mesh spans every visible device (pick them with CUDA_VISIBLE_DEVICES for a scaling curve);
 the JSON holds samples/s per GPU and the hours DeepSpeed-Chat's 264,292-sample Step 3 benchmark would take.
 
@@ -165,6 +167,7 @@ def per_answer_limits():
 def ours(args, actor: str, critic: str, B: int, precision: str, lora: int, algorithm: str = "ppo", n: int = 1) -> dict:
     """One Step 3 iteration of the engine on B answers (B / n prompts, n answers each)."""
     entered = time.perf_counter()  # time to the first iteration: IMPORT_S, the weights, the engine, one iteration
+    compiled = len(common.COMPILES)
     mesh = make_mesh(args.tp)
     dtype = jnp.float32 if precision in ("bf16", "fp32") else jnp.bfloat16
     compute = "float32" if precision == "fp32" else "bfloat16"
@@ -242,6 +245,7 @@ def ours(args, actor: str, critic: str, B: int, precision: str, lora: int, algor
             else:
                 first = time.perf_counter() - started
                 to_first = IMPORT_S + time.perf_counter() - entered
+                first_compiles = common.compiles_since(compiled)
         t = statistics.median(times)
         profile = {}
         if args.profile:  # the kernels of one more iteration by device time, per phase (HybridEngine marks them)
@@ -262,6 +266,8 @@ def ours(args, actor: str, critic: str, B: int, precision: str, lora: int, algor
         "first_iteration_s": first,
         # a process's start to its first iteration (a user's start: the imports, weights, engine, compilation)
         "time_to_first_iteration_s": to_first,
+        "first_iteration_compiles": first_compiles,  # XLA's compiles to there (none for programs the cache held)
+        "later_compiles": common.compiles_since(compiled)["programs"] - first_compiles["programs"],  # new shapes
         "samples_per_s": B / t,
         "samples_per_s_per_gpu": B / t / mesh.size,
         "real_tokens_per_s": real / t,

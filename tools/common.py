@@ -133,6 +133,33 @@ def read_bandwidth(size: int = 2**31, reads: int = 16) -> float:
     return reads * a.nbytes / t["median_s"]
 
 
+COMPILES: list[tuple[str, float]] = []  # (function, seconds) of each program XLA compiled in this process
+
+
+def _on_duration(event: str, seconds: float, **labels) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":  # not sent for a program read from the compile cache
+        COMPILES.append((labels.get("fun_name", "?"), seconds))
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+def compiles_since(mark: int, top: int = 12) -> dict:
+    """The programs compiled since COMPILES[mark] (mark: len(COMPILES) earlier): how many, their seconds, and the
+    `top` functions by seconds ({name: [programs, seconds]}): where a cold start's compilation goes."""
+    by: dict[str, list] = {}
+    for name, seconds in COMPILES[mark:]:
+        entry = by.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += seconds
+    ranked = sorted(by.items(), key=lambda kv: -kv[1][1])[:top]
+    return {
+        "programs": len(COMPILES) - mark,
+        "seconds": round(sum(s for _, s in COMPILES[mark:]), 2),
+        "by_function": {name: [n, round(s, 2)] for name, (n, s) in ranked},
+    }
+
+
 def peak_bytes() -> int | None:
     """Peak device memory of device 0 since the process started (None where not reported, e.g. CPU)."""
     stats = jax.devices()[0].memory_stats() or {}
