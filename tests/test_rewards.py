@@ -45,9 +45,8 @@ def user_module(tmp_path, monkeypatch):
         "missing_lib.requires = (('no_such_library_x', 'jaxrlhf[math]'),)\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(
-        sys.modules, "my_rewards", raising=False
-    )  # another test's `my_rewards` (the docs' own) may be loaded
+    # another test's `my_rewards` (the docs' own, tests/test_readme.py) may be loaded in this process
+    monkeypatch.delitem(sys.modules, "my_rewards", raising=False)
     yield importlib.import_module("my_rewards")
     sys.modules.pop("my_rewards", None)
 
