@@ -98,6 +98,14 @@ def config_from_hf(hf: dict, source: str = "config.json", **overrides):
         if not fields["eos_token_id"]:
             raise CheckpointError(f"{source}: eos_token_id is an empty list; expected a token id (or a list of them)")
         fields["eos_token_id"] = fields["eos_token_id"][0]
+    vocab = fields.get("vocab_size", CONFIGS[model_type].vocab_size)
+    for key in ("pad_token_id", "bos_token_id"):  # null or absent, the family's default outside a smaller vocabulary
+        if (
+            key not in fields
+            and isinstance(fields.get("eos_token_id"), int)
+            and getattr(CONFIGS[model_type], key) >= vocab
+        ):
+            fields[key] = fields["eos_token_id"]  # the EOS, as transformers pads with it (a small Qwen made by a user)
     if model_type == "opt":
         fields.setdefault("word_embed_proj_dim", fields.get("hidden_size", OPTConfig.hidden_size))
     else:

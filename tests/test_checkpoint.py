@@ -274,6 +274,21 @@ def test_config_json_encoding_and_old_llama_padding(tiny, tmp_path):
     assert (config.pad_token_id, config.eos_token_id) == (0, 2)
 
 
+def test_token_ids_left_null_in_a_small_vocabulary_become_the_eos():
+    """transformers writes `"bos_token_id": null` for a Qwen2Config made without one: the family's default (151643)
+    is outside a smaller vocabulary, so a null BOS or padding id is the EOS (transformers pads with it); a model of
+    the full vocabulary keeps the family's defaults."""
+    from jaxrlhf.checkpoint import config_from_hf
+
+    small = dict(model_type="qwen2", vocab_size=300, hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
+    config = config_from_hf({**small, "bos_token_id": None, "eos_token_id": 299})
+    assert (config.bos_token_id, config.pad_token_id, config.eos_token_id) == (299, 299, 299)
+    config = config_from_hf({**small, "vocab_size": 151936, "bos_token_id": None, "eos_token_id": 151645})
+    assert (config.bos_token_id, config.pad_token_id, config.eos_token_id) == (151643, 151643, 151645)
+    with pytest.raises(CheckpointError, match=r"bos_token_id: expected \[0, 300\), got 400"):  # a wrong id stays one
+        config_from_hf({**small, "bos_token_id": 400, "eos_token_id": 299})
+
+
 @pytest.mark.parametrize(
     "index, message",
     [
