@@ -101,7 +101,8 @@ def summarise(sums) -> dict:
 def run(cfg: DPOConfig, log=print, mesh=None) -> dict:
     """DPO (see trainer.train); returns the final state, the logged records and the model folder."""
     reference = partial(reference_logprobs, chunk=cfg.logits_chunk)
-    return train(cfg, 2, partial(dpo_loss_fn, cfg=cfg), summarise, log=log, mesh=mesh, reference=reference)
+    loss = partial(dpo_loss_fn, cfg=cfg)  # on Step 2's preference data
+    return train(cfg, 2, loss, summarise, log=log, mesh=mesh, reference=reference, name="DPO")
 
 
 def main(argv=None):

@@ -175,9 +175,11 @@ def train(
     mesh=None,
     make_on_eval=None,
     reference=None,
+    name: str = "",
 ) -> dict:
     """Step 1 or 2 (or DPO) from start to HF export: checks, model, data, state, the loop (jaxrlhf.loop.fit), then
-    output_dir/model. Returns the final state, the logged records, the model config and the model folder.
+    output_dir/model. Returns the final state, the logged records, the model config and the model folder. `name`
+    (default "Step N") names the run in its last line.
 
     `make_loss(config)` gives the loss function; `summarise(sums)` turns metric sums into the figures to log (e.g. loss
     per token, accuracy per pair); `make_on_eval(config, tokenizer, data, state)` may give an extra evaluation (e.g.
@@ -238,7 +240,7 @@ def train(
     final = to_host(effective_params(state, run.lora))
     if jax.process_index() == 0:
         save_hf(out / "model", config, final, tokenizer, manifest={"settings": settings(run)})
-    log(f"Step {step} done: Hugging Face model in {out / 'model'}")
+    log(f"{name or f'Step {step}'} done: Hugging Face model in {out / 'model'}")
     return {"state": state, "records": records, "config": config, "model_dir": out / "model"}
 
 

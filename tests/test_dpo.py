@@ -210,7 +210,9 @@ def test_dpo_learns_the_builtin_preferences(tiny_model, tmp_path, lora):
     """Two epochs of 20 steps on 8 devices, with gradient accumulation: the first step's loss is log 2 (the policy is
     the reference), the loss falls, and on 160 held-out pairs the implicit reward prefers the chosen answer well
     above the reference's 0.5. The export is the trained policy."""
-    out = run(dpo_config(tiny_model, tmp_path, lora=lora), log=lambda _: None)
+    lines = []
+    out = run(dpo_config(tiny_model, tmp_path, lora=lora), log=lines.append)
+    assert lines[-1] == f"DPO done: Hugging Face model in {out['model_dir']}"  # not "Step 2 done"
     losses = train_losses(out["records"])
     evaluation = [r for r in out["records"] if r["split"] == "eval"][-1]
     print("losses", np.round(losses, 3), "held out", evaluation)
