@@ -204,7 +204,16 @@ def load_data(cfg: PPOConfig, tokenizer, positions: int, log) -> tuple[Batches, 
     batches (their rows checked against the actor's `positions`)."""
     pad = tokenizer.pad_token_id
     proc = dict(process_index=jax.process_index(), process_count=jax.process_count())
-    prompts = Batches(prepare(cfg.data, 3, tokenizer, log=log)["train"], 3, cfg.batch_size, cfg.data, pad, **proc)
+    data = prepare(cfg.data, 3, tokenizer, log=log)
+    stats = data["stats"]["train"]
+    if stats["prompts"] < cfg.batch_size and stats["dropped_too_long"]:  # not "use more data": the length cut them
+        raise ConfigError(
+            f"data.max_prompt_len ({cfg.data.max_prompt_len}): {stats['dropped_too_long']} of the step 3 set's "
+            f"{stats['prompts'] + stats['dropped_too_long']} prompts are longer and were dropped, leaving "
+            f"{stats['prompts']}, fewer than one batch of {cfg.batch_size}; raise data.max_prompt_len (the longest "
+            f"prompt has {stats.get('longest_prompt', '?')} tokens in its chat format) or lower batch_size"
+        )
+    prompts = Batches(data["train"], 3, cfg.batch_size, cfg.data, pad, **proc)
     if not (cfg.data.unsupervised_data_path and cfg.unsup_coef > 0):
         return prompts, None
     blocks = prepare(cfg.data, "unsupervised", tokenizer, log=log)

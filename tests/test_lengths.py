@@ -131,3 +131,21 @@ def test_a_refused_run_writes_nothing_where_it_was_started(model, tmp_path, monk
     with pytest.raises(SystemExit):
         sft_main(["model=facebook/opt-125m"])
     assert (tmp_path / "runs" / "sft").is_dir()
+
+
+def test_step_3_says_which_setting_dropped_its_prompts(model, long_rows, tmp_path, capsys):
+    """Prompts over data.max_prompt_len are dropped (DeepSpeed-Chat's way); where that leaves less than a batch, the
+    error names the setting and the longest prompt, not 'use more data'."""
+    from jaxrlhf.ppo import main as ppo_main
+
+    args = [f"actor.model={model}", f"output_dir={tmp_path / 'ppo'}", "batch_size=8", "algorithm=grpo"]
+    args += ["num_samples_per_prompt=2", "reward.functions=[jaxrlhf.rewards:gsm8k]"]  # no reward model to load
+    with pytest.raises(SystemExit) as e:
+        ppo_main([*args, "max_answer_len=8", *data_args(long_rows, tmp_path, 64), "data.max_prompt_len=20"])
+    err = capsys.readouterr().err
+    said = re.search(
+        r"data\.max_prompt_len \(20\): (\d+) of the step 3 set's (\d+) prompts are longer and were dropped", err
+    )
+    longest = re.search(r"raise data\.max_prompt_len \(the longest prompt has (\d+) tokens", err)
+    assert e.value.code == 2 and said and said[1] == said[2] and longest and int(longest[1]) > 20, err
+    assert not (tmp_path / "ppo").exists()

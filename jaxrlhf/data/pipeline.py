@@ -176,7 +176,8 @@ def tokenize(records: list[Record], tokenizer, step: int, config: DataConfig) ->
         arrays = _ragged([prompts[i] for i in keep])
         arrays["record_index"] = np.array(keep, np.int64)
         arrays["metadata"] = np.array([json.dumps(records[i].metadata or {}) for i in keep], str)
-        return arrays, {"prompts": len(keep), "dropped_too_long": len(prompts) - len(keep)}
+        longest = max(map(len, prompts), default=0)
+        return arrays, {"prompts": len(keep), "dropped_too_long": len(prompts) - len(keep), "longest_prompt": longest}
     arrays, stats = {}, {"sequences": len(records)}
     # An over-long sequence loses the oldest prompt tokens after BOS first, the same number in both halves
     # of a pair (so they still share the prompt and differ where the answers do), but the prompt keeps at
