@@ -291,6 +291,15 @@ def run(cfg: TrainConfig, log=print, mesh=None) -> dict:
     dirs = {1: out / FIRST_DIRS[0], 2: out / FIRST_DIRS[1], 3: out / cfg.step3_dir}
     result, clock = {}, time.perf_counter()
     task = builtin_task(cfg.data) or "synthetic"  # the built-in models' tokenizer
+    lengths = lambda data: (data.max_seq_len, data.max_prompt_len)
+    own = BUILTIN not in (cfg.actor_model, cfg.reward_model)
+    if cfg.deployment_type == "demo" and own and lengths(cfg.data) == lengths(DEMO_DATA):
+        log(
+            f"note: deployment_type demo keeps the built-in task's lengths (prompts of at most "
+            f"{DEMO_DATA.max_prompt_len} tokens, sequences of {DEMO_DATA.max_seq_len}, answers of "
+            f"{cfg.ppo.max_answer_len}) for your models; --deployment-type single_gpu (single_node, multi_node) "
+            "gives DeepSpeed-Chat's settings, or set data.* and ppo.max_answer_len"
+        )
 
     first_steps = {
         1: ("supervised fine-tuning", sft, cfg.sft, cfg.actor_model),

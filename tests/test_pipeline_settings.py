@@ -51,3 +51,24 @@ def test_step3_dir_is_a_folder_name_of_its_own(name):
     with pytest.raises(ConfigError, match="step3_dir: expected a folder name for OUTPUT_DIR/NAME other than"):
         parse([f"step3_dir={name}"])
     assert parse(["step3_dir=step3-grpo", "algorithm=grpo"]).step3_dir == "step3-grpo"
+
+
+def test_own_models_on_the_demo_lengths_are_told_how_to_get_real_ones(tmp_path, monkeypatch):
+    """--actor-model and --reward-model of one's own with the default deployment (demo) keep the built-in task's
+    24-token prompts and 8-token answers: a line says so and names --deployment-type (no such line otherwise)."""
+    from jaxrlhf import train
+
+    monkeypatch.setattr(train, "step3", lambda *a, **k: {})  # the note comes first; no step runs here
+    monkeypatch.setattr(train, "log_summary", lambda *a: None)
+    for argv, told in [
+        (["--actor-model", "/m/a", "--reward-model", "/m/r"], True),
+        (["--actor-model", "/m/a", "--reward-model", "/m/r", "data.max_prompt_len=256"], False),
+        (["--deployment-type", "single_gpu", "--actor-model", "/m/a", "--reward-model", "/m/r"], False),
+        ([], False),  # the built-in task
+    ]:
+        lines = []
+        cfg = train.parse([*argv, "--output-dir", str(tmp_path / "run"), "--step", "3"])
+        train.run(cfg, log=lines.append)
+        note = [line for line in lines if line.startswith("note: deployment_type demo")]
+        assert bool(note) == told, (argv, lines)
+        assert not note or ("prompts of at most 24 tokens" in note[0] and "--deployment-type single_gpu" in note[0])
