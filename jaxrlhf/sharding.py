@@ -105,8 +105,10 @@ def partition_spec(path: str, shape: tuple[int, ...], layout: str, mesh: Mesh) -
         return P(*spec)
     if layout == "tp":
         spec = [TP_RULES.get(ax) for ax in axes]
-        for size, ax, mesh_axis in zip(shape, axes, spec):
-            if mesh_axis and size % mesh.shape[mesh_axis]:
+        for i, (size, ax, mesh_axis) in enumerate(zip(shape, axes, spec)):
+            if ax == "vocab" and mesh_axis and size % mesh.shape[mesh_axis]:
+                spec[i] = None  # a vocabulary of added tokens (50,267): the LM head whole on each device, not refused
+            elif mesh_axis and size % mesh.shape[mesh_axis]:
                 raise LayoutError(
                     f"{path}: its '{ax}' dimension ({size}) does not divide over the "
                     f"{mesh.shape[mesh_axis]} devices of mesh axis '{mesh_axis}'; choose an "

@@ -18,8 +18,8 @@ from jaxrlhf.generate import decode_params, generate
 from jaxrlhf.lora import LoRAConfig, attach, init_lora
 from jaxrlhf.models import Backend, param_shapes
 
-TINY = dict(
-    vocab_size=64, intermediate_size=48, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2
+TINY = dict(  # an odd vocabulary, as added tokens make one: tp 2 keeps the LM head whole on each device
+    vocab_size=67, intermediate_size=48, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2
 )
 # Qwen2: q/k/v biases, few KV heads (4 or 6 query heads over 2), tied and untied; Qwen3: q/k norms, a head dim that is
 # not hidden / heads (16 and 12 with hidden 32), with and without attention_bias. 2 KV heads split over tp 2.

@@ -134,8 +134,10 @@ def test_uncovered_and_indivisible_leaves_are_errors():
     mesh = make_mesh(tp=8)
     with pytest.raises(LayoutError, match="decoder/mystery/kernel: no layout rule covers this parameter"):
         shardings_for({"decoder": {"mystery": {"kernel": jnp.zeros((4, 4))}}}, "fsdp", mesh)
-    with pytest.raises(LayoutError, match="'vocab' dimension \\(60\\) does not divide over the 8 devices"):
-        shardings_for({"decoder": {"embed_tokens": {"embedding": jnp.zeros((60, 8))}}}, "tp", mesh)
+    with pytest.raises(LayoutError, match="'mlp' dimension \\(60\\) does not divide over the 8 devices"):
+        shardings_for({"decoder": {"layers": {"fc1": {"kernel": jnp.zeros((2, 8, 60))}}}}, "tp", mesh)
+    odd = shardings_for({"decoder": {"embed_tokens": {"embedding": jnp.zeros((60, 8))}}}, "tp", mesh)
+    assert odd["decoder"]["embed_tokens"]["embedding"].spec == P(None, None)  # a vocabulary that does not divide: whole
     with pytest.raises(LayoutError, match="has 3 dimensions, but the layout table expects 2"):
         shardings_for({"decoder": {"embed_tokens": {"embedding": jnp.zeros((8, 8, 8))}}}, "tp", mesh)
     with pytest.raises(LayoutError, match="unknown layout 'zero3'"):
