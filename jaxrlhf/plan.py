@@ -404,7 +404,12 @@ def ppo_plan(cfg, mesh, actor_config=None, critic_config=None, backend=None) -> 
         p.notes.append(
             f"{cfg.algorithm} trains no critic: peak {p.peak / unit:.3f} {name} per device, PPO's with this batch "
             f"{ppo.peak / unit:.3f} {name} (saves {(ppo.peak - p.peak) / unit:.3f} {name}: no critic weights, "
-            "optimizer, gradients or step; the reward model holds all its leaves)"
+            "optimizer, gradients or step; "
+            + (
+                "the reward model holds all its leaves)"
+                if cfg.reward.model_scale
+                else "no reward model: functions score)"
+            )
         )
     return p
 

@@ -332,21 +332,24 @@ def test_ppo_check_refuses_a_split_batch_and_critic_settings(tmp_path):
 def test_plan_without_a_critic():
     from jaxrlhf.data import DataConfig
     from jaxrlhf.ppo import PPOConfig
+    from jaxrlhf.rewards import RewardConfig
 
     side = ModelSide(model="random:opt-125m")
     cfg = PPOConfig(actor=side, critic=side, batch_size=8, data=DataConfig(max_prompt_len=128), max_answer_len=128)
     mesh = memory_plan.abstract_mesh(8, 1)
     ppo = memory_plan.ppo_plan(cfg, mesh, backend="gpu")
-    grpo = memory_plan.ppo_plan(
-        PPOConfig(**{**cfg.__dict__, "algorithm": "grpo", "num_samples_per_prompt": 4}), mesh, backend="gpu"
-    )
+    grpo_cfg = PPOConfig(**{**cfg.__dict__, "algorithm": "grpo", "num_samples_per_prompt": 4})
+    grpo = memory_plan.ppo_plan(grpo_cfg, mesh, backend="gpu")
     assert "critic_step" in ppo.phases and "critic_step" not in grpo.phases
     assert grpo.items["critic weights"] == grpo.items["critic optimizer"] == 0 < ppo.items["critic optimizer"]
     # the reward model holds all its leaves (as PPO's does without LoRA): the critic's weights in bf16, not fp32
     assert grpo.items["reward (own leaves)"] == ppo.items["reward (own leaves)"] == ppo.items["critic weights"] // 2
     # 4 answers per prompt: 4 times the experience
     assert grpo.items["experience"] == 4 * ppo.items["experience"]
-    assert "grpo trains no critic" in grpo.table() and "saves" in grpo.table()
+    assert "grpo trains no critic" in grpo.table() and "the reward model holds all its leaves" in grpo.table()
+    rule = RewardConfig(functions=("jaxrlhf.rewards:gsm8k",))  # functions alone: no reward model is loaded
+    only_rules = memory_plan.ppo_plan(PPOConfig(**{**grpo_cfg.__dict__, "reward": rule}), mesh, backend="gpu")
+    assert only_rules.items["reward (own leaves)"] == 0 and "no reward model: functions score" in only_rules.table()
     same_batch = memory_plan.ppo_plan(PPOConfig(**{**cfg.__dict__, "num_samples_per_prompt": 4}), mesh, backend="gpu")
     assert grpo.phase_bytes("score") < same_batch.phase_bytes(
         "score"
