@@ -43,7 +43,7 @@ from jaxrlhf.distributed import to_host
 from jaxrlhf.loop import settings, start_run
 from jaxrlhf.metrics import MetricsLog
 from jaxrlhf.optim import check_microbatches, precision_warning
-from jaxrlhf.rewards import HostRewards
+from jaxrlhf.rewards import HostRewards, figure_names
 from jaxrlhf.rl import HybridEngine, ModelSide, PPOConfig
 from jaxrlhf.rl.experience import base_params
 from jaxrlhf.sharding import make_mesh
@@ -323,6 +323,11 @@ def iteration_figures(cfg: PPOConfig, engine: HybridEngine, drawn, stats, second
     )
     if peak_memory() is not None:
         figures["peak_memory_bytes"] = peak_memory()
+    if cfg.reward.functions:  # each function's mean over the answers it scored (TRL's rewards/NAME/mean)
+        parts = np.concatenate([to_host(exp["function_parts"]) for exp, _ in drawn])
+        for name, col in zip(figure_names(cfg.reward.functions), parts.T):
+            if not np.isnan(col).all():
+                figures[name] = float(np.nanmean(col))
     return figures
 
 

@@ -76,6 +76,13 @@ class RewardConfig:
         return (0.0 if self.functions else 1.0) if self.model_weight is None else self.model_weight
 
 
+def figure_names(functions) -> list[str]:
+    """The metrics' name of each function's mean score: reward/NAME (the function's name; its whole spec where two
+    share a name)."""
+    short = [spec.partition(":")[2] for spec in functions]
+    return [f"reward/{name if short.count(name) == 1 else spec}" for name, spec in zip(short, functions)]
+
+
 def load_function(spec: str):
     """The callable named by `spec` ("module:function"); a ConfigError naming the setting (functions) otherwise,
     also where the function's `requires` ((module, pip requirement) pairs) names a library that is not installed."""
@@ -146,11 +153,13 @@ def checked_scores(spec: str, fn, prompts, answers, metadata, extras: dict | Non
 
 
 class HostScores(NamedTuple):
-    """The functions' reward of a batch: their weighted sum [B] float32 (0 where left out), and scored [B] float32:
-    1, or 0 where a function returned None or timed out (the answer is left out of the loss)."""
+    """The functions' reward of a batch: their weighted sum [B] float32 (0 where left out), scored [B] float32: 1,
+    or 0 where a function returned None or timed out (the answer is left out of the loss), and parts [B, F] float32:
+    each function's own score, unweighted (NaN where it gave none): what the metrics show per function."""
 
     scores: np.ndarray
     scored: np.ndarray
+    parts: np.ndarray
 
 
 class HostRewards:
@@ -191,9 +200,9 @@ class HostRewards:
         return calls
 
     def _gather(self, calls: list, B: int) -> HostScores:
-        total, scored = np.zeros(B), np.ones(B, bool)
+        total, scored, parts = np.zeros(B), np.ones(B, bool), np.full((B, len(calls)), np.nan, np.float32)
         deadline = time.monotonic() + self.timeout
-        for spec, w, future in calls:
+        for i, (spec, w, future) in enumerate(calls):
             try:
                 scores = future.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
@@ -205,7 +214,8 @@ class HostRewards:
                 scores = np.full(B, np.nan)
             scored &= ~np.isnan(scores)
             total += w * np.nan_to_num(scores)
-        return HostScores(np.where(scored, total, 0.0).astype(np.float32), scored.astype(np.float32))
+            parts[:, i] = scores
+        return HostScores(np.where(scored, total, 0.0).astype(np.float32), scored.astype(np.float32), parts)
 
 
 # ------------------------------------------------------------------------------------------ built-in functions

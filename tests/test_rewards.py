@@ -155,6 +155,12 @@ def test_none_leaves_an_answer_out_and_extras_go_to_the_functions_that_take_them
     # maybe + sum(ids) - truncated + 0.5 (len(ids) + 10 truncated) + 0.25 len(answer); row 2 left out: 0, scored 0
     assert out.scores.dtype == np.float32 and out.scores.tolist() == [9.25, 13.0, 0.0, 14.0]
     assert out.scored.dtype == np.float32 and out.scored.tolist() == [1.0, 1.0, 0.0, 1.0]
+    # each function's own scores, unweighted, by column (maybe's None: NaN); what the metrics show per function
+    np.testing.assert_array_equal(out.parts[:, 0], [1.0, 1.0, np.nan, 1.0])
+    np.testing.assert_array_equal(out.parts[:, 3], [2 + 0, 1 + 10, 3 + 0, 2 + 10])
+    np.testing.assert_array_equal(out.parts[:, 4], [len(a) for a in ANSWERS])
+    assert rewards.figure_names(functions) == [f"reward/{f.split(':')[1]}" for f in functions]
+    assert rewards.figure_names(("a:f", "b:f", "a:g")) == ["reward/a:f", "reward/b:f", "reward/g"]  # shared names
     with pytest.raises(RewardError, match=r"my_rewards:ids takes \['token_ids'\] but this caller does not give them"):
         runner(PROMPTS, ANSWERS, META)
 
@@ -174,6 +180,7 @@ def test_functions_run_in_parallel_and_one_past_its_timeout_leaves_the_batch_out
     assert time.monotonic() - clock < 5  # the run goes on: the hanging call is not waited for
     mod.released.set()
     assert out.scores.tolist() == [0.0] * 4 and out.scored.tolist() == [0.0] * 4
+    assert out.parts[:, 0].tolist() == [len(a) for a in ANSWERS] and np.isnan(out.parts[:, 1]).all()  # hang: none
     assert lines == [
         "warning: reward function my_rewards:hang took over 0.3 s (reward.timeout) on a batch: its 4 answers are "
         "left out of the loss"
@@ -483,6 +490,7 @@ def test_a_step3_run_with_the_gold_rule_as_its_reward(builtin, tmp_path, algorit
     assert [r["step"] for r in out["records"]] == [1, 2]
     for r in out["records"]:
         assert r["reward"] == pytest.approx(r["gold_reward"], rel=1e-6) and r["rewards_s"] >= 0
+        assert r["reward/synthetic"] == pytest.approx(r["gold_reward"], rel=1e-6)  # the function's own mean
     assert out["engine"].reward_own is None
     assert memory_plan.ppo_plan(cfg, mesh).items["reward (own leaves)"] == 0
 

@@ -135,7 +135,7 @@ def rule_scores(tokens, mask) -> np.ndarray:
 def rule_host_scores(tokens, mask) -> HostScores:
     """rule_scores as the engine waits for reward functions' scores: every answer scored."""
     scores = rule_scores(tokens, mask)
-    return HostScores(scores, np.ones_like(scores))
+    return HostScores(scores, np.ones_like(scores), scores[:, None])
 
 
 def real_tokens(batch: dict) -> int:

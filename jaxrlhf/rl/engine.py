@@ -260,7 +260,8 @@ class HybridEngine:
         with rows split over every device: seq, seq_mask [B, P + G] (prompt then answer); mask (answer tokens up to
         and including EOS), logprobs (old), ref_logprobs, values, generation_logprobs (generation's own) [B, G]; scores
         [B] (reward.model_weight x the reward model's score; 0 without one), function_scores [B] (the reward functions'
-        weighted sum), scored [B] (1, or 0 where a function left the answer out of the loss); kl_coef (the KL
+        weighted sum), scored [B] (1, or 0 where a function left the answer out of the loss), with functions
+        function_parts [B, F] (each one's own score, NaN where it gave none: the metrics'); kl_coef (the KL
         penalty's coefficient for this batch; an adaptive one then moves on this batch's KL).
         `start_rewards(prompt_batch, tokens, mask)`, given, is called with the answers [B, G] as soon as they exist and
         returns a Future of the reward functions' HostScores of this process's rows (jaxrlhf.ppo.reward_starter):
@@ -352,12 +353,14 @@ class HybridEngine:
 
     def _function_scores(self, pending, scores) -> dict:
         """function_scores and scored [B]: the reward functions' weighted sum and which rows they scored (0: a
-        function returned None or timed out, left out of the loss), unclipped; zeros and ones without functions.
+        function returned None or timed out, left out of the loss), unclipped; zeros and ones without functions. With
+        them function_parts [B, F]: each function's own scores.
         Phase "rewards": the wait for the functions after the device's scoring, if they outlast it."""
         if pending is None:
             return {"function_scores": scores * 0, "scored": scores * 0 + 1}
         done = self._timed("rewards", pending.result)
-        return place({"function_scores": done.scores, "scored": done.scored}, self.mesh, "fsdp")
+        parts = {"function_scores": done.scores, "scored": done.scored, "function_parts": done.parts}
+        return place(parts, self.mesh, "fsdp")
 
     def _kl_step(self, exp: dict, draw: int):
         """The KL coefficient of this batch's rewards, the same in every PPO epoch. The adaptive controller then
