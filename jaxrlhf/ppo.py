@@ -37,6 +37,7 @@ from jaxrlhf.alarms import AlarmTracker, experience_figures, training_records
 from jaxrlhf.checkpoint import save_hf
 from jaxrlhf.config import ConfigError, run_cli
 from jaxrlhf.data import Batches, prepare
+from jaxrlhf.data.batches import make_batch, num_rows
 from jaxrlhf.data.pipeline import check_positions, check_rows
 from jaxrlhf.data.synthetic import gold_reward
 from jaxrlhf.distributed import to_host
@@ -199,9 +200,9 @@ def load_models(cfg: PPOConfig, mesh, log) -> tuple[tuple, tuple, object]:
     return (actor_config, actor_params), (critic_config, critic_params), tokenizer
 
 
-def load_data(cfg: PPOConfig, tokenizer, positions: int, log) -> tuple[Batches, Batches | None]:
-    """This process's prompt batches and, with data.unsupervised_data_path and unsup_coef > 0, the mixture's LM
-    batches (their rows checked against the actor's `positions`)."""
+def load_data(cfg: PPOConfig, tokenizer, positions: int, log) -> tuple[Batches, Batches | None, dict]:
+    """This process's prompt batches, with data.unsupervised_data_path and unsup_coef > 0 the mixture's LM batches
+    (their rows checked against the actor's `positions`), and the held-out prompts (the eval split's arrays)."""
     pad = tokenizer.pad_token_id
     proc = dict(process_index=jax.process_index(), process_count=jax.process_count())
     data = prepare(cfg.data, 3, tokenizer, log=log)
@@ -215,11 +216,54 @@ def load_data(cfg: PPOConfig, tokenizer, positions: int, log) -> tuple[Batches, 
         )
     prompts = Batches(data["train"], 3, cfg.batch_size, cfg.data, pad, **proc)
     if not (cfg.data.unsupervised_data_path and cfg.unsup_coef > 0):
-        return prompts, None
+        return prompts, None, data["eval"]
     blocks = prepare(cfg.data, "unsupervised", tokenizer, log=log)
     check_rows(blocks, "unsupervised", cfg.data, positions, "actor")
     rows = cfg.unsup_batch_size or cfg.batch_size
-    return prompts, Batches(blocks["train"], "unsupervised", rows, cfg.data, pad, **proc)
+    return prompts, Batches(blocks["train"], "unsupervised", rows, cfg.data, pad, **proc), data["eval"]
+
+
+#: the held-out batches' figures logged (the training batch's of the same name; not its advantages and returns)
+HELD_OUT_FIGURES = ("reward", "kl", "answer_len", "truncated", "zero_spread")
+
+
+def held_out_evaluation(cfg: PPOConfig, engine: HybridEngine, held_out: dict, pad_id: int, starter, log):
+    """loop.fit's evaluate(state): the held-out prompts in order, in batches of batch_size (the last partial one
+    dropped; eval_batches of them if set), answered and scored by engine.held_out (the training batch's shapes, so
+    nothing compiles again; the state untouched): the mean of the batches' figures (reward, kl, answer_len,
+    truncated, ...) and each reward function's mean score (reward/NAME). None (and a line once) without a batch."""
+    B, local = cfg.batch_size, cfg.batch_size // jax.process_count()
+    n = num_rows(held_out) // B
+    n = min(n, cfg.eval_batches) if cfg.eval_batches else n
+    if not n:
+        log(f"eval: fewer held-out prompts ({num_rows(held_out)}) than one batch of {B}: no evaluation")
+        return lambda state: None
+
+    def evaluate(state):
+        if state is not engine.state:  # a finished run's restored state
+            engine.load_state(state)
+        stats, parts = [], []
+        for i in range(n):
+            first = i * B + jax.process_index() * local  # this process's rows of the batch
+            batch = make_batch(held_out, range(first, first + local), 3, cfg.data, pad_id)
+            exp, figures = engine.held_out(batch, starter)
+            stats.append(to_host(figures))
+            if cfg.reward.functions:
+                parts.append(to_host(exp["function_parts"]))
+        out = {k: float(np.mean([s[k] for s in stats])) for k in HELD_OUT_FIGURES if k in stats[0]}
+        if parts:
+            out.update(function_means(cfg.reward.functions, np.concatenate(parts)))
+        return {"prompts": n * B, **out}
+
+    return evaluate
+
+
+def function_means(functions, parts) -> dict[str, float]:
+    """Each reward function's mean score over the answers it scored, by its metric name (rewards.figure_names);
+    parts [B, F] (NaN: no score)."""
+    return {
+        name: float(np.nanmean(col)) for name, col in zip(figure_names(functions), parts.T) if not np.isnan(col).all()
+    }
 
 
 def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
@@ -242,7 +286,7 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
         manager.close()
         return {"engine": None, "records": [], "folders": folders, "tokenizer": None, "skipped": True}
     actor, critic, tokenizer = load_models(cfg, mesh, log)
-    prompts, unsup = load_data(cfg, tokenizer, actor[0].max_position_embeddings, log)
+    prompts, unsup, held_out = load_data(cfg, tokenizer, actor[0].max_position_embeddings, log)
     iterations = cfg.max_steps or cfg.epochs * (len(prompts) // cfg.generation_batches)
     if iterations <= 0:
         raise ConfigError(
@@ -258,10 +302,16 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
         pad_id=tokenizer.pad_token_id,
     )
     del actor, critic  # the host copies: the engine holds the weights now
+    starter = None
+    if cfg.reward.functions:
+        starter = reward_starter(HostRewards(cfg.reward, log), tokenizer, cfg.data.chat_template, cfg.actor.model)
+    evaluate = None
+    if cfg.eval_every:
+        evaluate = held_out_evaluation(cfg, engine, held_out, tokenizer.pad_token_id, starter, log)
     state, records = loop.fit(
         cfg,
         engine.state,
-        ppo_iteration(cfg, engine, tokenizer, prompts, unsup, iterations, log),
+        ppo_iteration(cfg, engine, tokenizer, prompts, unsup, iterations, starter, log),
         lambda window: window[-1],
         {"prompts": prompts, **({"unsup": unsup} if unsup else {})},
         total=iterations,
@@ -269,6 +319,8 @@ def run(cfg: PPOConfig, log=print, mesh=None) -> dict:
         metrics_log=MetricsLog(out, cfg.report_to, settings(cfg, INPUTS)),
         shardings=engine.shardings(),
         counter=("iteration", cfg.generation_batches),
+        evaluate=evaluate,
+        eval_every=cfg.eval_every,
         desc=cfg.algorithm,
         log=log,
         shown=("reward", "gold_reward", "kl", "answer_len", "samples_per_s"),
@@ -324,10 +376,9 @@ def iteration_figures(cfg: PPOConfig, engine: HybridEngine, drawn, stats, second
     if peak_memory() is not None:
         figures["peak_memory_bytes"] = peak_memory()
     if cfg.reward.functions:  # each function's mean over the answers it scored (TRL's rewards/NAME/mean)
-        parts = np.concatenate([to_host(exp["function_parts"]) for exp, _ in drawn])
-        for name, col in zip(figure_names(cfg.reward.functions), parts.T):
-            if not np.isnan(col).all():
-                figures[name] = float(np.nanmean(col))
+        figures.update(
+            function_means(cfg.reward.functions, np.concatenate([to_host(e["function_parts"]) for e, _ in drawn]))
+        )
     return figures
 
 
@@ -355,15 +406,13 @@ def answer_figures(cfg: PPOConfig, tokenizer, eos_id, tracker, experiences, figu
         log(f"--- iteration {it}\nprompt: {prompt!r}\nanswer: {answer!r}")
 
 
-def ppo_iteration(cfg: PPOConfig, engine: HybridEngine, tokenizer, prompts, unsup, iterations: int, log):
+def ppo_iteration(cfg: PPOConfig, engine: HybridEngine, tokenizer, prompts, unsup, iterations: int, starter, log):
     """Step 3's step for the loop (jaxrlhf.loop.fit): iteration `it` answers and scores `generation_batches` batches
     of prompts, then runs `ppo_epochs` passes of one actor and (PPO) one critic step per batch; its figures (the mean
     over the steps, skip counts, phase seconds, throughput, gold reward, alarms) are host floats. It trains the
-    engine's own state and returns it; a state the loop restored enters through engine.load_state."""
+    engine's own state and returns it; a state the loop restored enters through engine.load_state. `starter`: the
+    reward functions' (reward_starter), or None."""
     prompt_iter, unsup_iter = iter(prompts), iter(unsup) if unsup else None
-    starter = None
-    if cfg.reward.functions:
-        starter = reward_starter(HostRewards(cfg.reward, log), tokenizer, cfg.data.chat_template, cfg.actor.model)
     tracker = None
 
     def step(state, it):

@@ -495,6 +495,61 @@ def test_a_step3_run_with_the_gold_rule_as_its_reward(builtin, tmp_path, algorit
     assert memory_plan.ppo_plan(cfg, mesh).items["reward (own leaves)"] == 0
 
 
+@pytest.mark.slow
+def test_step3_evaluates_the_held_out_prompts_without_changing_the_training(builtin, tmp_path):
+    """eval_every=1: an "eval" record at each iteration (and so at the end) of the held-out prompts' figures, the
+    function's own mean the reward it trains on (no reward model) over eval_batches x batch_size prompts; the training
+    records are those of the same run without evaluation (the iteration keys, the KL coefficient and the weights
+    untouched), and the held-out answers are the same on the same weights (their own sampling key)."""
+    import jax
+
+    from jaxrlhf.ppo import run
+    from jaxrlhf.rl import ModelSide, PPOConfig
+    from jaxrlhf.sharding import make_mesh
+
+    actor, _, _, batch, data = builtin
+    mesh = make_mesh(1, jax.devices()[:1])
+    base = dict(actor=ModelSide(model=str(actor)), critic=ModelSide(), algorithm="grpo", num_samples_per_prompt=2)
+    base |= dict(batch_size=8, max_steps=2, max_answer_len=6, precision="fp32", data=data, report_to=())
+    base |= dict(reward=RewardConfig(functions=("jaxrlhf.rewards:synthetic",)), kl_loss="none", kl_target=6.0)
+    plain = run(PPOConfig(**base, output_dir=str(tmp_path / "plain")), log=lambda _: None, mesh=mesh)
+    lines = []
+    cfg = PPOConfig(**base, output_dir=str(tmp_path / "eval"), eval_every=1, eval_batches=1)
+    evaluated = run(cfg, log=lines.append, mesh=mesh)
+    timed = ("_s", "per_s", "tflops")  # clock figures
+    train = lambda out: [{k: v for k, v in r.items() if not any(t in k for t in timed)} for r in out]
+    assert train([r for r in evaluated["records"] if r["split"] == "train"]) == train(plain["records"])
+    evals = [r for r in evaluated["records"] if r["split"] == "eval"]
+    assert [r["step"] for r in evals] == [1, 2] and all(r["prompts"] == 8 for r in evals), evals
+    assert set(evals[0]) == {
+        "step",
+        "split",
+        "prompts",
+        "reward",
+        "reward/synthetic",
+        "kl",
+        "answer_len",
+        "truncated",
+    } | {"zero_spread"}
+    for r in evals:
+        assert r["reward"] == pytest.approx(r["reward/synthetic"], abs=1e-6) and 0 < r["answer_len"] <= 6
+    assert any(line.startswith("eval @ 2: ") for line in lines)
+    engine = evaluated["engine"]
+    held = {k: np.asarray(v) for k, v in batch.items() if k != "metadata"} | {"metadata": batch["metadata"]}
+    state = jax.device_get(engine.state["iteration"])
+    compiled = []
+    listener = lambda event, _, fun_name="", **__: compiled.append(fun_name) if "backend_compile" in event else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        (first, _), (again, _) = engine.held_out(held), engine.held_out(held)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    big = [n for n in compiled if any(p in n for p in ("generate", "score", "advantages"))]
+    assert not big, compiled  # the training batch's shapes: its programs (only eager zeros without a reward hook)
+    np.testing.assert_array_equal(np.asarray(first["seq"]), np.asarray(again["seq"]))  # the same held-out key
+    assert jax.device_get(engine.state["iteration"]) == state  # the state untouched
+
+
 def test_clip_score_clips_the_reward_models_score_alone_as_its_help_says():
     """answer_rewards: clip(score, -clip_score, clip_score) + the functions' scores, unclipped; the setting's help
     (python -m jaxrlhf.ppo --help) says so."""

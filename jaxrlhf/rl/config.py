@@ -247,6 +247,11 @@ class PPOConfig(EngineConfig, LoopConfig):
     ppo_epochs: int = 1
     #: rows per mixture LM batch (0: batch_size)
     unsup_batch_size: int = 0
+    #: answer and score the held-out prompts (the data's eval split) every this many iterations and at the end,
+    #: logged as the "eval" split: reward, reward/NAME per function, answer_len, ... (veRL's test_freq; 0: never)
+    eval_every: int = 0
+    #: batches of batch_size held-out prompts per evaluation (0: every whole batch of the eval split)
+    eval_batches: int = 0
     #: print a prompt and its answer at every log (DeepSpeed-Chat's --print_answers)
     print_answers: bool = False
     #: reward-hacking alarms: bounds on answer length, repetition, entropy and KL; learned vs gold reward trend
@@ -261,6 +266,6 @@ class PPOConfig(EngineConfig, LoopConfig):
         LoopConfig.__post_init__(self)
         rules = {
             ">= 1": ("batch_size", "generation_batches", "ppo_epochs"),
-            ">= 0": ("unsup_batch_size", "device_memory_gib"),
+            ">= 0": ("unsup_batch_size", "device_memory_gib", "eval_every", "eval_batches"),
         }
         check_fields(self, **{n: rule for rule, names in rules.items() for n in names})

@@ -31,8 +31,10 @@ group's or the batch's rewards (rl/experience.py) and train_rlhf runs the actor'
 Phases (each timed in `timings`, marked in a profile, run through `observer` if set): generate_experience is
 _generation_copy ("reshard", a context that frees the copy on exit) -> _answer ("generate") -> _frozen_on_device
 ("offload", a context) -> _score ("score") -> _function_scores ("rewards") -> _kl_step; train_rlhf is "advantages"
-then each model's _step ("actor_step", "critic_step"). The engine owns Step 3's state (`state`): jaxrlhf.ppo
-checkpoints engine.state, and a restored one enters through load_state.
+then each model's _step ("actor_step", "critic_step"). held_out (Step 3's evaluation) runs generate_experience's
+phases but _kl_step, with a sampling key of its own, then advantages for the figures: the state is not changed.
+The engine owns Step 3's state (`state`): jaxrlhf.ppo checkpoints engine.state, and a restored one enters through
+load_state.
 
 Offload (ModelSide.offload, offload_reference_model, offload_reward_model): those trees live in pinned host
 memory and are copied to the device for the program that uses them (an optimizer state for its model's step,
@@ -72,6 +74,13 @@ from jaxrlhf.rl.experience import (
     with_shared,
 )
 from jaxrlhf.sharding import check_tp, reshard, shardings_for
+
+#: what the losses read of an experience (train_rlhf's advantages and steps)
+TRAINED = ("seq", "seq_mask", "mask", "logprobs", "ref_logprobs", "values", "scores", "function_scores", "scored")
+TRAINED += ("truncated",)
+#: the sampling key of held-out answers (`held_out`), beside the iterations' (fold_in of the iteration): the same at
+#: every evaluation, so that evaluations compare
+HELD_OUT_KEY = 2**32 - 1
 
 # --------------------------------------------------------------------------- weights shared with a frozen model
 
@@ -268,6 +277,20 @@ class HybridEngine:
         they run on the host while the device scores. Also truncated [B] (1: no EOS within the answer's limit).
         `draw` > 0: an extra draw of dynamic sampling for the same generation batch (its own sampling key; the
         iteration counter, which keys the checkpoints, does not move)."""
+        exp = self._experience(prompt_batch, start_rewards, draw)
+        exp["kl_coef"] = self._kl_step(exp, draw)
+        return exp
+
+    def held_out(self, prompt_batch: dict, start_rewards=None) -> tuple[dict, dict]:
+        """Held-out prompts answered and scored as generate_experience does (num_samples_per_prompt answers each), with
+        a sampling key of their own, the same at every call, and the state untouched (no iteration, no KL step):
+        Step 3's evaluation. Returns the experience and its figures as the training batch's (reward, kl, answer_len,
+        truncated, ...: the same advantages program, on device)."""
+        exp = self._experience(prompt_batch, start_rewards, None)
+        return exp, advantages(self.static.returns, {k: exp[k] for k in TRAINED if k in exp}, self.state["kl_coef"])[1]
+
+    def _experience(self, prompt_batch: dict, start_rewards, draw: int | None) -> dict:
+        """generate_experience's experience, without its KL coefficient (draw None: held-out answers' key)."""
         prompt_batch = repeat_rows(prompt_batch, self.cfg.num_samples_per_prompt)
         ids, mask = prompt_batch["prompt_ids"], prompt_batch["prompt_mask"]
         if isinstance(ids, np.ndarray):  # this process's rows, split over "data" as generation wants them
@@ -284,7 +307,6 @@ class HybridEngine:
         exp.update(self._function_scores(pending, exp["scores"]))
         exp["truncated"] = truncated_rows(self.mesh, tokens, answer_mask, self.eos_id)
         exp["generation_logprobs"] = gen_logprobs
-        exp["kl_coef"] = self._kl_step(exp, draw)
         return exp
 
     # ------------------------------------------------------------------------------------------------ phases
@@ -307,11 +329,12 @@ class HybridEngine:
         finally:
             free(params, keep=self.state["actor"])
 
-    def _answer(self, params, ids, mask, limits, draw: int):
+    def _answer(self, params, ids, mask, limits, draw: int | None):
         """Phase "generate": the answers (tokens, mask, generation's log-probs [B, G]) with this iteration's key (and
-        draw's)."""
+        draw's; draw None: the held-out answers' key)."""
         cfg = self.cfg
-        key = jax.random.fold_in(jax.random.key(cfg.seed), int(self.state["iteration"]))
+        it = HELD_OUT_KEY if draw is None else int(self.state["iteration"])
+        key = jax.random.fold_in(jax.random.key(cfg.seed), it)
         key = jax.random.fold_in(key, draw) if draw else key
         gen = generate(
             self.actor_config,
@@ -416,9 +439,7 @@ class HybridEngine:
     def train_rlhf(self, experience: dict, unsupervised: dict | None = None) -> dict:
         """One PPO step of the actor (plus the mixture LM loss on `unsupervised`, a Step 1-style batch) and one
         of the critic (if any) on `experience`; the EMA follows the actor. Returns the batch's figures as floats."""
-        keys = ("seq", "seq_mask", "mask", "logprobs", "ref_logprobs", "values", "scores", "function_scores", "scored")
-        keys += ("truncated",)
-        exp = {k: experience[k] for k in keys if k in experience}
+        exp = {k: experience[k] for k in TRAINED if k in experience}
         unsup = unsupervised
         if unsupervised is not None and isinstance(unsupervised["input_ids"], np.ndarray):
             unsup = place(unsupervised, self.mesh, "fsdp")
