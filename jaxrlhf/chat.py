@@ -22,7 +22,7 @@ import numpy as np
 from jaxrlhf.checkpoint import load_hf
 from jaxrlhf.config import check_fields, run_cli
 from jaxrlhf.data.batches import pad_rows
-from jaxrlhf.data.messages import ChatFormat, Messages
+from jaxrlhf.data.messages import ChatFormat, Messages, template_variables
 from jaxrlhf.generate import decode_params, generate
 from jaxrlhf.tokenizer import load_tokenizer, stop_ids
 
@@ -43,9 +43,12 @@ class ChatConfig:
     seed: int = 0
     #: "auto": the tokenizer's chat template renders the conversation (HH text without one); "none": HH text
     chat_template: Literal["auto", "none"] = "auto"
+    #: the chat template's own variables as name=value, e.g. [enable_thinking=false] (data.chat_template_kwargs)
+    chat_template_kwargs: tuple[str, ...] = ()
 
     def __post_init__(self):
         check_fields(self, max_new_tokens=">= 1")
+        template_variables(self.chat_template_kwargs)  # raises on an item that is not name=value
 
 
 class Chatbot:
@@ -59,7 +62,7 @@ class Chatbot:
         # the decode layout, built once: every answer's decode steps read each layer's own arrays
         self.params = decode_params(self.config, {k: v for k, v in params.items() if k != "value_head"})
         self.tokenizer = load_tokenizer(cfg.path)
-        self.format = ChatFormat(self.tokenizer, cfg.chat_template)
+        self.format = ChatFormat(self.tokenizer, cfg.chat_template, template_variables(cfg.chat_template_kwargs))
         self.sampling = {k: getattr(cfg, k) for k in ("temperature", "top_k", "top_p")}
         # a chat model may end with its EOS or another id of its generation_config.json instead of end-of-turn
         self.stops = stop_ids(self.tokenizer, cfg.chat_template, cfg.path)

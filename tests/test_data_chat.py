@@ -187,6 +187,26 @@ def test_the_cache_key_changes_with_the_template_and_the_setting(tmp_path):
         DataConfig(chat_template="off")
 
 
+def test_the_templates_own_variables_reach_it(tmp_path):
+    """data.chat_template_kwargs=[enable_thinking=false] (Qwen3's): the template gets the variable, prompts render
+    with what it writes for it, the cache key changes; an item that is not name=value is refused naming the setting."""
+    thinking = CHATML.replace(
+        "'<|im_start|>assistant\\n' }}",
+        "'<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and not enable_thinking %}"
+        "{{- 'It is\\n' }}{%- endif %}",
+    )
+    tok = chatml_tokenizer(tmp_path / "t", template=thinking)
+    record = Record(((("user", "What colour is the sky?"),)), None)
+    base = DataConfig()
+    quiet = DataConfig(chat_template_kwargs=("enable_thinking=false",))
+    plain, off = (tokenize([record], tok, 3, c)[0]["tokens"].tolist() for c in (base, quiet))
+    want = "<|im_start|>user\nWhat colour is the sky?<|im_end|>\n<|im_start|>assistant\n"
+    assert plain == ids(want) and off == ids(want + "It is\n")
+    assert cache_key(quiet, 3, tok) != cache_key(base, 3, tok)
+    with pytest.raises(ValueError, match=r"chat_template_kwargs: expected name=value \(e\.g\. enable_thinking=false\)"):
+        DataConfig(chat_template_kwargs=("enable_thinking",))
+
+
 def test_every_step_reads_conversational_jsonl(tok, tmp_path):
     """Step 1 (sft: messages), Step 2 (reward and DPO: prompt/chosen/rejected lists) and Step 3 (ppo: a prompt
     list) through `prepare`, the door of every entry point's data."""

@@ -4,7 +4,8 @@
     [{"role": "user", "content": "Hi"}]      ──►   (("user", "Hi"),)      ──►   the chat template's rendering,
                                                                                 or HH text without one
 
-`ChatFormat(tokenizer, setting)` decides, once per tokenizer, how conversations become text:
+`ChatFormat(tokenizer, setting, variables)` decides, once per tokenizer, how conversations become text (`variables`:
+the template's own, data.chat_template_kwargs, e.g. Qwen3's enable_thinking):
   - with a chat template (tokenizer_config.json's `chat_template`, or chat_template.jinja) and setting "auto":
     a prompt is `apply_chat_template(prompt, add_generation_prompt=True)`, an answer is what rendering
     prompt + answer adds after it (TRL's split), cut after its last end-of-turn token (the first special token
@@ -19,9 +20,12 @@ used and has one, else the tokenizer's EOS.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-from jaxrlhf.config import InputError
+import yaml
+
+from jaxrlhf.config import ConfigError, InputError
 
 ROLES = ("system", "user", "assistant", "tool")
 HH_NAMES = {"system": "System", "user": "Human", "assistant": "Assistant", "tool": "Tool"}
@@ -31,6 +35,21 @@ CHAT_TEMPLATE_SETTINGS = ("auto", "none")
 Messages = tuple[tuple[str, str], ...]
 
 _PROBE = "jaxrlhf probe answer"  # an assistant message's content, to find what the template writes after it
+
+
+def template_variables(items) -> dict[str, Any]:
+    """data.chat_template_kwargs ("name=value", the value read as YAML: enable_thinking=false) as a dict for
+    apply_chat_template; a ConfigError naming the setting for an item that is not name=value."""
+    out = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or not re.fullmatch(r"[A-Za-z_]\w*", name.strip()):
+            raise ConfigError(f"chat_template_kwargs: expected name=value (e.g. enable_thinking=false), got {item!r}")
+        try:
+            out[name.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ConfigError(f"chat_template_kwargs: {item!r}: the value is not YAML") from None
+    return out
 
 
 class MessagesError(InputError):
@@ -80,10 +99,10 @@ def hh_text(messages: Messages, generation_prompt: bool) -> str:
 class ChatFormat:
     """How `tokenizer` writes conversations (see the module docstring); `setting` is data.chat_template."""
 
-    def __init__(self, tokenizer, setting: str = "auto"):
+    def __init__(self, tokenizer, setting: str = "auto", variables: dict | None = None):
         if setting not in CHAT_TEMPLATE_SETTINGS:
             raise ValueError(f"chat_template: expected one of {', '.join(CHAT_TEMPLATE_SETTINGS)}, got {setting!r}")
-        self.tokenizer = tokenizer
+        self.tokenizer, self.variables = tokenizer, variables or {}  # the template's own (template_variables)
         self.template = getattr(tokenizer, "chat_template", None) if setting == "auto" else None
         self.end_of_turn = self._end_of_turn() if self.template else None
         eos = tokenizer.eos_token_id
@@ -95,7 +114,10 @@ class ChatFormat:
         if not self.template:
             return hh_text(messages, generation_prompt)
         return self.tokenizer.apply_chat_template(
-            [{"role": r, "content": c} for r, c in messages], add_generation_prompt=generation_prompt, tokenize=False
+            [{"role": r, "content": c} for r, c in messages],
+            add_generation_prompt=generation_prompt,
+            tokenize=False,
+            **self.variables,
         )
 
     def answer_text(self, prompt: Messages, answer: Messages) -> str:

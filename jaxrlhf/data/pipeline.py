@@ -32,7 +32,7 @@ from typing import Literal
 import numpy as np
 
 from jaxrlhf.config import ConfigError, check_fields
-from jaxrlhf.data.messages import CHAT_TEMPLATE_SETTINGS, ChatFormat, MessagesError
+from jaxrlhf.data.messages import CHAT_TEMPLATE_SETTINGS, ChatFormat, MessagesError, template_variables
 from jaxrlhf.data.sources import DataError, Record, Report, fingerprint, read_source, read_texts
 
 CACHE_VERSION = 8  # bump when the tokenized format or any adapter's output changes
@@ -62,6 +62,9 @@ class DataConfig:
     #: (HH text "\n\nHuman: ...\n\nAssistant:" when it has none), "none" always as HH text; plain strings are
     #: used as they are either way
     chat_template: Literal["auto", "none"] = "auto"
+    #: the chat template's own variables as name=value (values in YAML), e.g. [enable_thinking=false]: Qwen3's
+    #: prompts with an empty thinking block, answers without one (TRL's chat_template_kwargs)
+    chat_template_kwargs: tuple[str, ...] = ()
     #: what to do with a malformed row: stop with its file and line ("error"), or count and drop it ("skip")
     on_bad_row: Literal["error", "skip"] = "error"
     #: plain-text datasets for Step 3's mixture LM loss (.txt, rows with "text", or hub "name:config")
@@ -75,6 +78,7 @@ class DataConfig:
         split_shares(self.data_split)  # raises on a malformed split
         if self.chat_template not in CHAT_TEMPLATE_SETTINGS:
             raise ConfigError(f"chat_template: expected 'auto' or 'none', got {self.chat_template!r}")
+        template_variables(self.chat_template_kwargs)  # raises on an item that is not name=value
         # At least 2 tokens: BOS plus one (a block: one input and its target).
         check_fields(
             self, eval_fraction="[0, 1)", max_seq_len=">= 2", max_prompt_len=">= 2", unsupervised_block_size=">= 2"
@@ -161,7 +165,7 @@ def tokenize(records: list[Record], tokenizer, step: int, config: DataConfig) ->
     """The ragged arrays of `step` for `records`, and counts of what was cut or dropped."""
     if tokenizer.eos_token_id is None:
         raise DataError("the tokenizer has no EOS token; jaxrlhf needs one (set eos_token in tokenizer_config.json)")
-    fmt = ChatFormat(tokenizer, config.chat_template)
+    fmt = ChatFormat(tokenizer, config.chat_template, template_variables(config.chat_template_kwargs))
     try:
         prompts = [fmt.prompt_ids(r.prompt) for r in records]
         if step == 3:
@@ -253,7 +257,8 @@ def cache_key(config: DataConfig, step: int, tokenizer) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     vocab = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
     vocab += json.dumps([tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id])
-    fmt = ChatFormat(tokenizer, config.chat_template)  # the template renders conversational rows: it shapes them
+    variables = template_variables(config.chat_template_kwargs)
+    fmt = ChatFormat(tokenizer, config.chat_template, variables)  # the template renders conversational rows
     vocab += json.dumps([fmt.template, fmt.stop_id])
     blob = {
         "version": CACHE_VERSION,
