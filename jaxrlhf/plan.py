@@ -399,7 +399,8 @@ def ppo_plan(cfg, mesh, actor_config=None, critic_config=None, backend=None) -> 
         unsup_len=cfg.data.max_seq_len,
     )
     if cfg.critic_free:
-        ppo = ppo_plan(dataclasses.replace(cfg, algorithm="ppo"), mesh, actor_config, critic_config, backend)
+        as_ppo = dataclasses.replace(cfg, algorithm="ppo", dynamic_sampling=False)  # (PPO has no groups to drop)
+        ppo = ppo_plan(as_ppo, mesh, actor_config, critic_config, backend)
         unit, name = (GiB, "GiB") if ppo.peak >= GiB else (2**20, "MiB")
         p.notes.append(
             f"{cfg.algorithm} trains no critic: peak {p.peak / unit:.3f} {name} per device, PPO's with this batch "

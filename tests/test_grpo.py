@@ -350,6 +350,8 @@ def test_plan_without_a_critic():
     rule = RewardConfig(functions=("jaxrlhf.rewards:gsm8k",))  # functions alone: no reward model is loaded
     only_rules = memory_plan.ppo_plan(PPOConfig(**{**grpo_cfg.__dict__, "reward": rule}), mesh, backend="gpu")
     assert only_rules.items["reward (own leaves)"] == 0 and "no reward model: functions score" in only_rules.table()
+    dapo = PPOConfig(**{**grpo_cfg.__dict__, "dynamic_sampling": True})  # PPO's twin, for the note, has no groups
+    assert "grpo trains no critic" in memory_plan.ppo_plan(dapo, mesh, backend="gpu").table()
     same_batch = memory_plan.ppo_plan(PPOConfig(**{**cfg.__dict__, "num_samples_per_prompt": 4}), mesh, backend="gpu")
     assert grpo.phase_bytes("score") < same_batch.phase_bytes(
         "score"
