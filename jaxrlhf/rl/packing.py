@@ -108,9 +108,8 @@ def plan(
     up to a power of two, at least MIN_SLOTS, at most W: the LM head runs on A positions of a row); the fewest
     micro-batches of at most (budget // W) x devices rows (a whole number per device), all of the same rows, the rows
     shared evenly and `rounded` per device (the last one's empty rows fill it). Every sequence is in exactly one
-    micro-batch, whole. `targets` [B, T] (default: the
-    answers' real tokens, columns P on) are the tokens that get a slot: the mixture batch's LM targets (P = 0,
-    G = T)."""
+    micro-batch, whole. `targets` [B, T] (default: the answers' real tokens, columns P on) are the tokens that get a
+    slot: the mixture batch's LM targets (P = 0, G = T)."""
     mask = np.asarray(seq_mask) != 0
     B, T = mask.shape
     lengths = mask.sum(1)
