@@ -161,11 +161,16 @@ def _ragged(seqs: list[list[int]]) -> dict[str, np.ndarray]:
     return {"tokens": tokens, "offsets": offsets}
 
 
+def chat_format(tokenizer, config: DataConfig) -> ChatFormat:
+    """How `tokenizer` writes the data's conversations: data.chat_template and its chat_template_kwargs."""
+    return ChatFormat(tokenizer, config.chat_template, template_variables(config.chat_template_kwargs))
+
+
 def tokenize(records: list[Record], tokenizer, step: int, config: DataConfig) -> tuple[dict[str, np.ndarray], dict]:
     """The ragged arrays of `step` for `records`, and counts of what was cut or dropped."""
     if tokenizer.eos_token_id is None:
         raise DataError("the tokenizer has no EOS token; jaxrlhf needs one (set eos_token in tokenizer_config.json)")
-    fmt = ChatFormat(tokenizer, config.chat_template, template_variables(config.chat_template_kwargs))
+    fmt = chat_format(tokenizer, config)
     try:
         prompts = [fmt.prompt_ids(r.prompt) for r in records]
         if step == 3:
@@ -257,8 +262,7 @@ def cache_key(config: DataConfig, step: int, tokenizer) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     vocab = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
     vocab += json.dumps([tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id])
-    variables = template_variables(config.chat_template_kwargs)
-    fmt = ChatFormat(tokenizer, config.chat_template, variables)  # the template renders conversational rows
+    fmt = chat_format(tokenizer, config)  # the template renders conversational rows: it shapes them
     vocab += json.dumps([fmt.template, fmt.stop_id])
     blob = {
         "version": CACHE_VERSION,
