@@ -106,7 +106,10 @@ class MetricsLog:
             try:
                 from tensorboardX import SummaryWriter
 
-                self.tb = SummaryWriter(str(self.tb_dir), purge_step=self.purge_step)
+                # tensorboardX names a file by the second it starts: a resume within that second would overwrite the
+                # earlier file; the number of files before it keeps the names apart and in order
+                n = len(list(self.tb_dir.glob("events.out.tfevents.*")))
+                self.tb = SummaryWriter(str(self.tb_dir), purge_step=self.purge_step, filename_suffix=f".{n:04d}")
             except ImportError:  # a dependency, but an image without it still writes the JSON lines
                 self.tb_dir = None
         return self.tb

@@ -122,23 +122,24 @@ def test_a_resumed_run_continues_the_same_weights_and_biases_run(tmp_path, monke
 
 def test_a_resumed_run_continues_one_tensorboard_run(tmp_path):
     """Steps 1-3 logged, the run resumed from its state at step 2 (step 3 runs again, with another loss), then step 4:
-    TensorBoard's own reader sees one run with steps 1-4 and the new step 3, though tb/ holds two event files."""
-    event_accumulator = pytest.importorskip(
-        "tensorboard.backend.event_processing.event_accumulator", reason="TensorBoard is not installed"
-    )
+    TensorBoard's own reader sees one run with steps 1-4 and the new step 3, though tb/ holds two event files. Both
+    writers start within one second: tensorboardX names files by the second, and the second file must not overwrite
+    the first."""
     out = tmp_path / "run"
     first = MetricsLog(out, ("tensorboard",))
     for step, loss in ((1, 3.0), (2, 2.0), (3, 1.5)):
         first.write(step, "train", {"loss": loss})
     first.close()
-    time.sleep(1.1)  # event files are named by the second they were opened in
     again = MetricsLog(out, ("tensorboard",))
     again.resume(2)
     for step, loss in ((3, 1.0), (4, 0.5)):
         again.write(step, "train", {"loss": loss})
     again.close()
     assert len(list((out / "tb").glob("events.out.tfevents.*"))) == 2
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator", reason="TensorBoard is not installed"
+    )
     tb = event_accumulator.EventAccumulator(str(out / "tb"))
     tb.Reload()
     assert [(e.step, e.value) for e in tb.Scalars("train/loss")] == [(1, 3.0), (2, 2.0), (3, 1.0), (4, 0.5)]
-    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
