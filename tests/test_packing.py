@@ -144,7 +144,7 @@ def test_packed_rows_are_the_real_tokens_and_unpack_puts_them_back():
             for b in np.unique(m.segment[r][m.segment[r] < B]):
                 at = np.flatnonzero(m.segment[r] == b)
                 np.testing.assert_array_equal(out["seq"][r, at], seq[b][seq_mask[b] == 1])
-                assert (out["seq_mask"][r, at] == 1).all() and (out["segment_ids"][r, at] == b).all()
+                assert (out["seq_mask"][r, at] == 1).all() and (out["segment"][r, at] == b).all()
                 np.testing.assert_array_equal(out["positions"][r, at], np.arange(len(at)))
             assert (out["seq_mask"][r][m.segment[r] == B] == 0).all()
         real = m.slot < B * G
@@ -164,18 +164,28 @@ def test_packed_rows_are_the_real_tokens_and_unpack_puts_them_back():
     np.testing.assert_array_equal(back["scores"], last)
 
 
-def test_a_packed_micro_batch_scores_each_sequence_as_the_padded_block_does():
+@pytest.mark.parametrize(
+    "prompts, answers, joined",
+    [
+        ([7, 3, 5, 1, 4, 6, 2, 5, 2, 1, 3, 2], [5, 1, 3, 0, 2, 4, 5, 1, 1, 2, 0, 1], 3),  # rows of up to three
+        ([7, 4, 6, 5, 7, 3, 7, 6, 2, 5, 4, 7], [5, 4, 1, 3, 0, 5, 2, 4, 5, 2, 3, 5], 1),  # 7+ tokens each: one a row
+    ],
+)
+def test_a_packed_micro_batch_scores_each_sequence_as_the_padded_block_does(prompts, answers, joined):
     """Log-probs, entropies and values of every answer token and each sequence's reward score (its last real token)
     from packed rows of several sequences equal the padded block's, row by row with no segments (OPT and Llama): a
-    position not restarted, attention across segments or a head one column off would change them."""
+    position not restarted, attention across segments or a head one column off would change them. Where no row
+    joins two sequences (Micro.joined false) the model runs without the segment mask, padding after each one."""
     P, G, B = 7, 5, 12
-    prompts, answers = [7, 3, 5, 1, 4, 6, 2, 5, 2, 1, 3, 2], [5, 1, 3, 0, 2, 4, 5, 1, 1, 2, 0, 1]
     ids, _ = left_padded_batch(64, prompts, T=P, seed=1)
     seq = np.concatenate([ids, np.random.default_rng(2).integers(3, 64, (B, G)).astype(np.int32)], 1)
     seq_mask = padded_mask(prompts, answers, P, G)
     exp = jax.tree.map(jnp.asarray, {"seq": seq, "seq_mask": seq_mask, "mask": seq_mask[:, P:]})
     micro = packing.plan(seq_mask, P, 36, 1, 1)
-    assert max(len(set(r[r < B])) for m in micro for r in m.segment) == 3  # rows of up to three sequences
+    assert max(len(set(r[r < B])) for m in micro for r in m.segment) == joined  # sequences to a row
+    assert {m.joined for m in micro} == {joined > 1} and (packing.pack(exp, micro[0])["segment_ids"] is None) == (
+        joined == 1
+    )
     for config in (OPTConfig(**PRE_LN, dropout=0.0), OPT[1], LLAMA):
         lm = init_params(config, jax.random.key(0), std=0.3)
         head = init_params(config, jax.random.key(1), value_head=True, std=0.3)

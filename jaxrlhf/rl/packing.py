@@ -28,8 +28,10 @@ one shape a batch (one program each for scoring and both training steps), a hand
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -37,7 +39,13 @@ import numpy as np
 MIN_SLOTS = 8
 
 
-class Micro(NamedTuple):
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["segment", "column", "position", "head_at", "slot"],
+    meta_fields=["joined"],
+)
+@dataclasses.dataclass(frozen=True)
+class Micro:
     """One packed micro-batch's layout (host int32 arrays: a pytree jit takes as arguments; row r's sequences b)."""
 
     segment: np.ndarray  # [n, W] the experience row b whose token sits at each column; B: padding
@@ -45,6 +53,10 @@ class Micro(NamedTuple):
     position: np.ndarray  # [n, W] its position in its sequence: real tokens counted from 0 (0: padding)
     head_at: np.ndarray  # [n, A] the column whose output scores answer slot a (the column before its token)
     slot: np.ndarray  # [n, A] slot a's answer token as b G + g in the answer space [B, G]; B G: an empty slot
+    # static (part of the program's key): some row holds several sequences, so the model attends within segments
+    # (a segment mask, cuDNN's attention with a bias); else each sequence is alone from its row's column 0 and plain
+    # causal attention is exact (the fixed-length workloads: no mask read in any layer)
+    joined: bool = True
 
     @property
     def width(self) -> int:
@@ -67,9 +79,10 @@ def _rows(lengths, answers, order, W: int, A: int) -> list[list[int]]:
     return rows
 
 
-def _layout(rows: list[list[int]], real, targets, B: int, P: int, G: int, W: int, A: int) -> Micro:
+def _layout(rows: list[list[int]], real, targets, B: int, P: int, G: int, W: int, A: int, joined: bool) -> Micro:
     """The Micro of rows of sequences (lists of experience rows b; [] an empty row): each sequence's real columns
-    `real[b]` side by side from column 0, its target tokens (targets [B, T]) in the row's first slots."""
+    `real[b]` side by side from column 0, its target tokens (targets [B, T]) in the row's first slots; `joined`: the
+    batch's (Micro.joined), one for all its micro-batches."""
     n = len(rows)
     segment, column, position = np.full((n, W), B), np.zeros((n, W), np.int64), np.zeros((n, W), np.int64)
     head_at, slot = np.zeros((n, A), np.int64), np.full((n, A), B * G)
@@ -83,7 +96,8 @@ def _layout(rows: list[list[int]], real, targets, B: int, P: int, G: int, W: int
             head_at[r, k : k + len(answer)] = np.maximum(at + answer - 1, 0)
             slot[r, k : k + len(answer)] = b * G + cols[answer] - P
             at, k = at + len(cols), k + len(answer)
-    return Micro(*(x.astype(np.int32) for x in (segment, column, position, head_at, slot)))
+    arrays = (x.astype(np.int32) for x in (segment, column, position, head_at, slot))
+    return Micro(*arrays, joined=joined)
 
 
 def rounded(rows: int) -> int:
@@ -125,9 +139,9 @@ def plan(
     n = max(budget // W, 1) * devices  # the most rows a micro-batch holds
     parts = max(-(-len(rows) // n), 1)  # the fewest micro-batches, the rows shared evenly: one shape for all of them
     size = min(n, devices * rounded(-(-len(rows) // (parts * devices))))
-    real = [np.flatnonzero(m) for m in mask]
+    real, joined = [np.flatnonzero(m) for m in mask], any(len(row) > 1 for row in rows)
     return [
-        _layout(part + [[]] * (size - len(part)), real, targets, B, prompt_len, T - prompt_len, W, A)
+        _layout(part + [[]] * (size - len(part)), real, targets, B, prompt_len, T - prompt_len, W, A, joined)
         for part in (rows[i : i + size] for i in range(0, len(rows), size))
     ]
 
@@ -150,7 +164,8 @@ def mixture_plan(attention_mask, loss_mask, parts: int, devices: int, multiple: 
 
 def pack(exp: dict, m: Micro) -> dict:
     """Micro-batch `m` of a padded experience (seq, seq_mask [B, P + G]; mask [B, G]) on the device: seq, seq_mask,
-    positions, segment_ids [n, W] (padding: segment B, mask 0), and per answer slot [n, A] head_at, slot (Micro's) and
+    positions, segment [n, W] (padding: segment B, mask 0), the model's segment_ids (segment, or None where no row
+    joins sequences: Micro.joined), and per answer slot [n, A] head_at, slot (Micro's) and
     answer (the token the slot scores)."""
     B, T = exp["seq"].shape
     G = exp["mask"].shape[1]
@@ -162,7 +177,8 @@ def pack(exp: dict, m: Micro) -> dict:
         "seq": exp["seq"][b, m.column],
         "seq_mask": seq_mask,
         "positions": jnp.asarray(m.position),
-        "segment_ids": segment,
+        "segment": segment,
+        "segment_ids": segment if m.joined else None,  # the model's: None where every sequence is alone in its row
         "head_at": jnp.asarray(m.head_at),
         "answer": answer,
         "slot": slot,
@@ -186,13 +202,13 @@ def to_answers(x, packed: dict, shape: tuple[int, int]):
 
 def members(packed: dict, B: int):
     """[B] float32: 1 for the experience rows whose sequence is in this micro-batch."""
-    return jnp.zeros(B, jnp.float32).at[packed["segment_ids"].reshape(-1)].set(1.0, mode="drop")
+    return jnp.zeros(B, jnp.float32).at[packed["segment"].reshape(-1)].set(1.0, mode="drop")
 
 
 def segment_ends(x, packed: dict, B: int):
     """[B]: x [n, W] at each sequence's last real token (its segment's last column), 0 for rows not in this
     micro-batch: where the reward model scores a sequence."""
-    segment = packed["segment_ids"]
+    segment = packed["segment"]
     after = jnp.concatenate([segment[:, 1:], jnp.full_like(segment[:, :1], B)], axis=1)
     at = jnp.where(after != segment, segment, B)  # the last column of each segment (padding's index B is dropped)
     return jnp.zeros(B, x.dtype).at[at.reshape(-1)].set(x.reshape(-1), mode="drop")
