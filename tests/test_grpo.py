@@ -515,6 +515,7 @@ def test_dynamic_sampling_drops_groups_without_spread(models, prompts, max_draws
     assert figures == {"dropped_groups": len(dropped) / (8 * n_draws), "draws": float(n_draws)}
     stats = e.train_rlhf(exp)
     assert stats["zero_spread"] == 1 - min(len(kept), 8) / 8 and np.isfinite(stats["actor_loss"])
+    assert "kl_coef" not in stats  # GRPO's KL is the loss term's: the reward's coefficient weighs nothing here
 
 
 # ----------------------------------------------------------- one GRPO iteration against an independent reference
