@@ -521,7 +521,11 @@ def main():
         "(e.g. ../shared/assets/data/hh-rlhf/hh_lengths.json); default: every row --prompt + --new",
     )
     ap.add_argument(
-        "--slots", type=int, default=0, help="ours: decode slots (0: one per prompt; fewer: continuous batching)"
+        "--slots",
+        type=int,
+        default=0,
+        help="ours: decode slots (0: the engine's default, 256, or one per prompt in a smaller batch; the batch: one "
+        "per prompt; fewer: continuous batching, and answers that all run to --new decode in waves)",
     )
     ap.add_argument(
         "--refill", type=int, default=0, help="ours: prompts prefilled at a time into freed slots (0: slots / 8)"

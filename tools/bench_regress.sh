@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The regression set (docs/benchmarks.md, "The redesign"): Step 1, decoding, Step 3 at HH lengths and fixed (256 + 256 at
-# batch 256 and 768, one slot per prompt: the headline fixed shape).
+# batch 256 and 768 over the engine's default 256 decode slots: batch 768 decodes in three waves; one slot per prompt,
+# as e977f8f decoded, is --slots 768 and needs ~92 GiB, an H200).
 # usage: bash tools/bench_regress.sh TREE TAG [PARTS]  (TREE: a checkout of the commit to measure, e.g. a git worktree;
 # PARTS: some of "sft gen ppo-len ppo-fixed", all by default, for an A/B that must fit a device session;
 # each part's whole log in $OUT/TAG/PART.log; .assets/hh_lengths.json: ../shared/assets/data/hh-rlhf/hh_lengths.json,
