@@ -183,9 +183,8 @@ def test_a_packed_micro_batch_scores_each_sequence_as_the_padded_block_does(prom
     exp = jax.tree.map(jnp.asarray, {"seq": seq, "seq_mask": seq_mask, "mask": seq_mask[:, P:]})
     micro = packing.plan(seq_mask, P, 36, 1, 1)
     assert max(len(set(r[r < B])) for m in micro for r in m.segment) == joined  # sequences to a row
-    assert {m.joined for m in micro} == {joined > 1} and (packing.pack(exp, micro[0])["segment_ids"] is None) == (
-        joined == 1
-    )
+    no_mask = packing.pack(exp, micro[0])["segment_ids"] is None  # the model's attention then reads no segment mask
+    assert {m.joined for m in micro} == {joined > 1} and no_mask == (joined == 1)
     for config in (OPTConfig(**PRE_LN, dropout=0.0), OPT[1], LLAMA):
         lm = init_params(config, jax.random.key(0), std=0.3)
         head = init_params(config, jax.random.key(1), value_head=True, std=0.3)

@@ -444,8 +444,8 @@ class HybridEngine:
         if unsupervised is not None and isinstance(unsupervised["input_ids"], np.ndarray):
             unsup = place(unsupervised, self.mesh, "fsdp")
         exp, stats = self._timed("advantages", advantages, self.static.returns, exp, experience["kl_coef"])
-        if self.static.returns.kl_estimator == "none":  # the KL is in the reward: its coefficient (with a KL loss term,
-            stats["kl_coef"] = experience["kl_coef"]  # as GRPO's default, it weighs nothing and is not reported)
+        if self.static.returns.kl_estimator == "none":  # the reward's KL coefficient; with a KL loss term it weighs
+            stats["kl_coef"] = experience["kl_coef"]  # nothing (GRPO's default) and is not reported
         micro, parts = self._micro_batches(exp), []
         if unsup is not None:  # the mixture batch's gradient_accumulation_steps parts, each packed
             masks = to_host({k: unsup[k] != 0 for k in ("attention_mask", "loss_mask")})
