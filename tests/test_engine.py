@@ -243,7 +243,7 @@ def test_one_row_per_micro_batch_gives_the_whole_batch_step(models, prompts):
     for budget in (11, 1024):
         e = engine(models, one, eos, enable_ema=False, max_tokens_per_micro_batch=budget)
         exp = e.generate_experience(batch)
-        assert len(e._micro_batches(exp)) == (8 if budget == 11 else 1)
+        assert len(e.micro_batches(exp)) == (8 if budget == 11 else 1)
         exps.append(host(exp))
         runs.append((e.train_rlhf(exp), host(e.state)))
     for k in ("seq", "mask", "logprobs", "ref_logprobs", "values", "scores"):

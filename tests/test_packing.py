@@ -69,6 +69,7 @@ def test_the_plan_holds_every_sequence_once_and_whole_within_the_token_budget(bu
             # the column after head_at holds the slot's token, in the same sequence
             np.testing.assert_array_equal(m.segment[r, m.head_at[r, : len(slots)] + 1], answer[:, 0])
             np.testing.assert_array_equal(m.column[r, m.head_at[r, : len(slots)] + 1], answer[:, 1])
+    assert packing.real_share(micro, B) == pytest.approx(lengths.sum() / sum(m.segment.size for m in micro))
     answers = np.concatenate([m.slot[m.slot < B * G] for m in micro])
     assert sorted(answers) == list(np.flatnonzero(mask[:, P:].reshape(-1)))  # every answer token one slot
     assert max(len(np.unique(m.segment[r])) for m in micro for r in range(len(m.segment))) > 2  # rows are shared
@@ -268,7 +269,7 @@ def test_packed_gives_the_unpacked_experience_losses_and_updates(family, monkeyp
         )
         engine = HybridEngine(cfg, mesh, (actor_cfg, actor), (critic_cfg, critic), total_steps=10, eos_id=-1, pad_id=1)
         exp = engine.generate_experience({"prompt_ids": ids, "prompt_mask": mask, "answer_limits": limits})
-        micro = engine._micro_batches(exp)
+        micro = engine.micro_batches(exp)
         shared = max(len(set(r[r < 16])) for m in micro for r in m.segment)
         assert (len(micro), shared) == ((2, 2) if budget == 12 else (1, 1))  # packed: two sequences to a row
         host = jax.device_get({k: exp[k] for k in ("seq", "mask", "logprobs", "ref_logprobs", "values", "scores")})

@@ -448,6 +448,8 @@ def test_bench_ppo_grpo_counts_answers_and_records_the_algorithm(tmp_path, monke
         g["ours_fp32"]["answer_tokens"] == p["ours_fp32"]["answer_tokens"] == answers.sum()
     )  # lengths forced per answer
     assert g["ours_fp32"]["phases_s"]["critic_step"] == 0 and p["ours_fp32"]["phases_s"]["critic_step"] > 0
+    # packed micro-batches hold no more padding than the padded block of 8 + 6 positions a row
+    assert real / (B * 14) <= g["ours_fp32"]["micro_batch_real_share"] <= 1
     assert "torch_hf_pure_bf16" not in p
     assert g["effective_flops"] < p["effective_flops"]  # no critic forward or update
     compiled = g["ours_fp32"]["first_iteration_compiles"]  # the process's first engine: its programs were compiled

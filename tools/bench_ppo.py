@@ -71,7 +71,7 @@ from jaxrlhf.models import FAMILIES, Backend, init_params, llama, opt, param_sha
 from jaxrlhf.optim import OptimConfig  # noqa: E402
 from jaxrlhf.plan import capacity, plan  # noqa: E402
 from jaxrlhf.rewards import HostScores, RewardConfig  # noqa: E402
-from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide  # noqa: E402
+from jaxrlhf.rl import EngineConfig, HybridEngine, ModelSide, packing  # noqa: E402
 from jaxrlhf.rl import engine as rl_engine  # noqa: E402
 from jaxrlhf.sharding import make_mesh, shardings_for  # noqa: E402
 from tools import common  # noqa: E402
@@ -237,7 +237,8 @@ def ours(args, actor: str, critic: str, B: int, precision: str, lora: int, algor
         for i in range(args.repeats + 1):  # the first iteration compiles
             engine.timings.clear()
             start = time.perf_counter()
-            stats = engine.train_rlhf(engine.generate_experience(batch, start_rewards))
+            exp = engine.generate_experience(batch, start_rewards)
+            stats = engine.train_rlhf(exp)
             elapsed = time.perf_counter() - start
             if i:
                 times.append(elapsed)
@@ -272,6 +273,8 @@ def ours(args, actor: str, critic: str, B: int, precision: str, lora: int, algor
         "samples_per_s_per_gpu": B / t / mesh.size,
         "real_tokens_per_s": real / t,
         "real_tokens": real,
+        # of the positions scoring and both training steps compute, the share that holds a real token (packing)
+        "micro_batch_real_share": packing.real_share(engine.micro_batches(exp), B),
         "answer_tokens": round(stats.get("answer_len", 0) * B),
         # DeepSpeed-Chat's Step 3 benchmark: 264,292 samples (9 hours for OPT-13B on 8 A100-80G)
         "deepspeed_chat_benchmark_hours": 264292 / (B / t) / 3600,

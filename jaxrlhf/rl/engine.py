@@ -419,11 +419,11 @@ class HybridEngine:
         names = {"ref_logprobs": True, "logprobs": not cfg.old_logprobs_from_generation, "values": not cfg.critic_free}
         out = {k: jnp.zeros((B, G), jnp.float32) for k, on in names.items() if on}
         out = row_layout({**out, "scores": jnp.zeros((B,), jnp.float32)}, self.mesh)
-        for micro in self._micro_batches(exp):
+        for micro in self.micro_batches(exp):
             out = score(self.static.scoring, weights, *frozen, exp, out, micro)
         return {**exp, **out}
 
-    def _micro_batches(self, exp: dict) -> list[packing.Micro]:
+    def micro_batches(self, exp: dict) -> list[packing.Micro]:
         """The packed micro-batches of an experience (packing.plan on its rows' real tokens; the same every time)."""
         seq_mask = np.asarray(to_host(exp["seq_mask"] != 0))  # whole on every process: one plan for all
         T, multiple = seq_mask.shape[1], self.cfg.packed_width_multiple
@@ -446,7 +446,7 @@ class HybridEngine:
         exp, stats = self._timed("advantages", advantages, self.static.returns, exp, experience["kl_coef"])
         if self.static.returns.kl_estimator == "none":  # the reward's KL coefficient; with a KL loss term it weighs
             stats["kl_coef"] = experience["kl_coef"]  # nothing (GRPO's default) and is not reported
-        micro, parts = self._micro_batches(exp), []
+        micro, parts = self.micro_batches(exp), []
         if unsup is not None:  # the mixture batch's gradient_accumulation_steps parts, each packed
             masks = to_host({k: unsup[k] != 0 for k in ("attention_mask", "loss_mask")})
             n, multiple = self.cfg.actor.optim.gradient_accumulation_steps, self.cfg.packed_width_multiple

@@ -146,6 +146,12 @@ def plan(
     ]
 
 
+def real_share(micro: list[Micro], B: int) -> float:
+    """The share of the micro-batches' token positions that hold a real token (a sequence of the B rows), not
+    padding: what scoring and training compute for something."""
+    return sum(int((m.segment < B).sum()) for m in micro) / max(sum(m.segment.size for m in micro), 1)
+
+
 def mixture_plan(attention_mask, loss_mask, parts: int, devices: int, multiple: int = 64) -> list[Micro]:
     """The mixture batch's (a Step 1 batch: attention_mask, loss_mask [N, T], host) `parts` parts, rows i, i + parts,
     ... (gradient_accumulation_steps), each one micro-batch with its sequences packed as the experience's (plan); a
