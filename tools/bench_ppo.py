@@ -21,7 +21,8 @@ dropped, answers capped at --new), the same draws for both sides; the prompt is 
 answer forced to end at its drawn length (ours: the engine's per-row answer_limits; theirs: a logits processor
 that bars EOS before the drawn length and forces it there, HF stopping once every row has ended, then padded
 scoring and training as DeepSpeed-Chat does). Reported beside samples/s: real tokens/s (prompt + answer tokens
-that are not padding). `--slots` sets ours' decode slots (continuous batching).
+that are not padding) and ours' micro_batch_real_share (of the positions its packed scoring and training compute,
+the share holding a real token). `--slots` sets ours' decode slots (continuous batching; 0: the engine's 256).
 `--algorithm ppo grpo` (rloo, reinforce_pp) benchmarks each algorithm, the critic-free ones at every
 `--samples-per-prompt` n (PPO: n = 1). --batch counts ANSWERS in every case: a critic-free run at batch B answers
 B / n prompts n times each (the engine's num_samples_per_prompt; theirs: HF `generate` with num_return_sequences=n),
