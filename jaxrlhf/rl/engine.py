@@ -76,8 +76,18 @@ from jaxrlhf.rl.experience import (
 from jaxrlhf.sharding import check_tp, reshard, shardings_for
 
 #: what the losses read of an experience (train_rlhf's advantages and steps)
-TRAINED = ("seq", "seq_mask", "mask", "logprobs", "ref_logprobs", "values", "scores", "function_scores", "scored")
-TRAINED += ("truncated",)
+TRAINED = (
+    "seq",
+    "seq_mask",
+    "mask",
+    "logprobs",
+    "ref_logprobs",
+    "values",
+    "scores",
+    "function_scores",
+    "scored",
+    "truncated",
+)
 #: the sampling key of held-out answers (`held_out`), beside the iterations' (fold_in of the iteration): the same at
 #: every evaluation, so that evaluations compare
 HELD_OUT_KEY = 2**32 - 1
