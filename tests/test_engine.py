@@ -93,10 +93,10 @@ def test_one_iteration_on_8_devices_with_tp_2_equals_one_device(models, prompts)
 
 
 def test_experience_is_what_the_models_say(models, prompts):
-    """Old and reference log-probs, values and scores against direct forwards; generation's own log-probs
-    equal the training forward's old log-probs, so old_logprobs_from_generation may skip that forward."""
+    """Old (old_logprobs scoring) and reference log-probs, values and scores against direct forwards; generation's
+    own log-probs equal the training forward's old log-probs, so old_logprobs generation may skip that forward."""
     batch, eos = prompts
-    e = engine(models, make_mesh(1, jax.devices()[:1]), eos)  # shares the compilations of the test above
+    e = engine(models, make_mesh(1, jax.devices()[:1]), eos, old_logprobs="scoring")
     exp = host(e.generate_experience(batch))
     seq, seq_mask, mask = exp["seq"], exp["seq_mask"], exp["mask"]
     np.testing.assert_array_equal(seq[:, :6], batch["prompt_ids"])
@@ -112,7 +112,7 @@ def test_experience_is_what_the_models_say(models, prompts):
     v = np.asarray(jit_values(CRITIC, models[1], seq, seq_mask))
     np.testing.assert_allclose(exp["values"], v[:, 5:-1] * mask, atol=1e-5)
     np.testing.assert_allclose(exp["scores"], v[np.arange(len(n)), 5 + n], atol=1e-5)  # critic = reward model at first
-    reuse = engine(models, make_mesh(1, jax.devices()[:1]), eos, old_logprobs_from_generation=True)
+    reuse = engine(models, make_mesh(1, jax.devices()[:1]), eos, old_logprobs="generation")
     exp2 = host(reuse.generate_experience(batch))
     np.testing.assert_array_equal(exp2["seq"], seq)
     np.testing.assert_allclose(exp2["logprobs"], exp["logprobs"], atol=2e-5)
@@ -315,3 +315,70 @@ def test_a_setting_no_program_reads_compiles_nothing_again(models, prompts):
     assert compiled() == before
     iteration(temperature=0.7)
     assert compiled()["score"] == before["score"] + 1
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_old_logprobs_from_the_step_equal_scored_ones(models, prompts, algorithm):
+    """old_logprobs step (the actor step's own forward, detached) against scoring (a forward in scoring) on 4 devices,
+    packed micro-batches of one row a device accumulated, two iterations, the second batch trained twice (two PPO
+    epochs: the second reads the old log-probs the first left in the experience): the same old log-probs, figures
+    and weights. PPO takes its advantages in the step from them (the KL in the reward); GRPO's KL is a loss term."""
+    batch, eos = prompts
+    mesh = make_mesh(1, jax.devices()[:4])
+    kw = dict(algorithm=algorithm, max_tokens_per_micro_batch=11, enable_ema=False)
+    if algorithm == "grpo":
+        kw.update(num_samples_per_prompt=2, kl_loss_coef=0.5)
+        batch = {k: v[:4] for k, v in batch.items()}
+    runs = {}
+    for source in ("scoring", "step"):
+        e = engine(models, mesh, eos, old_logprobs=source, **kw)
+        assert e.static.scoring.old == (source == "scoring")
+        records, olds = [], []
+        for epochs in (1, 2):
+            exp = e.generate_experience(batch)
+            assert ("logprobs" in exp) == (source == "scoring")
+            assert len(e.micro_batches(exp)) > 1
+            records += [e.train_rlhf(exp) for _ in range(epochs)]
+            olds.append(np.asarray(exp["logprobs"]))  # the step's: left in the experience
+        runs[source] = records, olds, host(e.state)
+    (rec_s, old_s, state_s), (rec_t, old_t, state_t) = runs["scoring"], runs["step"]
+    for a, b in zip(old_s, old_t):
+        assert np.abs(a).max() > 0.1
+        np.testing.assert_allclose(b, a, atol=2e-5)
+    for r_s, r_t in zip(rec_s, rec_t):
+        assert r_s.keys() == r_t.keys()
+        for k in r_s:
+            np.testing.assert_allclose(r_t[k], r_s[k], rtol=1e-4, atol=2e-5, err_msg=k)
+    # the first step moved the actor off the reference; the second batch's second epoch moved its ratio off 1
+    assert abs(rec_s[1]["kl"]) > 1e-3 and rec_s[2]["ratio_max"] > 1.001
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(state_s)[0], jax.tree.leaves(state_t)):
+        if "k_proj/bias" not in path_str(path):  # float noise through Adam (see the 8-device test)
+            np.testing.assert_allclose(b, a, atol=1e-4, err_msg=path_str(path))
+
+
+def test_old_logprobs_from_the_step_refuse_a_batch_the_actor_has_moved_past(models, prompts):
+    """A batch answered before another batch's actor step cannot take its old log-probs from the step (the weights
+    that answered are gone): a clear error, not a silently wrong ratio. The default resolves to scoring wherever
+    something reads the old log-probs before the step."""
+    from jaxrlhf.config import ConfigError
+    from jaxrlhf.rl import PPOConfig
+
+    batch, eos = prompts
+    e = engine(models, make_mesh(1, jax.devices()[:1]), eos, old_logprobs="step")
+    first, second = e.generate_experience(batch), e.generate_experience(batch)
+    e.train_rlhf(first)
+    with pytest.raises(RuntimeError, match="stepped 1 time"):
+        e.train_rlhf(second)
+    assert config().old_logprobs_source == "step"
+    assert config(algorithm="grpo", num_samples_per_prompt=2).old_logprobs_source == "step"
+    for refused in (
+        dict(whiten_advantages=True),
+        dict(kl_target=6.0),
+        dict(algorithm="rloo", num_samples_per_prompt=2),
+        dict(algorithm="grpo", num_samples_per_prompt=2, kl_loss="none"),
+    ):
+        assert config(**refused).old_logprobs_source == "scoring", refused
+        with pytest.raises(ConfigError, match="old_logprobs: step"):
+            config(old_logprobs="step", **refused)
+    assert PPOConfig(generation_batches=2).old_logprobs_source == "scoring"
+    assert PPOConfig(ppo_epochs=2).old_logprobs_source == "step"

@@ -508,7 +508,7 @@ def test_dynamic_sampling_drops_groups_without_spread(models, prompts, max_draws
     dropped = [(d, g) for d in range(n_draws) for g in range(8) if g not in KEPT[d]]
     chosen = (kept + dropped)[:8]
     for i, (d, g) in enumerate(chosen):
-        for k in ("seq", "mask", "logprobs", "function_scores", "truncated"):
+        for k in ("seq", "mask", "ref_logprobs", "function_scores", "truncated"):
             np.testing.assert_array_equal(got[k][2 * i : 2 * i + 2], draws[d][k][2 * g : 2 * g + 2], err_msg=k)
     np.testing.assert_array_equal(got["scored"], np.repeat(np.arange(8) < len(kept), 2).astype(np.float32))
     assert (len(kept) >= 8) == (max_draws == 5)  # both cases: filled, and cut short by the cap

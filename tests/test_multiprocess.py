@@ -113,7 +113,7 @@ def ppo_config(tmp_path, **kw):
         max_answer_len=6,
         precision="fp32",
         enable_ema=True,
-        old_logprobs_from_generation=True,
+        old_logprobs="generation",
         data=data,
     )
     return PPOConfig(**{**base, **kw})

@@ -49,7 +49,7 @@ def ppo_config(folders, tmp_path, **kw):
         precision="fp32",
         enable_ema=True,
         unsup_coef=0.1,
-        old_logprobs_from_generation=True,
+        old_logprobs="generation",
         data=data,
     )
     return PPOConfig(**{**base, **kw})

@@ -7,7 +7,7 @@
 Per precision, the Step 3 engine (random weights of the real shapes, made as tools/bench_ppo.py makes them) answers
 random prompts of drawn lengths (bench_ppo's draws from --lengths, answers forced to end at their drawn length, EOS
 off; sampling at temperature 1) and records generation's own log-probs of the tokens it drew: what
-`old_logprobs_from_generation` would use as the old log-probs. Its scoring phase computes the old log-probs with
+`old_logprobs: generation` would use as the old log-probs. Its scoring phase computes the old log-probs with
 the training forward, in packed micro-batches of max_tokens_per_micro_batch tokens. The same answers are then
 scored by the training forward a second time, another way: padded rows of the whole prompt + answer width, --micro
 rows at a time (models.logprobs on the actor's weights as training reads them). Two training forwards differ by as
@@ -102,7 +102,7 @@ def engine_for(args, precision: str) -> HybridEngine:
         precision=precision,
         max_answer_len=args.new,
         enable_ema=False,
-        old_logprobs_from_generation=False,  # the old log-probs from the training forward, generation's beside them
+        old_logprobs="scoring",  # the old log-probs from the training forward, generation's beside them
         decode_slots=args.slots,
         max_tokens_per_micro_batch=args.tokens,
     )

@@ -210,7 +210,7 @@ def ours(args, actor: str, critic: str, B: int, precision: str, lora: int, algor
         num_samples_per_prompt=n,
         inference_tp_size=args.tp,
         enable_ema=False,
-        old_logprobs_from_generation=args.old_from_generation,
+        old_logprobs="generation" if args.old_from_generation else args.old_logprobs,
         decode_slots=args.slots,
         refill_size=args.refill,
         max_tokens_per_micro_batch=args.tokens,
@@ -554,8 +554,13 @@ def main():
         "the experience is cut by --tokens",
     )
     ap.add_argument(
-        "--old-from-generation", action="store_true", help="old log-probs from generation (one actor forward less)"
+        "--old-logprobs",
+        choices=["auto", "scoring", "step", "generation"],
+        default="auto",
+        help="ours: EngineConfig.old_logprobs, where the old log-probs come from (auto: the default a user gets, the "
+        "actor step's own forward where that is exact)",
     )
+    ap.add_argument("--old-from-generation", action="store_true", help="--old-logprobs generation (older trees' flag)")
     ap.add_argument("--only-torch", action="store_true", help=argparse.SUPPRESS)  # the child process
     ap.add_argument("--find-max", action="store_true")
     ap.add_argument(

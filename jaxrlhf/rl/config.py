@@ -109,8 +109,12 @@ class EngineConfig:
     offload_reference_model: bool = False
     #: keep the reward model's own leaves in host memory, on the device only while scoring (--offload_reward_model)
     offload_reward_model: bool = False
-    #: use generation's own log-probs as the old log-probs (skips one actor forward; equal in fp32, tested)
-    old_logprobs_from_generation: bool = False
+    #: where the old log-probs (the PPO ratio's denominator) come from: scoring (an actor forward in scoring, as
+    #: DeepSpeed-Chat) | step (the actor step's own forward, detached, as TRL with one iteration: the same weights, so
+    #: exact in the first actor step after the batch's generation; one actor forward less) | generation (generation's
+    #: own: one forward less, ~1e-2 a token from the training forward's in bf16, docs/differences.md) | auto (step
+    #: wherever it is exact, else scoring: old_logprobs_refusal)
+    old_logprobs: Literal["auto", "scoring", "step", "generation"] = "auto"
     #: KL penalty coefficient beta in r_t = -beta * (log p - log p_ref)
     kl_coef: float = 0.1
     #: adaptive KL controller (Ziegler et al. 2019): the KL per answer to steer kl_coef towards (null: fixed kl_coef)
@@ -171,7 +175,7 @@ class EngineConfig:
         }
         check_fields(self, **{name: rule for rule, names in rules.items() for name in names})
         hints = typing.get_type_hints(EngineConfig)  # the choices of Literal fields, checked here for Python callers
-        for name in ("precision", "algorithm", "loss_agg", "kl_loss"):
+        for name in ("precision", "algorithm", "loss_agg", "kl_loss", "old_logprobs"):
             if getattr(self, name) not in typing.get_args(hints[name]):
                 choices = list(typing.get_args(hints[name]))
                 raise ConfigError(f"{name}: expected one of {choices}, got {getattr(self, name)!r}")
@@ -199,6 +203,29 @@ class EngineConfig:
                 "kl_target: the adaptive KL controller steers the KL in the reward; with a KL loss term (kl_loss "
                 f"{self.kl_loss}, algorithm {self.algorithm}) there is none (kl_target=null, or kl_loss=none)"
             )
+        if self.old_logprobs == "step" and self.old_logprobs_refusal():
+            raise ConfigError(
+                "old_logprobs: step takes them from the actor step's own forward, exact only where nothing reads them "
+                f"before that step; here {self.old_logprobs_refusal()} (old_logprobs: scoring, or auto)"
+            )
+
+    def old_logprobs_refusal(self) -> str | None:
+        """Why the actor step's own forward cannot give the old log-probs (old_logprobs step), or None where it gives
+        them exactly: nothing may read them before the first actor step after the batch's generation."""
+        if self.kl_target is not None:
+            return "the adaptive KL controller (kl_target) steps on the batch's KL before the actor step"
+        if self.whiten_advantages:
+            return "whitened advantages read every answer's old log-probs before the actor step"
+        if self.kl_estimator == "none" and self.algorithm != "ppo":
+            return f"{self.algorithm}'s advantages read other answers' old log-probs (the KL in the reward)"
+        return None
+
+    @property
+    def old_logprobs_source(self) -> str:
+        """old_logprobs resolved: "scoring", "step" or "generation"."""
+        if self.old_logprobs != "auto":
+            return self.old_logprobs
+        return "scoring" if self.old_logprobs_refusal() else "step"
 
     @property
     def critic_free(self) -> bool:
@@ -269,3 +296,8 @@ class PPOConfig(EngineConfig, LoopConfig):
             ">= 0": ("unsup_batch_size", "device_memory_gib", "eval_every", "eval_batches"),
         }
         check_fields(self, **{n: rule for rule, names in rules.items() for n in names})
+
+    def old_logprobs_refusal(self) -> str | None:
+        if self.generation_batches > 1:
+            return "with generation_batches > 1 a batch is trained after another batch's actor step"
+        return super().old_logprobs_refusal()

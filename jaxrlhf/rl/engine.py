@@ -175,6 +175,7 @@ class HybridEngine:
         # Where arrays wait between uses changes no program: an offloaded engine shares the others' compilations.
         fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(EngineConfig)}
         fields.update(
+            old_logprobs=cfg.old_logprobs_source,  # resolved by the whole config (a PPOConfig's loop settings too)
             offload_reference_model=False,
             offload_reward_model=False,
             **{n: dataclasses.replace(getattr(cfg, n), offload=False) for n in ("actor", "critic")},
@@ -217,6 +218,7 @@ class HybridEngine:
             self.state["ema"] = steps.fused_actor(cfg.actor.lora, mesh, actor_state)
         self.timings: dict[str, float] = {}  # seconds per phase (ppo logs them per iteration)
         self.reshard_bytes = 0  # the last generation copy's
+        self.steps_since_generation = 0  # actor steps since the last generate_experience (old_logprobs step)
         self.observer = None  # observer(phase, run) -> run(), around each phase (jaxrlhf.plan.measure)
         if cfg.offload_reference_model:
             self.ref_own = to_memory(self.ref_own, "pinned_host", donate=True)
@@ -289,6 +291,7 @@ class HybridEngine:
         iteration counter, which keys the checkpoints, does not move)."""
         exp = self._experience(prompt_batch, start_rewards, draw)
         exp["kl_coef"] = self._kl_step(exp, draw)
+        self.steps_since_generation = 0
         return exp
 
     def held_out(self, prompt_batch: dict, start_rewards=None) -> tuple[dict, dict]:
@@ -296,11 +299,12 @@ class HybridEngine:
         a sampling key of their own, the same at every call, and the state untouched (no iteration, no KL step):
         Step 3's evaluation. Returns the experience and its figures as the training batch's (reward, kl, answer_len,
         truncated, ...: the same advantages program, on device)."""
-        exp = self._experience(prompt_batch, start_rewards, None)
+        exp = self._experience(prompt_batch, start_rewards, None, old=True)
         return exp, advantages(self.static.returns, {k: exp[k] for k in TRAINED if k in exp}, self.state["kl_coef"])[1]
 
-    def _experience(self, prompt_batch: dict, start_rewards, draw: int | None) -> dict:
-        """generate_experience's experience, without its KL coefficient (draw None: held-out answers' key)."""
+    def _experience(self, prompt_batch: dict, start_rewards, draw: int | None, old: bool = False) -> dict:
+        """generate_experience's experience, without its KL coefficient (draw None: held-out answers' key); `old`:
+        scored with the old log-probs even where the actor step would give them (held_out has no step)."""
         prompt_batch = repeat_rows(prompt_batch, self.cfg.num_samples_per_prompt)
         ids, mask = prompt_batch["prompt_ids"], prompt_batch["prompt_mask"]
         if isinstance(ids, np.ndarray):  # this process's rows, split over "data" as generation wants them
@@ -310,9 +314,12 @@ class HybridEngine:
                 "generate", self._answer, params, ids, mask, prompt_batch.get("answer_limits"), draw
             )
             pending = start_rewards(prompt_batch, tokens, answer_mask) if start_rewards else None
+        source, scoring = self.static.cfg.old_logprobs, self.static.scoring
+        if old and source == "step":
+            scoring = dataclasses.replace(scoring, old=True)
         with self._frozen_on_device() as frozen:
-            exp = self._timed("score", self._score, self._weights(), frozen, ids, mask, tokens, answer_mask)
-        if self.cfg.old_logprobs_from_generation:
+            exp = self._timed("score", self._score, scoring, self._weights(), frozen, ids, mask, tokens, answer_mask)
+        if source == "generation":
             exp["logprobs"] = gen_logprobs * answer_mask
         exp.update(self._function_scores(pending, exp["scores"]))
         exp["truncated"] = truncated_rows(self.mesh, tokens, answer_mask, self.eos_id)
@@ -421,16 +428,17 @@ class HybridEngine:
         out = take_rows(self.mesh, [{k: e[k] for k in per_row} for e in experiences], rows, keep)
         return {**out, "kl_coef": experiences[0]["kl_coef"]}
 
-    def _score(self, weights, frozen, ids, mask, tokens, answer_mask):
+    def _score(self, scoring, weights, frozen, ids, mask, tokens, answer_mask):
         """Phase "score": the experience scored in packed micro-batches of max_tokens_per_micro_batch
-        (jaxrlhf.rl.packing): old log-probs (unless generation's are used), reference log-probs, values, scores."""
+        (jaxrlhf.rl.packing): old log-probs (where `scoring` computes them: Scoring.old), reference log-probs,
+        values, scores."""
         cfg, (B, G) = self.cfg, answer_mask.shape
         exp = padded_experience(self.mesh, ids, mask, tokens, answer_mask)
-        names = {"ref_logprobs": True, "logprobs": not cfg.old_logprobs_from_generation, "values": not cfg.critic_free}
+        names = {"ref_logprobs": True, "logprobs": scoring.old, "values": not cfg.critic_free}
         out = {k: jnp.zeros((B, G), jnp.float32) for k, on in names.items() if on}
         out = row_layout({**out, "scores": jnp.zeros((B,), jnp.float32)}, self.mesh)
         for micro in self.micro_batches(exp):
-            out = score(self.static.scoring, weights, *frozen, exp, out, micro)
+            out = score(scoring, weights, *frozen, exp, out, micro)
         return {**exp, **out}
 
     def micro_batches(self, exp: dict) -> list[packing.Micro]:
@@ -440,43 +448,60 @@ class HybridEngine:
         budget = self.cfg.max_tokens_per_micro_batch
         return packing.plan(seq_mask, T - exp["mask"].shape[1], budget, self.mesh.size, multiple, max_width=T)
 
-    def _step(self, name: str, exp: dict, micro: list, unsup: dict | None, parts: list):
+    def _step(self, name: str, exp: dict, micro: list, unsup: dict | None, parts: list, from_step: bool):
         """One optimizer step of `name` over the experience's packed micro-batches (plus, for the actor, the mixture
         batch `unsup` in its packed parts): gradients summed, divided once (rl/steps.py: step)."""
         ema = self.state.get("ema") if name == "actor" else None
-        return steps.step(self.static, name, self.state[name], ema, exp, micro, unsup, parts)
+        return steps.step(self.static, name, self.state[name], ema, exp, micro, unsup, parts, from_step)
 
     def train_rlhf(self, experience: dict, unsupervised: dict | None = None) -> dict:
         """One PPO step of the actor (plus the mixture LM loss on `unsupervised`, a Step 1-style batch) and one
-        of the critic (if any) on `experience`; the EMA follows the actor. Returns the batch's figures as floats."""
-        exp = {k: experience[k] for k in TRAINED if k in experience}
+        of the critic (if any) on `experience`; the EMA follows the actor. Returns the batch's figures as floats.
+        An experience without old log-probs (old_logprobs step) gets the actor step's own, detached, as
+        experience["logprobs"]: what later PPO epochs over it, the figures and the alarms read."""
+        from_step = "logprobs" not in experience
+        if from_step and self.steps_since_generation:
+            raise RuntimeError(
+                "old_logprobs step: this batch's old log-probs were to come from the actor step's own forward, but "
+                f"the actor has stepped {self.steps_since_generation} time(s) since the last generate_experience, so "
+                "its weights are no longer those that answered (several batches generated before training?); set "
+                "old_logprobs: scoring"
+            )
+        raw, kl_coef = {k: experience[k] for k in TRAINED if k in experience}, experience["kl_coef"]
         unsup = unsupervised
         if unsupervised is not None and isinstance(unsupervised["input_ids"], np.ndarray):
             unsup = place(unsupervised, self.mesh, "fsdp")
-        exp, stats = self._timed("advantages", advantages, self.static.returns, exp, experience["kl_coef"])
-        if self.static.returns.kl_estimator == "none":  # the reward's KL coefficient; with a KL loss term it weighs
-            stats["kl_coef"] = experience["kl_coef"]  # nothing (GRPO's default) and is not reported
-        micro, parts = self.micro_batches(exp), []
+        stand_in = {"logprobs": raw["ref_logprobs"]} if from_step else {}  # until the step gives them (the KL 0)
+        exp, stats = self._timed("advantages", advantages, self.static.returns, {**raw, **stand_in}, kl_coef)
+        if from_step:  # PPO's advantages are taken in the actor step (steps.ActorLoss)
+            exp["kl_coef"] = kl_coef
+        micro, parts, figures = self.micro_batches(exp), [], {}
         if unsup is not None:  # the mixture batch's gradient_accumulation_steps parts, each packed
             masks = to_host({k: unsup[k] != 0 for k in ("attention_mask", "loss_mask")})
             n, multiple = self.cfg.actor.optim.gradient_accumulation_steps, self.cfg.packed_width_multiple
             parts = packing.mixture_plan(masks["attention_mask"], masks["loss_mask"], n, self.mesh.size, multiple)
         for name in self.trained:  # the actor (with the mixture batch), then the critic
             self._opt_to(name, "device")  # offloaded optimizer states are on the device for their own step only
-            part = unsup if name == "actor" else None
-            self.state[name], ema, m = self._timed(f"{name}_step", self._step, name, exp, micro, part, parts)
+            part, own = (unsup, from_step) if name == "actor" else (None, False)
+            self.state[name], ema, m = self._timed(f"{name}_step", self._step, name, exp, micro, part, parts, own)
             if ema is not None:
                 self.state["ema"] = ema
             self._opt_to(name, "pinned_host")
-            stats.update({f"{name}_skipped": m["skipped"], f"{name}_grad_norm": m["grad_norm"]})
-            stats.update(
+            if own:  # the batch's figures and the critic's returns from the step's old log-probs
+                experience["logprobs"] = raw["logprobs"] = m.pop("old_logprobs")
+                exp, stats = self._timed("advantages", advantages, self.static.returns, raw, kl_coef)
+            figures.update({f"{name}_skipped": m["skipped"], f"{name}_grad_norm": m["grad_norm"]})
+            figures.update(
                 {k: m[k] / m["count"] for k in ("actor_loss", "unsup_loss", "kl_loss", "critic_loss") if k in m}
             )
             if name == "actor":  # the ratio's diagnostics: token means, and its extremes (losses.ratio_figures)
+                self.steps_since_generation += 1
                 tokens = jnp.maximum(m["ratio_tokens"], 1)
-                stats.update({k: m[k] / tokens for k in ("clip_frac", "approx_kl")}, ratio_mean=m["ratio"] / tokens)
-                stats.update(ratio_min=m["ratio_min"], ratio_max=m["ratio_max"])
-        return {k: float(v) for k, v in jax.device_get(stats).items()}
+                figures.update({k: m[k] / tokens for k in ("clip_frac", "approx_kl")}, ratio_mean=m["ratio"] / tokens)
+                figures.update(ratio_min=m["ratio_min"], ratio_max=m["ratio_max"])
+        if self.static.returns.kl_estimator == "none":  # the reward's KL coefficient; with a KL loss term it weighs
+            stats["kl_coef"] = kl_coef  # nothing (GRPO's default) and is not reported
+        return {k: float(v) for k, v in jax.device_get({**stats, **figures}).items()}
 
     # ------------------------------------------------------------------------------------------------ views
 

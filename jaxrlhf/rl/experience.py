@@ -49,14 +49,14 @@ def with_shared(own, state):
 
 @dataclasses.dataclass(frozen=True)
 class Scoring:
-    """What scoring reads (score's jit key): the models, their adapters, whether the old log-probs are generation's,
+    """What scoring reads (score's jit key): the models, their adapters, whether it computes the old log-probs,
     the reward model's weight (0: none), answer_logprobs' settings and the mesh."""
 
     actor: Any  # the actor's model config
     critic: Any
     actor_lora: LoRAConfig
     critic_lora: LoRAConfig
-    old_from_generation: bool
+    old: bool  # the old log-probs computed here (old_logprobs scoring; not where generation or the step gives them)
     reward_scale: float
     temperature: float  # the answers were sampled at (greedy answers, temperature 0, are scored at 1)
     chunk: int  # the actor's logits_chunk
@@ -120,7 +120,7 @@ class Static:
             self.critic,
             cfg.actor.lora,
             cfg.critic.lora,
-            cfg.old_logprobs_from_generation,
+            cfg.old_logprobs_source == "scoring",
             cfg.reward.model_scale,
             cfg.temperature or 1.0,
             cfg.actor.logits_chunk,
@@ -171,11 +171,11 @@ def padded_experience(mesh, prompt_ids, prompt_mask, tokens, mask):
 
 
 def _score_micro(s: Scoring, state, ref_own, reward_own, packed, B: int):
-    """Old log-probs (unless generation's are used), reference log-probs and values (with a critic) [n, A] of a
-    packed micro-batch's answer slots, and the reward scores [B] of its sequences (0 for the others)."""
+    """Old log-probs (where scoring computes them: Scoring.old), reference log-probs and values (with a critic)
+    [n, A] of a packed micro-batch's answer slots, and the reward scores [B] of its sequences (0 for the others)."""
     actor, critic = state["actor"], state.get("critic")
     out = {}
-    if not s.old_from_generation:
+    if s.old:
         own = effective_params(actor, s.actor_lora, fused=False)
         out["logprobs"] = answer_logprobs(s.actor, own, packed, **s.logprobs)
     out["ref_logprobs"] = answer_logprobs(s.actor, with_shared(ref_own, actor), packed, **s.logprobs)
@@ -229,6 +229,15 @@ def answer_rewards(cfg: Returns, exp):
     return reward, exp.get("scored", jnp.ones(B, jnp.float32)).astype(jnp.float32)
 
 
+def gae_advantages(s: Returns, exp, kl_coef):
+    """PPO's advantages and returns [B, G] (losses.gae on the critic's values) of the per-token rewards: each answer's
+    reward (answer_rewards) at its last token, minus kl_coef x (log p - log p_ref) on each of its tokens. Row by row:
+    what the actor step takes again from its own forward's old log-probs (old_logprobs step)."""
+    reward, mask = answer_rewards(s, exp)[0], exp["mask"]
+    rewards = losses.compute_rewards(exp["logprobs"], exp["ref_logprobs"], reward, mask, kl_coef, None)
+    return losses.gae(exp["values"], rewards, mask, s.gamma, s.lam)
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def group_spread(s: Returns, exp):
     """[B / n] bool: whether each group's valid rewards differ (answer_rewards; losses.groups): dynamic sampling keeps
@@ -270,9 +279,7 @@ def advantages(s: Returns, exp, kl_coef):
     if cfg.grouped:
         stats["zero_spread"] = 1.0 - jnp.mean(losses.groups(reward, n, valid)[4].astype(jnp.float32))
     if cfg.algorithm == "ppo":
-        adv, ret = losses.gae(
-            exp["values"], losses.compute_rewards(lp, ref, reward, mask, kl_coef, None), mask, cfg.gamma, cfg.lam
-        )
+        adv, ret = gae_advantages(cfg, exp, kl_coef)
         if cfg.whiten_advantages:
             adv = losses.whiten(adv, loss_mask)
         stats.update(

@@ -37,7 +37,16 @@ from jaxrlhf.optim import (
     zero_gradients,
 )
 from jaxrlhf.rl import losses, packing
-from jaxrlhf.rl.experience import Static, answer_logprobs, answer_values, fsdp_layout, packed_rows
+from jaxrlhf.rl.experience import (
+    Returns,
+    Static,
+    answer_logprobs,
+    answer_values,
+    fsdp_layout,
+    gae_advantages,
+    packed_rows,
+    row_layout,
+)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -63,7 +72,12 @@ class ActorLoss:
     """The actor's policy loss on a packed micro-batch's answers: the total over them (clip-higher; GSPO's
     sequence-level ratio under `sequence`; plus kl_loss_coef times the KL estimator with a KL loss term) aggregated
     by `aggregation` (losses.aggregate); count: the answer tokens (token_mean) or answers (the seq_mean modes).
-    Metrics: the loss terms and the ratio's diagnostics (losses.ratio_figures)."""
+    Metrics: the loss terms and the ratio's diagnostics (losses.ratio_figures).
+
+    `returns` given (old_logprobs step): the old log-probs are this forward's own, detached (the weights that
+    generated the batch: exact in the first step after its generation, the ratio 1), PPO's advantages are taken
+    from them here (experience.gae_advantages, row by row) and they are a metric too, "old_logprobs" [B, G] (each
+    row's from the one micro-batch holding it; the step's sum is the batch's)."""
 
     model: Any  # the actor's model config
     lora: LoRAConfig
@@ -74,10 +88,15 @@ class ActorLoss:
     kl_loss_coef: float
     aggregation: str
     scoring: tuple[tuple[str, Any], ...]  # answer_logprobs' temperature and chunk (Scoring.logprobs)
+    returns: Returns | None = None  # the old log-probs from this forward (above)
 
     def __call__(self, params, mb, key):
         lp, mask = answers(mb, answer_logprobs(self.model, params, mb["packed"], key, **dict(self.scoring)))
-        old, adv = mb["logprobs"], mb["advantages"]
+        old, adv, own = mb.get("logprobs"), mb["advantages"], {}
+        if self.returns is not None:
+            old = own["old_logprobs"] = jax.lax.stop_gradient(lp)
+            if self.returns.algorithm == "ppo":  # with the KL in the reward; the others' do not read old log-probs
+                adv = gae_advantages(self.returns, {**mb, "logprobs": old}, mb["kl_coef"])[0]
         per_token = losses.policy_loss(lp, old, adv, *self.clip, mask, self.sequence)
         metrics = losses.ratio_figures(lp, old, adv, mask, *self.clip, self.sequence)
         if self.kl_estimator != "none":
@@ -85,7 +104,7 @@ class ActorLoss:
             metrics["kl_loss"] = losses.aggregate(kl, mask, self.aggregation)[0]
             per_token = per_token + self.kl_loss_coef * kl
         loss, count = losses.aggregate(per_token, mask, self.aggregation)  # a total and its count
-        metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+        metrics = {k: jnp.asarray(v, jnp.float32) for k, v in {**metrics, **own}.items()}
         return loss, count, {**metrics, "actor_loss": jnp.asarray(loss, jnp.float32)}
 
 
@@ -139,8 +158,11 @@ class Update:
 
 
 @functools.cache
-def programs(s: Static, name: str) -> tuple[ActorLoss | CriticLoss, MixtureLoss | None, Update]:
-    """The static keys of `name`'s ("actor" or "critic") step programs, from the engine's settings."""
+def programs(
+    s: Static, name: str, from_step: bool = False
+) -> tuple[ActorLoss | CriticLoss, MixtureLoss | None, Update]:
+    """The static keys of `name`'s ("actor" or "critic") step programs, from the engine's settings; `from_step`: the
+    actor's old log-probs from its own forward (ActorLoss.returns)."""
     cfg, side = s.cfg, s.side(name)
     update = Update(s.tx(name), side.lora, s.mesh, cfg.ema_decay if name == "actor" and cfg.enable_ema else None)
     if name == "critic":
@@ -156,16 +178,18 @@ def programs(s: Static, name: str) -> tuple[ActorLoss | CriticLoss, MixtureLoss 
         cfg.kl_loss_coef,
         cfg.aggregation,
         scoring,
+        s.returns if from_step else None,
     )
     mixture = MixtureLoss(s.actor, side.lora, s.mesh, cfg.unsup_coef, side.logits_chunk, cfg.aggregation)
     return loss, mixture, update
 
 
-def step(s: Static, name: str, state, ema, exp: dict, micro: list, unsup: dict | None = None, parts=()):
+def step(s: Static, name: str, state, ema, exp: dict, micro: list, unsup=None, parts=(), from_step: bool = False):
     """One optimizer step of `name` over the experience's packed micro-batches `micro` (packing.Micro each: plan)
     and, for the actor, the mixture batch `unsup` in its packed parts `parts` (packing.mixture_plan: rows i, i + n,
-    ... of gradient_accumulation_steps n): gradients summed, divided once -> (state, ema, metrics)."""
-    loss, mixture, update = programs(s, name)
+    ... of gradient_accumulation_steps n): gradients summed, divided once -> (state, ema, metrics). `from_step`: the
+    actor's old log-probs from its own forward (ActorLoss.returns; exp holds "kl_coef")."""
+    loss, mixture, update = programs(s, name, from_step)
     acc = zero_accumulator(loss, state, exp, micro[0], unsup is not None)
     for i, m in enumerate(micro):
         acc = accumulate(loss, state, acc, exp, m, i)
@@ -184,6 +208,13 @@ def _add(acc: Accumulator, more: Accumulator) -> Accumulator:
     return Accumulator(grads, acc.total + more.total, acc.count + more.count, metrics)
 
 
+def _laid_out(acc: Accumulator, mesh) -> Accumulator:
+    """The accumulator as every program hands it on (so each compiles once): gradients in the FSDP layout, the
+    [B, G] old log-probs (ActorLoss.returns) split by rows."""
+    metrics = {k: row_layout(v, mesh) if v.ndim else v for k, v in acc.metrics.items()}
+    return acc._replace(grads=fsdp_layout(acc.grads, mesh), metrics=metrics)
+
+
 @hooks.program  # seen by jaxrlhf.plan.measure
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
 def accumulate(loss: ActorLoss | CriticLoss, state, acc: Accumulator, exp, micro, index) -> Accumulator:
@@ -191,8 +222,7 @@ def accumulate(loss: ActorLoss | CriticLoss, state, acc: Accumulator, exp, micro
     the step (its dropout key)."""
     mb = {**exp, "packed": packed_rows(loss.mesh, exp, micro)}
     key = jax.random.fold_in(step_keys(state), index)
-    acc = _add(acc, micro_gradients(loss, loss.lora, state, mb, key))
-    return acc._replace(grads=fsdp_layout(acc.grads, loss.mesh))
+    return _laid_out(_add(acc, micro_gradients(loss, loss.lora, state, mb, key)), loss.mesh)
 
 
 def mixture_weight(loss: MixtureLoss, mask, loss_mask):
@@ -217,8 +247,7 @@ def accumulate_mixture(loss: MixtureLoss, state, acc: Accumulator, mask, unsup, 
     mb = {"loss_mask": unsup["loss_mask"], "packed": packed_rows(loss.mesh, lm, micro)}
     key = jax.random.fold_in(step_keys(state), index)
     more = micro_gradients(functools.partial(loss, weight=weight), loss.lora, state, mb, key)
-    acc = _add(acc, more)
-    return acc._replace(grads=fsdp_layout(acc.grads, loss.mesh))
+    return _laid_out(_add(acc, more), loss.mesh)
 
 
 @hooks.program  # seen by jaxrlhf.plan.measure
@@ -233,7 +262,7 @@ def zero_accumulator(loss: ActorLoss | CriticLoss, state, exp, micro, mixture: b
     }
     if mixture:
         metrics["unsup_loss"] = jnp.zeros((), jnp.float32)
-    return acc._replace(grads=fsdp_layout(acc.grads, loss.mesh), metrics=metrics)
+    return _laid_out(acc._replace(metrics=metrics), loss.mesh)
 
 
 @hooks.program  # seen by jaxrlhf.plan.measure
