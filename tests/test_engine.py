@@ -340,8 +340,12 @@ def test_old_logprobs_from_the_step_equal_scored_ones(models, prompts, algorithm
             assert len(e.micro_batches(exp)) > 1
             records += [e.train_rlhf(exp) for _ in range(epochs)]
             olds.append(np.asarray(exp["logprobs"]))  # the step's: left in the experience
-        runs[source] = records, olds, host(e.state)
-    (rec_s, old_s, state_s), (rec_t, old_t, state_t) = runs["scoring"], runs["step"]
+        held_out = host(e.held_out(batch)[1])  # no step there: scored, as with scoring
+        runs[source] = records, olds, host(e.state), held_out
+    (rec_s, old_s, state_s, held_s), (rec_t, old_t, state_t, held_t) = runs["scoring"], runs["step"]
+    assert held_s.keys() == held_t.keys() and abs(held_s["kl"]) > 1e-3
+    for k in held_s:
+        np.testing.assert_allclose(held_t[k], held_s[k], rtol=1e-4, atol=2e-5, err_msg=k)
     for a, b in zip(old_s, old_t):
         assert np.abs(a).max() > 0.1
         np.testing.assert_allclose(b, a, atol=2e-5)
