@@ -92,7 +92,7 @@ class ActorLoss:
 
     def __call__(self, params, mb, key):
         lp, mask = answers(mb, answer_logprobs(self.model, params, mb["packed"], key, **dict(self.scoring)))
-        old, adv, own = mb.get("logprobs"), mb["advantages"], {}
+        old, adv, own = mb["logprobs"], mb["advantages"], {}  # in the step: a stand-in, replaced below
         if self.returns is not None:
             old = own["old_logprobs"] = jax.lax.stop_gradient(lp)
             if self.returns.algorithm == "ppo":  # with the KL in the reward; the others' do not read old log-probs
