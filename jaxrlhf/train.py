@@ -179,6 +179,9 @@ _REAL = {
 # Their KL (ppo.kl_loss auto) is each one's published default: k3 in the loss of weight ppo.kl_loss_coef for grpo, gspo
 # and reinforce_pp_baseline, in the reward for rloo (jaxrlhf.rl.config).
 GROUP = {"grpo": 4, "gspo": 4, "rloo": 4, "reinforce_pp_baseline": 4}
+# The demo's KL loss weight (DeepSeekMath's 0.04; veRL's 0.001 is ppo.kl_loss_coef's default): over the demo's 300
+# steps at 0.001 its reward model was gamed or not by float noise alone (docs/usage.md).
+DEMO_KL_LOSS_COEF = 0.04
 _batch = lambda n: {f"{step}.batch_size": n for step in ("sft", "reward", "ppo")}
 DEPLOYMENTS = {
     "demo": {},
@@ -443,6 +446,8 @@ def _preset(cfg: TrainConfig) -> TrainConfig | None:
         n = GROUP.get(cfg.algorithm, 1)
         dotted["ppo.batch_size"] = dotted.get("ppo.batch_size", TrainConfig.ppo.batch_size) // n
         dotted |= {"ppo.algorithm": cfg.algorithm, "ppo.num_samples_per_prompt": n}
+        if cfg.deployment_type == "demo":  # the tiny models' KL loss weight (DEMO_KL_LOSS_COEF)
+            dotted["ppo.kl_loss_coef"] = DEMO_KL_LOSS_COEF
     for key, value in dotted.items():
         set_dotted(tree, key, value)
     return build(TrainConfig, tree) if dotted else None

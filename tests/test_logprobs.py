@@ -74,7 +74,7 @@ def test_chunked_backward_holds_one_chunk_of_logits():
 def test_step3_scores_and_trains_at_the_sampling_temperature():
     """Answers sampled at temperature 0.7: the old, reference and generation's log-probs equal NumPy's
     log_softmax(logits / 0.7) of the same tokens, and the first epoch's ratio (the training step's log-probs over the
-    old ones) is exactly 1."""
+    old ones scored apart, old_logprobs scoring) is exactly 1."""
     from test_engine import ACTOR, CRITIC, LENGTHS, G, engine, host
 
     from jaxrlhf import make_mesh
@@ -82,7 +82,7 @@ def test_step3_scores_and_trains_at_the_sampling_temperature():
     actor = jax.device_get(init_params(ACTOR, jax.random.key(0), std=0.3))
     critic = jax.device_get(init_params(CRITIC, jax.random.key(1), value_head=True, std=0.3))
     ids, mask = left_padded_batch(64, LENGTHS, T=6, seed=5)
-    e = engine((actor, critic), make_mesh(1, jax.devices()[:1]), 2, temperature=0.7)
+    e = engine((actor, critic), make_mesh(1, jax.devices()[:1]), 2, temperature=0.7, old_logprobs="scoring")
     exp = e.generate_experience({"prompt_ids": ids, "prompt_mask": mask})
     got = host(exp)
     seq, m = got["seq"], got["mask"]

@@ -152,6 +152,7 @@ def test_offloaded_runs_give_the_same_losses_as_device_resident_ones_and_phases_
             own = tree_bytes({k: v for k, v in exp.items() if k != "kl_coef"})  # kl_coef: the state's own scalar
             assert 0 <= memory_plan.device_bytes(device) - start - own <= 64  # a scalar or two at most
             runs[offload].append(engine.train_rlhf(exp))
+            own = tree_bytes({k: v for k, v in exp.items() if k != "kl_coef"})  # now with the step's old log-probs
             assert 0 <= memory_plan.device_bytes(device) - start - own <= 64  # a scalar or two at most
             del exp
         if offload:  # between uses everything offloaded is in host memory
