@@ -177,7 +177,7 @@ class Accumulator(NamedTuple):
     grads: Any  # like state["trainable"]: the loss totals' gradients, summed
     total: jax.Array  # (): the loss totals, summed
     count: jax.Array  # (): what the total is divided by (tokens, answers or pairs), summed
-    metrics: dict  # {name: ()}: the loss function's metric sums
+    metrics: dict  # {name: ()}: the loss function's metric sums (steps.ActorLoss may add one [B, G] array)
 
 
 def micro_gradients(loss_fn: LossFn, lora_cfg: LoRAConfig, state, mb, key) -> Accumulator:
