@@ -318,7 +318,7 @@ def test_a_setting_no_program_reads_compiles_nothing_again(models, prompts):
     assert compiled()["score"] == before["score"] + 1
 
 
-@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+@pytest.mark.parametrize("algorithm", ["ppo", pytest.param("grpo", marks=pytest.mark.slow)])
 def test_old_logprobs_from_the_step_equal_scored_ones(models, prompts, algorithm):
     """old_logprobs step (the actor step's own forward, detached) against scoring (a forward in scoring) on 4 devices,
     packed micro-batches of one row a device accumulated, two iterations, the second batch trained twice (two PPO
