@@ -179,8 +179,9 @@ _REAL = {
 # Their KL (ppo.kl_loss auto) is each one's published default: k3 in the loss of weight ppo.kl_loss_coef for grpo, gspo
 # and reinforce_pp_baseline, in the reward for rloo (jaxrlhf.rl.config).
 GROUP = {"grpo": 4, "gspo": 4, "rloo": 4, "reinforce_pp_baseline": 4}
-# The demo's KL loss weight (DeepSeekMath's 0.04; veRL's 0.001 is ppo.kl_loss_coef's default): over the demo's 300
-# steps at 0.001 its reward model was gamed or not by float noise alone (docs/usage.md).
+# The demo's KL loss weight where a learned reward model scores (DeepSeekMath's 0.04; veRL's 0.001 is
+# ppo.kl_loss_coef's default): over the demo's 300 steps at 0.001 its reward model was gamed or not by float noise alone
+# (docs/usage.md). The arithmetic task's verifier cannot be gamed so: it keeps 0.001.
 DEMO_KL_LOSS_COEF = 0.04
 _batch = lambda n: {f"{step}.batch_size": n for step in ("sft", "reward", "ppo")}
 DEPLOYMENTS = {
@@ -440,13 +441,14 @@ def flags(parser):
 def _preset(cfg: TrainConfig) -> TrainConfig | None:
     """The deployment preset's settings, which the file and the command line then override."""
     dotted, tree = copy.deepcopy(DEPLOYMENTS[cfg.deployment_type]), {}  # deep: set_dotted fills nested sections
-    if builtin_task(cfg.data) == "arithmetic":
+    verifier = builtin_task(cfg.data) == "arithmetic"  # a rule's reward, no reward model to game
+    if verifier:
         dotted |= copy.deepcopy(ARITHMETIC)
     if cfg.algorithm != "ppo":  # Step 3's algorithm; GROUP answers to each of a batch's prompts
         n = GROUP.get(cfg.algorithm, 1)
         dotted["ppo.batch_size"] = dotted.get("ppo.batch_size", TrainConfig.ppo.batch_size) // n
         dotted |= {"ppo.algorithm": cfg.algorithm, "ppo.num_samples_per_prompt": n}
-        if cfg.deployment_type == "demo":  # the tiny models' KL loss weight (DEMO_KL_LOSS_COEF)
+        if cfg.deployment_type == "demo" and not verifier:  # the tiny reward model's guard (DEMO_KL_LOSS_COEF)
             dotted["ppo.kl_loss_coef"] = DEMO_KL_LOSS_COEF
     for key, value in dotted.items():
         set_dotted(tree, key, value)

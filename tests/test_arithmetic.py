@@ -71,6 +71,10 @@ def test_train_makes_the_verifier_the_reward_of_an_arithmetic_run():
     assert cfg.ppo.reward.functions == ("jaxrlhf.rewards:math_verify",) and cfg.ppo.reward.model_scale == 0
     assert cfg.ppo.overlong_filter  # the verifier does not punish writing on past the answer: no EOS, no loss
     assert parse(["algorithm=grpo"]).ppo.reward.functions == ()  # the sorting task keeps its reward model
+    # the KL loss weight: 0.04 where the demo's tiny reward model could be gamed, veRL's 0.001 beside a verifier
+    assert parse(["algorithm=grpo"]).ppo.kl_loss_coef == 0.04 and cfg.ppo.kl_loss_coef == 0.001
+    assert parse(["algorithm=grpo", "ppo.kl_loss_coef=0.01"]).ppo.kl_loss_coef == 0.01  # the command line wins
+    assert parse(["algorithm=grpo", "--deployment-type", "single_gpu"]).ppo.kl_loss_coef == 0.001
     mixed = parse(["data.data_path=[arithmetic:600]", "ppo.reward.functions=[jaxrlhf.rewards:boxed_format]"])
     assert mixed.ppo.reward.functions == ("jaxrlhf.rewards:boxed_format",)  # the command line wins
     with pytest.raises(ConfigError, match=r"functions: cannot import 'nope_x'"):
