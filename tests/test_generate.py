@@ -91,6 +91,21 @@ def test_same_key_same_tokens_and_eos_masking(model):
         assert (t[row, : n - 1] != eos).all() and t[row, n - 1] == eos
 
 
+def test_each_answer_draws_with_its_rows_key_in_the_callers_batch(model):
+    """Answer token g of prompt i draws with fold_in(fold_in(key, i), g), i its row in the caller's batch (generate
+    takes the prompts in order of length): each row's first token is the sample of its own prompt's last logits."""
+    _, config, params = model
+    lengths = [2, 7, 1, 5, 3, 6, 4, 7]
+    ids, mask = left_padded_batch(config.vocab_size, lengths, T=7, seed=9)
+    key = jax.random.key(4)
+    last = np.asarray(logits(config, params, ids, mask))[:, -1]
+    row_key = lambda i: jax.random.fold_in(jax.random.fold_in(key, i), 0)
+    want = [int(sample(jnp.asarray(last[i : i + 1]), row_key(i), Sampling())[0]) for i in range(len(lengths))]
+    for slots in (0, 3):
+        out = generate(config, params, ids, mask, key, max_new_tokens=3, eos_id=5, slots=slots, refill=2)
+        assert np.asarray(out.tokens)[:, 0].tolist() == want
+
+
 def test_a_row_ends_at_any_of_several_stop_ids(model):
     """eos_id as a set (Qwen's <|im_end|> and <|endoftext|>): a row ends at its first token in the set, whichever it
     is; force_length bars them all before a row's limit and forces the first there."""
@@ -361,6 +376,31 @@ def test_continuous_batching_under_tensor_parallelism_with_the_decode_kernels(mo
     np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
 
 
+@pytest.mark.parametrize("group", [1, 2])
+def test_refills_prefill_their_prompts_at_the_narrowest_width_that_holds_them(group):
+    """Prompts of 2 to 130 tokens (P = 130: prefill widths 64, 96, 128 and 130) over 2 slots, refilled 2 rows at a
+    time: taken in order of length (whole groups of 2 answers to a prompt, or single rows), each refill computes the
+    last 64, 96 or 130 columns only, its K/V written at slots P - width onwards. Every answer is the cache-free
+    reference's, greedy, in the caller's order; sampled, the same as with a slot per row."""
+    from jaxrlhf.generate import prefill_widths
+    from jaxrlhf.models import init_params, opt
+
+    assert prefill_widths(130) == (64, 96, 128, 130) and prefill_widths(64) == (64,) and prefill_widths(20) == (20,)
+    config = opt.OPTConfig(**{**PRE_LN, "max_position_embeddings": 160}, dropout=0.0)
+    params = init_params(config, jax.random.key(1))
+    lengths = [3, 70, 5, 130, 8, 9, 100, 2, 97, 64]
+    ids, mask = left_padded_batch(config.vocab_size, lengths, T=130, seed=4)
+    ids, mask = (np.repeat(z, group, axis=0) for z in (ids, mask))  # a group's rows hold one prompt
+    run = lambda t, **kw: generate(
+        config, params, ids, mask, jax.random.key(2), max_new_tokens=4, temperature=t, group=group, **kw
+    )
+    want = np.asarray(greedy_reference(config, params, jnp.asarray(ids), jnp.asarray(mask), 4))
+    np.testing.assert_array_equal(np.asarray(run(0.0, slots=2, refill=2).tokens), want)
+    sampled, own = run(1.0, slots=2, refill=2), run(1.0)
+    np.testing.assert_array_equal(np.asarray(sampled.tokens), np.asarray(own.tokens))
+    np.testing.assert_allclose(np.asarray(sampled.logprobs), np.asarray(own.logprobs), atol=1e-5)
+
+
 def test_rows_that_cannot_end_early_decode_without_a_condition_and_as_the_early_exit_loop():
     """No stop id a token can be (benchmarks' -1) and no limits, a slot per row: the decode loop runs its G - 1 steps
     with no `while` (no condition read on the way), writes the cache with dynamic_update_slice (every row at one
@@ -385,4 +425,4 @@ def test_rows_that_cannot_end_early_decode_without_a_condition_and_as_the_early_
 
     assert ops() == (0, 0)
     whiles, cache_writes = ops(limits=np.full(3, G, np.int32))
-    assert whiles > 0 and cache_writes == 2  # K and V, in the scan over layers
+    assert whiles > 0 and cache_writes == 4  # K and V: a decode step's row by row, a refill's slots

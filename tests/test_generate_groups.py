@@ -67,15 +67,15 @@ def test_prefilling_each_prompt_once_gives_every_copys_answers(model, temperatur
 
 
 def test_each_prompt_is_prefilled_once(model):
-    """The prefills run one row per prompt: the first fill's 2 prompts (8 slots, 4 answers each) and a refill's 1,
-    where prefilling every copy runs 8 and 4 rows (the prefill's hidden states [rows, P, D] in the program)."""
+    """The prefills run one row per prompt: a refill of 8 slots (2 prompts, 4 answers each) prefills 2 rows, where
+    prefilling every copy runs 8 (the prefill's hidden states [rows, P, D] in the program)."""
     config, params = model
     ids, mask, _ = _grouped_batch(config)
 
     def prefill_rows(group):
         run = lambda: (
             generate(
-                config, params, ids, mask, jax.random.key(0), max_new_tokens=G, slots=8, refill=4, group=group
+                config, params, ids, mask, jax.random.key(0), max_new_tokens=G, slots=8, refill=8, group=group
             ).tokens
         )
         shapes = {
@@ -83,7 +83,7 @@ def test_each_prompt_is_prefilled_once(model):
         }
         return {s[0] for s in shapes if s[1:] == (ids.shape[1], config.hidden_size)}
 
-    assert prefill_rows(N_ANSWERS) == {2, 1} and prefill_rows(1) == {8, 4}
+    assert prefill_rows(N_ANSWERS) == {2} and prefill_rows(1) == {8}
 
 
 def test_groups_under_tensor_parallelism(model):

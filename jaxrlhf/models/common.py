@@ -111,7 +111,7 @@ class Mode:
 
         "train"    dropout on (the caller's key), no cache
         "score"    no dropout, no cache
-        "prefill"  prompts' K/V written into an empty cache (slot 0); causal attention over the prompt
+        "prefill"  prompts' K/V written into an empty cache (at its slot); causal attention over the prompt
         "decode"   one token per row at each row's own slot, attending over the cache (the kernels of `kernels`)
 
     decode_layout: the parameters are in the decode layout (`decode_layer`, generate.decode_params): the layers'
@@ -233,7 +233,7 @@ def cached_attention(q, k, v, cache, mode: Mode, backend: Backend):
 
     A decode step (T = 1) runs decode attention with mode.kernels.attention's settings (the Pallas kernel, grouped-
     query heads included, which reads only the slots start .. slot of the layer straight from the whole cache; or
-    XLA's). The prefill fills an empty cache (slot 0) with left-padded prompts: each row rolled
+    XLA's). The prefill writes left-padded prompts into an empty cache (at `slot`): each row rolled
     by its padding so that its real tokens come first is plain causal attention over the T tokens
     (`causal_attention` with backend.attention: cuDNN's flash attention on a GPU, never a [B, H, T, S] score tensor;
     the padding, rolled to the end, computes outputs nobody reads), rolled back after; under tensor parallelism
@@ -256,7 +256,8 @@ def cached_attention(q, k, v, cache, mode: Mode, backend: Backend):
     attend = lambda q, k, v: causal_attention(q, k, v, backend.attention)
     spec = jax.sharding.PartitionSpec(rows_axis(mesh, B), None, "model", None)  # per shard, as the decode kernel
     attend = per_shard(attend, mesh, (spec,) * 3, spec)
-    out = roll(attend(*(roll(x, cache["start"]) for x in (q, k, v))), -cache["start"])
+    pad = cache["start"] - slot  # each row's padding among the T tokens
+    out = roll(attend(*(roll(x, pad) for x in (q, k, v))), -pad)
     # The next layer waits for this layer's cache write: nothing else reads it here, and XLA deferred all the writes
     # to the end of the prefill, holding every layer's K/V meanwhile (a quarter more peak memory in Step 3).
     ck, cv, out = jax.lax.optimization_barrier((ck, cv, out))
