@@ -260,15 +260,21 @@ def test_one_row_per_micro_batch_gives_the_whole_batch_step(models, prompts):
 
 
 @pytest.mark.slow
-def test_each_phase_is_marked_in_a_profile_with_its_measured_time(models, prompts, tmp_path):
+def test_each_phase_is_marked_in_a_profile_with_its_measured_time(models, prompts, tmp_path, monkeypatch):
     """HybridEngine marks every phase in a jax.profiler trace (what splits tools/bench_ppo.py --profile by phase),
-    each mark as long as the phase's own timing."""
+    each mark as long as the phase's own timing. The packing plan (on the host, from the seq_mask it fetches) is made
+    once an iteration: scoring's is the one the training steps take."""
     import gzip
     import json
 
+    from jaxrlhf.rl import packing
+
     batch, eos = prompts
     e = engine(models, make_mesh(1, jax.devices()[:1]), eos)
+    plans, plan = [], packing.plan
+    monkeypatch.setattr(packing, "plan", lambda *a, **kw: plans.append(1) or plan(*a, **kw))
     e.train_rlhf(e.generate_experience(batch))  # compiled outside the trace
+    assert len(plans) == 1
     e.timings.clear()
     with jax.profiler.trace(str(tmp_path), create_perfetto_trace=True):
         e.train_rlhf(e.generate_experience(batch))

@@ -185,6 +185,7 @@ class HybridEngine:
         check_tp(self.actor_config.num_attention_heads, mesh)
         self.eos_id = stop_tuple(self.actor_config.eos_token_id if eos_id is None else eos_id)  # the stop ids
         self.pad_id = self.actor_config.pad_token_id if pad_id is None else pad_id
+        self._planned = None  # (seq_mask, its micro-batches): the experience micro_batches planned last
         key = jax.random.key(cfg.seed)
 
         def create(name, params, i):  # offloaded Adam moments are born on the host
@@ -442,11 +443,16 @@ class HybridEngine:
         return {**exp, **out}
 
     def micro_batches(self, exp: dict) -> list[packing.Micro]:
-        """The packed micro-batches of an experience (packing.plan on its rows' real tokens; the same every time)."""
+        """The packed micro-batches of an experience (packing.plan on its rows' real tokens; the same every time, so
+        scoring and the training steps of one experience share one plan: it is kept for the seq_mask planned last)."""
+        if self._planned is not None and self._planned[0] is exp["seq_mask"]:
+            return self._planned[1]
         seq_mask = np.asarray(to_host(exp["seq_mask"] != 0))  # whole on every process: one plan for all
         T, multiple = seq_mask.shape[1], self.cfg.packed_width_multiple
         budget = self.cfg.max_tokens_per_micro_batch
-        return packing.plan(seq_mask, T - exp["mask"].shape[1], budget, self.mesh.size, multiple, max_width=T)
+        micro = packing.plan(seq_mask, T - exp["mask"].shape[1], budget, self.mesh.size, multiple, max_width=T)
+        self._planned = (exp["seq_mask"], micro)
+        return micro
 
     def _step(self, name: str, exp: dict, micro: list, unsup: dict | None, parts: list, from_step: bool):
         """One optimizer step of `name` over the experience's packed micro-batches (plus, for the actor, the mixture
@@ -475,7 +481,7 @@ class HybridEngine:
         exp, stats = self._timed("advantages", advantages, self.static.returns, {**raw, **stand_in}, kl_coef)
         if from_step:  # PPO's advantages are taken in the actor step (steps.ActorLoss)
             exp["kl_coef"] = kl_coef
-        micro, parts, figures = self.micro_batches(exp), [], {}
+        micro, parts, figures = self.micro_batches(experience), [], {}  # scoring's plan
         if unsup is not None:  # the mixture batch's gradient_accumulation_steps parts, each packed
             masks = to_host({k: unsup[k] != 0 for k in ("attention_mask", "loss_mask")})
             n, multiple = self.cfg.actor.optim.gradient_accumulation_steps, self.cfg.packed_width_multiple
