@@ -323,9 +323,9 @@ def _record(state: _DecodeState, rows, g, token, logprob) -> _DecodeState:
 
 def _prefill(s: _Static, x: _Inputs, prompts, S: int, width: int):
     """Prompts `prompts` [R] (no_prompt: none) prefilled into a new cache of S slots: (logits [R, V], cache). Their
-    last `width` columns are computed (left-aligned, a prompt's real tokens end at P - 1: `width` holds every one
-    that fits it), their K/V written at slots P - width .. P - 1. With groups (n > 1; `prompts` whole groups), each
-    group's prompt is prefilled once and its logits and cache rows repeated n times."""
+    last `width` columns are computed (padding first, a prompt's real tokens end at column P - 1: a width at least
+    its length holds them all), their K/V written at slots P - width .. P - 1. With groups (n > 1; `prompts` whole
+    groups), each group's prompt is prefilled once and its logits and cache rows repeated n times."""
     N, P, n = s.N, s.P, s.loop.group
     once = jnp.minimum(prompts[::n], N - 1)  # the first row of each group
     ids, mask = x.ids[once], x.mask[once]
@@ -419,8 +419,11 @@ def _refill(s: _Static, x: _Inputs, state: _DecodeState) -> _DecodeState:
     prompts = jnp.where(real_prompt, prompts, s.no_prompt)
     slots_at = jnp.where(real_prompt, jnp.argsort(~state.done, stable=True)[:R], s.no_slot)  # free slots first
     at_width = [partial(_prefill, s, x, prompts, s.P, width=w) for w in s.widths]
-    which = jnp.searchsorted(jnp.asarray(s.widths), jnp.max(x.real[prompts]))  # no_prompt's length: 1
-    logits, small = jax.lax.switch(jnp.minimum(which, len(at_width) - 1), at_width) if s.widths[:-1] else at_width[0]()
+    if len(at_width) == 1:
+        logits, small = at_width[0]()
+    else:
+        which = jnp.searchsorted(jnp.asarray(s.widths), jnp.max(x.real[prompts]))  # no_prompt's length: 1
+        logits, small = jax.lax.switch(jnp.minimum(which, len(at_width) - 1), at_width)
     big = state.cache
     cache = {
         **{c: big[c].at[:, slots_at, :, : s.P].set(small[c], mode="drop") for c in ("k", "v")},
@@ -431,8 +434,8 @@ def _refill(s: _Static, x: _Inputs, state: _DecodeState) -> _DecodeState:
 
 
 def _chunk(s: _Static, x: _Inputs, state: _DecodeState) -> _DecodeState:
-    """Refills while due (the first chunk's fill every slot), then `check_every` decode steps: the loop's condition
-    is read once a chunk."""
+    """Refills while due (the first chunk's refills fill every slot), then `check_every` decode steps: the loop's
+    condition is read once a chunk."""
     state = jax.lax.while_loop(partial(_refill_due, s), partial(_refill, s, x), state)
     return jax.lax.fori_loop(0, s.loop.check_every, lambda _, st: _decode_step(s, x, st), state)
 
