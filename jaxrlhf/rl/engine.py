@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import weakref
 from typing import Any
 
 import jax
@@ -185,7 +186,8 @@ class HybridEngine:
         check_tp(self.actor_config.num_attention_heads, mesh)
         self.eos_id = stop_tuple(self.actor_config.eos_token_id if eos_id is None else eos_id)  # the stop ids
         self.pad_id = self.actor_config.pad_token_id if pad_id is None else pad_id
-        self._planned = None  # (seq_mask, its micro-batches): the experience micro_batches planned last
+        # (a weak reference to a seq_mask, its micro-batches): the experience micro_batches planned last, not kept alive
+        self._planned = (lambda: None, [])
         key = jax.random.key(cfg.seed)
 
         def create(name, params, i):  # offloaded Adam moments are born on the host
@@ -445,13 +447,13 @@ class HybridEngine:
     def micro_batches(self, exp: dict) -> list[packing.Micro]:
         """The packed micro-batches of an experience (packing.plan on its rows' real tokens; the same every time, so
         scoring and the training steps of one experience share one plan: it is kept for the seq_mask planned last)."""
-        if self._planned is not None and self._planned[0] is exp["seq_mask"]:
+        if self._planned[0]() is exp["seq_mask"]:
             return self._planned[1]
         seq_mask = np.asarray(to_host(exp["seq_mask"] != 0))  # whole on every process: one plan for all
         T, multiple = seq_mask.shape[1], self.cfg.packed_width_multiple
         budget = self.cfg.max_tokens_per_micro_batch
         micro = packing.plan(seq_mask, T - exp["mask"].shape[1], budget, self.mesh.size, multiple, max_width=T)
-        self._planned = (exp["seq_mask"], micro)
+        self._planned = (weakref.ref(exp["seq_mask"]), micro)
         return micro
 
     def _step(self, name: str, exp: dict, micro: list, unsup: dict | None, parts: list, from_step: bool):
