@@ -214,7 +214,8 @@ class _Loop:
     mesh: Any
     group: int
     # a row may end before max_new_tokens (a stop id a token can be, not barred by force_length; or a limit of its
-    # own). False with a slot per row: every row runs all its tokens, the decode loop has a known trip count
+    # own below max_new_tokens). False with a slot per row: every row runs all its tokens, the decode loop has a
+    # known trip count
     ends_early: bool = True
 
 
@@ -473,17 +474,18 @@ def _generate(config, loop: _Loop, params, input_ids, attention_mask, key, limit
     return tokens, mask, logprobs * mask, state.steps
 
 
-def _checked_limits(limits, B: int, max_new_tokens: int) -> jax.Array:
-    """generate's `limits` as [B] int32 (None: max_new_tokens for every row), checked where this process sees them."""
+def _checked_limits(limits, B: int, max_new_tokens: int) -> tuple[jax.Array, bool]:
+    """generate's `limits` as [B] int32 (None: max_new_tokens for every row), checked where this process sees them,
+    and whether one may end a row early: one below max_new_tokens (or one this process cannot see)."""
     if limits is None:
-        return jnp.full((B,), max_new_tokens, jnp.int32)
+        return jnp.full((B,), max_new_tokens, jnp.int32), False
     host = np.asarray(limits) if not isinstance(limits, jax.Array) or limits.is_fully_addressable else None
     if host is not None and (host.shape != (B,) or host.min() < 1 or host.max() > max_new_tokens):
         raise ValueError(
             f"limits: expected {B} integers in 1 .. {max_new_tokens} (max_new_tokens), got shape "
             f"{host.shape}, range {host.min()} .. {host.max()}"
         )
-    return jnp.asarray(limits, jnp.int32)
+    return jnp.asarray(limits, jnp.int32), host is None or host.min() < max_new_tokens
 
 
 def generate(
@@ -513,9 +515,9 @@ def generate(
     generation_config.json's list), or None. limits: optional [B] ints, each row's own maximum (1 .. max_new_tokens).
     A row ends at its first token in eos_id or at its limit; the loop stops once every row has ended (looked at every
     `check_every` steps, on the device; not at all where no row can end early and every row has a slot: ids outside
-    the vocabulary, such as benchmarks' -1, never stop a row). `force_length` (benchmarks: every system does the same
-    work) bars every stop id before each row's limit and forces the first there (with eos_id None, rows simply run to
-    their limits).
+    the vocabulary, such as benchmarks' -1, never stop a row, nor does a limit of max_new_tokens). `force_length`
+    (benchmarks: every system does the same work) bars every stop id before each row's limit and forces the first
+    there (with eos_id None, rows simply run to their limits).
     slots: decode slots (0: one per prompt). Fewer slots than prompts is continuous batching: a slot whose row
     ended takes the next waiting prompt, `refill` prompts (default slots / 8) prefilled at a time into the free
     slots' cache rows. A prompt's answer does not depend on the slot it gets: its random stream is keyed by its
@@ -541,9 +543,9 @@ def generate(
     slots = decode_slots(slots, B, group)
     refill = min(-(-(refill or max(slots // 8, 1)) // group) * group, slots)
     stops = stop_tuple(eos_id)
-    # benchmarks' "never stop" id (-1) is no token: only a limit ends those rows
-    ends_early = limits is not None or (not force_length and any(0 <= i < config.vocab_size for i in stops))
-    limits = _checked_limits(limits, B, max_new_tokens)
+    limits, limited = _checked_limits(limits, B, max_new_tokens)
+    # benchmarks' "never stop" id (-1) is no token: only a limit below max_new_tokens ends those rows
+    ends_early = limited or (not force_length and any(0 <= i < config.vocab_size for i in stops))
     pad_id, sampling = config.pad_token_id if pad_id is None else pad_id, Sampling(temperature, top_k, top_p)
     options = (slots, refill, check_every, mesh, group, ends_early)
     loop = _Loop(max_new_tokens, sampling, stops, pad_id, force_length, *options)

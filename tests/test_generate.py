@@ -402,27 +402,30 @@ def test_refills_prefill_their_prompts_at_the_narrowest_width_that_holds_them(gr
 
 
 def test_rows_that_cannot_end_early_decode_without_a_condition_and_as_the_early_exit_loop():
-    """No stop id a token can be (benchmarks' -1) and no limits, a slot per row: the decode loop runs its G - 1 steps
-    with no `while` (no condition read on the way), writes the cache with dynamic_update_slice (every row at one
-    slot), not a scatter of rows, and gives the tokens, log-probs and mask of the early-exit loop (a limit of G for
-    every row)."""
+    """No stop id a token can be (benchmarks' -1) and no limits, or limits of G (bench_ppo's fixed shape), a slot
+    per row: the decode loop runs its G - 1 steps with no `while` (no condition read on the way), writes the cache
+    with dynamic_update_slice (every row at one slot), not a scatter of rows, and gives the tokens, log-probs and mask
+    of the early-exit loop (room for G + 1 tokens, a limit of G for every row)."""
     from jaxrlhf.models import init_params, opt
 
     config = opt.OPTConfig(**PRE_LN, dropout=0.0)
     params = init_params(config, jax.random.key(0))
     ids, mask = left_padded_batch(config.vocab_size, [5, 2, 4], T=5, seed=3)
     G, key = 7, jax.random.key(5)
-    run = lambda p, **kw: generate(config, p, ids, mask, key, max_new_tokens=G, eos_id=-1, check_every=4, **kw)
-    fixed, looped = run(params), run(params, limits=np.full(3, G, np.int32))
-    for got, want in ((fixed.tokens, looped.tokens), (fixed.mask, looped.mask), (fixed.logprobs, looped.logprobs)):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    assert np.asarray(fixed.mask).all() and int(fixed.steps) == G - 1 and int(looped.steps) == 8  # 2 checks of 4
+    run = lambda p, new=G, **kw: generate(config, p, ids, mask, key, max_new_tokens=new, eos_id=-1, check_every=4, **kw)
+    limits = np.full(3, G, np.int32)
+    fixed, limited, looped = run(params), run(params, limits=limits), run(params, G + 1, limits=limits)
+    for gen in (fixed, limited):
+        for got, want in ((gen.tokens, looped.tokens), (gen.mask, looped.mask), (gen.logprobs, looped.logprobs)):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want)[:, :G])
+        assert np.asarray(gen.mask).all() and int(gen.steps) == G - 1
+    assert int(looped.steps) == 8  # 2 checks of 4
 
-    def ops(**kw):  # the program's while loops, and its scatters into the [L, B, Hkv, S, K] cache
-        eqns = list(all_eqns(jax.make_jaxpr(lambda p: run(p, **kw).tokens)(params)))
+    def ops(new=G, **kw):  # the program's while loops, and its scatters into the [L, B, Hkv, S, K] cache
+        eqns = list(all_eqns(jax.make_jaxpr(lambda p: run(p, new, **kw).tokens)(params)))
         cache_writes = [e for e in eqns if e.primitive.name == "scatter" and e.invars[0].aval.ndim == 5]
         return sum(e.primitive.name == "while" for e in eqns), len(cache_writes)
 
-    assert ops() == (0, 0)
-    whiles, cache_writes = ops(limits=np.full(3, G, np.int32))
+    assert ops() == (0, 0) and ops(limits=limits) == (0, 0)
+    whiles, cache_writes = ops(G + 1, limits=limits)
     assert whiles > 0 and cache_writes == 4  # K and V: a decode step's row by row, a refill's slots
