@@ -427,5 +427,6 @@ def test_rows_that_cannot_end_early_decode_without_a_condition_and_as_the_early_
         return sum(e.primitive.name == "while" for e in eqns), len(cache_writes)
 
     assert ops() == (0, 0) and ops(limits=limits) == (0, 0)
+    assert ops(limits=np.array([G, G - 1, G], np.int32))[0] > 0  # one limit below G: a row can end early
     whiles, cache_writes = ops(G + 1, limits=limits)
     assert whiles > 0 and cache_writes == 4  # K and V: a decode step's row by row, a refill's slots
